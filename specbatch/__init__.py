@@ -1,0 +1,1 @@
+"""specbatch: offline batch text generation with speculative decoding."""
