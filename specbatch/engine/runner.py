@@ -1,0 +1,93 @@
+"""Model runner: turns sequences and drafts into tensors, runs the forward, returns logits.
+
+No policy here: which rows run, how many draft tokens each gets, and what is accepted are
+decided by the engine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specbatch.engine.kv_cache import KVCache
+from specbatch.engine.sequence import Sequence
+from specbatch.models.llama import LlamaForward
+
+PAD_ID = 0  # placeholder fed in padded query slots; their outputs are never read
+
+
+class ModelRunner:
+    """Owns the model forward and its KV cache (``num_rows`` rows).
+
+    The cache starts small and doubles as longer sequences arrive, up to
+    ``max_model_len + max_query`` positions (padding slots of a verify step may reach past a
+    row's last real position).
+    """
+
+    def __init__(self, forward: LlamaForward, num_rows: int, max_model_len: int,
+                 prefill_chunk: int = 1024, initial_capacity: int = 512) -> None:
+        self.forward = forward
+        self.max_model_len = max_model_len
+        self.prefill_chunk = prefill_chunk
+        self.cache: KVCache = forward.new_cache(num_rows, initial_capacity)
+        self.device = forward.device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.forward.vocab_size
+
+    def _ensure_capacity(self, needed: int) -> None:
+        if needed > self.cache.capacity:
+            cap = self.cache.capacity
+            while cap < needed:
+                cap *= 2
+            self.cache.grow(cap)
+
+    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Write each sequence's tokens into its cache row, in chunks of ``prefill_chunk``.
+
+        Returns logits ``[len(seqs), vocab]`` (model dtype) at each sequence's last token.
+        """
+        out = []
+        for seq in seqs:
+            ids = seq.token_ids
+            self._ensure_capacity(len(ids))
+            rows = torch.tensor([seq.row], device=self.device)
+            logits = None
+            for start in range(0, len(ids), self.prefill_chunk):
+                chunk = ids[start:start + self.prefill_chunk]
+                inp = torch.tensor([chunk], device=self.device)
+                pos = torch.arange(start, start + len(chunk), device=self.device)[None]
+                last = torch.tensor([[len(chunk) - 1]], device=self.device)
+                logits = self.forward.forward(inp, pos, self.cache, rows, logits_index=last)
+            self.cache.seq_lens[seq.row] = len(ids)
+            out.append(logits[0, 0])
+        return torch.stack(out)
+
+    def verify(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor:
+        """One verify step: row i feeds its last committed token then ``drafts[i]``.
+
+        Returns logits ``[B, Q, vocab]`` (model dtype), Q = 1 + max draft length; query j of row
+        i predicts the token after ``drafts[i][j-1]`` (j = 0: after the last committed token).
+        Afterwards the rows' cache lengths count every fed token; the engine rolls back.
+        """
+        qlen = 1 + max(len(d) for d in drafts)
+        bsz = len(seqs)
+        ids = torch.full((bsz, qlen), PAD_ID, dtype=torch.int64)
+        starts = torch.empty(bsz, dtype=torch.int64)
+        for i, (seq, draft) in enumerate(zip(seqs, drafts)):
+            feed = [seq.token_ids[-1], *draft]
+            ids[i, :len(feed)] = torch.tensor(feed)
+            starts[i] = len(seq.token_ids) - 1
+            assert self.cache.seq_lens[seq.row] == starts[i], "cache out of step with sequence"
+        positions = starts[:, None] + torch.arange(qlen)[None, :]
+        self._ensure_capacity(int(positions.max()) + 1)
+        rows = torch.tensor([s.row for s in seqs])
+        logits = self.forward.forward(ids.to(self.device), positions.to(self.device), self.cache,
+                                      rows.to(self.device))
+        for seq, draft in zip(seqs, drafts):
+            self.cache.seq_lens[seq.row] = len(seq.token_ids) + len(draft)
+        return logits
+
+    def rollback(self, seq: Sequence) -> None:
+        """Restore the invariant after a commit: cache holds all but the last committed token."""
+        self.cache.truncate(seq.row, len(seq.token_ids) - 1)

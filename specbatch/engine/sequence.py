@@ -1,0 +1,138 @@
+"""Per-sequence state and the stop rules applied as tokens are committed.
+
+A ``Request`` is what the engine is asked to generate (one answer: one turn of a record). A
+``Sequence`` is its state while it runs: tokens, cache row, counters, and how it finished.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from specbatch.config import SamplingParams
+from specbatch.spec.stats import SpecStats
+
+_seq_ids = itertools.count()
+
+
+@dataclass
+class Request:
+    """One answer to generate.
+
+    prompt_ids: the full prompt (tokens). seed: the record seed for this answer (already
+    derived per turn). max_k: cap on draft tokens per step for this request (None: the
+    engine's k). tag: anything the caller wants back with the result.
+    """
+
+    request_id: Any
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    seed: int = 0
+    max_k: int | None = None
+    tag: Any = None
+
+
+@dataclass
+class LogprobEntry:
+    """Logprob of a committed token (from logits / T, before noise) and the top-N alternatives
+    as ``[(token_id, logprob), ...]``."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class Sequence:
+    """Running state of one ``Request``. ``token_ids`` = prompt + output (tokens).
+
+    Cache invariant between steps: the KV rows hold positions ``0 .. len(token_ids) - 2``;
+    the last committed token is fed at the next step.
+    """
+
+    def __init__(self, request: Request, proposer_name: str, k: int) -> None:
+        self.seq_id = next(_seq_ids)
+        self.request = request
+        self.sampling = request.sampling
+        self.token_ids: list[int] = list(request.prompt_ids)
+        self.num_prompt_tokens = len(request.prompt_ids)
+        self.k = k  # current draft cap; the planner may change it per step
+        self.row: int | None = None
+        self.finish_reason: str | None = None  # "stop" | "length" | "error"
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.text: str | None = None  # final text, set at finish
+        self.stop_text_end: int | None = None  # char offset the text is cut at (stop string)
+        self.logprobs: list[LogprobEntry] = []
+        self.stats = SpecStats(proposer=proposer_name, num_speculative_tokens=k)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StopRules:
+    """Everything that ends a sequence. eos_ids: the model's EOS ids (from its generation config).
+    max_model_len: the context cap (tokens). detokenize: ids -> text, needed for stop strings."""
+
+    eos_ids: frozenset[int]
+    max_model_len: int
+    detokenize: Callable[[list[int]], str] | None = None
+    _cache: dict = field(default_factory=dict)
+
+    def stop_ids(self, sp: SamplingParams) -> frozenset[int]:
+        key = (sp.ignore_eos, sp.stop_token_ids)
+        if key not in self._cache:
+            ids = set(sp.stop_token_ids)
+            if not sp.ignore_eos:
+                ids |= self.eos_ids
+            self._cache[key] = frozenset(ids)
+        return self._cache[key]
+
+    def commit(self, seq: Sequence, new_ids: list[int]) -> int:
+        """Append ``new_ids`` to ``seq`` one at a time, as if each had been decoded alone.
+
+        Order per token: append; EOS / stop ids (the sampler bans them before ``min_tokens``,
+        so they cannot arrive early); stop strings (the
+        one that completes earliest in the text wins; the text is cut before it); then the
+        ``max_tokens`` cap and the context cap. Tokens after the first stop are dropped.
+        Returns how many of ``new_ids`` were committed.
+        """
+        sp = seq.sampling
+        stop_ids = self.stop_ids(sp)
+        for n, tok in enumerate(new_ids, start=1):
+            seq.token_ids.append(tok)
+            num_out = seq.num_output_tokens
+            if tok in stop_ids:
+                seq.finish_reason, seq.stop_reason = "stop", tok
+                return n
+            if sp.stop and self._check_stop_strings(seq):
+                return n
+            if num_out >= sp.max_tokens or len(seq.token_ids) >= self.max_model_len:
+                seq.finish_reason = "length"
+                return n
+        return len(new_ids)
+
+    def _check_stop_strings(self, seq: Sequence) -> bool:
+        assert self.detokenize is not None, "stop strings need a detokenizer"
+        text = self.detokenize(seq.output_ids)
+        best: tuple[int, int, str] | None = None  # (end, start, stop string)
+        for s in seq.sampling.stop:
+            start = text.find(s)
+            if start >= 0 and (best is None or (start + len(s), start) < best[:2]):
+                best = (start + len(s), start, s)
+        if best is None:
+            return False
+        seq.finish_reason, seq.stop_reason = "stop", best[2]
+        seq.stop_text_end = best[1]
+        return True

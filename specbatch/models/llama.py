@@ -1,0 +1,132 @@
+"""Forward pass of the Llama family (Llama, SmolLM2, Qwen2/Qwen2.5) over a ragged batch.
+
+Weights are the transformers model's own parameters (no copy). Unlike transformers' forward,
+every row of the batch may take a different number of new tokens at a different position, and
+keys/values go to the rows of a ``KVCache`` named by the caller, so prefill, decode and verify
+steps of different records share one code path.
+
+Covers: grouped-query attention, q/k/v biases (Qwen2), tied embeddings, ``rope_theta`` and every
+rope scaling transformers implements (the inverse frequencies and attention scaling are read
+from the model's own rotary embedding module). Numerics follow transformers' eager/SDPA path
+(RMSNorm in float32, rope tables in float32), so float64 logits agree to ~1e-15.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specbatch.engine.kv_cache import KVCache
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+class LlamaForward:
+    """Runs a transformers ``LlamaForCausalLM``-like model with our KV cache.
+
+    Raises ``ValueError`` for an architecture outside the Llama family.
+    """
+
+    def __init__(self, hf_model: torch.nn.Module) -> None:
+        cfg = hf_model.config
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {cfg.model_type!r} is not supported; "
+                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if getattr(cfg, "use_sliding_window", False):
+            raise ValueError("sliding-window attention is not supported")
+        self.hf_model = hf_model
+        inner = hf_model.model
+        self.embed = inner.embed_tokens.weight
+        self.layers = list(inner.layers)
+        self.norm = inner.norm
+        self.lm_head = hf_model.lm_head.weight
+        self.num_layers = len(self.layers)
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.vocab_size = self.lm_head.shape[0]
+        self.eps = cfg.rms_norm_eps
+        rotary = inner.rotary_emb
+        self.inv_freq = rotary.inv_freq.float()  # [head_dim / 2]
+        self.attention_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        self.dtype = self.embed.dtype
+        self.device = self.embed.device
+
+    def new_cache(self, num_rows: int, capacity: int) -> KVCache:
+        return KVCache(self.num_layers, num_rows, self.num_kv_heads, capacity, self.head_dim,
+                       self.dtype, self.device)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        h = x.float()  # as transformers does, whatever the model dtype
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * h.to(x.dtype)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, Q, D]
+        cos = (emb.cos() * self.attention_scaling).to(self.dtype)
+        sin = (emb.sin() * self.attention_scaling).to(self.dtype)
+        return cos[:, :, None, :], sin[:, :, None, :]  # [B, Q, 1, D]
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                rows: torch.Tensor, logits_index: torch.Tensor | None = None) -> torch.Tensor:
+        """One forward over new tokens of ``B`` rows; writes their keys/values into ``cache``.
+
+        input_ids: ``[B, Q]`` int64, new tokens per row, right-padded (pad with any id).
+        positions: ``[B, Q]`` int64, absolute position of each new token; a row's positions are
+            consecutive from its current cache length. Padded slots continue the count and must
+            stay below ``cache.capacity``; their outputs are meaningless.
+        rows: ``[B]`` int64, the cache row of each batch row.
+        logits_index: optional ``[B, M]`` int64 query indices whose logits are wanted (e.g. the
+            last prompt token at prefill); ``None`` returns logits for every query.
+        Returns logits ``[B, Q or M, vocab]`` in the model dtype.
+        A query at position p attends to keys at positions ``0 .. p`` of its row.
+        """
+        bsz, qlen = input_ids.shape
+        kv_len = int(positions.max()) + 1
+        rows_are_all = bsz == cache.num_rows and bool(
+            (rows == torch.arange(bsz, device=rows.device)).all())
+        group = self.num_heads // self.num_kv_heads
+        # [B, 1, group * Q, kv_len]: query (g, q) sees key j iff j <= positions[b, q]
+        key_pos = torch.arange(kv_len, device=positions.device)
+        mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, Q, kv_len]
+        mask = mask[:, None, None].expand(bsz, 1, group, qlen, kv_len).reshape(
+            bsz, 1, group * qlen, kv_len)
+        cos, sin = self._rope(positions)
+        h = F.embedding(input_ids, self.embed)  # [B, Q, hidden]
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = self._rms_norm(h, layer.input_layernorm.weight)
+            q = F.linear(x, attn.q_proj.weight, attn.q_proj.bias).view(
+                bsz, qlen, self.num_heads, self.head_dim)
+            k = F.linear(x, attn.k_proj.weight, attn.k_proj.bias).view(
+                bsz, qlen, self.num_kv_heads, self.head_dim)
+            v = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(
+                bsz, qlen, self.num_kv_heads, self.head_dim)
+            q = self._rotate(q, cos, sin)
+            k = self._rotate(k, cos, sin)
+            cache.write(i, rows, positions, k, v)
+            keys, values = cache.read(i, rows, kv_len, rows_are_all)  # [B, Hkv, kv_len, D]
+            # group query heads per kv head instead of repeating keys: [B, Hkv, group * Q, D]
+            q = q.view(bsz, qlen, self.num_kv_heads, group, self.head_dim).permute(
+                0, 2, 3, 1, 4).reshape(bsz, self.num_kv_heads, group * qlen, self.head_dim)
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                               scale=self.head_dim ** -0.5)
+            o = o.view(bsz, self.num_kv_heads, group, qlen, self.head_dim).permute(
+                0, 3, 1, 2, 4).reshape(bsz, qlen, self.num_heads * self.head_dim)
+            h = h + F.linear(o, attn.o_proj.weight, attn.o_proj.bias)
+            mlp = layer.mlp
+            x = self._rms_norm(h, layer.post_attention_layernorm.weight)
+            gated = F.silu(F.linear(x, mlp.gate_proj.weight)) * F.linear(x, mlp.up_proj.weight)
+            h = h + F.linear(gated, mlp.down_proj.weight)
+        if logits_index is not None:
+            h = torch.gather(h, 1, logits_index[:, :, None].expand(-1, -1, h.shape[-1]))
+        h = self._rms_norm(h, self.norm.weight)
+        return F.linear(h, self.lm_head)
