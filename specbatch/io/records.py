@@ -1,0 +1,318 @@
+"""Read and validate input records before any model loads.
+
+Formats, chosen by the path: ``.jsonl`` (read line by line here, so errors name the line),
+``.json`` (a JSON array of objects, one object, or JSONL under a .json name), ``.parquet`` and
+``.csv`` (through ``datasets``), and a folder written by ``Dataset.save_to_disk``. For the
+formats without lines, ``Record.line`` is the 1-based row (element) number; a CSV header row is
+not counted.
+
+A ``.jsonl`` file that holds one JSON array instead of lines is accepted like ``.json``.
+
+A bad record never stops the read: it becomes a ``RecordError`` and the other records are still
+returned, so ``--on-error skip`` can run them. A file-level problem (missing file, unknown
+format, unreadable dataset, no records) is one ``RecordError`` with ``line == 0`` and no records.
+
+A field whose value is null counts as absent (columnar formats fill missing cells with null),
+for the prompt, the id and the sampling fields alike.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from specbatch.config import SAMPLING_FIELDS, SamplingParams
+
+PROMPT_FIELDS = ("prompt", "messages", "turns")
+ID_FIELDS = ("id", "question_id")
+ROLES = ("system", "user", "assistant")
+FORMATS = (".jsonl", ".json", ".parquet", ".csv")
+_BOM = b"\xef\xbb\xbf"
+
+
+@dataclass(frozen=True)
+class Record:
+    """One valid input record.
+
+    index: 0-based position among the valid records, in input order (the output order).
+    line: 1-based line in a JSONL file, or 1-based row for the other formats.
+    id: from ``--id-field``, else ``id``, else ``question_id``, else the line number.
+    fields: the record as read, echoed into the output.
+    Exactly one of ``prompt`` (plain text), ``messages`` (chat list of {role, content}) and
+    ``turns`` (user turns, generated in order, each answer fed back) is set.
+    sampling: the run defaults overridden by the record's own sampling fields.
+    """
+
+    index: int
+    line: int
+    id: str | int
+    fields: dict
+    prompt: str | None
+    messages: list[dict] | None
+    turns: list[str] | None
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class RecordError:
+    """A record (or, with ``line == 0``, the whole file) that cannot run."""
+
+    path: str
+    line: int
+    id: str | int | None
+    reason: str
+
+    def __str__(self) -> str:
+        where = f"{self.path}:{self.line}" if self.line else self.path
+        who = f" id={self.id!r}:" if self.id is not None else ""
+        return f"{where}:{who} {self.reason}"
+
+
+def read_records(path: str | os.PathLike, *, prompt_field: str | None = None,
+                 id_field: str | None = None, split: str | None = None,
+                 defaults: SamplingParams = SamplingParams()
+                 ) -> tuple[list[Record], list[RecordError]]:
+    """Read ``path`` and validate every record; never raises for bad input.
+
+    Returns the valid records (``index`` 0..n-1 in input order) and the errors, in line order.
+    A duplicate id (compared as text, so 7 and "7" clash) is an error on every record after the
+    first, naming the first one's line.
+    """
+    p = str(path)
+    try:
+        rows = list(_rows(Path(path), split))
+    except _FileError as e:
+        return [], [RecordError(p, 0, None, str(e))]
+    if not rows:
+        return [], [RecordError(p, 0, None, "no records")]
+    records, errors, first_line = [], [], {}
+    for line, row in rows:
+        if isinstance(row, _BadLine):
+            errors.append(RecordError(p, line, None, row.reason))
+            continue
+        rec_id = None
+        try:
+            rec_id = _record_id(row, id_field, line)
+            key = str(rec_id)
+            if key in first_line:
+                raise ValueError(f"duplicate id {rec_id!r}: first seen on line {first_line[key]}")
+            first_line[key] = line
+            prompt, messages, turns = _prompt(row, prompt_field)
+            sampling = _sampling(row, defaults)
+        except ValueError as e:
+            errors.append(RecordError(p, line, rec_id, str(e)))
+            continue
+        records.append(Record(len(records), line, rec_id, row, prompt, messages, turns, sampling))
+    return records, errors
+
+
+def check_lengths(records: Iterable[Record], count_tokens: Callable[[Record], int],
+                  max_model_len: int, path: str | os.PathLike) -> list[RecordError]:
+    """Errors for records whose prompt leaves no room for a completion token.
+
+    count_tokens: prompt tokens of a record as the model will see it (chat template applied;
+        for ``turns``, the first turn: later turns grow with the answers and are capped at run
+        time). max_model_len: the model's context (tokens).
+    """
+    errors = []
+    for r in records:
+        n = count_tokens(r)
+        if n >= max_model_len:
+            errors.append(RecordError(str(path), r.line, r.id,
+                                      f"prompt is {n} tokens; the model's context is "
+                                      f"{max_model_len}"))
+    return errors
+
+
+class _FileError(Exception):
+    """A problem with the whole file; its text is the reason shown to the user."""
+
+
+@dataclass(frozen=True)
+class _BadLine:
+    reason: str
+
+
+def _rows(path: Path, split: str | None) -> Iterator[tuple[int, dict | _BadLine]]:
+    if not path.exists():
+        raise _FileError("no such file or folder")
+    if path.is_dir():
+        yield from _dataset_rows(_load_from_disk(path, split))
+        return
+    suffix = path.suffix.lower()
+    if suffix not in FORMATS:
+        raise _FileError(f"unknown input format {suffix or '(no extension)'!r}: expected "
+                         f"{', '.join(FORMATS)} or a folder written by Dataset.save_to_disk")
+    if split is not None:
+        raise _FileError(f"--split applies only to a dataset folder, not a {suffix} file")
+    if suffix in (".jsonl", ".json"):
+        yield from _json_rows(path.read_bytes(), suffix)
+        return
+    import datasets  # slow import; only the columnar formats need it
+
+    load = datasets.Dataset.from_parquet if suffix == ".parquet" else datasets.Dataset.from_csv
+    try:
+        with tempfile.TemporaryDirectory() as cache_dir:  # keep the user's HF cache clean
+            ds = load(str(path), cache_dir=cache_dir, keep_in_memory=True)
+    except Exception as e:  # any reader failure is bad input, reported, not a crash
+        raise _FileError(f"cannot read {suffix} file: {type(e).__name__}: {e}") from e
+    yield from _dataset_rows(ds)
+
+
+def _load_from_disk(path: Path, split: str | None):
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:
+        raise _FileError(f"not a dataset folder written by save_to_disk: {e}") from e
+    if isinstance(ds, datasets.DatasetDict):
+        splits = ", ".join(ds.keys())
+        name = split if split is not None else "train" if "train" in ds else None
+        if name is None:
+            raise _FileError(f"the dataset has splits {splits}; choose one with --split")
+        if name not in ds:
+            raise _FileError(f"no split {name!r}; the dataset has splits {splits}")
+        return ds[name]
+    if split is not None:
+        raise _FileError(f"--split {split!r} given but the folder holds a single dataset")
+    return ds
+
+
+def _dataset_rows(ds) -> Iterator[tuple[int, dict]]:
+    for i, row in enumerate(ds):
+        yield i + 1, row
+
+
+def _json_rows(data: bytes, suffix: str) -> Iterator[tuple[int, dict | _BadLine]]:
+    if data.startswith(_BOM):
+        data = data[len(_BOM):]
+    head = data.lstrip()
+    if suffix == ".json" or head.startswith(b"["):
+        reason = ""
+        try:
+            whole = orjson.loads(data)
+        except orjson.JSONDecodeError as e:
+            whole, reason = None, str(e)
+        if isinstance(whole, list):  # a JSON array: rows are its elements
+            for i, item in enumerate(whole):
+                yield i + 1, item if isinstance(item, dict) else _BadLine(
+                    f"array element is a JSON {_kind(item)}, not an object")
+            return
+        if isinstance(whole, dict):  # one object, possibly spread over several lines
+            yield 1, whole
+            return
+        if whole is None and head.startswith(b"[") and not _parses(head.split(b"\n", 1)[0]):
+            raise _FileError(f"looks like a JSON array but is not valid JSON: {reason}")
+    yield from _jsonl_rows(data)
+
+
+def _jsonl_rows(data: bytes) -> Iterator[tuple[int, dict | _BadLine]]:
+    for n, raw in enumerate(data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            yield n, _BadLine(f"invalid UTF-8 at byte {e.start} of the line")
+            continue
+        try:
+            value = orjson.loads(text)
+        except orjson.JSONDecodeError as e:
+            yield n, _BadLine(f"invalid JSON: {e}")
+            continue
+        yield n, value if isinstance(value, dict) else _BadLine(
+            f"line is a JSON {_kind(value)}, not an object")
+
+
+def _record_id(row: dict, id_field: str | None, line: int) -> str | int:
+    if id_field is not None:
+        if row.get(id_field) is None:
+            raise ValueError(f"missing id field {id_field!r}")
+        value = row[id_field]
+    else:
+        value = next((row[k] for k in ID_FIELDS if row.get(k) is not None), line)
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ValueError(f"id must be a string or an integer, got {_kind(value)} {value!r}")
+    if isinstance(value, str) and not value.strip():
+        raise ValueError("id is an empty string")
+    return value
+
+
+def _prompt(row: dict, prompt_field: str | None
+            ) -> tuple[str | None, list[dict] | None, list[str] | None]:
+    """(prompt, messages, turns), one of them set, from the prompt field's value."""
+    if prompt_field is not None:
+        if prompt_field not in row:
+            raise ValueError(f"missing prompt field {prompt_field!r}")
+        name = prompt_field
+    else:
+        name = next((k for k in PROMPT_FIELDS if row.get(k) is not None), None)
+        if name is None:
+            name = next((k for k in PROMPT_FIELDS if k in row), None)
+            if name is None:
+                raise ValueError(f"no prompt: expected a field {', '.join(PROMPT_FIELDS)} "
+                                 "(or choose one with --prompt-field)")
+    value = row[name]
+    if isinstance(value, str):
+        if not value.strip():
+            raise ValueError(f"{name} is empty")
+        return value, None, None
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        for i, turn in enumerate(value):
+            if not turn.strip():
+                raise ValueError(f"{name}: turn {i + 1} is empty")
+        return None, None, list(value)
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        return None, _messages(name, value), None
+    if isinstance(value, list) and not value:
+        raise ValueError(f"{name} is an empty list")
+    got = (f"an array of {' and '.join(sorted({_kind(v) for v in value}))}"
+           if isinstance(value, list) else _kind(value))
+    raise ValueError(f"{name} must be a string, a list of strings (turns) or a list of "
+                     f"{{role, content}} messages; got {got}")
+
+
+def _messages(name: str, value: list[dict]) -> list[dict]:
+    for i, m in enumerate(value):
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise ValueError(f"{name}[{i}].role={role!r}: expected one of {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise ValueError(f"{name}[{i}].content must be a string, got {_kind(content)}")
+    if not any(m["role"] == "user" for m in value):
+        raise ValueError(f"{name} has no user message")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _sampling(row: dict, defaults: SamplingParams) -> SamplingParams:
+    own = {k: row[k] for k in SAMPLING_FIELDS if row.get(k) is not None}
+    if not own:
+        return defaults
+    try:
+        return SamplingParams.from_dict(own, base=defaults)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"invalid sampling field: {e}") from e
+
+
+def _parses(data: bytes) -> bool:
+    try:
+        orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return False
+    return True
+
+
+def _kind(value) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null",
+             int: "number", float: "number"}
+    return names.get(type(value), type(value).__name__)
+
+
+__all__ = ["Record", "RecordError", "read_records", "check_lengths", "PROMPT_FIELDS",
+           "ID_FIELDS"]

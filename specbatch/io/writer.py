@@ -1,0 +1,265 @@
+"""Write outputs so that nothing is lost and nothing is duplicated, across kills and reruns.
+
+Next to the output ``OUT`` live:
+    OUT.work.jsonl    one line ``{"index": i, "record": {...}}`` per finished record, appended as
+                      records finish (flushed every write, fsynced every ``fsync_every``).
+    OUT.config.json   the effective config of the run (kept after the run, for ``analyze``).
+    OUT.errors.jsonl  the skipped records, ``{"line", "id", "reason"}`` (``--on-error skip``).
+
+``finish()`` writes ``OUT`` in index order to a temporary file in the same folder, fsyncs it,
+renames it over ``OUT`` (atomic) and removes the work file. The final file is always built from
+the work file, so a run that was killed and resumed gives the same bytes as one that was not.
+
+What happens on open (``force`` means start over; ``resume`` means trust an existing work file):
+    force and not resume           start over: the work file is discarded, OUT replaced at finish.
+    work file, same saved config   continue (rerunning the same command resumes it).
+    work file, no saved config     continue if ``resume``, else ``ValueError``.
+    work file, different config    ``ValueError`` naming the differing keys; with ``force``,
+                                   start over (results of another config are never mixed in).
+    no work file, OUT exists       ``ValueError`` (a finished run) unless ``force``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import orjson
+
+from specbatch.io.records import RecordError
+
+# The same flags for every line ever written: the final bytes depend only on the records.
+JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
+OUTPUT_FORMATS = (".jsonl", ".parquet")
+
+
+class OutputWriter:
+    """Append finished records to the work file; ``finish()`` writes the final output.
+
+    out_path: ``.jsonl`` or ``.parquet`` (by extension). config: JSON-serialisable dict of the
+    effective run config, compared key by key with the saved one on resume. num_records: the
+    number of valid input records; indices are ``0 .. num_records - 1``.
+    Raises ``ValueError`` on open when the existing files may not be reused (see module doc).
+    """
+
+    def __init__(self, out_path: str | os.PathLike, config: dict, *, resume: bool, force: bool,
+                 fsync_every: int = 8, num_records: int) -> None:
+        self.out_path = Path(out_path)
+        if self.out_path.suffix.lower() not in OUTPUT_FORMATS:
+            raise ValueError(f"output {str(out_path)!r}: expected a name ending in "
+                             f"{' or '.join(OUTPUT_FORMATS)}")
+        if fsync_every < 1:
+            raise ValueError(f"fsync_every={fsync_every!r}: expected an integer >= 1")
+        self.work_path = _beside(self.out_path, ".work.jsonl")
+        self.config_path = _beside(self.out_path, ".config.json")
+        self.errors_path = _beside(self.out_path, ".errors.jsonl")
+        self.config = orjson.loads(orjson.dumps(config, option=JSON_OPTIONS))
+        self.num_records = num_records
+        self.fsync_every = fsync_every
+        self._done: set[int] = set()
+        self._num_unsynced = 0
+        self._fh = None
+
+        if force and not resume:
+            self._discard_work()
+        elif self.work_path.exists():
+            saved = self._saved_config()
+            if saved is None and not resume:
+                self._refuse_or_discard(force, f"{self.config_path} is missing or unreadable; "
+                                        "--resume to continue anyway")
+            elif saved is not None and saved != self.config:
+                keys = ", ".join(_diff(saved, self.config))
+                self._refuse_or_discard(force, f"the saved config {self.config_path} differs in: "
+                                        f"{keys}; rerun with the same options")
+        elif self.out_path.exists() and not force:
+            raise ValueError(f"{self.out_path} exists from a finished run; --force to overwrite")
+        if self.work_path.exists():
+            self._done = set(self._load_work())
+        self.out_path.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(self.config_path, orjson.dumps(self.config, option=orjson.OPT_INDENT_2)
+                      + b"\n")
+        self._fh = open(self.work_path, "ab")
+
+    def done_indices(self) -> set[int]:
+        """``Record.index`` values already finished (skip these)."""
+        return set(self._done)
+
+    def write(self, index: int, out: dict) -> bool:
+        """Append one finished record; returns False (and writes nothing) if already done."""
+        if index in self._done:
+            return False
+        if not 0 <= index < self.num_records:
+            raise ValueError(f"index={index}: expected 0 <= index < {self.num_records}")
+        self._fh.write(orjson.dumps({"index": index, "record": out}, option=JSON_OPTIONS) + b"\n")
+        self._fh.flush()  # a killed process loses nothing the OS has; fsync guards power loss
+        self._done.add(index)
+        self._num_unsynced += 1
+        if self._num_unsynced >= self.fsync_every:
+            self._sync()
+        return True
+
+    def finish(self, skipped: Iterable[int] = ()) -> int:
+        """Write OUT in index order, atomically; remove the work file. Returns records written.
+
+        skipped: indices deliberately not generated (e.g. prompts too long, ``--on-error
+        skip``). Raises ``RuntimeError`` if any other index was never written.
+        """
+        self._sync()
+        missing = sorted(set(range(self.num_records)) - self._done - set(skipped))
+        if missing:
+            raise RuntimeError(f"{len(missing)} records never written (indices {missing[:10]}"
+                               f"{' ...' if len(missing) > 10 else ''})")
+        records = self._load_work()
+        rows = [records[i] for i in sorted(records)]
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.out_path.name}.", suffix=".tmp",
+                                   dir=self.out_path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                if self.out_path.suffix.lower() == ".parquet":
+                    _to_parquet(rows, f)
+                else:
+                    f.write(b"".join(orjson.dumps(r, option=JSON_OPTIONS) + b"\n" for r in rows))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.out_path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        _fsync_dir(self.out_path.parent)
+        self.close()
+        self.work_path.unlink(missing_ok=True)
+        return len(rows)
+
+    def write_errors(self, errors: list[RecordError]) -> None:
+        """Replace ``OUT.errors.jsonl`` with these errors; with none, remove a stale file."""
+        if not errors:
+            self.errors_path.unlink(missing_ok=True)
+            return
+        _atomic_write(self.errors_path, b"".join(
+            orjson.dumps({"line": e.line, "id": e.id, "reason": e.reason}) + b"\n"
+            for e in errors))
+
+    def close(self) -> None:
+        """Flush and fsync what is written (call on interrupt); ``finish`` calls it too."""
+        if self._fh is not None and not self._fh.closed:
+            self._sync()
+            self._fh.close()
+
+    def __enter__(self) -> OutputWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _sync(self) -> None:
+        if self._fh is not None and not self._fh.closed:
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+        self._num_unsynced = 0
+
+    def _saved_config(self) -> dict | None:
+        try:
+            return orjson.loads(self.config_path.read_bytes())
+        except (OSError, orjson.JSONDecodeError):
+            return None
+
+    def _refuse_or_discard(self, force: bool, why: str) -> None:
+        if not force:
+            raise ValueError(f"cannot continue {self.work_path}: {why}, or --force to start over")
+        self._discard_work()
+
+    def _discard_work(self) -> None:
+        self.work_path.unlink(missing_ok=True)
+
+    def _load_work(self) -> dict[int, dict]:
+        """index -> record from the work file; the first line of an index wins.
+
+        A last line cut short by a kill is dropped (the file is truncated before it, so the
+        next append starts on a fresh line); a bad line elsewhere raises ``ValueError``.
+        """
+        data = self.work_path.read_bytes()
+        lines = data.split(b"\n")
+        last = max((n for n, raw in enumerate(lines) if raw.strip()), default=-1)
+        records, offset = {}, 0
+        for n, raw in enumerate(lines):
+            if raw.strip():
+                try:
+                    item = orjson.loads(raw)
+                except orjson.JSONDecodeError as e:
+                    if n != last:
+                        raise ValueError(f"{self.work_path}: line {n + 1} is corrupt ({e}); "
+                                         "--force to start over") from e
+                    with open(self.work_path, "r+b") as f:
+                        f.truncate(offset)
+                    return records
+                try:
+                    index, record = _check_item(item, self.num_records)
+                except ValueError as e:
+                    raise ValueError(f"{self.work_path}: line {n + 1}: {e}; --force to start "
+                                     "over") from e
+                records.setdefault(index, record)
+            offset += len(raw) + 1
+        if data and not data.endswith(b"\n"):  # a whole last line that lost only its newline
+            with open(self.work_path, "ab") as f:
+                f.write(b"\n")
+        return records
+
+
+def _check_item(item, num_records: int) -> tuple[int, dict]:
+    if not isinstance(item, dict) or not isinstance(item.get("record"), dict):
+        raise ValueError("expected {\"index\": ..., \"record\": {...}}")
+    index = item.get("index")
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < num_records:
+        raise ValueError(f"index {index!r} is not in [0, {num_records}): did the input change?")
+    return index, item["record"]
+
+
+def _diff(a: dict, b: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ, e.g. ``['sampling.temperature', 'k']``."""
+    keys = []
+    for k in list(a) + [k for k in b if k not in a]:
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            keys += _diff(va, vb, f"{prefix}{k}.")
+        elif k not in a or k not in b or va != vb:
+            keys.append(f"{prefix}{k}")
+    return keys
+
+
+def _to_parquet(rows: list[dict], f) -> None:
+    import datasets  # slow import; only parquet output needs it
+
+    datasets.Dataset.from_list(rows).to_parquet(f)
+
+
+def _beside(path: Path, suffix: str) -> Path:
+    return path.with_name(path.name + suffix)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # not every platform can open a folder
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+__all__ = ["OutputWriter", "JSON_OPTIONS", "OUTPUT_FORMATS"]

@@ -1,0 +1,244 @@
+"""read_records over the bad-input corpus, and a round trip through every input format."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+
+from specbatch.config import SamplingParams
+from specbatch.io.records import Record, RecordError, check_lengths, read_records
+
+CORPUS = Path(__file__).parents[1] / "data" / "bad_inputs"
+QUESTIONS = Path(__file__).parents[3] / "shared" / "data" / "spec_bench" / "question.jsonl"
+
+# file -> (number of valid records, [(line, reason fragment)]); line 0 is a file-level error.
+# The same table, with exit statuses, is tests/data/bad_inputs/README.md.
+CASES = {
+    "blank_lines.jsonl": (3, []),
+    "bom.jsonl": (2, []),
+    "crlf.jsonl": (2, []),
+    "json_array.jsonl": (2, []),
+    "invalid_utf8.jsonl": (2, [(2, "invalid UTF-8 at byte")]),
+    "truncated_json.jsonl": (2, [(3, "invalid JSON: unexpected end of data")]),
+    "not_object.jsonl": (2, [(2, "line is a JSON array, not an object"),
+                             (3, "line is a JSON string, not an object"),
+                             (4, "line is a JSON number, not an object")]),
+    "broken_array.jsonl": (0, [(0, "looks like a JSON array but is not valid JSON")]),
+    "missing_prompt.jsonl": (2, [(2, "no prompt: expected a field prompt, messages, turns")]),
+    "bad_prompt_type.jsonl": (2, [(2, "a list of {role, content} messages; got null"),
+                                  (3, "got number"), (4, "got object"),
+                                  (5, "got an array of number")]),
+    "empty_prompt.jsonl": (2, [(2, "prompt is empty"), (3, "prompt is empty"),
+                               (4, "turns is an empty list"), (5, "turns: turn 2 is empty")]),
+    "bad_messages.jsonl": (2, [(2, "messages[0].role='robot'"),
+                               (3, "messages[0].content must be a string"),
+                               (4, "messages has no user message")]),
+    "duplicate_ids.jsonl": (3, [(3, "duplicate id 1: first seen on line 1"),
+                                (5, "duplicate id 1: first seen on line 1")]),
+    "bad_id.jsonl": (2, [(2, "id must be a string or an integer"), (3, "id is an empty string")]),
+    "bad_sampling.jsonl": (2, [(2, "invalid sampling field: temperature=-1.0"),
+                               (3, "invalid sampling field: top_p=2.0"),
+                               (4, "invalid sampling field: max_tokens='100'"),
+                               (5, "invalid sampling field: stop=5")]),
+    "empty.jsonl": (0, [(0, "no records")]),
+    "unknown_ext.txt": (0, [(0, "unknown input format '.txt'")]),
+    "too_long.jsonl": (3, []),  # too long only once tokenised: see test_check_lengths
+}
+
+
+def test_corpus_is_covered():
+    on_disk = {p.name for p in CORPUS.iterdir() if p.name != "README.md"}
+    assert on_disk == set(CASES)
+    readme = (CORPUS / "README.md").read_text()
+    assert all(f"`{name}`" in readme for name in CASES)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_input_corpus(name):
+    num_valid, expected = CASES[name]
+    records, errors = read_records(CORPUS / name)
+    assert len(records) == num_valid
+    assert [r.index for r in records] == list(range(num_valid))
+    assert [e.line for e in errors] == [line for line, _ in expected]
+    for err, (_, fragment) in zip(errors, expected):
+        assert fragment in err.reason, str(err)
+        assert err.path == str(CORPUS / name)
+    for r in records:  # the good records are whole
+        assert r.prompt or r.messages or r.turns
+
+
+def test_good_lines_keep_their_line_numbers():
+    records, _ = read_records(CORPUS / "blank_lines.jsonl")
+    assert [(r.index, r.line, r.id) for r in records] == [(0, 1, 1), (1, 4, 2), (2, 6, 3)]
+    records, _ = read_records(CORPUS / "bad_sampling.jsonl")
+    assert records[1].sampling == SamplingParams(temperature=0.7, seed=3)
+
+
+def test_record_error_str():
+    err = RecordError("in.jsonl", 3, 7, "prompt is empty")
+    assert str(err) == "in.jsonl:3: id=7: prompt is empty"
+    assert str(RecordError("in.jsonl", 2, None, "bad")) == "in.jsonl:2: bad"
+    assert str(RecordError("in.jsonl", 0, None, "no records")) == "in.jsonl: no records"
+
+
+def test_check_lengths():
+    path = CORPUS / "too_long.jsonl"
+    records, errors = read_records(path)
+    assert errors == []
+    errors = check_lengths(records, lambda r: len(r.prompt.split()), 128, path)
+    assert [(e.line, e.id, e.reason) for e in errors] == [
+        (2, 2, "prompt is 301 tokens; the model's context is 128")]
+    assert check_lengths(records, lambda r: 127, 128, path) == []
+    assert len(check_lengths(records, lambda r: 128, 128, path)) == 3  # no room to generate
+
+
+def _write_jsonl(path: Path, rows: list) -> Path:
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    return path
+
+
+def test_prompt_field_shapes_and_ids(tmp_path):
+    rows = [{"key": "a", "q": "plain text"},
+            {"key": "b", "q": ["turn one", "turn two"]},
+            {"key": "c", "q": [{"role": "user", "content": "hi", "name": None}]},
+            {"key": "d", "prompt": "not used"}]
+    records, errors = read_records(_write_jsonl(tmp_path / "in.jsonl", rows),
+                                   prompt_field="q", id_field="key")
+    assert [(r.id, r.prompt, r.turns, r.messages) for r in records] == [
+        ("a", "plain text", None, None),
+        ("b", None, ["turn one", "turn two"], None),
+        ("c", None, None, [{"role": "user", "content": "hi"}])]
+    assert [(e.line, e.id, e.reason) for e in errors] == [(4, "d", "missing prompt field 'q'")]
+    assert records[2].fields == rows[2]
+
+    records, errors = read_records(tmp_path / "in.jsonl", prompt_field="q", id_field="nope")
+    assert records == [] and {e.reason for e in errors} == {"missing id field 'nope'"}
+
+
+def test_id_fallbacks_and_sampling_defaults(tmp_path):
+    rows = [{"id": "x", "question_id": 9, "prompt": "a"},
+            {"question_id": 9, "prompt": "b", "max_tokens": 5, "stop": "END"},
+            {"prompt": "c", "temperature": None}]
+    defaults = SamplingParams(temperature=0.5, max_tokens=64)
+    records, errors = read_records(_write_jsonl(tmp_path / "in.jsonl", rows), defaults=defaults)
+    assert errors == []
+    assert [r.id for r in records] == ["x", 9, 3]  # id, else question_id, else the line
+    assert records[0].sampling is defaults
+    assert records[1].sampling == SamplingParams(temperature=0.5, max_tokens=5, stop=("END",))
+    assert records[2].sampling == defaults  # null means "not set"
+
+
+def test_duplicate_ids_compare_as_text(tmp_path):
+    rows = [{"id": 7, "prompt": "a"}, {"id": "7", "prompt": "b"}]
+    records, errors = read_records(_write_jsonl(tmp_path / "in.jsonl", rows))
+    assert len(records) == 1 and errors[0].reason == "duplicate id '7': first seen on line 1"
+
+
+def test_missing_file(tmp_path):
+    records, errors = read_records(tmp_path / "nope.jsonl")
+    assert records == [] and errors[0].reason == "no such file or folder"
+
+
+def test_spec_bench_questions():
+    if not QUESTIONS.exists():
+        pytest.skip("shared spec_bench data not present")
+    records, errors = read_records(QUESTIONS)
+    assert errors == [] and len(records) == 480
+    assert records[0].id == 81 and len(records[0].turns) == 2 and records[0].prompt is None
+    assert [r.line for r in records] == list(range(1, 481))
+
+
+# ----- one tiny dataset through every input format -----
+
+ROWS = [
+    {"id": 1, "prompt": "Say hi.", "messages": None, "temperature": 0.5, "stop": None},
+    {"id": 2, "prompt": None, "messages": [{"role": "system", "content": "Be brief."},
+                                           {"role": "user", "content": "Name a fruit."}],
+     "temperature": None, "stop": ["\n"]},
+    {"id": 3, "prompt": "Count to three.", "messages": None, "temperature": None, "stop": None},
+]
+CSV_ROWS = [{"id": r["id"], "prompt": r["prompt"] or "Name a fruit.",
+             "temperature": r["temperature"]} for r in ROWS]
+
+
+def _summary(records: list[Record]) -> list[tuple]:
+    return [(r.index, r.line, r.id, r.prompt, r.messages, r.turns, r.sampling) for r in records]
+
+
+def _dataset(rows):
+    datasets = pytest.importorskip("datasets")
+    return datasets.Dataset.from_list(rows)
+
+
+def _reference(tmp_path, rows):
+    records, errors = read_records(_write_jsonl(tmp_path / "reference.jsonl", rows))
+    assert errors == [] and len(records) == len(rows)
+    return _summary(records)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json-lines", "json-array", "jsonl-array", "parquet",
+                                 "disk", "disk-dict", "csv"])
+def test_format_round_trip(tmp_path, fmt):
+    rows = CSV_ROWS if fmt == "csv" else ROWS
+    ds = _dataset(rows)
+    split = None
+    if fmt == "jsonl":
+        path = tmp_path / "in.jsonl"
+        ds.to_json(path)
+    elif fmt == "json-lines":
+        path = tmp_path / "in.json"
+        ds.to_json(path)
+    elif fmt in ("json-array", "jsonl-array"):
+        path = tmp_path / ("in.json" if fmt == "json-array" else "in.jsonl")
+        path.write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2))
+    elif fmt == "parquet":
+        path = tmp_path / "in.parquet"
+        ds.to_parquet(path)
+    elif fmt == "csv":
+        path = tmp_path / "in.csv"
+        ds.to_csv(path, index=False)
+    elif fmt == "disk":
+        path = tmp_path / "in_ds"
+        ds.save_to_disk(path)
+    else:
+        import datasets
+
+        path = tmp_path / "in_dd"
+        datasets.DatasetDict(test=ds, other=ds.select([0])).save_to_disk(path)
+        split = "test"
+    records, errors = read_records(path, split=split)
+    assert errors == []
+    assert _summary(records) == _reference(tmp_path, rows)
+    assert records[0].fields["id"] == 1
+
+
+def test_dataset_dict_splits(tmp_path):
+    import datasets
+
+    ds = _dataset(CSV_ROWS)
+    datasets.DatasetDict(train=ds, test=ds.select([0])).save_to_disk(tmp_path / "with_train")
+    records, errors = read_records(tmp_path / "with_train")
+    assert errors == [] and len(records) == 3  # "train" by default
+    records, errors = read_records(tmp_path / "with_train", split="dev")
+    assert errors[0].reason == "no split 'dev'; the dataset has splits train, test"
+
+    datasets.DatasetDict(a=ds, b=ds).save_to_disk(tmp_path / "no_train")
+    records, errors = read_records(tmp_path / "no_train")
+    assert records == []
+    assert errors[0].reason == "the dataset has splits a, b; choose one with --split"
+
+    ds.save_to_disk(tmp_path / "single")
+    records, errors = read_records(tmp_path / "single", split="train")
+    assert records == [] and "single dataset" in errors[0].reason
+
+
+def test_unreadable_columnar_files(tmp_path):
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
+    records, errors = read_records(tmp_path / "bad.parquet")
+    assert records == [] and errors[0].line == 0
+    assert errors[0].reason.startswith("cannot read .parquet file:")
+    (tmp_path / "not_a_dataset").mkdir()
+    records, errors = read_records(tmp_path / "not_a_dataset")
+    assert records == [] and "not a dataset folder" in errors[0].reason

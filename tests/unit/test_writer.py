@@ -1,0 +1,257 @@
+"""OutputWriter: nothing lost, nothing duplicated, same bytes whether interrupted or not."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import orjson
+import pytest
+
+from specbatch.io.records import RecordError
+from specbatch.io.writer import OutputWriter
+
+CONFIG = {"model": "smollm2-135m", "dtype": "float32", "method": "ngram", "k": 5,
+          "sampling": {"temperature": 0.0, "stop": ("\n\n",)}}
+N = 10
+ROOT = Path(__file__).parents[2]
+
+
+def _out(i: int) -> dict:
+    # key order is kept; floats and unicode must survive the work-file round trip
+    return {"id": f"q{i}", "text": f"answer {i} ✓", "logprob": -0.1 * i / 3,
+            "stats": {"num_accepted_tokens": i * 7, "acceptance_length": 1 + i / 7}}
+
+
+def _uninterrupted(path) -> bytes:
+    w = OutputWriter(path, CONFIG, resume=False, force=False, num_records=N)
+    for i in reversed(range(N)):  # finishing order differs from input order
+        w.write(i, _out(i))
+    assert w.finish() == N
+    return path.read_bytes()
+
+
+def test_uninterrupted_output_is_in_index_order(tmp_path):
+    data = _uninterrupted(tmp_path / "out.jsonl")
+    assert data == b"".join(orjson.dumps(_out(i)) + b"\n" for i in range(N))
+    assert not (tmp_path / "out.jsonl.work.jsonl").exists()
+    assert orjson.loads((tmp_path / "out.jsonl.config.json").read_bytes())["k"] == 5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "out.jsonl.config.json"]
+
+
+@pytest.mark.parametrize("resume", [True, False])  # same config: a plain rerun continues too
+def test_interrupted_and_resumed_is_byte_identical(tmp_path, resume):
+    reference = _uninterrupted(tmp_path / "ref.jsonl")
+    out = tmp_path / "out.jsonl"
+    w = OutputWriter(out, CONFIG, resume=False, force=False, fsync_every=3, num_records=N)
+    for i in (4, 0, 7, 1):
+        w.write(i, _out(i))
+    del w  # killed: no finish, no close
+    w = OutputWriter(out, CONFIG, resume=resume, force=False, num_records=N)
+    assert w.done_indices() == {0, 1, 4, 7}
+    for i in range(N):
+        if i not in w.done_indices():
+            w.write(i, _out(i))
+    w.finish()
+    assert out.read_bytes() == reference
+
+
+def test_killed_process_loses_nothing_written(tmp_path):
+    reference = _uninterrupted(tmp_path / "ref.jsonl")
+    out = tmp_path / "out.jsonl"
+    child = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from tests.unit.test_writer import CONFIG, N, _out
+        from specbatch.io.writer import OutputWriter
+        w = OutputWriter({str(out)!r}, CONFIG, resume=False, force=False, num_records=N)
+        for i in (5, 2, 8):
+            w.write(i, _out(i))
+        os._exit(9)  # no close, no finish
+    """)
+    assert subprocess.run([sys.executable, "-c", child]).returncode == 9
+    w = OutputWriter(out, CONFIG, resume=False, force=False, num_records=N)
+    assert w.done_indices() == {2, 5, 8}
+    for i in range(N):
+        w.write(i, _out(i))
+    w.finish()
+    assert out.read_bytes() == reference
+
+
+def test_truncated_last_line_is_dropped(tmp_path):
+    reference = _uninterrupted(tmp_path / "ref.jsonl")
+    out = tmp_path / "out.jsonl"
+    w = OutputWriter(out, CONFIG, resume=False, force=False, num_records=N)
+    w.write(0, _out(0))
+    w.write(1, _out(1))
+    w.close()
+    work = tmp_path / "out.jsonl.work.jsonl"
+    line = orjson.dumps({"index": 2, "record": _out(2)})
+    with open(work, "ab") as f:
+        f.write(line[: len(line) // 2])  # killed mid-write
+    w = OutputWriter(out, CONFIG, resume=True, force=False, num_records=N)
+    assert w.done_indices() == {0, 1}
+    for i in range(2, N):
+        w.write(i, _out(i))
+    w.finish()
+    assert out.read_bytes() == reference
+
+
+def test_whole_last_line_without_newline_is_kept(tmp_path):
+    out = tmp_path / "out.jsonl"
+    w = OutputWriter(out, CONFIG, resume=False, force=False, num_records=3)
+    w.write(0, _out(0))
+    w.close()
+    work = tmp_path / "out.jsonl.work.jsonl"
+    with open(work, "ab") as f:
+        f.write(orjson.dumps({"index": 1, "record": _out(1)}))
+    w = OutputWriter(out, CONFIG, resume=True, force=False, num_records=3)
+    assert w.done_indices() == {0, 1}
+    w.write(2, _out(2))
+    w.finish()
+    assert out.read_bytes() == b"".join(orjson.dumps(_out(i)) + b"\n" for i in range(3))
+
+
+def test_corrupt_middle_line_is_refused(tmp_path):
+    out = tmp_path / "out.jsonl"
+    OutputWriter(out, CONFIG, resume=False, force=False, num_records=3).close()
+    (tmp_path / "out.jsonl.work.jsonl").write_bytes(
+        b'{"index": 0, "rec\n' + orjson.dumps({"index": 1, "record": {}}) + b"\n")
+    with pytest.raises(ValueError, match="line 1 is corrupt"):
+        OutputWriter(out, CONFIG, resume=True, force=False, num_records=3)
+
+
+def test_index_beyond_the_input_is_refused(tmp_path):
+    out = tmp_path / "out.jsonl"
+    w = OutputWriter(out, CONFIG, resume=False, force=False, num_records=3)
+    w.write(1, _out(1))
+    w.close()
+    with pytest.raises(ValueError, match=r"line 1: index 1 is not in \[0, 1\)"):
+        OutputWriter(out, CONFIG, resume=True, force=False, num_records=1)
+
+
+def test_config_mismatch_refused_and_force_starts_over(tmp_path):
+    out = tmp_path / "out.jsonl"
+    w = OutputWriter(out, CONFIG, resume=False, force=False, num_records=N)
+    w.write(3, _out(3))
+    w.close()
+    changed = {**CONFIG, "k": 3, "sampling": {"temperature": 0.7, "stop": ["\n\n"]}}
+    for resume in (True, False):
+        with pytest.raises(ValueError, match=r"differs in: k, sampling\.temperature"):
+            OutputWriter(out, changed, resume=resume, force=False, num_records=N)
+    w = OutputWriter(out, changed, resume=True, force=True, num_records=N)
+    assert w.done_indices() == set()  # results of the old config are never mixed in
+    w.close()
+    saved = orjson.loads((tmp_path / "out.jsonl.config.json").read_bytes())
+    assert saved["k"] == 3
+
+
+def test_missing_config_needs_resume(tmp_path):
+    out = tmp_path / "out.jsonl"
+    w = OutputWriter(out, CONFIG, resume=False, force=False, num_records=N)
+    w.write(2, _out(2))
+    w.close()
+    (tmp_path / "out.jsonl.config.json").unlink()
+    with pytest.raises(ValueError, match="missing or unreadable"):
+        OutputWriter(out, CONFIG, resume=False, force=False, num_records=N)
+    w = OutputWriter(out, CONFIG, resume=True, force=False, num_records=N)
+    assert w.done_indices() == {2}
+    w.close()
+
+
+def test_force_without_resume_starts_over(tmp_path):
+    out = tmp_path / "out.jsonl"
+    w = OutputWriter(out, CONFIG, resume=False, force=False, num_records=N)
+    w.write(2, _out(2))
+    w.close()
+    w = OutputWriter(out, CONFIG, resume=False, force=True, num_records=N)
+    assert w.done_indices() == set()
+    w.close()
+
+
+def test_finished_output_is_not_overwritten_without_force(tmp_path):
+    out = tmp_path / "out.jsonl"
+    _uninterrupted(out)
+    for resume in (True, False):
+        with pytest.raises(ValueError, match="exists from a finished run"):
+            OutputWriter(out, CONFIG, resume=resume, force=False, num_records=N)
+    w = OutputWriter(out, CONFIG, resume=False, force=True, num_records=1)
+    w.write(0, {"x": 1})
+    w.finish()
+    assert out.read_bytes() == b'{"x":1}\n'
+
+
+def test_duplicates_are_ignored(tmp_path):
+    out = tmp_path / "out.jsonl"
+    w = OutputWriter(out, CONFIG, resume=False, force=False, num_records=2)
+    assert w.write(0, _out(0)) is True
+    assert w.write(0, {"other": "value"}) is False
+    w.close()
+    w = OutputWriter(out, CONFIG, resume=True, force=False, num_records=2)
+    assert w.write(0, _out(0)) is False
+    w.write(1, _out(1))
+    w.finish()
+    assert out.read_bytes() == orjson.dumps(_out(0)) + b"\n" + orjson.dumps(_out(1)) + b"\n"
+
+
+def test_missing_records_and_bad_indices(tmp_path):
+    out = tmp_path / "out.jsonl"
+    w = OutputWriter(out, CONFIG, resume=False, force=False, num_records=3)
+    with pytest.raises(ValueError, match="index=3"):
+        w.write(3, {})
+    w.write(0, _out(0))
+    with pytest.raises(RuntimeError, match=r"2 records never written \(indices \[1, 2\]\)"):
+        w.finish()
+    assert not out.exists()
+    w.write(2, _out(2))
+    assert w.finish(skipped=[1]) == 2  # e.g. prompt too long, --on-error skip
+    assert out.read_bytes() == orjson.dumps(_out(0)) + b"\n" + orjson.dumps(_out(2)) + b"\n"
+
+
+def test_fsync_every(tmp_path, monkeypatch):
+    calls = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(fd), real_fsync(fd)))
+    w = OutputWriter(tmp_path / "out.jsonl", CONFIG, resume=False, force=False, fsync_every=4,
+                     num_records=N)
+    calls.clear()  # the config file's fsync
+    for i in range(9):
+        w.write(i, _out(i))
+    assert len(calls) == 2
+    w.close()
+    assert len(calls) == 3
+
+
+def test_parquet_round_trip(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    out = tmp_path / "out.parquet"
+    w = OutputWriter(out, CONFIG, resume=False, force=False, num_records=N)
+    for i in (3, 1, 2):
+        w.write(i, _out(i))
+    w.close()
+    w = OutputWriter(out, CONFIG, resume=True, force=False, num_records=N)
+    for i in range(N):
+        w.write(i, _out(i))
+    w.finish()
+    rows = list(datasets.Dataset.from_parquet(str(out), cache_dir=str(tmp_path / "cache")))
+    assert rows == [_out(i) for i in range(N)]
+
+
+def test_errors_file(tmp_path):
+    w = OutputWriter(tmp_path / "out.jsonl", CONFIG, resume=False, force=False, num_records=1)
+    w.write_errors([RecordError("in.jsonl", 3, 7, "prompt is empty"),
+                    RecordError("in.jsonl", 4, None, "invalid JSON: x")])
+    assert w.errors_path == tmp_path / "out.jsonl.errors.jsonl"
+    assert w.errors_path.read_bytes() == (b'{"line":3,"id":7,"reason":"prompt is empty"}\n'
+                                          b'{"line":4,"id":null,"reason":"invalid JSON: x"}\n')
+    w.write_errors([])  # a rerun with no errors leaves no stale file
+    assert not w.errors_path.exists()
+    w.close()
+
+
+def test_unknown_output_extension(tmp_path):
+    with pytest.raises(ValueError, match="expected a name ending in .jsonl or .parquet"):
+        OutputWriter(tmp_path / "out.csv", CONFIG, resume=False, force=False, num_records=1)
