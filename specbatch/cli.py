@@ -1,0 +1,185 @@
+"""Command line: ``specbatch run | bench``. Options map onto config fields; no logic here."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import click
+
+from specbatch.config import EngineConfig, SamplingParams, SpecConfig
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+
+
+def _spec_options(f):
+    for opt in reversed([
+        click.option("--method", type=click.Choice(["none", "ngram"]), default="ngram",
+                     show_default=True, help="Proposer: none (plain decoding) or ngram."),
+        click.option("--k", "--num-speculative-tokens", "k", type=click.IntRange(0, 32),
+                     default=5, show_default=True, help="Draft tokens per verify step."),
+        click.option("--prompt-lookup-min", type=click.IntRange(1), default=2, show_default=True,
+                     help="Shortest n-gram (tokens) the lookup matches."),
+        click.option("--prompt-lookup-max", type=click.IntRange(1), default=4, show_default=True,
+                     help="Longest n-gram (tokens) the lookup matches."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _model_options(f):
+    for opt in reversed([
+        click.option("--model", default=None, help="Registry name, .gguf path or HF folder "
+                     "(default: smollm2-135m)."),
+        click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float64"]),
+                     default="bfloat16", show_default=True,
+                     help="Weights and activations dtype (bfloat16 is fastest on AMX CPUs)."),
+        click.option("--max-batch-size", type=click.IntRange(1), default=16, show_default=True,
+                     help="Rows decoded together (continuous batching)."),
+        click.option("--max-model-len", type=click.IntRange(2), default=None,
+                     help="Cap on prompt + output tokens (default: the model's context)."),
+        click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+                     help="Where converted weights are cached (default: $SPECBATCH_CACHE or "
+                     "~/.cache/specbatch)."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _input_options(f):
+    for opt in reversed([
+        click.option("--prompt-field", default=None, help="Field holding the prompt."),
+        click.option("--id-field", default=None, help="Field holding the record id."),
+        click.option("--split", default=None, help="Split of a saved DatasetDict."),
+        click.option("--limit", type=click.IntRange(1), default=None,
+                     help="Only the first N valid records."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _sampling_options(f):
+    for opt in reversed([
+        click.option("--max-tokens", type=click.IntRange(1), default=128, show_default=True),
+        click.option("--min-tokens", type=click.IntRange(0), default=0, show_default=True),
+        click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True),
+        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0,
+                     show_default=True),
+        click.option("--top-k", type=click.IntRange(0), default=0, show_default=True,
+                     help="0 = off."),
+        click.option("--seed", type=int, default=0, show_default=True,
+                     help="Run seed; a record's seed is derived from it and the record id."),
+        click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+        click.option("--stop-token-id", "stop_token_ids", type=int, multiple=True,
+                     help="Stop token id (repeatable)."),
+        click.option("--ignore-eos", is_flag=True, default=False),
+        click.option("--logprobs", type=click.IntRange(0, 20), default=None,
+                     help="Return each token's logprob and the top-N alternatives."),
+    ]):
+        f = opt(f)
+    return f
+
+
+@click.group()
+@click.option("-v", "--verbose", is_flag=True, help="Log more.")
+def main(verbose: bool) -> None:
+    """Offline batch text generation with speculative decoding."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+
+
+@main.command()
+@click.argument("input_path", metavar="INPUT", type=click.Path())
+@click.option("-o", "--output", default=None, type=click.Path(dir_okay=False),
+              help="Output .jsonl or .parquet (default: INPUT stem + .out.jsonl).")
+@_model_options
+@_spec_options
+@_sampling_options
+@_input_options
+@click.option("--on-error", type=click.Choice(["fail", "skip"]), default="fail",
+              show_default=True, help="Bad records: stop before generating, or skip them "
+              "(listed in OUT.errors.jsonl).")
+@click.option("--resume", is_flag=True, help="Continue from OUT.work.jsonl.")
+@click.option("--force", is_flag=True, help="Start over even if earlier work or output exists.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def run(input_path, output, model, dtype, max_batch_size, max_model_len, cache_dir, method, k,
+        prompt_lookup_min, prompt_lookup_max, max_tokens, min_tokens, temperature, top_p, top_k,
+        seed, stop, stop_token_ids, ignore_eos, logprobs, prompt_field, id_field, split, limit,
+        on_error, resume, force, no_progress):
+    """Generate an output for every record of INPUT (JSONL, JSON, Parquet, CSV or a saved
+    dataset folder) and write them, with per-record acceptance stats, to OUT."""
+    from specbatch.run import RunOptions, run_job
+
+    try:
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=None,
+                                  max_tokens=max_tokens, min_tokens=min_tokens, stop=tuple(stop),
+                                  stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
+                                  logprobs=logprobs)
+        spec = SpecConfig(method=method, num_speculative_tokens=k,
+                          prompt_lookup_min=prompt_lookup_min,
+                          prompt_lookup_max=prompt_lookup_max)
+        engine = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_model_len,
+                              dtype=dtype)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    out = output or f"{Path(input_path).name.split('.')[0]}.out.jsonl"
+    opts = RunOptions(input_path=input_path, output_path=out, model=model, cache_dir=cache_dir,
+                      sampling=sampling, spec=spec, engine=engine, run_seed=seed,
+                      prompt_field=prompt_field, id_field=id_field, split=split, limit=limit,
+                      on_error=on_error, resume=resume, force=force, progress=not no_progress)
+    _exit_from_signals()
+    sys.exit(run_job(opts))
+
+
+@main.command()
+@click.argument("input_path", metavar="INPUT", type=click.Path(exists=True))
+@click.option("--configs", default="none,ngram:k=5", show_default=True,
+              help="Comma-separated configurations: none, ngram:k=N[:min=A:max=B].")
+@_model_options
+@_sampling_options
+@_input_options
+@click.option("--per-category", type=click.IntRange(1), default=None,
+              help="Take the first N records of each category.")
+@click.option("--categories", default=None, help="Comma-separated categories to keep.")
+@click.option("--repeats", type=click.IntRange(1), default=1, show_default=True,
+              help="Rounds of the interleaved schedule.")
+def bench(input_path, configs, model, dtype, max_batch_size, max_model_len, cache_dir,
+          max_tokens, min_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
+          ignore_eos, logprobs, prompt_field, id_field, split, limit, per_category, categories,
+          repeats):
+    """Time several configurations on the same records, interleaved; print output tok/s and
+    the ratio to none, overall and per category; check the outputs are identical."""
+    from specbatch.bench import BenchOptions, parse_configs, run_bench
+
+    try:
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
+                                  max_tokens=max_tokens, min_tokens=min_tokens, stop=tuple(stop),
+                                  stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
+                                  logprobs=logprobs)
+        engine = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_model_len,
+                              dtype=dtype)
+        specs = parse_configs(configs)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    sys.exit(run_bench(BenchOptions(
+        input_path=input_path, model=model, cache_dir=cache_dir, sampling=sampling, specs=specs,
+        engine=engine, run_seed=seed, prompt_field=prompt_field, id_field=id_field, split=split,
+        limit=limit, per_category=per_category,
+        categories=tuple(categories.split(",")) if categories else None, repeats=repeats)))
+
+
+def _exit_from_signals() -> None:
+    """SIGTERM behaves like Ctrl-C: a KeyboardInterrupt the run loop turns into a clean exit."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, handler)
+
+
+if __name__ == "__main__":
+    main()

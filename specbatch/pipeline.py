@@ -1,0 +1,171 @@
+"""From validated records to output records: prompts -> requests -> engine -> output dicts.
+
+A record's prompt is ``prompt`` (plain text, tokenised as is), ``messages`` (a chat list,
+rendered with the tokenizer's chat template) or ``turns`` (user turns answered in order, each
+with the earlier turns and answers in context, as Spec-Bench does). Requests are sorted by
+prompt length (longest first) so rows in a batch have similar lengths; outputs are matched
+back to records by index, and the writer restores input order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from specbatch.engine.engine import Completion, Engine
+from specbatch.engine.sequence import Request
+from specbatch.spec.sampler import derive_seed
+from specbatch.spec.stats import SpecStats
+
+
+@dataclass
+class _Pending:
+    record: Any
+    completions: list[Completion] = field(default_factory=list)
+    messages: list[dict] | None = None
+
+
+class PromptRenderer:
+    """Tokenises a record's prompt for each turn. ``tokenizer``: a transformers tokenizer."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def first_prompt(self, record) -> tuple[list[int], list[dict] | None]:
+        """Prompt ids of the first (or only) answer, and the chat so far (None for ``prompt``)."""
+        if record.prompt is not None:
+            return self.tokenizer.encode(record.prompt), None
+        messages = (list(record.messages) if record.messages is not None
+                    else [{"role": "user", "content": record.turns[0]}])
+        return self.encode_chat(messages), messages
+
+    def count_tokens(self, record) -> int:
+        return len(self.first_prompt(record)[0])
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def record_seed(record, run_seed: int) -> int:
+    """The record's own ``seed`` if set, else derived from the run seed and the record id (not
+    its line number or batch slot), so a record samples the same wherever it runs."""
+    sp = record.sampling
+    return sp.seed if sp.seed is not None else derive_seed(run_seed, record.id)
+
+
+def generate_records(engine: Engine, renderer: PromptRenderer, records: Iterable,
+                     run_seed: int = 0,
+                     on_tokens: Callable[[int, SpecStats], None] | None = None,
+                     ) -> Iterator[tuple[Any, dict]]:
+    """Run records through the engine; yield ``(record, output_fields)`` as records finish.
+
+    output_fields: ``output``, ``output_token_ids``, ``finish_reason``, ``stop_reason``,
+    ``usage``, ``spec`` and, when asked, ``logprobs`` / ``error``. For ``turns`` records,
+    ``output``, ``output_token_ids``, ``finish_reason`` and ``stop_reason`` are lists, one per
+    turn. on_tokens(num_new_completion_tokens, stats) is called per finished answer.
+    """
+    pending: dict[int, _Pending] = {}
+    requests = []
+    for rec in records:
+        ids, messages = renderer.first_prompt(rec)
+        pending[rec.index] = _Pending(rec, messages=messages)
+        seed = record_seed(rec, run_seed)
+        requests.append(Request((rec.index, 0), ids, rec.sampling,
+                                seed=derive_seed(seed, 0), tag=rec.index))
+    requests.sort(key=lambda r: -len(r.prompt_ids))
+
+    def follow_up(c: Completion) -> Request | None:
+        p = pending[c.request.tag]
+        rec = p.record
+        turn = c.request.request_id[1]
+        if rec.turns is None or turn + 1 >= len(rec.turns):
+            return None
+        p.messages = p.messages + [{"role": "assistant", "content": c.text},
+                                   {"role": "user", "content": rec.turns[turn + 1]}]
+        seed = derive_seed(record_seed(rec, run_seed), turn + 1)
+        return Request((rec.index, turn + 1), renderer.encode_chat(p.messages), rec.sampling,
+                       seed=seed, tag=rec.index)
+
+    for c in engine.generate(requests, follow_up=follow_up):
+        p = pending[c.request.tag]
+        p.completions.append(c)
+        if on_tokens is not None:
+            on_tokens(len(c.output_ids), c.stats)
+        rec = p.record
+        num_turns = len(rec.turns) if rec.turns is not None else 1
+        if c.finish_reason == "error" or len(p.completions) == num_turns:
+            del pending[c.request.tag]
+            yield rec, _output_fields(rec, p.completions)
+
+
+def _output_fields(rec, completions: list[Completion]) -> dict:
+    stats = SpecStats(proposer=completions[0].stats.proposer,
+                      num_speculative_tokens=completions[0].stats.num_speculative_tokens)
+    for c in completions:
+        stats.merge(c.stats)
+    is_turns = rec.turns is not None
+
+    def per_turn(values: list):
+        return values if is_turns else values[0]
+
+    out = {
+        "output": per_turn([c.text for c in completions]),
+        "output_token_ids": per_turn([c.output_ids for c in completions]),
+        "finish_reason": per_turn([c.finish_reason for c in completions]),
+        "stop_reason": per_turn([c.stop_reason for c in completions]),
+        "usage": {"prompt_tokens": sum(len(c.prompt_ids) for c in completions),
+                  "completion_tokens": sum(len(c.output_ids) for c in completions)},
+        "spec": stats.to_dict(),
+    }
+    if rec.sampling.logprobs is not None:
+        out["logprobs"] = per_turn([[{"token_id": e.token_id, "logprob": e.logprob,
+                                      "top": [[t, lp] for t, lp in e.top]}
+                                     for e in (c.logprobs or [])] for c in completions])
+    errors = [c.error for c in completions if c.error]
+    if errors:
+        out["error"] = errors[0]
+    return out
+
+
+class Throughput:
+    """Running totals for the progress bar: output tokens, seconds, acceptance."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.num_tokens = 0
+        self.stats = SpecStats()
+
+    def add(self, num_tokens: int, stats: SpecStats) -> None:
+        self.num_tokens += num_tokens
+        self.stats.merge(stats)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_tokens / max(time.perf_counter() - self.start, 1e-9)
+
+
+def build_engine(model, spec_config, engine_config, eos_ids: Iterable[int], max_model_len: int,
+                 detokenize: Callable[[list[int]], str] | None) -> Engine:
+    """Wire a transformers model into an ``Engine``.
+
+    model: a Llama-family transformers model (already in the wanted dtype and device).
+    max_model_len: context cap (tokens), lowered to ``engine_config.max_model_len`` if set.
+    """
+    from specbatch.engine.runner import ModelRunner
+    from specbatch.engine.sequence import StopRules
+    from specbatch.models.llama import LlamaForward
+    from specbatch.spec import make_proposer
+
+    if engine_config.max_model_len is not None:
+        max_model_len = min(max_model_len, engine_config.max_model_len)
+    runner = ModelRunner(LlamaForward(model), engine_config.max_batch_size, max_model_len,
+                         prefill_chunk=engine_config.prefill_chunk)
+    stop_rules = StopRules(frozenset(eos_ids), max_model_len, detokenize)
+    return Engine(runner, make_proposer(spec_config), stop_rules, spec_config.k, detokenize)

@@ -1,0 +1,221 @@
+"""``specbatch run``: validate -> load -> generate -> write, with resume and clean interrupts.
+
+Exit status: 0 done; 2 bad input or options (nothing generated with ``--on-error fail``);
+130 interrupted (finished records are kept; rerun the same command to resume).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import click
+
+from specbatch.config import EngineConfig, SamplingParams, SpecConfig
+
+EXIT_OK, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 2, 130
+MAX_ERRORS_SHOWN = 20
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    input_path: str
+    output_path: str
+    model: str | None
+    cache_dir: str | None
+    sampling: SamplingParams
+    spec: SpecConfig
+    engine: EngineConfig
+    run_seed: int = 0
+    prompt_field: str | None = None
+    id_field: str | None = None
+    split: str | None = None
+    limit: int | None = None
+    on_error: str = "fail"
+    resume: bool = False
+    force: bool = False
+    progress: bool = True
+
+
+def _err(msg: str) -> None:
+    click.echo(msg, err=True)
+
+
+def _report_errors(errors, on_error: str) -> None:
+    for e in errors[:MAX_ERRORS_SHOWN]:
+        _err(f"error: {e}")
+    if len(errors) > MAX_ERRORS_SHOWN:
+        _err(f"... and {len(errors) - MAX_ERRORS_SHOWN} more")
+    if on_error == "fail":
+        _err(f"{len(errors)} bad record(s); nothing was generated. Fix them, or pass "
+             "--on-error skip to run the others.")
+
+
+def load_records(opts) -> tuple[list, list]:
+    """Read and validate INPUT (no model needed); apply ``--limit``."""
+    from specbatch.io.records import read_records
+
+    records, errors = read_records(opts.input_path, prompt_field=opts.prompt_field,
+                                   id_field=opts.id_field, split=opts.split,
+                                   defaults=opts.sampling)
+    if opts.limit is not None:
+        records = records[:opts.limit]
+        errors = [e for e in errors if e.line == 0 or not records or e.line <= records[-1].line]
+    return records, errors
+
+
+def run_job(opts: RunOptions) -> int:
+    from specbatch.io.writer import OutputWriter
+    from specbatch.models.loader import load_model
+    from specbatch.models.registry import DEFAULT_MODEL
+    from specbatch.pipeline import PromptRenderer, Throughput, build_engine, generate_records
+
+    records, errors = load_records(opts)
+    if any(e.line == 0 for e in errors) or not records:
+        _report_errors(errors or ["no records"], "fail")
+        return EXIT_BAD_INPUT
+    if errors and opts.on_error == "fail":
+        _report_errors(errors, "fail")
+        return EXIT_BAD_INPUT
+
+    t0 = time.perf_counter()
+    try:
+        loaded = load_model(opts.model or DEFAULT_MODEL, dtype=opts.engine.dtype,
+                            device=opts.engine.device, cache_dir=opts.cache_dir)
+    except ValueError as e:
+        _err(f"error: {e}")
+        return EXIT_BAD_INPUT
+    load_s = time.perf_counter() - t0
+    renderer = PromptRenderer(loaded.tokenizer)
+    max_model_len = loaded.max_model_len
+    if opts.engine.max_model_len is not None:
+        max_model_len = min(max_model_len, opts.engine.max_model_len)
+
+    from specbatch.io.records import check_lengths
+
+    length_errors = check_lengths(records, renderer.count_tokens, max_model_len,
+                                  str(opts.input_path))
+    if length_errors and opts.on_error == "fail":
+        _report_errors(errors + length_errors, "fail")
+        return EXIT_BAD_INPUT
+    errors += length_errors
+    too_long = {e.line for e in length_errors}
+    skipped = [r.index for r in records if r.line in too_long]
+
+    config = {
+        "input": str(Path(opts.input_path).resolve()),
+        "input_sha256": _input_digest(opts.input_path),
+        "model": loaded.model_id,
+        "dtype": opts.engine.dtype,
+        "method": opts.spec.method,
+        "k": opts.spec.k,
+        "prompt_lookup_min": opts.spec.prompt_lookup_min,
+        "prompt_lookup_max": opts.spec.prompt_lookup_max,
+        "sampling": opts.sampling.to_dict(),
+        "seed": opts.run_seed,
+        "prompt_field": opts.prompt_field,
+        "id_field": opts.id_field,
+        "split": opts.split,
+        "limit": opts.limit,
+        "max_model_len": max_model_len,
+    }
+    try:
+        writer = OutputWriter(opts.output_path, config, resume=opts.resume, force=opts.force,
+                              num_records=len(records))
+    except ValueError as e:
+        _err(f"error: {e}")
+        return EXIT_BAD_INPUT
+    if errors:
+        writer.write_errors(errors)
+        _report_errors(errors, "skip")
+        _err(f"skipping {len(errors)} bad record(s); listed in {writer.errors_path}")
+    done = writer.done_indices()
+    skip = set(skipped)
+    todo = [r for r in records if r.index not in done and r.index not in skip]
+    if done:
+        _err(f"resuming: {len(done)} of {len(records)} records already done in "
+             f"{writer.work_path}")
+
+    engine = build_engine(loaded.model, opts.spec, opts.engine, loaded.eos_token_ids,
+                          max_model_len, renderer.detokenize)
+    tput = Throughput()
+    by_category: dict[str, list] = defaultdict(list)
+    bar = _progress(len(records), len(done) + len(skip), opts.progress)
+
+    def on_tokens(n, stats):
+        tput.add(n, stats)
+
+    try:
+        for rec, out in generate_records(engine, renderer, todo, opts.run_seed, on_tokens):
+            writer.write(rec.index, {**rec.fields, **out})
+            by_category[str(rec.fields.get("category", ""))].append(out)
+            if bar is not None:
+                mal = tput.stats.mean_acceptance_length
+                bar.set_postfix_str(f"{tput.tokens_per_second:.1f} tok/s"
+                                    + (f", accept len {mal:.2f}" if mal else ""), refresh=False)
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        n = writer.finish(skipped=skipped)
+    except KeyboardInterrupt:
+        if bar is not None:
+            bar.close()
+        writer.close()
+        _err(f"\ninterrupted: {len(writer.done_indices())} of {len(records)} records are saved "
+             f"in {writer.work_path}.\nRerun the same command to resume.")
+        return EXIT_INTERRUPTED
+    elapsed = time.perf_counter() - tput.start
+    _err(f"wrote {n} records to {opts.output_path} ({tput.num_tokens} new output tokens in "
+         f"{elapsed:.1f} s, {tput.tokens_per_second:.1f} tok/s; model load {load_s:.1f} s)")
+    _err(summary_table(by_category))
+    return EXIT_OK
+
+
+def summary_table(by_category: dict[str, list[dict]]) -> str:
+    """Per-category totals of the records generated in this run (input ``category`` field)."""
+    from specbatch.spec.stats import SpecStats
+
+    lines = [f"{'category':<16}{'records':>8}{'out tok':>9}{'steps':>8}{'tok/step':>9}"
+             f"{'accept len':>11}{'accept rate':>12}"]
+    groups = dict(sorted(by_category.items()))
+    if len(groups) > 1:
+        groups["(all)"] = [o for outs in by_category.values() for o in outs]
+    for cat, outs in groups.items():
+        s = SpecStats()
+        for o in outs:
+            d = o["spec"]
+            s.merge(SpecStats(num_steps=d["num_steps"], num_drafts=d["num_drafts"],
+                              num_draft_tokens=d["num_draft_tokens"],
+                              num_accepted_tokens=d["num_accepted_tokens"]))
+        tokens = sum(o["usage"]["completion_tokens"] for o in outs)
+        mal, rate = s.mean_acceptance_length, s.acceptance_rate
+        lines.append(f"{cat or '-':<16}{len(outs):>8}{tokens:>9}{s.num_steps:>8}"
+                     f"{tokens / max(s.num_steps, 1):>9.2f}"
+                     f"{(f'{mal:.2f}' if mal else '-'):>11}{(f'{rate:.2f}' if rate else '-'):>12}")
+    return "\n".join(lines)
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="rec", file=sys.stderr, dynamic_ncols=True)
+
+
+def _input_digest(path: str) -> str:
+    p = Path(path)
+    h = hashlib.sha256()
+    files = sorted(q for q in p.rglob("*") if q.is_file()) if p.is_dir() else [p]
+    for f in files:
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+__all__ = ["RunOptions", "run_job", "summary_table", "replace"]
