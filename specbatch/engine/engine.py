@@ -211,9 +211,12 @@ class Engine:
         self.proposer.finish(seq)
         self.scheduler.release(seq)
         out = seq.output_ids
+        # the final EOS / stop id stays in output_ids but not in the text (a stop id may be an
+        # ordinary token, which the detokenizer would not skip)
+        text_ids = out[:-1] if isinstance(seq.stop_reason, int) else out
         text = ""
-        if self.detokenize is not None and out:
-            text = self.detokenize(out)
+        if self.detokenize is not None and text_ids:
+            text = self.detokenize(text_ids)
             if seq.stop_text_end is not None:
                 text = text[:seq.stop_text_end]
         c = Completion(seq.request, seq.token_ids[:seq.num_prompt_tokens], out, text,
