@@ -1,0 +1,114 @@
+"""Speculation never changes the output (greedy, float64): n-gram speculation at k in
+{1, 2, 5, 8} and batch sizes {1, 4, 16} gives exactly the tokens of plain decoding (k = 0,
+batch size 1), which equal transformers' greedy ``generate``; and the stats add up."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specbatch.config import SamplingParams
+from specbatch.engine.sequence import Request
+from tests.helpers import (LLAMA3_ROPE, make_engine, repeating_prompts, run_engine, tiny_llama,
+                           tiny_qwen2, total)
+
+VOCAB = 96
+MAX_TOKENS = 32
+NUM_PROMPTS = 10
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS)
+MODELS = {"llama": lambda: tiny_llama(VOCAB, seed=5, rope_parameters=LLAMA3_ROPE),
+          "qwen2": lambda: tiny_qwen2(VOCAB, seed=6)}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def setup(request):
+    """(model, prompts, plain-decoding completions at batch size 1)."""
+    model = MODELS[request.param]()
+    prompts = repeating_prompts(VOCAB, NUM_PROMPTS, seed=7)
+    return model, prompts, run_engine(model, prompts, 0, 1, GREEDY)
+
+
+def test_plain_decoding_equals_hf_generate(setup):
+    model, prompts, base = setup
+    for i in (0, 3, 9):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompts[i]]), max_new_tokens=MAX_TOKENS,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert base[i].output_ids == ref[0, len(prompts[i]):].tolist()
+    assert all(len(c.output_ids) == MAX_TOKENS and c.finish_reason == "length" for c in base)
+    # plain decoding never drafts
+    assert total(base, "num_draft_tokens") == 0
+    assert all(c.stats.num_steps == MAX_TOKENS for c in base)
+
+
+@pytest.mark.parametrize("batch_size", [1, 4, 16])
+@pytest.mark.parametrize("k", [1, 2, 5, 8])
+def test_spec_equals_plain(setup, k, batch_size):
+    model, prompts, base = setup
+    out = run_engine(model, prompts, k, batch_size, GREEDY)
+    for c, b in zip(out, base):
+        assert c.output_ids == b.output_ids
+        assert c.finish_reason == "length"
+    # drafts really were accepted, so a verifier that mishandled them would show
+    assert total(out, "num_accepted_tokens") >= 2 * NUM_PROMPTS
+    assert total(out, "num_draft_tokens") > total(out, "num_accepted_tokens")  # some rejected
+    for c in out:
+        check_stats(c, k)
+
+
+def check_stats(c, k: int) -> None:
+    s = c.stats
+    assert s.num_speculative_tokens == k
+    # no stop trimmed a step: each step emitted accepted + 1 tokens
+    assert len(c.output_ids) == s.num_steps + s.num_accepted_tokens
+    assert sum(s.num_accepted_tokens_per_pos) == s.num_accepted_tokens
+    assert len(s.num_accepted_tokens_per_pos) <= k
+    # a draft at position i is only accepted after the one at i - 1
+    per_pos = s.num_accepted_tokens_per_pos
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))
+    assert s.num_draft_tokens <= k * s.num_drafts
+    assert s.num_accepted_tokens <= s.num_draft_tokens
+    assert sum(s.k_histogram.values()) == s.num_steps - 1  # every step but the prefill
+    assert s.num_drafts == sum(n for kk, n in s.k_histogram.items() if kk > 0)
+    assert s.num_draft_tokens == sum(kk * n for kk, n in s.k_histogram.items())
+    if s.num_drafts:
+        assert s.mean_acceptance_length == pytest.approx(
+            1 + s.num_accepted_tokens / s.num_drafts, abs=1e-12)
+        assert s.acceptance_rate == pytest.approx(
+            s.num_accepted_tokens / s.num_draft_tokens, abs=1e-12)
+        d = s.to_dict()
+        assert d["num_accepted_tokens_per_pos"][:len(per_pos)] == per_pos
+        assert len(d["num_accepted_tokens_per_pos"]) == k
+
+
+def test_mixed_lengths_and_order_change_nothing(setup):
+    """Requests in shuffled order with different max_tokens: rows finish at different steps
+    and freed rows are refilled mid-run, so every record sees changing neighbours. Greedy
+    output is a prefix of the full-length plain output."""
+    model, prompts, base = setup
+    order = list(range(NUM_PROMPTS))
+    random.Random(8).shuffle(order)
+    caps = [3 + (7 * i) % (MAX_TOKENS - 2) for i in range(NUM_PROMPTS)]
+    sampling = [SamplingParams(max_tokens=caps[i]) for i in order]
+    out = run_engine(model, [prompts[i] for i in order], 5, 3, sampling)
+    for c, i in zip(out, order):
+        assert c.output_ids == base[i].output_ids[:caps[i]]
+        check_stats(c, 5)
+    assert total(out, "num_accepted_tokens") > 0
+
+
+def test_max_k_per_request_caps_drafts(setup):
+    """A request's max_k lowers its own draft length only; output is unchanged."""
+    model, prompts, base = setup
+    engine = make_engine(model, 6, 4)
+    reqs = [Request(i, p, GREEDY, seed=i, max_k=2 if i % 2 else None)
+            for i, p in enumerate(prompts)]
+    out = sorted(engine.generate(reqs), key=lambda c: c.request.request_id)
+    for c, b in zip(out, base):
+        assert c.output_ids == b.output_ids
+        cap = 2 if c.request.request_id % 2 else 6
+        assert max(c.stats.k_histogram) <= cap
+        assert c.stats.num_speculative_tokens == cap
+    assert max(max(c.stats.k_histogram) for c in out[::2]) == 6
