@@ -12,6 +12,12 @@ from __future__ import annotations
 
 import torch
 
+KV_BLOCK = 256  # capacity granule (positions); the batch-invariant attention reads whole blocks
+
+
+def round_capacity(n: int) -> int:
+    return -(-n // KV_BLOCK) * KV_BLOCK
+
 
 class KVCache:
     """Preallocated keys and values for ``num_rows`` rows.
@@ -23,6 +29,7 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_rows: int, num_kv_heads: int, capacity: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        capacity = round_capacity(capacity)
         shape = (num_rows, num_kv_heads, capacity, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -56,6 +63,7 @@ class KVCache:
 
     def grow(self, capacity: int) -> None:
         """Reallocate every layer to ``capacity`` positions, keeping the contents."""
+        capacity = round_capacity(capacity)
         if capacity <= self.capacity:
             return
         for store in (self.k, self.v):

@@ -70,8 +70,11 @@ class ModelRunner:
         i predicts the token after ``drafts[i][j-1]`` (j = 0: after the last committed token).
         Afterwards the rows' cache lengths count every fed token; the engine rolls back.
         """
-        qlen = 1 + max(len(d) for d in drafts)
         bsz = len(seqs)
+        # Never a one-row matmul: on this CPU a [1, K] x [K, N] bfloat16 matmul with K = 1536
+        # takes another kernel than 2+ rows and rounds differently, which would make a lone
+        # plain-decode step disagree with a verify step (measured; see tests/unit/test_forward).
+        qlen = max(1 + max(len(d) for d in drafts), 2 if bsz == 1 else 1)
         ids = torch.full((bsz, qlen), PAD_ID, dtype=torch.int64)
         starts = torch.empty(bsz, dtype=torch.int64)
         for i, (seq, draft) in enumerate(zip(seqs, drafts)):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specbatch.engine.kv_cache import KVCache
+from specbatch.engine.kv_cache import KV_BLOCK, KVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -51,6 +51,7 @@ class LlamaForward:
         self.attention_scaling = float(getattr(rotary, "attention_scaling", 1.0))
         self.dtype = self.embed.dtype
         self.device = self.embed.device
+        self.max_exact_rows = 256  # query rows (heads x tokens) up to which _attention is exact
 
     def new_cache(self, num_rows: int, capacity: int) -> KVCache:
         return KVCache(self.num_layers, num_rows, self.num_kv_heads, capacity, self.head_dim,
@@ -67,6 +68,38 @@ class LlamaForward:
         cos = (emb.cos() * self.attention_scaling).to(self.dtype)
         sin = (emb.sin() * self.attention_scaling).to(self.dtype)
         return cos[:, :, None, :], sin[:, :, None, :]  # [B, Q, 1, D]
+
+    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   mask: torch.Tensor, exact: bool) -> torch.Tensor:
+        """q: ``[B, Hkv, rows, D]``; keys, values: ``[B, Hkv, kv_len, D]``; mask: ``[B, 1, rows,
+        kv_len]`` bool. Returns ``[B, Hkv, rows, D]``.
+
+        Prefill (many rows; the same whatever the speculation config) uses the fused SDPA kernel.
+        Decode and verify steps use a batch-invariant form, so that a token's result does not
+        depend on how many tokens or rows share the step, nor on how many masked keys pad it
+        (measured on this CPU, the fused kernel and a single ``probs @ values`` matmul both
+        round differently as kv_len changes, by ~1 bfloat16 ulp, enough to flip greedy ties):
+        scores by matmul over head_dim, softmax in float32, then ``probs @ values`` in blocks of
+        ``KV_BLOCK`` keys (kv_len is padded to a multiple of it; fully masked blocks add exact
+        zeros), summed block by block in a fixed order in float32.
+        """
+        scale = self.head_dim ** -0.5
+        bsz, hkv, rows, dim = q.shape
+        if not exact:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+        if rows == 1:  # a one-row matmul takes another kernel (see runner.verify)
+            return self._attention(q.expand(-1, -1, 2, -1), keys, values,
+                                   mask.expand(-1, -1, 2, -1), exact)[:, :, :1]
+        acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        scores = torch.matmul(q, keys.transpose(-1, -2)).to(acc_dtype) * scale
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
+        num_blocks = keys.shape[2] // KV_BLOCK
+        probs = probs.view(bsz, hkv, rows, num_blocks, KV_BLOCK).transpose(2, 3)
+        partial = torch.matmul(probs, values.view(bsz, hkv, num_blocks, KV_BLOCK, dim))
+        out = partial[:, :, 0].to(acc_dtype)
+        for i in range(1, num_blocks):
+            out += partial[:, :, i]
+        return out.to(q.dtype)
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -86,11 +119,18 @@ class LlamaForward:
         rows: ``[B]`` int64, the cache row of each batch row.
         logits_index: optional ``[B, M]`` int64 query indices whose logits are wanted (e.g. the
             last prompt token at prefill); ``None`` returns logits for every query.
-        Returns logits ``[B, Q or M, vocab]`` in the model dtype.
+        Returns logits ``[B, Q or M, vocab]``, float32 (float64 for a float64 model).
+
+        In bfloat16 every op of a decode/verify step gives a token the same result whatever the
+        other rows and tokens in the call (checked on this CPU: AMX matmuls do not depend on the
+        row count, see ``_attention``), so speculation cannot change greedy output.
         A query at position p attends to keys at positions ``0 .. p`` of its row.
         """
         bsz, qlen = input_ids.shape
         kv_len = int(positions.max()) + 1
+        exact = qlen * (self.num_heads // self.num_kv_heads) <= self.max_exact_rows
+        if exact:  # pad to whole key blocks (masked); see _attention
+            kv_len = -(-kv_len // KV_BLOCK) * KV_BLOCK
         rows_are_all = bsz == cache.num_rows and bool(
             (rows == torch.arange(bsz, device=rows.device)).all())
         group = self.num_heads // self.num_kv_heads
@@ -117,8 +157,7 @@ class LlamaForward:
             # group query heads per kv head instead of repeating keys: [B, Hkv, group * Q, D]
             q = q.view(bsz, qlen, self.num_kv_heads, group, self.head_dim).permute(
                 0, 2, 3, 1, 4).reshape(bsz, self.num_kv_heads, group * qlen, self.head_dim)
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                               scale=self.head_dim ** -0.5)
+            o = self._attention(q, keys, values, mask, exact)
             o = o.view(bsz, self.num_kv_heads, group, qlen, self.head_dim).permute(
                 0, 3, 1, 2, 4).reshape(bsz, qlen, self.num_heads * self.head_dim)
             h = h + F.linear(o, attn.o_proj.weight, attn.o_proj.bias)
@@ -129,4 +168,5 @@ class LlamaForward:
         if logits_index is not None:
             h = torch.gather(h, 1, logits_index[:, :, None].expand(-1, -1, h.shape[-1]))
         h = self._rms_norm(h, self.norm.weight)
-        return F.linear(h, self.lm_head)
+        logits = F.linear(h, self.lm_head)
+        return logits if logits.dtype == torch.float64 else logits.float()

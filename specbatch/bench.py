@@ -1,0 +1,164 @@
+"""``specbatch bench``: several configurations on the same records, interleaved, side by side.
+
+Records are grouped by category (a single group when the input has none). For each group every
+configuration runs the group's records with a fresh engine, in an order that rotates from group
+to group (and round to round), so slow drift of the machine spreads over all configurations.
+Output tok/s = completion tokens / wall seconds of the run (prefill included). Ratios are to the
+first configuration (``none`` by default). The outputs of every configuration are compared with
+the first's: speculation must not change them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import click
+
+from specbatch.config import EngineConfig, SamplingParams, SpecConfig
+from specbatch.spec.stats import SpecStats
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    input_path: str
+    model: str | None
+    cache_dir: str | None
+    sampling: SamplingParams
+    specs: tuple[tuple[str, SpecConfig], ...]
+    engine: EngineConfig
+    run_seed: int = 0
+    prompt_field: str | None = None
+    id_field: str | None = None
+    split: str | None = None
+    limit: int | None = None
+    per_category: int | None = None
+    categories: tuple[str, ...] | None = None
+    repeats: int = 1
+
+
+def parse_configs(text: str) -> tuple[tuple[str, SpecConfig], ...]:
+    """``"none,ngram:k=3,ngram:k=5:min=1:max=3"`` -> labelled ``SpecConfig``s.
+
+    Raises ``ValueError`` on an unknown method or key."""
+    out = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        method, *parts = item.split(":")
+        kwargs: dict = {"method": method}
+        keys = {"k": "num_speculative_tokens", "min": "prompt_lookup_min",
+                "max": "prompt_lookup_max"}
+        for part in parts:
+            key, _, value = part.partition("=")
+            if key not in keys or not value.isdigit():
+                raise ValueError(f"config {item!r}: expected method[:k=N][:min=N][:max=N]")
+            kwargs[keys[key]] = int(value)
+        out.append((item, SpecConfig(**kwargs)))
+    if not out:
+        raise ValueError("no configurations given")
+    return tuple(out)
+
+
+def run_bench(opts: BenchOptions) -> int:
+    from specbatch.models.loader import load_model
+    from specbatch.models.registry import DEFAULT_MODEL
+    from specbatch.pipeline import PromptRenderer, build_engine, generate_records
+    from specbatch.run import EXIT_BAD_INPUT, _report_errors, load_records
+
+    records, errors = load_records(opts)
+    if errors:
+        _report_errors(errors, "fail")
+        return EXIT_BAD_INPUT
+    groups: dict[str, list] = defaultdict(list)
+    for r in records:
+        cat = str(r.fields.get("category", "all"))
+        if opts.categories and cat not in opts.categories:
+            continue
+        if opts.per_category is None or len(groups[cat]) < opts.per_category:
+            groups[cat].append(r)
+    if not groups:
+        click.echo("error: no records left after --categories / --per-category", err=True)
+        return EXIT_BAD_INPUT
+    loaded = load_model(opts.model or DEFAULT_MODEL, dtype=opts.engine.dtype,
+                        device=opts.engine.device, cache_dir=opts.cache_dir)
+    renderer = PromptRenderer(loaded.tokenizer)
+
+    def run_once(spec: SpecConfig, recs: list) -> tuple[float, dict]:
+        engine = build_engine(loaded.model, spec, opts.engine, loaded.eos_token_ids,
+                              loaded.max_model_len, renderer.detokenize)
+        t0 = time.perf_counter()
+        outs = {rec.index: out for rec, out in generate_records(engine, renderer, recs,
+                                                                 opts.run_seed)}
+        return time.perf_counter() - t0, outs
+
+    warm = [replace_sampling(next(iter(groups.values()))[0], max_tokens=8)]
+    for _, spec in opts.specs:
+        run_once(spec, warm)
+
+    labels = [label for label, _ in opts.specs]
+    seconds: dict = defaultdict(float)  # (label, cat) -> s
+    tokens: dict = defaultdict(int)
+    stats: dict = defaultdict(SpecStats)
+    outputs: dict = defaultdict(dict)  # label -> index -> output ids
+    n = len(opts.specs)
+    for rnd in range(opts.repeats):
+        for gi, (cat, recs) in enumerate(groups.items()):
+            for j in range(n):
+                label, spec = opts.specs[(gi + rnd + j) % n]
+                dt, outs = run_once(spec, recs)
+                seconds[label, cat] += dt
+                for idx, out in outs.items():
+                    tokens[label, cat] += out["usage"]["completion_tokens"]
+                    outputs[label][idx] = out["output_token_ids"]
+                    d = out["spec"]
+                    stats[label, cat].merge(SpecStats(
+                        num_steps=d["num_steps"], num_drafts=d["num_drafts"],
+                        num_draft_tokens=d["num_draft_tokens"],
+                        num_accepted_tokens=d["num_accepted_tokens"]))
+                click.echo(f"  {cat:<14} {label:<22} {tokens[label, cat] / seconds[label, cat]:7.1f}"
+                           f" tok/s (round {rnd + 1})", err=True)
+    click.echo(format_table(labels, {c: len(r) for c, r in groups.items()}, seconds, tokens, stats, opts))
+    base = labels[0]
+    for label in labels[1:]:
+        diff = [i for i in outputs[base] if outputs[label].get(i) != outputs[base][i]]
+        click.echo(f"outputs {label} vs {base}: {len(outputs[base]) - len(diff)} identical, "
+                   f"{len(diff)} differ" + (f" (record indices {diff[:10]})" if diff else ""))
+    return 0
+
+
+def replace_sampling(record, **changes):
+    from dataclasses import replace
+
+    return replace(record, sampling=replace(record.sampling, **changes))
+
+
+def format_table(labels, sizes: dict[str, int], seconds, tokens, stats, opts) -> str:
+    """Markdown table: per category and overall, tok/s and ratio to the first config, and the
+    mean acceptance length of each drafting config."""
+    cats = list(sizes)
+    base = labels[0]
+    head = ["category", "records"] + [f"{lb} tok/s" for lb in labels] + \
+        [f"{lb} / {base}" for lb in labels[1:]] + [f"{lb} acc.len" for lb in labels[1:]]
+    rows = []
+    groups = list(cats) + (["(all)"] if len(cats) > 1 else [])
+    for cat in groups:
+        members = cats if cat == "(all)" else [cat]
+        tps, accs = {}, {}
+        for lb in labels:
+            t = sum(tokens[lb, c] for c in members)
+            s = sum(seconds[lb, c] for c in members)
+            tps[lb] = t / s if s else 0.0
+            st = SpecStats()
+            for c in members:
+                st.merge(stats[lb, c])
+            accs[lb] = st.mean_acceptance_length
+        row = [cat, str(sum(sizes[c] for c in members))] + [f"{tps[lb]:.1f}" for lb in labels] + \
+            [f"{tps[lb] / tps[base]:.2f}x" if tps[base] else "-" for lb in labels[1:]] + \
+            [f"{accs[lb]:.2f}" if accs[lb] else "-" for lb in labels[1:]]
+        rows.append(row)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    cfg = (f"model {opts.model or 'default'}, dtype {opts.engine.dtype}, max_batch_size "
+           f"{opts.engine.max_batch_size}, max_tokens {opts.sampling.max_tokens}, T "
+           f"{opts.sampling.temperature}, rounds {opts.repeats}")
+    return cfg + "\n" + "\n".join(lines)
