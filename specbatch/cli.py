@@ -92,6 +92,12 @@ def main(verbose: bool) -> None:
     """Offline batch text generation with speculative decoding."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    if not verbose:  # our own progress bar is the one a user reads
+        import datasets
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        datasets.disable_progress_bars()
 
 
 @main.command()
