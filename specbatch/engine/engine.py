@@ -25,6 +25,7 @@ from specbatch.engine.runner import ModelRunner
 from specbatch.engine.scheduler import Scheduler
 from specbatch.engine.sequence import LogprobEntry, Request, Sequence, StopRules
 from specbatch.spec import sampler
+from specbatch.spec.caps import draft_cap
 from specbatch.spec.proposer import Proposer
 from specbatch.spec.stats import SpecStats
 from specbatch.spec.verify import count_accepted
@@ -109,8 +110,8 @@ class Engine:
         """Draft length per row: its k, capped so the step cannot pass ``max_tokens`` or the
         context (emits at most k + 1 tokens)."""
         ks = self.choose_k(seqs) if self.choose_k else [s.k for s in seqs]
-        return [max(0, min(k, s.sampling.max_tokens - s.num_output_tokens - 1,
-                           self.runner.max_model_len - len(s.token_ids) - 1))
+        return [draft_cap(k, s.sampling.max_tokens, s.num_output_tokens,
+                          self.runner.max_model_len, len(s.token_ids))
                 for s, k in zip(seqs, ks)]
 
     def _commit_step(self, seqs: list[Sequence], drafts: list[list[int]], logits: torch.Tensor,
