@@ -93,11 +93,13 @@ def main(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     if not verbose:  # our own progress bar is the one a user reads
-        import datasets
-        import transformers
-
-        transformers.utils.logging.disable_progress_bar()
-        datasets.disable_progress_bars()
+        # through the environment, so that a run that stops at validation never imports them
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers reads it
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+        if "transformers" in sys.modules:  # already imported (e.g. a test calling main)
+            sys.modules["transformers"].utils.logging.disable_progress_bar()
+        if "datasets" in sys.modules:
+            sys.modules["datasets"].disable_progress_bars()
 
 
 @main.command()
@@ -179,6 +181,31 @@ def bench(input_path, configs, model, dtype, max_batch_size, max_model_len, cach
         limit=limit, per_category=per_category,
         categories=tuple(categories.split(",")) if categories else None, repeats=repeats)))
 
+
+
+@main.command()
+@click.argument("paths", metavar="OUT.jsonl [OUT2.jsonl ...]", nargs=-1, required=True,
+                type=click.Path())
+@click.option("--by", default=None, metavar="FIELD",
+              help="Also group by this input field (e.g. category).")
+@click.option("--what-if", is_flag=True,
+              help="Replay other n-gram settings (k 1..8, a few n-gram sizes) on the outputs.")
+@click.option("--calibration", type=click.Path(dir_okay=False), default=None,
+              help="Cost model from `specbatch calibrate`: predict each setting's speedup.")
+@click.option("--batch-size", type=click.IntRange(1), default=16, show_default=True,
+              help="Rows per step assumed by the predicted speedup.")
+@click.option("--compare", is_flag=True, help="Compare two files of the same records.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+@click.option("--plot", "plot_dir", type=click.Path(file_okay=False), default=None,
+              help="Write PNG plots into this folder.")
+def analyze(paths, by, what_if, calibration, batch_size, compare, as_json, plot_dir):
+    """Acceptance tables of output files, by bucket, proposer and --by FIELD; what-if replay
+    of other n-gram settings; side-by-side comparison of two files."""
+    from specbatch.analyze.report import AnalyzeOptions, run_analyze
+
+    sys.exit(run_analyze(AnalyzeOptions(
+        paths=tuple(paths), by=by, what_if=what_if, calibration=calibration,
+        batch_size=batch_size, compare=compare, as_json=as_json, plot_dir=plot_dir)))
 
 def _exit_from_signals() -> None:
     """SIGTERM behaves like Ctrl-C: a KeyboardInterrupt the run loop turns into a clean exit."""

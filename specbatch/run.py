@@ -1,7 +1,10 @@
 """``specbatch run``: validate -> load -> generate -> write, with resume and clean interrupts.
 
-Exit status: 0 done; 2 bad input or options (nothing generated with ``--on-error fail``);
-130 interrupted (finished records are kept; rerun the same command to resume).
+Exit status: 0 done; 1 an I/O error while running (finished records are kept); 2 bad input or
+options, found before anything is generated (a bad record with ``--on-error fail``, an unknown
+model, an output that cannot be written, a saved config that differs); 130 interrupted by
+SIGINT / SIGTERM (finished records are kept; rerun the same command to resume). Every one of
+these prints one ``error:`` line per problem on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -10,14 +13,14 @@ import hashlib
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import click
 
 from specbatch.config import EngineConfig, SamplingParams, SpecConfig
 
-EXIT_OK, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 2, 130
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 MAX_ERRORS_SHOWN = 20
 
 
@@ -55,6 +58,22 @@ def _report_errors(errors, on_error: str) -> None:
              "--on-error skip to run the others.")
 
 
+def _os_error(e: OSError) -> str:
+    """``[Errno 2] No such file ...: '/x'`` -> ``/x: No such file or directory``."""
+    where = e.filename if e.filename is not None else ""
+    return f"{where}: {e.strerror}" if where and e.strerror else str(e)
+
+
+@dataclass
+class _Job:
+    """What an interrupt needs to report: set as the run gets that far."""
+
+    num_records: int = 0
+    writer: object = None
+    bar: object = None
+    done_before: set = field(default_factory=set)
+
+
 def load_records(opts) -> tuple[list, list]:
     """Read and validate INPUT (no model needed); apply ``--limit``."""
     from specbatch.io.records import read_records
@@ -69,18 +88,58 @@ def load_records(opts) -> tuple[list, list]:
 
 
 def run_job(opts: RunOptions) -> int:
-    from specbatch.io.writer import OutputWriter
-    from specbatch.models.loader import load_model
-    from specbatch.models.registry import DEFAULT_MODEL
-    from specbatch.pipeline import PromptRenderer, Throughput, build_engine, generate_records
+    """Run the job; returns the exit status (see the module docstring). SIGINT (and SIGTERM,
+    which the CLI turns into SIGINT's ``KeyboardInterrupt``) stops it cleanly at any point."""
+    job = _Job()
+    try:
+        return _run_job(opts, job)
+    except KeyboardInterrupt:
+        return _interrupted(job)
 
+
+def _interrupted(job: _Job) -> int:
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut the cleanup
+        signal.signal(sig, signal.SIG_IGN)
+    if job.bar is not None:
+        job.bar.close()
+    if job.writer is None:
+        _err("\ninterrupted before generation started; nothing was written.")
+        return EXIT_INTERRUPTED
+    job.writer.close()  # fsync what is finished
+    num_done = len(job.writer.done_indices())
+    _err(f"\ninterrupted: {num_done} of {job.num_records} records are saved in "
+         f"{job.writer.work_path} ({num_done - len(job.done_before)} new in this run).\n"
+         "Rerun the same command to resume.")
+    return EXIT_INTERRUPTED
+
+
+def _run_job(opts: RunOptions, job: _Job) -> int:
     records, errors = load_records(opts)
-    if any(e.line == 0 for e in errors) or not records:
-        _report_errors(errors or ["no records"], "fail")
+    if any(e.line == 0 for e in errors):  # the whole file: one line says it
+        for e in errors:
+            _err(f"error: {e}")
+        return EXIT_BAD_INPUT
+    if not records:
+        _report_errors(errors, "skip")
+        _err("error: no valid records; nothing to run.")
         return EXIT_BAD_INPUT
     if errors and opts.on_error == "fail":
         _report_errors(errors, "fail")
         return EXIT_BAD_INPUT
+
+    from specbatch.io.writer import OutputWriter, check_output_path
+
+    try:  # before the model loads: a wrong output path should not cost a load
+        check_output_path(opts.output_path)
+    except ValueError as e:
+        _err(f"error: {e}")
+        return EXIT_BAD_INPUT
+
+    from specbatch.models.loader import load_model
+    from specbatch.models.registry import DEFAULT_MODEL
+    from specbatch.pipeline import PromptRenderer, Throughput, build_engine, generate_records
 
     t0 = time.perf_counter()
     try:
@@ -88,6 +147,9 @@ def run_job(opts: RunOptions) -> int:
                             device=opts.engine.device, cache_dir=opts.cache_dir)
     except ValueError as e:
         _err(f"error: {e}")
+        return EXIT_BAD_INPUT
+    except OSError as e:
+        _err(f"error: cannot load model {opts.model or DEFAULT_MODEL!r}: {_os_error(e)}")
         return EXIT_BAD_INPUT
     load_s = time.perf_counter() - t0
     renderer = PromptRenderer(loaded.tokenizer)
@@ -123,17 +185,22 @@ def run_job(opts: RunOptions) -> int:
         "limit": opts.limit,
         "max_model_len": max_model_len,
     }
+    job.num_records = len(records)
     try:
         writer = OutputWriter(opts.output_path, config, resume=opts.resume, force=opts.force,
                               num_records=len(records))
+        writer.write_errors(errors)
     except ValueError as e:
         _err(f"error: {e}")
         return EXIT_BAD_INPUT
+    except OSError as e:
+        _err(f"error: cannot write the output: {_os_error(e)}")
+        return EXIT_BAD_INPUT
+    job.writer = writer
     if errors:
-        writer.write_errors(errors)
         _report_errors(errors, "skip")
         _err(f"skipping {len(errors)} bad record(s); listed in {writer.errors_path}")
-    done = writer.done_indices()
+    done = job.done_before = writer.done_indices()
     skip = set(skipped)
     todo = [r for r in records if r.index not in done and r.index not in skip]
     if done:
@@ -144,7 +211,7 @@ def run_job(opts: RunOptions) -> int:
                           max_model_len, renderer.detokenize)
     tput = Throughput()
     by_category: dict[str, list] = defaultdict(list)
-    bar = _progress(len(records), len(done) + len(skip), opts.progress)
+    bar = job.bar = _progress(len(records), len(done) + len(skip), opts.progress)
 
     def on_tokens(n, stats):
         tput.add(n, stats)
@@ -161,13 +228,12 @@ def run_job(opts: RunOptions) -> int:
         if bar is not None:
             bar.close()
         n = writer.finish(skipped=skipped)
-    except KeyboardInterrupt:
+    except OSError as e:  # disk full, folder removed under us: what is finished is kept
         if bar is not None:
             bar.close()
-        writer.close()
-        _err(f"\ninterrupted: {len(writer.done_indices())} of {len(records)} records are saved "
-             f"in {writer.work_path}.\nRerun the same command to resume.")
-        return EXIT_INTERRUPTED
+        _err(f"error: writing the output failed: {_os_error(e)}. Finished records are kept in "
+             f"{writer.work_path}; free the space and rerun the same command to resume.")
+        return EXIT_FAILED
     elapsed = time.perf_counter() - tput.start
     _err(f"wrote {n} records to {opts.output_path} ({tput.num_tokens} new output tokens in "
          f"{elapsed:.1f} s, {tput.tokens_per_second:.1f} tok/s; model load {load_s:.1f} s)")

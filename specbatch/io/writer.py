@@ -9,6 +9,8 @@ Next to the output ``OUT`` live:
 ``finish()`` writes ``OUT`` in index order to a temporary file in the same folder, fsyncs it,
 renames it over ``OUT`` (atomic) and removes the work file. The final file is always built from
 the work file, so a run that was killed and resumed gives the same bytes as one that was not.
+A kill inside ``finish`` leaves at worst a ``.OUT.*.tmp`` file (removed at the next open) and the
+work file, from which the next run writes ``OUT`` again.
 
 What happens on open (``force`` means start over; ``resume`` means trust an existing work file):
     force and not resume           start over: the work file is discarded, OUT replaced at finish.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Iterable
+from glob import escape as glob_escape
 from pathlib import Path
 
 import orjson
@@ -33,6 +36,27 @@ from specbatch.io.records import RecordError
 # The same flags for every line ever written: the final bytes depend only on the records.
 JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
 OUTPUT_FORMATS = (".jsonl", ".parquet")
+
+
+def check_output_path(out_path: str | os.PathLike) -> None:
+    """Raise ``ValueError`` naming the problem if ``out_path`` cannot be written: an extension
+    other than ``OUTPUT_FORMATS``, a folder in its place, or a parent that cannot be created
+    (a file in the way) or written. Cheap, so callers check before loading a model."""
+    path = Path(out_path)
+    if path.suffix.lower() not in OUTPUT_FORMATS:
+        raise ValueError(f"output {str(out_path)!r}: expected a name ending in "
+                         f"{' or '.join(OUTPUT_FORMATS)}")
+    if path.is_dir():
+        raise ValueError(f"output {str(out_path)!r} is a folder; expected a file name")
+    parent = path.absolute().parent
+    while not parent.exists():  # the folders that do not exist yet are created at open
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"cannot create the output folder {str(path.parent)!r}: {parent} is "
+                         "not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot write the output {str(out_path)!r}: folder {parent} is not "
+                         "writable")
 
 
 class OutputWriter:
@@ -47,9 +71,7 @@ class OutputWriter:
     def __init__(self, out_path: str | os.PathLike, config: dict, *, resume: bool, force: bool,
                  fsync_every: int = 8, num_records: int) -> None:
         self.out_path = Path(out_path)
-        if self.out_path.suffix.lower() not in OUTPUT_FORMATS:
-            raise ValueError(f"output {str(out_path)!r}: expected a name ending in "
-                             f"{' or '.join(OUTPUT_FORMATS)}")
+        check_output_path(out_path)
         if fsync_every < 1:
             raise ValueError(f"fsync_every={fsync_every!r}: expected an integer >= 1")
         self.work_path = _beside(self.out_path, ".work.jsonl")
@@ -78,6 +100,7 @@ class OutputWriter:
         if self.work_path.exists():
             self._done = set(self._load_work())
         self.out_path.parent.mkdir(parents=True, exist_ok=True)
+        self._remove_stale_temp_files()
         _atomic_write(self.config_path, orjson.dumps(self.config, option=orjson.OPT_INDENT_2)
                       + b"\n")
         self._fh = open(self.work_path, "ab")
@@ -169,6 +192,13 @@ class OutputWriter:
         if not force:
             raise ValueError(f"cannot continue {self.work_path}: {why}, or --force to start over")
         self._discard_work()
+
+    def _remove_stale_temp_files(self) -> None:
+        """A run killed inside ``finish`` (or ``_atomic_write``) leaves ``.OUT.*.tmp``; the
+        final file is rebuilt from the work file, so such a leftover is never needed."""
+        for name in (self.out_path.name, self.config_path.name, self.errors_path.name):
+            for tmp in self.out_path.parent.glob(f".{glob_escape(name)}.*.tmp"):
+                tmp.unlink(missing_ok=True)
 
     def _discard_work(self) -> None:
         self.work_path.unlink(missing_ok=True)
@@ -262,4 +292,4 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-__all__ = ["OutputWriter", "JSON_OPTIONS", "OUTPUT_FORMATS"]
+__all__ = ["OutputWriter", "check_output_path", "JSON_OPTIONS", "OUTPUT_FORMATS"]
