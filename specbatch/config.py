@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-METHODS = ("none", "ngram")
+METHODS = ("none", "ngram", "draft")
 DTYPES = ("float32", "bfloat16", "float64", "float16")
 
 
@@ -102,18 +102,26 @@ SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 class SpecConfig:
     """Which proposer drafts tokens and how many.
 
-    method: ``none`` (plain decoding, k = 0) or ``ngram`` (prompt lookup).
+    method: ``none`` (plain decoding, k = 0), ``ngram`` (prompt lookup) or ``draft`` (a draft
+        model, ``draft_model``).
     num_speculative_tokens: k, draft tokens per verify step (the cap when k varies per row).
     prompt_lookup_min / prompt_lookup_max: n-gram sizes (tokens) the lookup tries, longest first.
+    draft_model: the draft model (registry name, .gguf or HF folder); required for ``draft``.
     """
 
     method: str = "none"
     num_speculative_tokens: int = 5
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.method in METHODS, "method", self.method, f"one of {', '.join(METHODS)}")
+        _check(self.draft_model is None or (isinstance(self.draft_model, str)
+                                            and self.draft_model != ""),
+               "draft_model", self.draft_model, "a model name or path")
+        _check(self.method != "draft" or self.draft_model is not None, "draft_model",
+               self.draft_model, "a draft model (--draft-model NAME) for method draft")
         _check(_is_int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= 32,
                "num_speculative_tokens", self.num_speculative_tokens, "an integer in [0, 32]")
         _check(_is_int(self.prompt_lookup_min) and self.prompt_lookup_min >= 1,

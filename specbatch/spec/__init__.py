@@ -7,10 +7,18 @@ from specbatch.spec.ngram import NgramProposer
 from specbatch.spec.proposer import NoProposer, Proposer
 
 
-def make_proposer(config: SpecConfig) -> Proposer:
-    """The proposer for ``config.method``; raises ``ValueError`` for an unknown method."""
+def make_proposer(config: SpecConfig, draft_forward=None, num_rows: int = 1) -> Proposer:
+    """The proposer for ``config.method``; raises ``ValueError`` for an unknown method, or for
+    ``draft`` without ``draft_forward`` (the draft model's ``LlamaForward``; its KV cache gets
+    ``num_rows`` rows, the target's row count)."""
     if config.method == "none":
         return NoProposer()
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "draft":
+        if draft_forward is None:
+            raise ValueError("method 'draft' needs a draft model (--draft-model NAME)")
+        from specbatch.spec.draft import DraftProposer
+
+        return DraftProposer(draft_forward, num_rows)
     raise ValueError(f"unknown method {config.method!r}")
