@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from specbatch.config import EngineConfig, SamplingParams, SpecConfig
 
@@ -102,10 +103,36 @@ def main(verbose: bool) -> None:
             sys.modules["datasets"].disable_progress_bars()
 
 
+def _recipe_defaults(ctx: click.Context, param: click.Parameter, value: str | None):
+    """``--recipe FILE`` (eager): the recipe's values become the other options' defaults, so a
+    flag given on the command line wins and the built-in defaults fill the rest."""
+    if value is None:
+        return None
+    from specbatch.recipe import load_recipe
+
+    try:
+        recipe = load_recipe(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e), ctx=ctx, param=param) from None
+    ctx.default_map = {**(ctx.default_map or {}), **recipe.options}
+    return recipe
+
+
+def _given(ctx: click.Context, name: str) -> bool:
+    return ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE,
+                                              ParameterSource.ENVIRONMENT)
+
+
 @main.command()
 @click.argument("input_path", metavar="INPUT", type=click.Path())
 @click.option("-o", "--output", default=None, type=click.Path(dir_okay=False),
               help="Output .jsonl or .parquet (default: INPUT stem + .out.jsonl).")
+@click.option("--recipe", type=click.Path(dir_okay=False), default=None, is_eager=True,
+              callback=_recipe_defaults,
+              help="Job definition (recipes/*.toml); flags given here override its values.")
+@click.option("--template", default=None,
+              help="Build each prompt (the user message of a chat) from record fields: "
+              "'{field}' is replaced by the record's value. Recipes hold multi-line ones.")
 @_model_options
 @_spec_options
 @_sampling_options
@@ -116,15 +143,25 @@ def main(verbose: bool) -> None:
 @click.option("--resume", is_flag=True, help="Continue from OUT.work.jsonl.")
 @click.option("--force", is_flag=True, help="Start over even if earlier work or output exists.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def run(input_path, output, model, dtype, max_batch_size, max_model_len, cache_dir, method, k,
-        prompt_lookup_min, prompt_lookup_max, max_tokens, min_tokens, temperature, top_p, top_k,
-        seed, stop, stop_token_ids, ignore_eos, logprobs, prompt_field, id_field, split, limit,
-        on_error, resume, force, no_progress):
+@click.pass_context
+def run(ctx, input_path, output, recipe, template, model, dtype, max_batch_size, max_model_len,
+        cache_dir, method, k, prompt_lookup_min, prompt_lookup_max, max_tokens, min_tokens,
+        temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, logprobs,
+        prompt_field, id_field, split, limit, on_error, resume, force, no_progress):
     """Generate an output for every record of INPUT (JSONL, JSON, Parquet, CSV or a saved
     dataset folder) and write them, with per-record acceptance stats, to OUT."""
     from specbatch.run import RunOptions, run_job
 
+    if template is not None and prompt_field is not None:  # one from the recipe: the flag wins
+        if _given(ctx, "template") == _given(ctx, "prompt_field"):
+            raise click.UsageError("--template and --prompt-field exclude each other")
+        template, prompt_field = ((template, None) if _given(ctx, "template")
+                                  else (None, prompt_field))
     try:
+        if template is not None:
+            from specbatch.io.records import template_fields
+
+            template_fields(template)
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=None,
                                   max_tokens=max_tokens, min_tokens=min_tokens, stop=tuple(stop),
                                   stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
@@ -140,7 +177,8 @@ def run(input_path, output, model, dtype, max_batch_size, max_model_len, cache_d
     opts = RunOptions(input_path=input_path, output_path=out, model=model, cache_dir=cache_dir,
                       sampling=sampling, spec=spec, engine=engine, run_seed=seed,
                       prompt_field=prompt_field, id_field=id_field, split=split, limit=limit,
-                      on_error=on_error, resume=resume, force=force, progress=not no_progress)
+                      on_error=on_error, resume=resume, force=force, progress=not no_progress,
+                      template=template, recipe=recipe.identity if recipe else None)
     _exit_from_signals()
     sys.exit(run_job(opts))
 

@@ -42,6 +42,8 @@ class RunOptions:
     resume: bool = False
     force: bool = False
     progress: bool = True
+    template: str | None = None  # renders the user message from record fields
+    recipe: dict | None = None  # {"name", "version"} of the recipe the options came from
 
 
 def _err(msg: str) -> None:
@@ -80,7 +82,7 @@ def load_records(opts) -> tuple[list, list]:
 
     records, errors = read_records(opts.input_path, prompt_field=opts.prompt_field,
                                    id_field=opts.id_field, split=opts.split,
-                                   defaults=opts.sampling)
+                                   defaults=opts.sampling, template=opts.template)
     if opts.limit is not None:
         records = records[:opts.limit]
         errors = [e for e in errors if e.line == 0 or not records or e.line <= records[-1].line]
@@ -180,10 +182,12 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         "sampling": opts.sampling.to_dict(),
         "seed": opts.run_seed,
         "prompt_field": opts.prompt_field,
+        "template": opts.template,
         "id_field": opts.id_field,
         "split": opts.split,
         "limit": opts.limit,
         "max_model_len": max_model_len,
+        "recipe": opts.recipe,
     }
     job.num_records = len(records)
     try:

@@ -14,11 +14,17 @@ format, unreadable dataset, no records) is one ``RecordError`` with ``line == 0`
 
 A field whose value is null counts as absent (columnar formats fill missing cells with null),
 for the prompt, the id and the sampling fields alike.
+
+A ``template`` (``--template`` or a recipe's ``input.template``) builds the prompt from record
+fields instead: ``"{instruction}\n\n{code}"`` becomes the user message of a one-message chat,
+so the model's chat template applies as for ``messages``. A record without one of the fields
+is a per-record error naming the field.
 """
 
 from __future__ import annotations
 
 import os
+import string
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -75,15 +81,22 @@ class RecordError:
 
 def read_records(path: str | os.PathLike, *, prompt_field: str | None = None,
                  id_field: str | None = None, split: str | None = None,
-                 defaults: SamplingParams = SamplingParams()
+                 defaults: SamplingParams = SamplingParams(), template: str | None = None,
                  ) -> tuple[list[Record], list[RecordError]]:
     """Read ``path`` and validate every record; never raises for bad input.
 
     Returns the valid records (``index`` 0..n-1 in input order) and the errors, in line order.
     A duplicate id (compared as text, so 7 and "7" clash) is an error on every record after the
-    first, naming the first one's line.
+    first, naming the first one's line. ``template`` (exclusive with ``prompt_field``) renders
+    each record's user message from its fields; see the module docstring.
+    Raises ``ValueError`` only for a bad call: a malformed template, or both template and
+    prompt_field.
     """
     p = str(path)
+    if template is not None:
+        template_fields(template)
+        if prompt_field is not None:
+            raise ValueError("give a prompt field or a template, not both")
     try:
         rows = list(_rows(Path(path), split))
     except _FileError as e:
@@ -102,7 +115,10 @@ def read_records(path: str | os.PathLike, *, prompt_field: str | None = None,
             if key in first_line:
                 raise ValueError(f"duplicate id {rec_id!r}: first seen on line {first_line[key]}")
             first_line[key] = line
-            prompt, messages, turns = _prompt(row, prompt_field)
+            if template is not None:
+                prompt, messages, turns = None, [_render(template, row)], None
+            else:
+                prompt, messages, turns = _prompt(row, prompt_field)
             sampling = _sampling(row, defaults)
         except ValueError as e:
             errors.append(RecordError(p, line, rec_id, str(e)))
@@ -278,6 +294,55 @@ def _prompt(row: dict, prompt_field: str | None
                      f"{{role, content}} messages; got {got}")
 
 
+def template_fields(template: str) -> list[str]:
+    """Names of the record fields ``template`` uses, in order of first use.
+
+    ``"{instruction}\n\n{code}"`` -> ``["instruction", "code"]``; ``{{`` and ``}}`` are literal
+    braces. Raises ``ValueError`` for a malformed template, a field that is not a plain name
+    (``{}``, ``{0}``, ``{a.b}``, ``{a[0]}``) or a template with no field.
+    """
+    if not isinstance(template, str):
+        raise ValueError(f"template must be a string, got {_kind(template)}")
+    names: list[str] = []
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as e:
+        raise ValueError(f"template {template!r}: {e} (write {{{{ and }}}} for literal "
+                         "braces)") from None
+    for _, name, spec, _ in parsed:
+        if name is None:
+            continue
+        if not name.isidentifier():
+            raise ValueError(f"template {template!r}: {{{name}}} is not a field name; use "
+                             "{field} with a record field's name")
+        if spec and ("{" in spec):
+            raise ValueError(f"template {template!r}: nested fields are not supported")
+        if name not in names:
+            names.append(name)
+    if not names:
+        raise ValueError(f"template {template!r} uses no record field")
+    return names
+
+
+def _render(template: str, row: dict) -> dict:
+    """The user message ``template`` makes of ``row``'s fields."""
+    for name in template_fields(template):
+        value = row.get(name)
+        if value is None:
+            raise ValueError(f"template field {name!r} is missing"
+                             + (" (null)" if name in row else ""))
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise ValueError(f"template field {name!r} must be text or a number, got "
+                             f"{_kind(value)}")
+    try:
+        text = template.format_map(row)
+    except (ValueError, TypeError) as e:  # a format spec that does not fit the value
+        raise ValueError(f"template cannot render this record: {e}") from None
+    if not text.strip():
+        raise ValueError("template renders an empty prompt")
+    return {"role": "user", "content": text}
+
+
 def _messages(name: str, value: list[dict]) -> list[dict]:
     for i, m in enumerate(value):
         role, content = m.get("role"), m.get("content")
@@ -314,5 +379,5 @@ def _kind(value) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-__all__ = ["Record", "RecordError", "read_records", "check_lengths", "PROMPT_FIELDS",
-           "ID_FIELDS"]
+__all__ = ["Record", "RecordError", "read_records", "check_lengths", "template_fields",
+           "PROMPT_FIELDS", "ID_FIELDS"]

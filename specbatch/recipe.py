@@ -1,0 +1,147 @@
+"""Recipes: named, versioned job definitions in TOML (``specbatch run --recipe FILE INPUT``).
+
+A recipe supplies the values of ``specbatch run``'s options; a flag given on the command line
+wins over the recipe, and the recipe wins over the built-in defaults. Every table and key is
+optional except ``name`` and ``version``::
+
+    name = "code_edit"        # letters, digits, ".", "_", "-"; written to OUT.config.json
+    version = 1               # bump it when a change must not resume an older run's work
+    description = "..."
+
+    [model]        name, dtype, max_batch_size, max_model_len
+    [speculation]  method, k, prompt_lookup_min, prompt_lookup_max
+    [sampling]     temperature, top_p, top_k, seed (the run seed, --seed), max_tokens,
+                   min_tokens, stop, stop_token_ids, ignore_eos, logprobs
+    [input]        prompt_field, id_field, template (exclusive with prompt_field)
+
+Keys are the option names with ``_`` for ``-`` (``[model] name`` is ``--model``). Values get
+the checks the flags get; an unknown table or key is an error, so a typo never passes silently.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass, fields
+from types import MappingProxyType
+
+from specbatch.config import SAMPLING_FIELDS, EngineConfig, SamplingParams, SpecConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+# table -> {recipe key: ``specbatch run`` parameter name}
+SECTIONS = MappingProxyType({
+    "model": {"name": "model", "dtype": "dtype", "max_batch_size": "max_batch_size",
+              "max_model_len": "max_model_len"},
+    "speculation": {"method": "method", "k": "k", "prompt_lookup_min": "prompt_lookup_min",
+                    "prompt_lookup_max": "prompt_lookup_max"},
+    "sampling": {name: name for name in SAMPLING_FIELDS},
+    "input": {"prompt_field": "prompt_field", "id_field": "id_field", "template": "template"},
+})
+TOP_LEVEL = ("name", "version", "description")
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A loaded recipe.
+
+    options: ``specbatch run`` parameter name -> value (``{"k": 5, "max_tokens": 128, ...}``),
+        only the keys the recipe sets; lists stay lists (``stop``).
+    """
+
+    name: str
+    version: int | str
+    description: str
+    path: str
+    options: dict
+
+    @property
+    def identity(self) -> dict:
+        """What the output's config records: ``{"name": ..., "version": ...}``."""
+        return {"name": self.name, "version": self.version}
+
+
+def load_recipe(path: str | os.PathLike) -> Recipe:
+    """Read and check a recipe file. Raises ``ValueError`` naming the file and the bad key."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"recipe {str(path)!r}: no such file") from None
+    except OSError as e:
+        raise ValueError(f"recipe {str(path)!r}: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"recipe {str(path)!r}: invalid TOML: {e}") from None
+    return parse_recipe(data, str(path))
+
+
+def parse_recipe(data: dict, path: str = "<recipe>") -> Recipe:
+    """Check a parsed recipe (``tomllib`` output); see ``load_recipe``."""
+    def fail(msg: str) -> ValueError:
+        return ValueError(f"recipe {path!r}: {msg}")
+
+    unknown = [k for k in data if k not in TOP_LEVEL and k not in SECTIONS]
+    if unknown:
+        raise fail(f"unknown key {unknown[0]!r}; expected {', '.join(TOP_LEVEL)} or the tables "
+                   f"[{'], ['.join(SECTIONS)}]")
+    name, version = data.get("name"), data.get("version")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise fail(f"name={name!r}: expected letters, digits, '.', '_' or '-'")
+    if isinstance(version, bool) or not (isinstance(version, int) and version >= 0
+                                         or isinstance(version, str) and version.strip()):
+        raise fail(f"version={version!r}: expected an integer >= 0 or a version string")
+    description = data.get("description", "")
+    if not isinstance(description, str):
+        raise fail(f"description must be a string, got {description!r}")
+
+    options: dict = {}
+    for table, keys in SECTIONS.items():
+        values = data.get(table, {})
+        if not isinstance(values, dict):
+            raise fail(f"{table} must be a table ([{table}]), got {values!r}")
+        for key, value in values.items():
+            if key not in keys:
+                raise fail(f"unknown key [{table}] {key!r}; expected one of {', '.join(keys)}")
+            options[keys[key]] = value
+    try:
+        _check(options)
+    except ValueError as e:
+        raise fail(str(e)) from None
+    if isinstance(options.get("stop"), str):  # one stop string, as a record may give it
+        options["stop"] = [options["stop"]]
+    return Recipe(name, version, description, path, options)
+
+
+def _check(options: dict) -> None:
+    """The checks ``specbatch run`` applies to the same values given as flags."""
+    from specbatch.io.records import template_fields
+
+    for key in ("model", "prompt_field", "id_field"):
+        if key in options and not (isinstance(options[key], str) and options[key]):
+            raise ValueError(f"{key}={options[key]!r}: expected a non-empty string")
+    if "template" in options:
+        template_fields(options["template"])
+        if "prompt_field" in options:
+            raise ValueError("[input] has both prompt_field and template; keep one")
+    seed = options.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"seed={seed!r}: expected an integer")
+    if "stop" in options and not isinstance(options["stop"], (list, str)):
+        raise ValueError(f"stop={options['stop']!r}: expected a string or a list of strings")
+    if "stop_token_ids" in options and not isinstance(options["stop_token_ids"], list):
+        raise ValueError(f"stop_token_ids={options['stop_token_ids']!r}: expected a list")
+    SamplingParams.from_dict({k: v for k, v in options.items()
+                              if k in SAMPLING_FIELDS and k != "seed"})
+    spec_keys = {"method": "method", "k": "num_speculative_tokens",
+                 "prompt_lookup_min": "prompt_lookup_min", "prompt_lookup_max": "prompt_lookup_max"}
+    SpecConfig(**{spec_keys[k]: v for k, v in options.items() if k in spec_keys})
+    engine_keys = {f.name for f in fields(EngineConfig)} & set(SECTIONS["model"].values())
+    EngineConfig(**{k: v for k, v in options.items() if k in engine_keys})
+
+
+__all__ = ["Recipe", "load_recipe", "parse_recipe", "SECTIONS"]
