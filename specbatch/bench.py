@@ -36,16 +36,21 @@ class BenchOptions:
     per_category: int | None = None
     categories: tuple[str, ...] | None = None
     repeats: int = 1
+    draft_model: str | None = None
 
 
-def parse_configs(text: str) -> tuple[tuple[str, SpecConfig], ...]:
-    """``"none,ngram:k=3,ngram:k=5:min=1:max=3"`` -> labelled ``SpecConfig``s.
+def parse_configs(text: str,
+                  draft_model: str | None = None) -> tuple[tuple[str, SpecConfig], ...]:
+    """``"none,ngram:k=3,ngram:k=5:min=1:max=3,draft:k=3"`` -> labelled ``SpecConfig``s; the
+    ``draft`` ones use ``draft_model``.
 
-    Raises ``ValueError`` on an unknown method or key."""
+    Raises ``ValueError`` on an unknown method or key, or ``draft`` without a draft model."""
     out = []
     for item in (t.strip() for t in text.split(",") if t.strip()):
         method, *parts = item.split(":")
         kwargs: dict = {"method": method}
+        if method == "draft":
+            kwargs["draft_model"] = draft_model
         keys = {"k": "num_speculative_tokens", "min": "prompt_lookup_min",
                 "max": "prompt_lookup_max"}
         for part in parts:
@@ -82,10 +87,21 @@ def run_bench(opts: BenchOptions) -> int:
     loaded = load_model(opts.model or DEFAULT_MODEL, dtype=opts.engine.dtype,
                         device=opts.engine.device, cache_dir=opts.cache_dir)
     renderer = PromptRenderer(loaded.tokenizer)
+    draft = None
+    if any(spec.method == "draft" for _, spec in opts.specs):
+        from specbatch.spec.draft import load_draft_model
+
+        try:
+            draft = load_draft_model(opts.draft_model, loaded, opts.engine.dtype,
+                                     opts.engine.device, opts.cache_dir)
+        except ValueError as e:
+            click.echo(f"error: draft model {opts.draft_model!r}: {e}", err=True)
+            return EXIT_BAD_INPUT
 
     def run_once(spec: SpecConfig, recs: list) -> tuple[float, dict]:
         engine = build_engine(loaded.model, spec, opts.engine, loaded.eos_token_ids,
-                              loaded.max_model_len, renderer.detokenize)
+                              loaded.max_model_len, renderer.detokenize,
+                              draft_model=draft.model if spec.method == "draft" else None)
         t0 = time.perf_counter()
         outs = {rec.index: out for rec, out in generate_records(engine, renderer, recs,
                                                                  opts.run_seed)}

@@ -21,8 +21,11 @@ EXIT_INTERRUPTED = 130
 
 def _spec_options(f):
     for opt in reversed([
-        click.option("--method", type=click.Choice(["none", "ngram"]), default="ngram",
-                     show_default=True, help="Proposer: none (plain decoding) or ngram."),
+        click.option("--method", type=click.Choice(["none", "ngram", "draft"]), default="ngram",
+                     show_default=True,
+                     help="Proposer: none (plain decoding), ngram or draft (--draft-model)."),
+        click.option("--draft-model", default=None, help="Draft model for --method draft: "
+                     "registry name, .gguf path or HF folder sharing the target's tokenizer."),
         click.option("--k", "--num-speculative-tokens", "k", type=click.IntRange(0, 32),
                      default=5, show_default=True, help="Draft tokens per verify step."),
         click.option("--prompt-lookup-min", type=click.IntRange(1), default=2, show_default=True,
@@ -145,8 +148,8 @@ def _given(ctx: click.Context, name: str) -> bool:
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.pass_context
 def run(ctx, input_path, output, recipe, template, model, dtype, max_batch_size, max_model_len,
-        cache_dir, method, k, prompt_lookup_min, prompt_lookup_max, max_tokens, min_tokens,
-        temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, logprobs,
+        cache_dir, method, draft_model, k, prompt_lookup_min, prompt_lookup_max, max_tokens,
+        min_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, logprobs,
         prompt_field, id_field, split, limit, on_error, resume, force, no_progress):
     """Generate an output for every record of INPUT (JSONL, JSON, Parquet, CSV or a saved
     dataset folder) and write them, with per-record acceptance stats, to OUT."""
@@ -168,7 +171,7 @@ def run(ctx, input_path, output, recipe, template, model, dtype, max_batch_size,
                                   logprobs=logprobs)
         spec = SpecConfig(method=method, num_speculative_tokens=k,
                           prompt_lookup_min=prompt_lookup_min,
-                          prompt_lookup_max=prompt_lookup_max)
+                          prompt_lookup_max=prompt_lookup_max, draft_model=draft_model)
         engine = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_model_len,
                               dtype=dtype)
     except ValueError as e:
@@ -186,7 +189,8 @@ def run(ctx, input_path, output, recipe, template, model, dtype, max_batch_size,
 @main.command()
 @click.argument("input_path", metavar="INPUT", type=click.Path(exists=True))
 @click.option("--configs", default="none,ngram:k=5", show_default=True,
-              help="Comma-separated configurations: none, ngram:k=N[:min=A:max=B].")
+              help="Comma-separated configurations: none, ngram:k=N[:min=A:max=B], draft:k=N.")
+@click.option("--draft-model", default=None, help="Draft model of the draft:k=N configurations.")
 @_model_options
 @_sampling_options
 @_input_options
@@ -195,8 +199,8 @@ def run(ctx, input_path, output, recipe, template, model, dtype, max_batch_size,
 @click.option("--categories", default=None, help="Comma-separated categories to keep.")
 @click.option("--repeats", type=click.IntRange(1), default=1, show_default=True,
               help="Rounds of the interleaved schedule.")
-def bench(input_path, configs, model, dtype, max_batch_size, max_model_len, cache_dir,
-          max_tokens, min_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
+def bench(input_path, configs, draft_model, model, dtype, max_batch_size, max_model_len,
+          cache_dir, max_tokens, min_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
           ignore_eos, logprobs, prompt_field, id_field, split, limit, per_category, categories,
           repeats):
     """Time several configurations on the same records, interleaved; print output tok/s and
@@ -210,13 +214,13 @@ def bench(input_path, configs, model, dtype, max_batch_size, max_model_len, cach
                                   logprobs=logprobs)
         engine = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_model_len,
                               dtype=dtype)
-        specs = parse_configs(configs)
+        specs = parse_configs(configs, draft_model)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     sys.exit(run_bench(BenchOptions(
-        input_path=input_path, model=model, cache_dir=cache_dir, sampling=sampling, specs=specs,
-        engine=engine, run_seed=seed, prompt_field=prompt_field, id_field=id_field, split=split,
-        limit=limit, per_category=per_category,
+        input_path=input_path, model=model, draft_model=draft_model, cache_dir=cache_dir,
+        sampling=sampling, specs=specs, engine=engine, run_seed=seed, prompt_field=prompt_field,
+        id_field=id_field, split=split, limit=limit, per_category=per_category,
         categories=tuple(categories.split(",")) if categories else None, repeats=repeats)))
 
 

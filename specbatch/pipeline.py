@@ -173,3 +173,23 @@ def build_engine(model, spec_config, engine_config, eos_ids: Iterable[int], max_
     draft_forward = LlamaForward(draft_model) if draft_model is not None else None
     proposer = make_proposer(spec_config, draft_forward, engine_config.max_batch_size)
     return Engine(runner, proposer, stop_rules, spec_config.k, detokenize)
+
+
+def memory_summary(engine: Engine) -> str:
+    """One line: weights and KV cache bytes of the target and, for a draft proposer, the draft.
+
+    KV bytes are the caches' size at the time of the call (they grow with the longest row)."""
+    from specbatch.spec.draft import DraftProposer, weight_bytes
+
+    runner, proposer = engine.runner, engine.proposer
+    line = (f"memory: target weights {_gib(weight_bytes(runner.forward.hf_model))}, KV "
+            f"{_gib(runner.cache.nbytes)} ({runner.cache.num_rows} rows x "
+            f"{runner.cache.capacity} positions)")
+    if isinstance(proposer, DraftProposer):
+        line += (f"; draft weights {_gib(proposer.weight_bytes)}, KV "
+                 f"{_gib(proposer.cache.nbytes)}")
+    return line
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB"

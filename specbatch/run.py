@@ -141,7 +141,8 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
 
     from specbatch.models.loader import load_model
     from specbatch.models.registry import DEFAULT_MODEL
-    from specbatch.pipeline import PromptRenderer, Throughput, build_engine, generate_records
+    from specbatch.pipeline import (PromptRenderer, Throughput, build_engine, generate_records,
+                                    memory_summary)
 
     t0 = time.perf_counter()
     try:
@@ -153,6 +154,17 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     except OSError as e:
         _err(f"error: cannot load model {opts.model or DEFAULT_MODEL!r}: {_os_error(e)}")
         return EXIT_BAD_INPUT
+    draft = None
+    if opts.spec.method == "draft":
+        from specbatch.spec.draft import load_draft_model
+
+        try:
+            draft = load_draft_model(opts.spec.draft_model, loaded, opts.engine.dtype,
+                                     opts.engine.device, opts.cache_dir)
+        except (ValueError, OSError) as e:
+            _err(f"error: draft model {opts.spec.draft_model!r}: "
+                 f"{e if isinstance(e, ValueError) else _os_error(e)}")
+            return EXIT_BAD_INPUT
     load_s = time.perf_counter() - t0
     renderer = PromptRenderer(loaded.tokenizer)
     max_model_len = loaded.max_model_len
@@ -179,6 +191,7 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         "k": opts.spec.k,
         "prompt_lookup_min": opts.spec.prompt_lookup_min,
         "prompt_lookup_max": opts.spec.prompt_lookup_max,
+        **({"draft_model": draft.model_id} if draft is not None else {}),
         "sampling": opts.sampling.to_dict(),
         "seed": opts.run_seed,
         "prompt_field": opts.prompt_field,
@@ -212,7 +225,8 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
              f"{writer.work_path}")
 
     engine = build_engine(loaded.model, opts.spec, opts.engine, loaded.eos_token_ids,
-                          max_model_len, renderer.detokenize)
+                          max_model_len, renderer.detokenize,
+                          draft_model=draft.model if draft is not None else None)
     tput = Throughput()
     by_category: dict[str, list] = defaultdict(list)
     bar = job.bar = _progress(len(records), len(done) + len(skip), opts.progress)
@@ -242,6 +256,7 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     _err(f"wrote {n} records to {opts.output_path} ({tput.num_tokens} new output tokens in "
          f"{elapsed:.1f} s, {tput.tokens_per_second:.1f} tok/s; model load {load_s:.1f} s)")
     _err(summary_table(by_category))
+    _err(memory_summary(engine))
     return EXIT_OK
 
 

@@ -102,7 +102,7 @@ class SplitRegistryEntry:
                              f"{self.sha256!r}")
 
     def part_paths(self) -> list[Path]:
-        """Installed part files, in order. Raises ValueError naming ``install`` if one is missing."""
+        """Installed part files, in order; ValueError naming ``install`` if one is missing."""
         paths = []
         for i, module in enumerate(self.part_modules, start=1):
             folder = _module_folder(module)

