@@ -37,6 +37,7 @@ class BenchOptions:
     categories: tuple[str, ...] | None = None
     repeats: int = 1
     draft_model: str | None = None
+    template: str | None = None  # as RunOptions.template (load_records reads it)
 
 
 def parse_configs(text: str,
