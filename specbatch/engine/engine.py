@@ -139,6 +139,7 @@ class Engine:
         for i, seq in enumerate(seqs):
             if bad_rows[i]:
                 seq.finish_reason, seq.error = "error", "NaN in the target's logits"
+                self.runner.clear_row(seq.row)  # its NaN keys/values must not outlive it
                 done.append(self._finish(seq))
                 continue
             emitted = target[i, :num_accepted[i] + 1].tolist()

@@ -80,3 +80,11 @@ class KVCache:
 
     def reset(self, row: int) -> None:
         self.seq_lens[row] = 0
+
+    def clear(self, row: int) -> None:
+        """Empty a row and zero its keys/values. A NaN left in a row would reach the row's next
+        user: attention gives masked positions probability 0, and 0 * NaN is NaN."""
+        for store in (self.k, self.v):
+            for t in store:
+                t[row].zero_()
+        self.seq_lens[row] = 0

@@ -91,6 +91,10 @@ class ModelRunner:
             self.cache.seq_lens[seq.row] = len(seq.token_ids) + len(draft)
         return logits
 
+    def clear_row(self, row: int) -> None:
+        """Zero a failed row's cache (see ``KVCache.clear``) before another sequence gets it."""
+        self.cache.clear(row)
+
     def rollback(self, seq: Sequence) -> None:
         """Restore the invariant after a commit: cache holds all but the last committed token."""
         self.cache.truncate(seq.row, len(seq.token_ids) - 1)

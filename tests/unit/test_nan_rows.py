@@ -1,0 +1,115 @@
+"""A NaN from the model fails only the record whose row produced it.
+
+A wrapper around the tiny model's forward poisons one request's row a few steps into its
+generation: either only its logits, or its keys/values too (a NaN inside the model lands in the
+KV cache, and that cache row is later reused by another request). The poisoned record ends with
+``finish_reason == "error"`` and an ``error``; every other record gets exactly the tokens of a
+clean run.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specbatch.config import SamplingParams
+from specbatch.models.llama import LlamaForward
+from specbatch.pipeline import generate_records
+from tests.helpers import make_engine, repeating_prompts, run_engine, tiny_llama
+
+VOCAB = 96
+POISON_ID = VOCAB - 1  # only the poisoned prompt contains it
+NUM_CLEAN_STEPS = 3  # decode steps the poisoned row runs before its NaN
+
+
+class PoisonedForward:
+    """``LlamaForward`` whose output for the row holding the poisoned prompt turns NaN after
+    ``NUM_CLEAN_STEPS`` verify steps; with ``into_cache``, that step's keys/values too."""
+
+    def __init__(self, model, into_cache: bool) -> None:
+        self.inner = LlamaForward(model)
+        self.into_cache = into_cache
+        self.poisoned_rows: dict[int, int] = {}  # cache row -> verify steps seen
+        self.num_poisoned = 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, cache, rows, logits_index=None):
+        logits = self.inner.forward(input_ids, positions, cache, rows, logits_index)
+        if logits_index is not None:  # a prefill chunk of one row: track which row is poisoned
+            row = int(rows[0])
+            if positions[0, 0] == 0:
+                self.poisoned_rows.pop(row, None)
+            if (input_ids == POISON_ID).any():
+                self.poisoned_rows[row] = 0
+            return logits
+        for b, row in enumerate(rows.tolist()):
+            if row not in self.poisoned_rows:
+                continue
+            self.poisoned_rows[row] += 1
+            if self.poisoned_rows[row] == NUM_CLEAN_STEPS + 1:
+                logits[b] = float("nan")
+                self.num_poisoned += 1
+                if self.into_cache:
+                    for layer in range(len(cache.k)):
+                        cache.k[layer][row, :, positions[b]] = float("nan")
+                        cache.v[layer][row, :, positions[b]] = float("nan")
+        return logits
+
+
+def _prompts() -> list[list[int]]:
+    """7 prompts of 20, 27, 13, 6, 9, 16, 23 tokens; the 27-token one (index 1) is poisoned.
+
+    Over 3 rows, the short prompt 3 takes the poisoned row when it fails: a NaN key/value left
+    at position 27+ would sit inside the key block the short prompt's attention reads."""
+    base = repeating_prompts(VOCAB - 1, 7, seed=3)  # ids < POISON_ID
+    prompts = [base[i] for i in (2, 3, 1, 0, 4, 5, 6)]
+    prompts[1] = prompts[1][:4] + [POISON_ID] + prompts[1][5:]
+    return prompts
+
+
+@pytest.mark.parametrize("into_cache", [False, True])
+@pytest.mark.parametrize("k", [0, 3])
+def test_nan_fails_only_its_record(into_cache, k):
+    model = tiny_llama(VOCAB, seed=5)
+    prompts = _prompts()
+    sampling = SamplingParams(max_tokens=12, ignore_eos=True)
+    # 7 prompts over 3 rows: the poisoned row is reused by later requests
+    clean = run_engine(model, prompts, k=k, batch_size=3, sampling=sampling)
+    poisoned_forward = PoisonedForward(model, into_cache)
+    got = run_engine(poisoned_forward, prompts, k=k, batch_size=3, sampling=sampling)
+
+    assert poisoned_forward.num_poisoned == 1
+    bad = got[1]
+    assert bad.finish_reason == "error" and bad.error == "NaN in the target's logits"
+    assert 1 <= len(bad.output_ids) < 12  # it got some way before failing
+    assert bad.output_ids == clean[1].output_ids[:len(bad.output_ids)]
+    for i, (c, g) in enumerate(zip(clean, got)):
+        if i != 1:
+            assert g.finish_reason == "length" and g.error is None, (i, g.error)
+            assert g.output_ids == c.output_ids, i
+
+
+def test_error_record_output_fields():
+    """Through ``generate_records`` (what ``specbatch run`` writes): ``finish_reason: error``
+    and the ``error`` text on the poisoned record only."""
+    model = tiny_llama(VOCAB, seed=5)
+    prompts = _prompts()
+    sampling = SamplingParams(max_tokens=12, ignore_eos=True)
+    records = [SimpleNamespace(index=i, id=f"r{i}", prompt="x", messages=None, turns=None,
+                               sampling=sampling, ids=p) for i, p in enumerate(prompts)]
+    renderer = SimpleNamespace(first_prompt=lambda rec: (list(rec.ids), None))
+    engine = make_engine(PoisonedForward(model, into_cache=True), k=3, batch_size=3)
+    outs = {rec.index: out for rec, out in generate_records(engine, renderer, records)}
+
+    assert sorted(outs) == list(range(len(prompts)))
+    assert outs[1]["finish_reason"] == "error"
+    assert outs[1]["error"] == "NaN in the target's logits"
+    for i, out in outs.items():
+        if i != 1:
+            assert out["finish_reason"] == "length" and "error" not in out, (i, out)
+            assert len(out["output_token_ids"]) == 12
