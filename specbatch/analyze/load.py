@@ -1,0 +1,96 @@
+"""Read what ``specbatch run`` wrote: the output records and the run config beside them.
+
+``analyze`` reads only the writer's files: ``OUT`` (``.jsonl`` or ``.parquet``, one record per
+input record: the input fields plus ``output``, ``output_token_ids``, ``finish_reason``,
+``usage``, ``spec``) and ``OUT.config.json`` (model id, method, k, n-gram sizes, sampling
+defaults, prompt / id fields or template, context cap). The records are parsed with the same
+reader as the input (``io.records.read_records``) under the run's prompt / id fields or template
+and sampling defaults, so a record's prompt and ``SamplingParams`` are what the run used.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specbatch.config import SamplingParams
+from specbatch.io.records import Record, read_records
+from specbatch.spec.stats import SpecStats
+
+
+@dataclass
+class RunFile:
+    """One output file. config: ``OUT.config.json`` as saved, or None when it is missing.
+    problems: lines of the file that could not be read as records (``file:line: reason``)."""
+
+    path: Path
+    config: dict | None
+    records: list[Record]
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return self.path.name
+
+
+def config_path(out_path: str | Path) -> Path:
+    """``OUT.config.json`` beside ``OUT`` (named as ``io.writer`` names it)."""
+    p = Path(out_path)
+    return p.with_name(p.name + ".config.json")
+
+
+def load_run(path: str | Path) -> RunFile:
+    """Read one output file. Raises ``ValueError`` naming the file when it cannot be read at
+    all (missing, unknown format, no records); bad lines become ``RunFile.problems``."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such output file")
+    config = None
+    cpath = config_path(path)
+    if cpath.is_file():
+        try:
+            config = json.loads(cpath.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{cpath}: unreadable run config ({e})") from None
+    defaults = SamplingParams()
+    if config and isinstance(config.get("sampling"), dict):
+        defaults = SamplingParams.from_dict(config["sampling"])
+    c = config or {}
+    records, errors = read_records(path, prompt_field=c.get("prompt_field"),
+                                   id_field=c.get("id_field"), defaults=defaults,
+                                   template=c.get("template"))
+    if any(e.line == 0 for e in errors):
+        raise ValueError(str(errors[0]))
+    problems = [str(e) for e in errors]
+    good = []
+    for r in records:
+        missing = [k for k in ("spec", "usage", "finish_reason") if k not in r.fields]
+        if missing:
+            problems.append(f"{path}:{r.line}: id={r.id!r}: not an output record (no "
+                            f"{', '.join(missing)})")
+        else:
+            good.append(r)
+    return RunFile(path, config, good, problems)
+
+
+def spec_stats(fields: dict) -> SpecStats:
+    """A record's ``spec`` field as ``SpecStats`` (the counters, not the derived ratios)."""
+    d = fields["spec"]
+    return SpecStats(proposer=d.get("proposer", "none"),
+                     num_speculative_tokens=d.get("num_speculative_tokens", 0),
+                     num_steps=d["num_steps"], num_drafts=d["num_drafts"],
+                     num_draft_tokens=d["num_draft_tokens"],
+                     num_accepted_tokens=d["num_accepted_tokens"],
+                     num_accepted_tokens_per_pos=list(d.get("num_accepted_tokens_per_pos", [])),
+                     # parquet stores the histogram as a struct: absent keys read back as null
+                     k_histogram={int(k): v for k, v in (d.get("k_histogram") or {}).items()
+                                  if v is not None})
+
+
+def answers(fields: dict, key: str) -> list:
+    """Per-answer values of ``output`` / ``output_token_ids`` / ``finish_reason`` /
+    ``stop_reason``: a list with one entry per turn for ``turns`` records, else ``[value]``."""
+    value = fields.get(key)
+    is_turns = isinstance(fields.get("finish_reason"), list)
+    return list(value) if is_turns else [value]

@@ -1,0 +1,245 @@
+"""``specbatch analyze``: read output files, build one document of tables, print it as text or
+JSON, and optionally plot it. The document's fields are documented in docs/analyze.md.
+
+Exit status: 0 done; 2 bad input or options (a missing or unreadable file, ``--compare`` without
+exactly two files, an unreadable calibration file, no matplotlib for ``--plot``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import click
+import orjson
+
+from specbatch.analyze.load import RunFile, load_run
+from specbatch.analyze.tables import ALL, group_label, group_table
+
+EXIT_OK, EXIT_BAD_INPUT = 0, 2
+MAX_DIFFS_SHOWN = 20
+
+
+@dataclass(frozen=True)
+class AnalyzeOptions:
+    paths: tuple[str, ...]
+    by: str | None = None
+    what_if: bool = False
+    calibration: str | None = None
+    batch_size: int = 16
+    compare: bool = False
+    as_json: bool = False
+    plot_dir: str | None = None
+
+
+def build_document(files: list[RunFile], opts: AnalyzeOptions, cost=None,
+                   tokenizer_for=None) -> dict:
+    """The analyze document: ``files``, ``tables`` per grouping, and ``what_if`` / ``compare``
+    when asked. tokenizer_for: model id -> tokenizer (default: load the run's model)."""
+    records = [r for f in files for r in f.records]
+    groupings = ["bucket", "proposer"] + ([opts.by] if opts.by else [])
+    primary = opts.by or "bucket"
+    doc: dict = {
+        "files": [_file_info(f) for f in files],
+        "primary_grouping": primary,
+        "tables": {g: group_table(records, g) for g in groupings},
+        "what_if": None,
+        "compare": None,
+    }
+    if opts.what_if:
+        from specbatch.analyze.whatif import what_if
+
+        doc["what_if"] = what_if(files, primary, tokenizer_for or load_tokenizer,
+                                 opts.batch_size, cost)
+    if opts.compare:
+        from specbatch.analyze.compare import compare
+
+        doc["compare"] = compare(files[0], files[1], primary)
+    return doc
+
+
+def run_analyze(opts: AnalyzeOptions) -> int:
+    if opts.compare and len(opts.paths) != 2:
+        return _bad(f"--compare needs exactly two output files, got {len(opts.paths)}")
+    if opts.calibration and not opts.what_if:
+        return _bad("--calibration is used by --what-if; add --what-if")
+    try:
+        files = [load_run(p) for p in opts.paths]
+        cost = None
+        if opts.calibration:
+            from specbatch.plan.costmodel import load
+
+            cost = load(opts.calibration)
+    except ValueError as e:
+        return _bad(str(e))
+    for f in files:
+        for p in f.problems:
+            click.echo(f"warning: skipped {p}", err=True)
+    doc = build_document(files, opts, cost)
+    if opts.plot_dir:
+        from specbatch.analyze.plots import write_plots
+
+        primary = doc["primary_grouping"]
+        try:
+            paths = write_plots(doc, [(group_label(r, primary), r) for f in files
+                                      for r in f.records], opts.plot_dir)
+        except ValueError as e:
+            return _bad(str(e))
+        doc["plots"] = [str(p) for p in paths]
+    if opts.as_json:
+        click.echo(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode())
+    else:
+        click.echo(format_text(doc))
+    return EXIT_OK
+
+
+def load_tokenizer(model_id: str):
+    """The tokenizer of the run's model, from ``OUT.config.json``'s ``model``
+    (``<registry name or path>@sha256:<16 hex>``). Loads the model through the weight cache
+    (about a second for SmolLM2-135M); warns when the file there now has other weights."""
+    from specbatch.models.loader import load_model
+
+    name = model_id.rpartition("@sha256:")[0] or model_id
+    loaded = load_model(name)
+    if loaded.model_id != model_id:
+        click.echo(f"warning: the run used {model_id}; {name} is now {loaded.model_id} (its "
+                   "tokenizer is used for the replay)", err=True)
+    return loaded.tokenizer
+
+
+def _bad(msg: str) -> int:
+    click.echo(f"error: {msg}", err=True)
+    return EXIT_BAD_INPUT
+
+
+def _file_info(f: RunFile) -> dict:
+    c = f.config or {}
+    return {"path": str(f.path), "config_found": f.config is not None,
+            "model": c.get("model"), "dtype": c.get("dtype"), "method": c.get("method"),
+            "k": c.get("k"), "prompt_lookup_min": c.get("prompt_lookup_min"),
+            "prompt_lookup_max": c.get("prompt_lookup_max"),
+            "max_model_len": c.get("max_model_len"), "num_records": len(f.records),
+            "num_problems": len(f.problems)}
+
+
+# ---- text ---------------------------------------------------------------------------------
+def format_text(doc: dict) -> str:
+    out = []
+    for f in doc["files"]:
+        out.append(f"{f['path']}: {f['num_records']} records, {f['method'] or '?'} "
+                   f"k={f['k']} n-gram {f['prompt_lookup_min']}-{f['prompt_lookup_max']}, "
+                   f"{f['model'] or 'model unknown (no OUT.config.json)'}")
+    for grouping, rows in doc["tables"].items():
+        out += ["", *_group_table_text(grouping, rows)]
+    if doc["what_if"] is not None:
+        out += ["", *_what_if_text(doc["what_if"])]
+    if doc["compare"] is not None:
+        out += ["", *_compare_text(doc["compare"])]
+    for p in doc.get("plots", []):
+        out.append(f"wrote {p}")
+    return "\n".join(out)
+
+
+def _f(x, fmt: str = ".2f", none: str = "-") -> str:
+    return none if x is None else format(x, fmt)
+
+
+def _group_table_text(grouping: str, rows: list[dict]) -> list[str]:
+    if len(rows) == 2:  # one group: its row equals (all)
+        rows = rows[:1]
+    w = max(12, *(len(r["group"]) + 1 for r in rows))
+    lines = [f"== by {grouping} ==",
+             f"{'group':<{w}}{'records':>8}{'answers':>8}{'out tok':>9}{'steps':>8}"
+             f"{'prefill':>8}{'tok/step':>9}{'acc len':>8}{'acc rate':>9}{'no-draft':>9}"]
+    for r in rows:
+        lines.append(f"{r['group']:<{w}}{r['num_records']:>8}{r['num_answers']:>8}"
+                     f"{r['num_output_tokens']:>9}{r['num_steps']:>8}{r['num_prefill_steps']:>8}"
+                     f"{_f(r['tokens_per_step']):>9}{_f(r['mean_acceptance_length']):>8}"
+                     f"{_f(r['acceptance_rate']):>9}{_f(r['no_draft_share'], '.1%'):>9}")
+    num_pos = max(len(r["acceptance_per_pos"]) for r in rows)
+    if num_pos:
+        lines += ["per-position acceptance, unconditional/conditional (draft position 1..k):",
+                  f"{'group':<{w}}" + "".join(f"{i + 1:>11}" for i in range(num_pos))]
+        for r in rows:
+            cells = [f"{_f(u)}/{_f(c)}" for u, c in zip(r["acceptance_per_pos"],
+                                                       r["conditional_acceptance_per_pos"])]
+            lines.append(f"{r['group']:<{w}}" + "".join(f"{c:>11}" for c in cells))
+    reasons = sorted({k for r in rows for k in r["finish_reasons"]})
+    lines += ["finish reasons (answers):",
+              f"{'group':<{w}}" + "".join(f"{k:>8}" for k in reasons)]
+    for r in rows:
+        lines.append(f"{r['group']:<{w}}"
+                     + "".join(f"{r['finish_reasons'].get(k, 0):>8}" for k in reasons))
+    return lines
+
+
+def _what_if_text(wi: dict) -> list[str]:
+    skipped = ", ".join(f"{n}: {why}" for why, n in wi["skipped_reasons"].items())
+    lines = [f"== what-if by {wi['grouping']}: {wi['num_replayed']} records replayed at T = 0"
+             + (f" ({wi['num_skipped']} skipped: {skipped})" if wi["num_skipped"] else "")
+             + " =="]
+    sc = wi["self_check"]
+    if sc["num_checked"]:
+        lines.append(f"self-check: the replay of the run's own setting equals the recorded "
+                     f"stats for {sc['num_equal']} of {sc['num_checked']} ngram records")
+    settings = wi["settings"]
+    lookups = sorted({(s["prompt_lookup_min"], s["prompt_lookup_max"]) for s in settings})
+    ks = sorted({s["k"] for s in settings})
+    metrics = [("mean_acceptance_length", "replayed mean acceptance length (tokens / drafting "
+                "step)", ".2f"),
+               ("tokens_per_decode_step", "replayed output tokens / decode step (drafting or "
+                "not)", ".2f")]
+    if wi["has_cost_model"]:
+        metrics.append(("predicted_speedup", f"predicted decode speedup vs none at batch size "
+                        f"{wi['batch_size']} (x)", ".2f"))
+    for g in wi["groups"]:
+        if len(wi["groups"]) == 2 and g["group"] == ALL:
+            continue
+        by_key = {(c["name"]): c for c in g["configs"]}
+        lines.append(f"{g['group']}: {g['num_records']} records, {g['num_output_tokens']} output "
+                     f"tokens, mean context {g['mean_context_len']} tokens")
+        for key, title, fmt in metrics:
+            lines += [f"  {title}", "  n-gram " + "".join(f"{'k=' + str(k):>7}" for k in ks)]
+            for lo, hi in lookups:
+                cells = []
+                for k in ks:
+                    c = by_key.get(f"ngram:k={k}:min={lo}:max={hi}")
+                    cells.append(_f(c[key], fmt) if c else "")
+                lines.append(f"  {f'{lo}-{hi}':<7}" + "".join(f"{c:>7}" for c in cells))
+        b = g["best"]
+        if b["criterion"] == "predicted_speedup":
+            lines.append(f"  best: {b['name']}, predicted speedup {b['value']:.2f}x")
+        else:
+            lines.append(f"  best: {b['name']}, {b['value']:.2f} tokens / decode step (no cost "
+                         "model: longer drafts look free; pass --calibration)")
+    return lines
+
+
+def _compare_text(cmp: dict) -> list[str]:
+    lines = [f"== compare a = {cmp['a']} with b = {cmp['b']}: {cmp['num_common']} common "
+             f"records, by {cmp['grouping']} =="]
+    if cmp["only_in_a"] or cmp["only_in_b"]:
+        lines.append(f"only in a: {len(cmp['only_in_a'])} records; only in b: "
+                     f"{len(cmp['only_in_b'])} records")
+    w = max(12, *(len(g["group"]) + 1 for g in cmp["groups"]))
+    lines.append(f"{'group':<{w}}{'records':>8}{'steps a':>9}{'steps b':>9}{'b/a':>7}"
+                 f"{'tok/step a':>11}{'tok/step b':>11}{'acc len a':>10}{'acc len b':>10}"
+                 f"{'acc rate a':>11}{'acc rate b':>11}")
+    for g in cmp["groups"]:
+        a, b = g["a"], g["b"]
+        lines.append(f"{g['group']:<{w}}{a['num_records']:>8}{a['num_steps']:>9}"
+                     f"{b['num_steps']:>9}{_f(g['steps_ratio']):>7}"
+                     f"{_f(a['tokens_per_step']):>11}{_f(b['tokens_per_step']):>11}"
+                     f"{_f(a['mean_acceptance_length']):>10}{_f(b['mean_acceptance_length']):>10}"
+                     f"{_f(a['acceptance_rate']):>11}{_f(b['acceptance_rate']):>11}")
+    n = cmp["num_differing_outputs"]
+    lines.append(f"records whose output_token_ids differ: {n} of {cmp['num_common']}"
+                 + (" (should be 0: speculation must not change the output)" if n else ""))
+    for d in cmp["differing_outputs"][:MAX_DIFFS_SHOWN]:
+        lines.append(f"  id={d['id']!r}: turn {d['turn']}, first difference at token "
+                     f"{d['position']} (a {d['a_token']}, b {d['b_token']})")
+    if n > MAX_DIFFS_SHOWN:
+        lines.append(f"  ... and {n - MAX_DIFFS_SHOWN} more (see --json)")
+    return lines
+
+
+__all__ = ["AnalyzeOptions", "build_document", "run_analyze", "format_text"]

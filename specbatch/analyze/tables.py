@@ -1,0 +1,121 @@
+"""Acceptance tables: per-record ``spec`` counters summed by group, and the ratios that decide.
+
+Groupings: ``bucket`` (``spec.bucket``, written by the auto planner; records without one are
+bucket ``all``), ``proposer`` (``none`` or ``<proposer>:k=<k>``) and any input field
+(``--by category``; records without the field are group ``-``). Every table ends with the
+``(all)`` row, summed over records independently of the groups, so its counters equal both the
+sum of the group rows and the sum of the per-record counters (tested).
+
+Steps. ``spec.num_steps`` counts every target forward that emitted tokens for the record: one
+prefill step per answer (a ``turns`` record has one per turn) plus the decode / verify steps.
+``spec.k_histogram`` counts only the decode / verify steps, by draft length, so
+``num_prefill_steps = num_steps - sum(k_histogram)``. The no-draft share is
+``k_histogram[0] / num_decode_steps``: the verify steps that carried no draft (no n-gram match,
+or a cap of 0 near ``max_tokens``), which cost a forward and emitted one token.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from specbatch.analyze.load import answers, spec_stats
+from specbatch.io.records import Record
+from specbatch.spec.stats import SpecStats
+
+ALL = "(all)"
+NO_BUCKET = "all"
+NO_FIELD = "-"
+
+
+def group_label(rec: Record, grouping: str) -> str:
+    """The record's group under ``grouping`` (``bucket``, ``proposer`` or an input field)."""
+    spec = rec.fields["spec"]
+    if grouping == "bucket":
+        bucket = spec.get("bucket")
+        return NO_BUCKET if bucket is None else str(bucket)
+    if grouping == "proposer":
+        name = spec.get("proposer", "none")
+        return name if name == "none" else f"{name}:k={spec.get('num_speculative_tokens', 0)}"
+    value = rec.fields.get(grouping)
+    return NO_FIELD if value is None else str(value)
+
+
+@dataclass
+class Group:
+    """Counters of the records in one group (see ``row`` for the derived values)."""
+
+    name: str
+    num_records: int = 0
+    num_answers: int = 0
+    num_output_tokens: int = 0
+    stats: SpecStats = field(default_factory=SpecStats)
+    finish_reasons: Counter = field(default_factory=Counter)
+
+    def add(self, rec: Record) -> None:
+        f = rec.fields
+        self.num_records += 1
+        reasons = answers(f, "finish_reason")
+        self.num_answers += len(reasons)
+        self.finish_reasons.update(str(r) for r in reasons)
+        self.num_output_tokens += f["usage"]["completion_tokens"]
+        self.stats.merge(spec_stats(f))
+
+    def row(self) -> dict:
+        """The group's table row: counters and the ratios, documented in docs/analyze.md."""
+        s = self.stats
+        num_decode = sum(s.k_histogram.values())
+        num_no_draft = s.k_histogram.get(0, 0)
+        per_pos = list(s.num_accepted_tokens_per_pos)
+        # c[i]: drafting steps that accepted more than i drafts (c[0] = every drafting step)
+        c = [s.num_drafts] + per_pos + [0]
+        return {
+            "group": self.name,
+            "num_records": self.num_records,
+            "num_answers": self.num_answers,
+            "num_output_tokens": self.num_output_tokens,
+            "num_steps": s.num_steps,
+            "num_prefill_steps": s.num_steps - num_decode,
+            "num_decode_steps": num_decode,
+            "num_drafts": s.num_drafts,
+            "num_draft_tokens": s.num_draft_tokens,
+            "num_accepted_tokens": s.num_accepted_tokens,
+            "tokens_per_step": _ratio(self.num_output_tokens, s.num_steps),
+            "mean_acceptance_length": _round(s.mean_acceptance_length),
+            "acceptance_rate": _round(s.acceptance_rate),
+            "num_no_draft_steps": num_no_draft,
+            "no_draft_share": _ratio(num_no_draft, num_decode),
+            "num_accepted_tokens_per_pos": per_pos,
+            "acceptance_per_pos": [_ratio(a, s.num_drafts) for a in per_pos],
+            "conditional_acceptance_per_pos": [_ratio(c[i + 1], c[i])
+                                               for i in range(len(per_pos))],
+            "acceptance_length_histogram": {str(i + 1): c[i] - c[i + 1]
+                                            for i in range(len(per_pos) + 1)
+                                            if s.num_drafts},
+            "k_histogram": {str(k): n for k, n in sorted(s.k_histogram.items())},
+            "finish_reasons": dict(sorted(self.finish_reasons.items())),
+        }
+
+
+def group_table(records: list[Record], grouping: str,
+                labels: list[str] | None = None) -> list[dict]:
+    """Rows of one grouping, sorted by group name, then the ``(all)`` row.
+
+    labels: the records' groups, when given (``compare`` groups both files by the first's).
+    """
+    groups: dict[str, Group] = {}
+    total = Group(ALL)
+    if labels is None:
+        labels = [group_label(rec, grouping) for rec in records]
+    for rec, name in zip(records, labels, strict=True):
+        groups.setdefault(name, Group(name)).add(rec)
+        total.add(rec)
+    return [groups[n].row() for n in sorted(groups)] + [total.row()]
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return round(num / den, 6) if den else None
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 6)

@@ -1,0 +1,281 @@
+"""What-if: the acceptance (and, with a cost model, the speedup) other n-gram settings would
+have had on the recorded outputs, replayed exactly (``spec.replay``), per group.
+
+Which records replay. Temperature-0 records (greedy: both the drafts and the target's tokens
+are functions of the committed tokens alone; T > 0 records are listed as skipped), without an
+``error`` finish, from a file whose ``OUT.config.json`` names the model (for the tokenizer) and
+the context cap. The prompts are re-tokenised with the run's tokenizer as ``pipeline`` built
+them (``turns``: turn i sees the earlier turns and the recorded answers); a record whose
+re-tokenised prompts do not add up to its ``usage.prompt_tokens`` is left out too.
+
+Self-check. For records a run made with ``ngram``, the replay of the run's own (k, min, max)
+must equal the recorded ``spec`` counters; ``self_check`` reports every record's result.
+
+Predicted speedup (decode phase; prefill is the same for every configuration and left out).
+With a cost model ``step_time(num_rows, query_len, context_len)`` and ``batch_size`` B rows:
+
+    none:    (output tokens - answers) steps of step_time(B, q0, ctx)
+    config:  replayed decode steps, each step_time(B, q, ctx) with q = 1 + the longest draft
+             among the B rows (the runner pads a step to its longest row); the draft lengths
+             are drawn from the group's replayed k_histogram, so P(q <= 1 + d) = F(d)^B
+    speedup = time(none) / time(config)
+
+q0 = 2 at B = 1 (the runner never feeds a one-row step a single query), else 1, and q >= q0
+likewise. ctx is the group's mean context at a decode step: sum over answers of
+(prompt + output / 2) * output, over the output tokens. The best configuration of a group is the
+highest predicted speedup (``none`` = 1) with a cost model, else the most tokens per decode step
+(which ignores what longer drafts cost: pass a calibration file for a real answer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from specbatch.analyze.load import RunFile, answers, spec_stats
+from specbatch.analyze.tables import ALL, group_label
+from specbatch.io.records import Record
+from specbatch.spec.replay import NgramReplay
+from specbatch.spec.stats import SpecStats
+
+KS = tuple(range(1, 9))
+LOOKUPS = ((1, 2), (1, 3), (2, 4), (3, 5))
+
+
+class CostModel(Protocol):
+    def step_time(self, num_rows: int, query_len: int, context_len: int) -> float: ...
+
+
+@dataclass(frozen=True, order=True)
+class Setting:
+    """One n-gram configuration: k draft tokens, n-gram sizes prompt_lookup_min..max."""
+
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    k: int
+
+    @property
+    def name(self) -> str:
+        return f"ngram:k={self.k}:min={self.prompt_lookup_min}:max={self.prompt_lookup_max}"
+
+
+@dataclass
+class _GroupAcc:
+    num_records: int = 0
+    num_answers: int = 0
+    num_output_tokens: int = 0
+    context_weight: float = 0.0  # sum over answers of (prompt + output / 2) * output
+    stats: dict[Setting, SpecStats] = field(default_factory=dict)
+
+
+def settings_for(files: list[RunFile], ks=KS, lookups=LOOKUPS) -> list[Setting]:
+    """The grid: every k in ``ks`` for every (min, max) in ``lookups`` and each run's own
+    (min, max), plus each ngram run's own (k, min, max)."""
+    looks = set(lookups)
+    own = set()
+    for f in files:
+        c = f.config or {}
+        if c.get("prompt_lookup_min") and c.get("prompt_lookup_max"):
+            looks.add((c["prompt_lookup_min"], c["prompt_lookup_max"]))
+            if c.get("method") == "ngram" and c.get("k"):
+                own.add(Setting(c["prompt_lookup_min"], c["prompt_lookup_max"], c["k"]))
+    return sorted({Setting(lo, hi, k) for lo, hi in looks for k in ks} | own)
+
+
+def own_setting(f: RunFile, rec: Record) -> Setting | None:
+    """The setting the record ran with, when it ran with the n-gram proposer."""
+    c = f.config or {}
+    spec = rec.fields["spec"]
+    if spec.get("proposer") != "ngram" or not c.get("prompt_lookup_min"):
+        return None
+    return Setting(c["prompt_lookup_min"], c["prompt_lookup_max"],
+                   spec.get("num_speculative_tokens", c.get("k", 0)))
+
+
+def skip_reason(f: RunFile, rec: Record) -> str | None:
+    """Why the record cannot be replayed, or None."""
+    c = f.config
+    if c is None or not c.get("model") or not c.get("max_model_len"):
+        return "no OUT.config.json with the model and max_model_len"
+    if not rec.sampling.is_greedy:
+        return f"temperature {rec.sampling.temperature} > 0"
+    reasons = answers(rec.fields, "finish_reason")
+    if "error" in reasons:
+        return "finish_reason error"
+    outs = answers(rec.fields, "output_token_ids")
+    if not outs or any(not o for o in outs):
+        return "no output_token_ids"
+    return None
+
+
+def prompt_ids_per_answer(rec: Record, renderer) -> list[list[int]]:
+    """The prompt ids of each recorded answer, as ``pipeline.generate_records`` built them.
+
+    renderer: a ``pipeline.PromptRenderer`` over the run's tokenizer.
+    """
+    first, messages = renderer.first_prompt(rec)
+    ids = [first]
+    if rec.turns is not None:
+        texts = answers(rec.fields, "output")
+        for i in range(1, len(texts)):
+            messages = messages + [{"role": "assistant", "content": texts[i - 1]},
+                                   {"role": "user", "content": rec.turns[i]}]
+            ids.append(renderer.encode_chat(messages))
+    return ids
+
+
+def replay_record(prompts: list[list[int]], outputs: list[list[int]], max_tokens: int,
+                  max_model_len: int, settings: list[Setting]) -> dict[Setting, SpecStats]:
+    """Replayed stats of one record (its answers merged) for every setting.
+
+    prompts / outputs: per answer, the prompt ids and the recorded output ids (tokens).
+    """
+    out: dict[Setting, SpecStats] = {}
+    by_lookup: dict[tuple[int, int], list[Setting]] = {}
+    for s in settings:
+        by_lookup.setdefault((s.prompt_lookup_min, s.prompt_lookup_max), []).append(s)
+    for (lo, hi), group in by_lookup.items():
+        max_k = max(s.k for s in group)
+        replays = [NgramReplay(p, o, lo, hi, max_k) for p, o in zip(prompts, outputs)]
+        for s in group:
+            total = SpecStats(proposer="ngram", num_speculative_tokens=s.k)
+            for r in replays:
+                total.merge(r.stats(s.k, max_tokens, max_model_len))
+            out[s] = total
+    return out
+
+
+def expected_step_time(cost: CostModel, batch_size: int, k_histogram: dict[int, int],
+                       context_len: int) -> float:
+    """Mean seconds of a decode step of ``batch_size`` rows whose draft lengths are drawn
+    independently from ``k_histogram`` (draft length -> steps); see the module doc."""
+    q0 = 2 if batch_size == 1 else 1
+    total = sum(k_histogram.values())
+    seconds, below = 0.0, 0.0
+    cum = 0
+    for d in sorted(k_histogram):
+        cum += k_histogram[d]
+        at_most = (cum / total) ** batch_size  # P(longest draft among the rows <= d)
+        seconds += (at_most - below) * cost.step_time(batch_size, max(1 + d, q0), context_len)
+        below = at_most
+    return seconds
+
+
+def predicted_speedup(cost: CostModel, batch_size: int, stats: SpecStats, num_output_tokens: int,
+                      num_answers: int, context_len: int) -> float | None:
+    """Decode-phase speedup of the replayed ``stats`` over plain decoding; None if no decode."""
+    num_plain_steps = num_output_tokens - num_answers
+    num_decode = sum(stats.k_histogram.values())
+    if num_plain_steps <= 0 or num_decode == 0:
+        return None
+    q0 = 2 if batch_size == 1 else 1
+    plain = num_plain_steps * cost.step_time(batch_size, q0, context_len)
+    spec = num_decode * expected_step_time(cost, batch_size, stats.k_histogram, context_len)
+    return plain / spec
+
+
+def what_if(files: list[RunFile], grouping: str, tokenizer_for: Callable[[str], Any],
+            batch_size: int = 16, cost: CostModel | None = None, ks=KS,
+            lookups=LOOKUPS) -> dict:
+    """Replay every replayable record of ``files`` for the settings grid; per-group results.
+
+    grouping: ``bucket``, ``proposer`` or an input field (as in ``tables``).
+    tokenizer_for: model id (``OUT.config.json`` ``model``) -> that model's tokenizer.
+    Returns the ``what_if`` section of the analyze document (see docs/analyze.md).
+    """
+    from specbatch.pipeline import PromptRenderer
+
+    settings = settings_for(files, ks, lookups)
+    groups: dict[str, _GroupAcc] = {}
+    total = _GroupAcc()
+    skipped, checks = [], []
+    renderers: dict[str, PromptRenderer] = {}
+    for f in files:
+        for rec in f.records:
+            why = skip_reason(f, rec)
+            if why is None:
+                model_id = f.config["model"]
+                if model_id not in renderers:
+                    renderers[model_id] = PromptRenderer(tokenizer_for(model_id))
+                prompts = prompt_ids_per_answer(rec, renderers[model_id])
+                n_prompt = sum(len(p) for p in prompts)
+                if n_prompt != rec.fields["usage"]["prompt_tokens"]:
+                    why = (f"re-tokenised prompt is {n_prompt} tokens, the run saw "
+                           f"{rec.fields['usage']['prompt_tokens']}")
+            if why is not None:
+                skipped.append({"file": f.label, "id": rec.id, "reason": why})
+                continue
+            outputs = answers(rec.fields, "output_token_ids")
+            own = own_setting(f, rec)
+            record_settings = settings if own is None or own in settings else settings + [own]
+            stats = replay_record(prompts, outputs, rec.sampling.max_tokens,
+                                  f.config["max_model_len"], record_settings)
+            if own is not None:
+                replayed = stats[own].to_dict()
+                checks.append({"file": f.label, "id": rec.id, "setting": own.name,
+                               "equal": replayed == spec_stats(rec.fields).to_dict(),
+                               "replayed": replayed})
+            for acc in (groups.setdefault(group_label(rec, grouping), _GroupAcc()), total):
+                acc.num_records += 1
+                acc.num_answers += len(outputs)
+                acc.num_output_tokens += sum(len(o) for o in outputs)
+                acc.context_weight += sum((len(p) + len(o) / 2) * len(o)
+                                          for p, o in zip(prompts, outputs))
+                for s in settings:
+                    acc.stats.setdefault(s, SpecStats("ngram", s.k)).merge(stats[s])
+    rows = [_group_result(name, groups[name], settings, batch_size, cost)
+            for name in sorted(groups)]
+    if groups:
+        rows.append(_group_result(ALL, total, settings, batch_size, cost))
+    reasons: dict[str, int] = {}
+    for s in skipped:
+        reasons[s["reason"]] = reasons.get(s["reason"], 0) + 1
+    return {
+        "grouping": grouping,
+        "batch_size": batch_size,
+        "has_cost_model": cost is not None,
+        "settings": [{"name": s.name, "k": s.k, "prompt_lookup_min": s.prompt_lookup_min,
+                      "prompt_lookup_max": s.prompt_lookup_max} for s in settings],
+        "num_replayed": total.num_records,
+        "num_skipped": len(skipped),
+        "skipped_reasons": reasons,
+        "skipped": skipped,
+        "self_check": {"num_checked": len(checks),
+                       "num_equal": sum(c["equal"] for c in checks),
+                       "records": checks},
+        "groups": rows,
+    }
+
+
+def _group_result(name: str, acc: _GroupAcc, settings: list[Setting], batch_size: int,
+                  cost: CostModel | None) -> dict:
+    ctx = round(acc.context_weight / acc.num_output_tokens) if acc.num_output_tokens else 0
+    configs = []
+    for s in settings:
+        st = acc.stats[s]
+        num_decode = sum(st.k_histogram.values())
+        speedup = (predicted_speedup(cost, batch_size, st, acc.num_output_tokens,
+                                     acc.num_answers, ctx) if cost is not None else None)
+        configs.append({
+            "name": s.name,
+            "mean_acceptance_length": _round(st.mean_acceptance_length),
+            "acceptance_rate": _round(st.acceptance_rate),
+            "tokens_per_decode_step": _round((acc.num_output_tokens - acc.num_answers)
+                                             / num_decode if num_decode else None),
+            "num_decode_steps": num_decode,
+            "predicted_speedup": _round(speedup),
+        })
+    key = "predicted_speedup" if cost is not None else "tokens_per_decode_step"
+    best = {"name": "none", "value": 1.0}
+    for c in configs:
+        if c[key] is not None and c[key] > best["value"]:
+            best = {"name": c["name"], "value": c[key]}
+    best["criterion"] = key
+    return {"group": name, "num_records": acc.num_records, "num_answers": acc.num_answers,
+            "num_output_tokens": acc.num_output_tokens, "mean_context_len": ctx,
+            "configs": configs, "best": best}
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 6)

@@ -1,0 +1,339 @@
+"""``specbatch analyze`` on mini runs: tiny float64 models through the real pipeline
+(``generate_records``) with a character tokenizer, written as ``specbatch run`` writes them.
+
+Checked: the tables reconcile exactly with the per-record counters; the what-if replay of the
+run's own setting equals every recorded ``spec`` (prompt, chat and turns records, EOS,
+max_tokens and context endings) and T > 0 / error records are skipped with a reason; the
+speedup math against a stand-in cost model; compare finds an altered output at the right
+position; ``--plot`` writes readable PNGs; the CLI's usage errors.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import orjson
+import pytest
+from click.testing import CliRunner
+
+from specbatch.analyze import whatif
+from specbatch.analyze.load import config_path, load_run, spec_stats
+from specbatch.analyze.report import AnalyzeOptions, build_document, format_text
+from specbatch.cli import main
+from specbatch.config import SamplingParams
+from specbatch.io.records import read_records
+from specbatch.pipeline import PromptRenderer, generate_records
+from specbatch.spec.stats import SpecStats
+from tests.helpers import make_engine, repeating_prompts, tiny_llama
+
+VOCAB = 48
+OFFSET = 48  # token i <-> chr(48 + i): "0".."_"
+COUNTERS = ("num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+class CharTokenizer:
+    """A transformers-like tokenizer over ``VOCAB`` ids, one character per token."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [(ord(c) - OFFSET) % VOCAB for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(OFFSET + i) for i in ids)
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True) -> str:
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+TOK = CharTokenizer()
+
+
+def _rows(num: int, seed: int) -> list[dict]:
+    """Input records: plain prompts, chats and two-turn records of repeating phrases, with
+    varied max_tokens, a few at T > 0, a category and (for some) nothing else."""
+    phrases = [TOK.decode(p) for p in repeating_prompts(VOCAB, num * 2, seed=seed, max_len=36)]
+    rows = []
+    for i in range(num):
+        row: dict = {"id": f"r{i}", "category": ["alpha", "beta", "gamma"][i % 3]}
+        kind = i % 4
+        if kind == 0:
+            row["turns"] = [phrases[2 * i], phrases[2 * i + 1]]
+        elif kind == 1:
+            row["messages"] = [{"role": "system", "content": phrases[2 * i + 1][:5]},
+                               {"role": "user", "content": phrases[2 * i]}]
+        else:
+            row["prompt"] = phrases[2 * i]
+        row["max_tokens"] = [3, 24, 40, 1, 31][i % 5]
+        if i % 11 == 5:
+            row["temperature"] = 0.8
+        rows.append(row)
+    return rows
+
+
+def mini_run(tmp_path, name: str, rows: list[dict], k: int, lookup: tuple[int, int],
+             eos_id: int, max_model_len: int = 256, model_seed: int = 11):
+    """Generate ``rows`` like ``specbatch run`` (method ngram when k > 0) and write
+    ``<name>.jsonl`` with its ``.config.json``; returns the output path."""
+    inp = tmp_path / f"{name}.in.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    records, errors = read_records(inp, defaults=SamplingParams(max_tokens=24))
+    assert not errors
+    model = tiny_llama(VOCAB, seed=model_seed)
+    engine = make_engine(model, k, 8, eos_ids=(eos_id,), max_model_len=max_model_len,
+                         detokenize=TOK.decode, prompt_lookup=lookup)
+    outs = {rec.index: {**rec.fields, **out}
+            for rec, out in generate_records(engine, PromptRenderer(TOK), records)}
+    out = tmp_path / f"{name}.jsonl"
+    out.write_bytes(b"".join(orjson.dumps(outs[i]) + b"\n" for i in sorted(outs)))
+    config = {"model": "chars", "method": "ngram" if k else "none", "k": k,
+              "prompt_lookup_min": lookup[0], "prompt_lookup_max": lookup[1],
+              "sampling": SamplingParams(max_tokens=24).to_dict(), "prompt_field": None,
+              "id_field": None, "max_model_len": max_model_len}
+    config_path(out).write_text(json.dumps(config))
+    return out
+
+
+EOS = 7
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two runs of the same 36 records (ngram k4 n-gram 1-3, and plain decoding), and one with
+    a small context cap (k3, n-gram 2-4)."""
+    tmp = tmp_path_factory.mktemp("runs")
+    rows = _rows(36, seed=2)
+    return {"ngram": mini_run(tmp, "ngram", rows, 4, (1, 3), EOS),
+            "none": mini_run(tmp, "none", rows, 0, (1, 3), EOS),
+            "ctx": mini_run(tmp, "ctx", rows, 3, (2, 4), EOS, max_model_len=52)}
+
+
+def _doc(paths, cost=None, **kw):
+    opts = AnalyzeOptions(paths=tuple(str(p) for p in paths), **kw)
+    files = [load_run(p) for p in opts.paths]
+    return files, build_document(files, opts, cost, tokenizer_for=lambda model_id: TOK)
+
+
+def test_mini_runs_cover_the_cases(runs):
+    recs = [json.loads(line) for line in runs["ngram"].read_text().splitlines()]
+    reasons = {r for rec in recs for r in (rec["finish_reason"] if isinstance(
+        rec["finish_reason"], list) else [rec["finish_reason"]])}
+    assert reasons == {"stop", "length"}
+    assert sum(r["spec"]["num_accepted_tokens"] for r in recs) > 20
+    ctx = [json.loads(line) for line in runs["ctx"].read_text().splitlines()]
+    assert any(r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] == 52 for r in ctx
+               if "prompt" in r)  # some rows stopped at the context cap
+
+
+@pytest.mark.parametrize("run", ["ngram", "none"])
+def test_tables_reconcile_with_records(runs, run, tmp_path):
+    # give some records a planner bucket, so that grouping has several groups
+    src = [json.loads(line) for line in runs[run].read_text().splitlines()]
+    for i, rec in enumerate(src):
+        if i % 3:
+            rec["spec"]["bucket"] = f"b{i % 2}"
+    path = tmp_path / "bucketed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in src))
+    config_path(path).write_text(config_path(runs[run]).read_text())
+    _, doc = _doc([path], by="category")
+    assert set(doc["tables"]) == {"bucket", "proposer", "category"}
+    want = {c: sum(r["spec"][c] for r in src) for c in COUNTERS}
+    want["num_output_tokens"] = sum(r["usage"]["completion_tokens"] for r in src)
+    want["num_records"] = len(src)
+    pos = SpecStats()
+    for r in src:
+        pos.merge(spec_stats(r))
+    for grouping, rows in doc["tables"].items():
+        *groups, total = rows
+        assert total["group"] == "(all)"
+        assert len(groups) == {"bucket": 3, "proposer": 1, "category": 3}[grouping]
+        for key, value in want.items():
+            assert total[key] == value, (grouping, key)
+            assert sum(g[key] for g in groups) == value, (grouping, key)
+        for row in rows:
+            _check_row(row)
+        assert total["num_accepted_tokens_per_pos"] == pos.num_accepted_tokens_per_pos
+        assert total["k_histogram"] == {str(k): n for k, n in sorted(pos.k_histogram.items())}
+    text = format_text(doc)
+    assert "== by category ==" in text and "(all)" in text
+
+
+def _check_row(r: dict) -> None:
+    """Identities every row must satisfy, whatever the records."""
+    assert r["num_prefill_steps"] == r["num_answers"]  # one prefill per answer, none failed
+    assert r["num_prefill_steps"] + r["num_decode_steps"] == r["num_steps"]
+    assert sum(r["finish_reasons"].values()) == r["num_answers"]
+    assert r["tokens_per_step"] == pytest.approx(r["num_output_tokens"] / r["num_steps"])
+    hist = {int(k): v for k, v in r["acceptance_length_histogram"].items()}
+    assert sum(hist.values()) == r["num_drafts"]
+    # each drafting step emits its acceptance length; the other steps one token each
+    assert sum(n * c for n, c in hist.items()) == r["num_drafts"] + r["num_accepted_tokens"]
+    assert r["num_drafts"] + r["num_no_draft_steps"] == r["num_decode_steps"]
+    if r["num_drafts"]:
+        assert r["mean_acceptance_length"] == pytest.approx(
+            1 + r["num_accepted_tokens"] / r["num_drafts"], abs=1e-6)
+        per_pos = r["num_accepted_tokens_per_pos"]
+        assert sum(per_pos) == r["num_accepted_tokens"]
+        assert r["acceptance_per_pos"][0] == r["conditional_acceptance_per_pos"][0]
+        for i in range(1, len(per_pos)):
+            if per_pos[i - 1]:
+                assert r["conditional_acceptance_per_pos"][i] == pytest.approx(
+                    per_pos[i] / per_pos[i - 1], abs=1e-6)
+    else:
+        assert r["num_accepted_tokens"] == 0 and r["mean_acceptance_length"] is None
+
+
+@pytest.mark.parametrize("run", ["ngram", "ctx"])
+def test_what_if_replays_own_setting_exactly(runs, run):
+    _, doc = _doc([runs[run]], by="category", what_if=True)
+    wi = doc["what_if"]
+    src = {r["id"]: r for r in map(json.loads, runs[run].read_text().splitlines())}
+    hot = {i for i, r in src.items() if r.get("temperature")}
+    failed = {i for i, r in src.items() if "error" in str(r["finish_reason"])} - hot
+    assert hot and (run == "ctx") == bool(failed)  # the small context fails long prompts
+    want_skipped = {i: "temperature 0.8 > 0" for i in hot} | {i: "finish_reason error"
+                                                               for i in failed}
+    assert {s["id"]: s["reason"] for s in wi["skipped"]} == want_skipped
+    checks = wi["self_check"]["records"]
+    assert len(checks) == len(src) - len(want_skipped) == wi["num_replayed"]
+    for c in checks:
+        want = spec_stats(src[c["id"]]).to_dict()
+        assert c["replayed"] == want, c["id"]
+        assert c["equal"]
+    assert wi["self_check"]["num_equal"] == len(checks)
+    # the grid holds k 1..8 for the run's own n-gram sizes, and its (all) row at the run's own
+    # setting sums the replayed records
+    cfg = json.loads(config_path(runs[run]).read_text())
+    own = f"ngram:k={cfg['k']}:min={cfg['prompt_lookup_min']}:max={cfg['prompt_lookup_max']}"
+    total = next(g for g in wi["groups"] if g["group"] == "(all)")
+    row = next(c for c in total["configs"] if c["name"] == own)
+    replayed = [src[c["id"]]["spec"] for c in checks]
+    acc = sum(s["num_accepted_tokens"] for s in replayed)
+    drafts = sum(s["num_drafts"] for s in replayed)
+    assert row["mean_acceptance_length"] == pytest.approx(1 + acc / drafts, abs=1e-6)
+    assert total["best"]["criterion"] == "tokens_per_decode_step"
+    assert "best:" in format_text(doc)
+
+
+def test_what_if_from_plain_run_predicts_the_ngram_run(runs):
+    """Replaying the plain-decoding run for ngram k4 1-3 gives what the ngram run measured
+    (same outputs at T = 0), per group."""
+    _, plain = _doc([runs["none"]], by="category", what_if=True)
+    _, spec = _doc([runs["ngram"]], by="category")
+    measured = {r["group"]: r for r in spec["tables"]["category"]}
+    hot = {json.loads(line)["category"] for line in runs["ngram"].read_text().splitlines()
+           if json.loads(line).get("temperature")}
+    for g in plain["what_if"]["groups"]:
+        if g["group"] in hot or g["group"] == "(all)":
+            continue  # T > 0 records are measured but not replayed
+        row = next(c for c in g["configs"] if c["name"] == "ngram:k=4:min=1:max=3")
+        assert row["mean_acceptance_length"] == measured[g["group"]]["mean_acceptance_length"]
+
+
+class LinearCost:
+    """Stand-in for ``plan.costmodel``: a fixed cost plus one per query token per row."""
+
+    def __init__(self, base: float, per_token: float) -> None:
+        self.base, self.per_token = base, per_token
+
+    def step_time(self, num_rows: int, query_len: int, context_len: int) -> float:
+        return self.base + self.per_token * num_rows * query_len
+
+
+def test_expected_step_time_pads_to_the_longest_row():
+    cost = LinearCost(1.0, 0.5)
+    # half the steps draft 2 tokens: with 2 rows the step has 3 queries 3/4 of the time
+    got = whatif.expected_step_time(cost, 2, {0: 5, 2: 5}, 100)
+    assert got == pytest.approx(0.25 * cost.step_time(2, 1, 100) + 0.75 * cost.step_time(2, 3, 100))
+    # one row: never fewer than 2 queries (the runner pads a lone row)
+    assert whatif.expected_step_time(cost, 1, {0: 4}, 100) == cost.step_time(1, 2, 100)
+
+
+def test_predicted_speedup(runs):
+    # a step costs the same whatever its length: speedup = plain steps / decode steps
+    _, doc = _doc([runs["ngram"]], what_if=True, cost=LinearCost(1.0, 0.0), batch_size=4)
+    for g in doc["what_if"]["groups"]:
+        for c in g["configs"]:
+            assert c["predicted_speedup"] == pytest.approx(c["tokens_per_decode_step"], abs=1e-5)
+        assert g["best"]["criterion"] == "predicted_speedup"
+        assert g["best"]["value"] == max(c["predicted_speedup"] for c in g["configs"])
+    # a step costs its tokens: drafting can only lose, so the best is none
+    _, doc = _doc([runs["ngram"]], what_if=True, cost=LinearCost(0.0, 1.0), batch_size=4)
+    for g in doc["what_if"]["groups"]:
+        assert g["best"]["name"] == "none"
+        assert all(c["predicted_speedup"] < 1 for c in g["configs"])
+    assert "predicted decode speedup vs none at batch size 4" in format_text(doc)
+
+
+def test_compare_counts_differing_outputs(runs, tmp_path):
+    _, doc = _doc([runs["none"], runs["ngram"]], compare=True, by="category")
+    cmp = doc["compare"]
+    assert cmp["num_common"] == 36 and cmp["num_differing_outputs"] == 0
+    steps = {g["group"]: g for g in cmp["groups"]}["(all)"]
+    assert steps["steps_ratio"] < 1  # speculation took fewer steps for the same tokens
+    # alter one token of one record (the second turn of a turns record) and drop another record
+    src = [json.loads(line) for line in runs["ngram"].read_text().splitlines()]
+    victim = next(r for r in src if "turns" in r and len(r["output_token_ids"][1]) > 3)
+    victim["output_token_ids"][1][2] = (victim["output_token_ids"][1][2] + 1) % VOCAB
+    dropped = src.pop(5)["id"]
+    altered = tmp_path / "altered.jsonl"
+    altered.write_text("".join(json.dumps(r) + "\n" for r in src))
+    config_path(altered).write_text(config_path(runs["ngram"]).read_text())
+    _, doc = _doc([runs["ngram"], altered], compare=True)
+    cmp = doc["compare"]
+    assert cmp["num_differing_outputs"] == 1 and cmp["only_in_a"] == [dropped]
+    d = cmp["differing_outputs"][0]
+    assert (d["id"], d["turn"], d["position"]) == (victim["id"], 1, 2)
+    assert f"id='{victim['id']}': turn 1, first difference at token 2" in format_text(doc)
+
+
+def test_plots_are_written(runs, tmp_path):
+    pytest.importorskip("matplotlib")
+    from matplotlib.image import imread
+
+    src = [json.loads(line) for line in runs["ngram"].read_text().splitlines()]
+    rng = random.Random(0)
+    for r in src:  # as the auto planner will write them
+        r["spec"]["predicted_acceptance_length"] = round(1 + 2 * rng.random(), 3)
+    path = tmp_path / "pred.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in src))
+    config_path(path).write_text(config_path(runs["ngram"]).read_text())
+    plot_dir = tmp_path / "plots"
+    result = _invoke(["analyze", str(path), "--by", "category", "--what-if", "--plot",
+                      str(plot_dir)], tokenizer=True)
+    assert result.exit_code == 0, result.output
+    names = {"acceptance_length.png", "per_position_acceptance.png",
+             "predicted_vs_measured.png", "what_if.png"}
+    assert {p.name for p in plot_dir.iterdir()} == names
+    for name in names:
+        img = imread(plot_dir / name)
+        height, width = img.shape[:2]
+        assert width >= 600 and height >= 300, (name, img.shape)
+        assert img.std() > 0.05  # not a blank canvas
+        assert f"wrote {plot_dir / name}" in result.output
+
+
+def _invoke(args: list[str], tokenizer: bool = False):
+    if tokenizer:
+        from specbatch.analyze import report
+
+        orig = report.load_tokenizer
+        report.load_tokenizer = lambda model_id: TOK
+        try:
+            return CliRunner().invoke(main, args)
+        finally:
+            report.load_tokenizer = orig
+    return CliRunner().invoke(main, args)
+
+
+def test_cli_json_and_usage_errors(runs, tmp_path):
+    result = _invoke(["analyze", str(runs["ngram"]), "--json", "--by", "category"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["tables"]["category"][-1]["num_records"] == 36 and doc["what_if"] is None
+    bad = [(["analyze", str(runs["ngram"]), "--compare"], "--compare needs exactly two"),
+           (["analyze", str(tmp_path / "nope.jsonl")], "no such output file"),
+           (["analyze", str(runs["ngram"]), "--calibration", "x.json"], "add --what-if")]
+    for args, msg in bad:
+        result = _invoke(args)
+        assert result.exit_code == 2 and msg in result.output, (args, result.output)
