@@ -63,7 +63,9 @@ class Engine:
         self.detokenize = detokenize or stop_rules.detokenize
         self.scheduler = Scheduler(runner.cache.num_rows)
         self.follow_up: Callable[[Completion], Request | None] | None = None
-        self.choose_k: Callable[[list[Sequence]], list[int]] | None = None  # planner hook
+        # planner hook (``plan.policy.AdaptivePolicy``): select(seqs, drafts) cuts the proposed
+        # drafts; observe(seq, proposed, emitted) learns; finish(seq) forgets
+        self.policy = None
 
     # ---- public -------------------------------------------------------------------------
     def generate(self, requests: Iterable[Request],
@@ -80,9 +82,10 @@ class Engine:
         running = self.scheduler.running_sequences()
         if running:
             ks = self._draft_caps(running)
-            drafts = [d[:k] for d, k in zip(self.proposer.propose(running, ks), ks)]
+            proposed = [d[:k] for d, k in zip(self.proposer.propose(running, ks), ks)]
+            drafts = self.policy.select(running, proposed) if self.policy else proposed
             logits = self.runner.verify(running, drafts)
-            done += self._commit_step(running, drafts, logits)
+            done += self._commit_step(running, drafts, logits, proposed=proposed)
         return done
 
     # ---- stages -------------------------------------------------------------------------
@@ -109,16 +112,17 @@ class Engine:
     def _draft_caps(self, seqs: list[Sequence]) -> list[int]:
         """Draft length per row: its k, capped so the step cannot pass ``max_tokens`` or the
         context (emits at most k + 1 tokens)."""
-        ks = self.choose_k(seqs) if self.choose_k else [s.k for s in seqs]
-        return [draft_cap(k, s.sampling.max_tokens, s.num_output_tokens,
+        return [draft_cap(s.k, s.sampling.max_tokens, s.num_output_tokens,
                           self.runner.max_model_len, len(s.token_ids))
-                for s, k in zip(seqs, ks)]
+                for s in seqs]
 
     def _commit_step(self, seqs: list[Sequence], drafts: list[list[int]], logits: torch.Tensor,
-                     is_prefill: bool = False) -> list[Completion]:
+                     is_prefill: bool = False,
+                     proposed: list[list[int]] | None = None) -> list[Completion]:
         """Sample the target at every fed position, accept, commit, roll back.
 
         logits: ``[B, Q, vocab]``; row i uses its first ``len(drafts[i]) + 1`` queries.
+        proposed: the drafts before the policy cut them (what the policy learns from).
         """
         num_fed = [len(d) + 1 for d in drafts]
         target_ids, scaled = self._sample(seqs, logits, num_fed)
@@ -155,6 +159,8 @@ class Engine:
             if is_prefill:
                 self.proposer.start(seq)
             else:
+                if self.policy is not None and proposed is not None:
+                    self.policy.observe(seq, proposed[i], emitted[:num_committed])
                 self.proposer.on_commit(seq, seq.num_output_tokens - num_before)
                 self.runner.rollback(seq)
             if seq.is_finished:
@@ -211,6 +217,8 @@ class Engine:
 
     def _finish(self, seq: Sequence) -> Completion:
         self.proposer.finish(seq)
+        if self.policy is not None:
+            self.policy.finish(seq)
         self.scheduler.release(seq)
         out = seq.output_ids
         # the final EOS / stop id stays in output_ids but not in the text (a stop id may be an

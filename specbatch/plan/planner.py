@@ -1,0 +1,120 @@
+"""``--method auto``: bucket records by predicted acceptance, print the plan, adapt k online.
+
+Plan, before any generation:
+1. predict each record's conditional acceptance ``alpha`` from its prompt (``predict``);
+2. bucket: ``copy-heavy`` / ``mixed`` / ``novel`` by predicted acceptance length at k_max,
+   and order records by bucket, then prompt length (longest first), so rows that run together
+   have alike acceptance and length;
+3. per bucket choose the k in 0..k_max that maximises predicted output tokens per second at
+   the batch size, from the measured step cost (``costmodel``): that is the bucket's starting
+   k and its predicted speedup over none.
+
+While generating, ``policy.AdaptivePolicy`` re-chooses the draft length every step from the same
+cost model and each row's observed acceptance (the bucket's prediction is only the prior).
+Outputs are identical to ``--method none``: only how many drafts are verified changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specbatch.plan.costmodel import CostModel
+from specbatch.plan.policy import AdaptivePolicy
+from specbatch.plan.predict import Prediction, instruction_text, predict
+
+BUCKETS = ("copy-heavy", "mixed", "novel")
+COPY_HEAVY_MIN = 2.2  # predicted acceptance length at k_max (tokens per drafting step)
+NOVEL_MAX = 1.5
+PRIOR_STRENGTH = 4.0  # pseudo-observations behind the predicted alpha
+
+
+@dataclass
+class BucketPlan:
+    name: str
+    indices: list[int] = field(default_factory=list)
+    mean_prompt_tokens: float = 0.0
+    predicted_acceptance_length: float = 0.0
+    k: int = 0
+    predicted_speedup: float = 1.0
+
+
+@dataclass
+class Plan:
+    """Per-record predictions and buckets, and the per-bucket choice of k."""
+
+    k_max: int
+    batch_size: int
+    predictions: dict[int, Prediction]
+    bucket_of: dict[int, str]
+    buckets: dict[str, BucketPlan]
+
+    def order_key(self, record_index: int, prompt_tokens: int) -> tuple:
+        return (BUCKETS.index(self.bucket_of[record_index]), -prompt_tokens)
+
+    def annotate(self, record_index: int) -> dict:
+        """Fields added to the record's ``spec`` stats."""
+        pred = self.predictions[record_index]
+        return {"bucket": self.bucket_of[record_index],
+                "predicted_acceptance_length": round(pred.acceptance_length(self.k_max), 4),
+                "predictor_features": pred.features()}
+
+    def prior(self, record_index: int) -> list[tuple[float, float]]:
+        a = self.predictions[record_index].alpha
+        return [(a * PRIOR_STRENGTH, (1 - a) * PRIOR_STRENGTH)] * max(self.k_max, 1)
+
+    def make_policy(self, cost: CostModel) -> AdaptivePolicy:
+        return AdaptivePolicy(cost, self.k_max, lambda seq: self.prior(seq.request.tag))
+
+    def table(self) -> str:
+        lines = [f"plan: k_max {self.k_max}, batch size {self.batch_size}",
+                 f"{'bucket':<12}{'records':>8}{'prompt tok':>11}{'pred acc len':>13}"
+                 f"{'k':>4}{'pred speedup':>14}"]
+        for b in self.buckets.values():
+            if b.indices:
+                lines.append(f"{b.name:<12}{len(b.indices):>8}{b.mean_prompt_tokens:>11.0f}"
+                             f"{b.predicted_acceptance_length:>13.2f}{b.k:>4}"
+                             f"{b.predicted_speedup:>13.2f}x")
+        return "\n".join(lines)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    return 1.0 + sum(alpha ** i for i in range(1, k + 1))
+
+
+def best_k(cost: CostModel, alphas: list[float], k_max: int, rows: int,
+           context_len: int) -> tuple[int, float]:
+    """k in 0..k_max maximising predicted tokens/s for a batch of ``rows`` rows whose
+    acceptance is ``alphas`` (cycled); returns (k, speedup over k = 0)."""
+    rate = {}
+    for k in range(k_max + 1):
+        tokens = sum(expected_tokens(alphas[i % len(alphas)], k) for i in range(rows))
+        rate[k] = tokens / cost.step_time(rows, k + 1, context_len)
+    k = max(rate, key=lambda kk: (rate[kk], -kk))
+    return k, rate[k] / rate[0]
+
+
+def make_plan(records, prompt_ids: dict[int, list[int]], k_max: int, batch_size: int,
+              cost: CostModel, prompt_lookup_min: int, expected_output_tokens: int) -> Plan:
+    """records: validated records; prompt_ids: record index -> first prompt's token ids."""
+    preds = {r.index: predict(prompt_ids[r.index], instruction_text(r), r.sampling.temperature,
+                              prompt_lookup_min) for r in records}
+    bucket_of = {}
+    for r in records:
+        length = preds[r.index].acceptance_length(k_max)
+        bucket_of[r.index] = ("copy-heavy" if length >= COPY_HEAVY_MIN
+                              else "novel" if length < NOVEL_MAX else "mixed")
+    buckets = {name: BucketPlan(name) for name in BUCKETS}
+    for r in records:
+        buckets[bucket_of[r.index]].indices.append(r.index)
+    for b in buckets.values():
+        if not b.indices:
+            continue
+        alphas = [preds[i].alpha for i in b.indices]
+        lengths = [len(prompt_ids[i]) for i in b.indices]
+        b.mean_prompt_tokens = sum(lengths) / len(lengths)
+        b.predicted_acceptance_length = sum(expected_tokens(a, k_max) for a in alphas) / len(
+            alphas)
+        rows = min(batch_size, len(b.indices))
+        ctx = int(b.mean_prompt_tokens + expected_output_tokens / 2)
+        b.k, b.predicted_speedup = best_k(cost, alphas, k_max, rows, ctx)
+    return Plan(k_max, batch_size, preds, bucket_of, buckets)
