@@ -21,13 +21,15 @@ EXIT_INTERRUPTED = 130
 
 def _spec_options(f):
     for opt in reversed([
-        click.option("--method", type=click.Choice(["none", "ngram", "draft"]), default="ngram",
-                     show_default=True,
-                     help="Proposer: none (plain decoding), ngram or draft (--draft-model)."),
+        click.option("--method", type=click.Choice(["auto", "none", "ngram", "draft"]),
+                     default="auto", show_default=True,
+                     help="Proposer: auto (prompt lookup with k chosen per bucket and step from "
+                     "measured cost), none (plain decoding), ngram, or draft (--draft-model)."),
         click.option("--draft-model", default=None, help="Draft model for --method draft: "
                      "registry name, .gguf path or HF folder sharing the target's tokenizer."),
         click.option("--k", "--num-speculative-tokens", "k", type=click.IntRange(0, 32),
-                     default=5, show_default=True, help="Draft tokens per verify step."),
+                     default=5, show_default=True,
+                     help="Draft tokens per verify step (with auto: the most it may choose)."),
         click.option("--prompt-lookup-min", type=click.IntRange(1), default=2, show_default=True,
                      help="Shortest n-gram (tokens) the lookup matches."),
         click.option("--prompt-lookup-max", type=click.IntRange(1), default=4, show_default=True,
@@ -146,11 +148,13 @@ def _given(ctx: click.Context, name: str) -> bool:
 @click.option("--resume", is_flag=True, help="Continue from OUT.work.jsonl.")
 @click.option("--force", is_flag=True, help="Start over even if earlier work or output exists.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--plan-only", is_flag=True,
+              help="With --method auto: print the plan (buckets, k, predicted speedup) and exit.")
 @click.pass_context
 def run(ctx, input_path, output, recipe, template, model, dtype, max_batch_size, max_model_len,
         cache_dir, method, draft_model, k, prompt_lookup_min, prompt_lookup_max, max_tokens,
         min_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, logprobs,
-        prompt_field, id_field, split, limit, on_error, resume, force, no_progress):
+        prompt_field, id_field, split, limit, on_error, resume, force, no_progress, plan_only):
     """Generate an output for every record of INPUT (JSONL, JSON, Parquet, CSV or a saved
     dataset folder) and write them, with per-record acceptance stats, to OUT."""
     from specbatch.run import RunOptions, run_job
@@ -181,6 +185,7 @@ def run(ctx, input_path, output, recipe, template, model, dtype, max_batch_size,
                       sampling=sampling, spec=spec, engine=engine, run_seed=seed,
                       prompt_field=prompt_field, id_field=id_field, split=split, limit=limit,
                       on_error=on_error, resume=resume, force=force, progress=not no_progress,
+                      plan_only=plan_only,
                       template=template, recipe=recipe.identity if recipe else None)
     _exit_from_signals()
     sys.exit(run_job(opts))
@@ -248,6 +253,33 @@ def analyze(paths, by, what_if, calibration, batch_size, compare, as_json, plot_
     sys.exit(run_analyze(AnalyzeOptions(
         paths=tuple(paths), by=by, what_if=what_if, calibration=calibration,
         batch_size=batch_size, compare=compare, as_json=as_json, plot_dir=plot_dir)))
+
+@main.command()
+@_model_options
+@click.option("--output", "-o", default=None, type=click.Path(dir_okay=False),
+              help="Also write the cost model here (JSON).")
+@click.option("--recalibrate", is_flag=True, help="Measure again even if cached.")
+def calibrate(model, dtype, max_batch_size, max_model_len, cache_dir, output, recalibrate):
+    """Measure this machine's step cost for the model and dtype (used by --method auto and
+    analyze --what-if); cached per (model, dtype, device, host)."""
+    from specbatch.plan.calibrate_cmd import run_calibrate
+
+    sys.exit(run_calibrate(model, dtype, cache_dir, output, recalibrate))
+
+
+@main.command("predict-eval")
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--k", type=click.IntRange(1, 32), default=5, show_default=True,
+              help="k of the predicted acceptance length.")
+@click.option("--model", default=None, help="Tokenizer's model (default: the run's model).")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None)
+def predict_eval(paths, k, model, cache_dir):
+    """Rank correlation (Spearman) between the acceptance predictor and the mean acceptance
+    length measured in ngram output files, overall and per category."""
+    from specbatch.plan.calibrate_cmd import run_predict_eval
+
+    sys.exit(run_predict_eval(paths, k, model, cache_dir))
+
 
 def _exit_from_signals() -> None:
     """SIGTERM behaves like Ctrl-C: a KeyboardInterrupt the run loop turns into a clean exit."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-METHODS = ("none", "ngram", "draft")
+METHODS = ("none", "ngram", "draft", "auto")
 DTYPES = ("float32", "bfloat16", "float64", "float16")
 
 

@@ -32,6 +32,7 @@ class PromptRenderer:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self._first: dict[int, tuple[list[int], list[dict] | None]] = {}  # record index -> ...
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False,
@@ -39,7 +40,14 @@ class PromptRenderer:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def first_prompt(self, record) -> tuple[list[int], list[dict] | None]:
-        """Prompt ids of the first (or only) answer, and the chat so far (None for ``prompt``)."""
+        """Prompt ids of the first (or only) answer, and the chat so far (None for ``prompt``).
+        Remembered per record index: length checks, the planner and generation tokenise once."""
+        if record.index not in self._first:
+            self._first[record.index] = self._render_first(record)
+        ids, messages = self._first[record.index]
+        return ids, (list(messages) if messages is not None else None)
+
+    def _render_first(self, record) -> tuple[list[int], list[dict] | None]:
         if record.prompt is not None:
             return self.tokenizer.encode(record.prompt), None
         messages = (list(record.messages) if record.messages is not None
@@ -63,13 +71,15 @@ def record_seed(record, run_seed: int) -> int:
 def generate_records(engine: Engine, renderer: PromptRenderer, records: Iterable,
                      run_seed: int = 0,
                      on_tokens: Callable[[int, SpecStats], None] | None = None,
-                     ) -> Iterator[tuple[Any, dict]]:
+                     plan=None) -> Iterator[tuple[Any, dict]]:
     """Run records through the engine; yield ``(record, output_fields)`` as records finish.
 
     output_fields: ``output``, ``output_token_ids``, ``finish_reason``, ``stop_reason``,
     ``usage``, ``spec`` and, when asked, ``logprobs`` / ``error``. For ``turns`` records,
     ``output``, ``output_token_ids``, ``finish_reason`` and ``stop_reason`` are lists, one per
     turn. on_tokens(num_new_completion_tokens, stats) is called per finished answer.
+    plan: a ``plan.planner.Plan`` (``--method auto``): orders records by bucket then length, and
+    adds its per-record fields to ``spec``; without one, records run longest prompt first.
     """
     pending: dict[int, _Pending] = {}
     requests = []
@@ -79,7 +89,10 @@ def generate_records(engine: Engine, renderer: PromptRenderer, records: Iterable
         seed = record_seed(rec, run_seed)
         requests.append(Request((rec.index, 0), ids, rec.sampling,
                                 seed=derive_seed(seed, 0), tag=rec.index))
-    requests.sort(key=lambda r: -len(r.prompt_ids))
+    if plan is not None:
+        requests.sort(key=lambda r: plan.order_key(r.tag, len(r.prompt_ids)))
+    else:
+        requests.sort(key=lambda r: -len(r.prompt_ids))
 
     def follow_up(c: Completion) -> Request | None:
         p = pending[c.request.tag]
@@ -102,7 +115,10 @@ def generate_records(engine: Engine, renderer: PromptRenderer, records: Iterable
         num_turns = len(rec.turns) if rec.turns is not None else 1
         if c.finish_reason == "error" or len(p.completions) == num_turns:
             del pending[c.request.tag]
-            yield rec, _output_fields(rec, p.completions)
+            out = _output_fields(rec, p.completions)
+            if plan is not None:
+                out["spec"].update(plan.annotate(rec.index))
+            yield rec, out
 
 
 def _output_fields(rec, completions: list[Completion]) -> dict:

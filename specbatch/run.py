@@ -44,6 +44,7 @@ class RunOptions:
     progress: bool = True
     template: str | None = None  # renders the user message from record fields
     recipe: dict | None = None  # {"name", "version"} of the recipe the options came from
+    plan_only: bool = False  # --method auto: print the plan and exit
 
 
 def _err(msg: str) -> None:
@@ -203,6 +204,18 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         "recipe": opts.recipe,
     }
     job.num_records = len(records)
+    if opts.plan_only:
+        if opts.spec.method != "auto":
+            _err("error: --plan-only needs --method auto")
+            return EXIT_BAD_INPUT
+        from specbatch.plan.planner import prepare_auto
+
+        engine = build_engine(loaded.model, opts.spec, opts.engine, loaded.eos_token_ids,
+                              max_model_len, renderer.detokenize)
+        skip = set(skipped)
+        prepare_auto(engine, [r for r in records if r.index not in skip], renderer, opts.spec,
+                     opts.engine, loaded.model_id, opts.cache_dir, echo=_err)
+        return EXIT_OK
     try:
         writer = OutputWriter(opts.output_path, config, resume=opts.resume, force=opts.force,
                               num_records=len(records))
@@ -227,6 +240,12 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     engine = build_engine(loaded.model, opts.spec, opts.engine, loaded.eos_token_ids,
                           max_model_len, renderer.detokenize,
                           draft_model=draft.model if draft is not None else None)
+    plan = None
+    if opts.spec.method == "auto":
+        from specbatch.plan.planner import prepare_auto
+
+        plan = prepare_auto(engine, todo, renderer, opts.spec, opts.engine, loaded.model_id,
+                            opts.cache_dir, echo=_err)
     tput = Throughput()
     by_category: dict[str, list] = defaultdict(list)
     bar = job.bar = _progress(len(records), len(done) + len(skip), opts.progress)
@@ -235,7 +254,8 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         tput.add(n, stats)
 
     try:
-        for rec, out in generate_records(engine, renderer, todo, opts.run_seed, on_tokens):
+        for rec, out in generate_records(engine, renderer, todo, opts.run_seed, on_tokens,
+                                         plan=plan):
             writer.write(rec.index, {**rec.fields, **out})
             by_category[str(rec.fields.get("category", ""))].append(out)
             if bar is not None:

@@ -119,7 +119,7 @@ def resolve_model(name: str, cache_dir: str | Path | None = None) -> ModelSource
         raise ValueError(f"--model must be a registry name or a path, got {name!r}")
     entry = REGISTRY.get(name)
     if entry is not None:
-        path = entry.locate(_cache_root(cache_dir))
+        path = entry.locate(cache_root(cache_dir))
         return ModelSource("registry", path.parent, path.name, name)
     path = Path(name).expanduser()
     if path.is_file():
@@ -157,7 +157,7 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu",
     except (RuntimeError, TypeError) as error:
         raise ValueError(f"device {device!r} is not a torch device: {error}") from None
     source = resolve_model(name, cache_dir)
-    cache_root = _cache_root(cache_dir)
+    cache_root = cache_root(cache_dir)
     if source.kind == "hf_folder":
         folder = source.path
         digest = _folder_sha256(folder, cache_root)
@@ -175,7 +175,8 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu",
                        model_id=f"{source.name}@sha256:{digest[:16]}")
 
 
-def _cache_root(cache_dir: str | Path | None) -> Path:
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """The cache directory: ``cache_dir``, else ``$SPECBATCH_CACHE``, else ~/.cache/specbatch."""
     if cache_dir is None:
         cache_dir = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "specbatch"
     return Path(cache_dir).expanduser()

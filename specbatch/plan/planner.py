@@ -118,3 +118,24 @@ def make_plan(records, prompt_ids: dict[int, list[int]], k_max: int, batch_size:
         ctx = int(b.mean_prompt_tokens + expected_output_tokens / 2)
         b.k, b.predicted_speedup = best_k(cost, alphas, k_max, rows, ctx)
     return Plan(k_max, batch_size, preds, bucket_of, buckets)
+
+
+def prepare_auto(engine, records, renderer, spec_config, engine_config, model_id: str,
+                 cache_dir=None, echo=print) -> Plan:
+    """Calibrate (or load the cached cost model), plan, and attach the adaptive policy to
+    ``engine``. ``echo`` gets the human-readable lines (calibration note and plan table)."""
+    from specbatch.models.loader import cache_root
+    from specbatch.plan.costmodel import load_or_calibrate
+
+    cost, path, measured = load_or_calibrate(engine.runner.forward, model_id,
+                                             engine_config.dtype, cache_root(cache_dir))
+    if measured:
+        echo(f"calibrated the step-cost model for this machine: {path}")
+    prompt_ids = {r.index: renderer.first_prompt(r)[0] for r in records}
+    max_tokens = max((r.sampling.max_tokens for r in records), default=1)
+    plan = make_plan(records, prompt_ids, spec_config.num_speculative_tokens,
+                     engine_config.max_batch_size, cost, spec_config.prompt_lookup_min,
+                     max_tokens)
+    engine.policy = plan.make_policy(cost)
+    echo(plan.table())
+    return plan

@@ -13,7 +13,7 @@ def make_proposer(config: SpecConfig, draft_forward=None, num_rows: int = 1) -> 
     ``num_rows`` rows, the target's row count)."""
     if config.method == "none":
         return NoProposer()
-    if config.method == "ngram":
+    if config.method in ("ngram", "auto"):  # auto: lookup drafts, length chosen per step
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method == "draft":
         if draft_forward is None:

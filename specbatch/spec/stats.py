@@ -70,6 +70,12 @@ class SpecStats:
         """1 + accepted / drafts: tokens emitted per drafting verify step (vLLM's convention)."""
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
+    @property
+    def mean_k(self) -> float | None:
+        """Mean draft length over verify steps (the k actually used; 0 for no draft)."""
+        steps = sum(self.k_histogram.values())
+        return sum(k * c for k, c in self.k_histogram.items()) / steps if steps else None
+
     def to_dict(self) -> dict:
         k = self.num_speculative_tokens
         per_pos = (self.num_accepted_tokens_per_pos + [0] * k)[:max(k, len(
@@ -85,6 +91,7 @@ class SpecStats:
             "acceptance_rate": _round(self.acceptance_rate),
             "mean_acceptance_length": _round(self.mean_acceptance_length),
             "k_histogram": {str(k): c for k, c in sorted(self.k_histogram.items())},
+            "mean_k": _round(self.mean_k),
         }
 
 

@@ -1,0 +1,73 @@
+"""``specbatch calibrate`` and ``specbatch predict-eval``: the planner's two measured inputs."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import click
+
+
+def run_calibrate(model: str | None, dtype: str, cache_dir: str | None, output: str | None,
+                  recalibrate: bool) -> int:
+    from specbatch.models.llama import LlamaForward
+    from specbatch.models.loader import cache_root, load_model
+    from specbatch.models.registry import DEFAULT_MODEL
+    from specbatch.plan.costmodel import load_or_calibrate
+
+    loaded = load_model(model or DEFAULT_MODEL, dtype=dtype, cache_dir=cache_dir)
+    cost, path, measured = load_or_calibrate(LlamaForward(loaded.model), loaded.model_id, dtype,
+                                             cache_root(cache_dir), recalibrate=recalibrate)
+    click.echo(f"{'measured' if measured else 'cached'}: {path}")
+    click.echo(f"{'rows':>5}{'q':>4}{'ctx':>6}{'measured ms':>13}{'fit ms':>9}")
+    for r, q, c, sec in cost.samples:
+        click.echo(f"{r:>5}{q:>4}{c:>6}{sec * 1e3:>13.1f}{cost.step_time(r, q, c) * 1e3:>9.1f}")
+    if output:
+        cost.save(output)
+        click.echo(f"wrote {output}")
+    return 0
+
+
+def run_predict_eval(paths, k: int, model: str | None, cache_dir: str | None) -> int:
+    """Re-tokenise each record's first prompt, predict, and correlate with the measured
+    ``spec.mean_acceptance_length`` of records that drafted."""
+    from specbatch.io.records import read_records
+    from specbatch.models.loader import load_model
+    from specbatch.models.registry import DEFAULT_MODEL
+    from specbatch.pipeline import PromptRenderer
+    from specbatch.plan.predict import instruction_text, predict, spearman
+
+    preds, meas, cats = [], [], []
+    tokenizer = None
+    for path in paths:
+        cfg_path = Path(str(path) + ".config.json")  # written beside OUT by the writer
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        if tokenizer is None:
+            name = model or (cfg.get("model", "").split("@")[0] or DEFAULT_MODEL)
+            tokenizer = load_model(name, cache_dir=cache_dir).tokenizer
+        renderer = PromptRenderer(tokenizer)
+        lookup_min = cfg.get("prompt_lookup_min", 2)
+        records, errors = read_records(path)
+        for rec in records:
+            mal = rec.fields.get("spec", {}).get("mean_acceptance_length")
+            if mal is None:
+                continue
+            ids, _ = renderer.first_prompt(rec)
+            p = predict(ids, instruction_text(rec), rec.sampling.temperature, lookup_min)
+            preds.append(p.acceptance_length(k))
+            meas.append(mal)
+            cats.append(str(rec.fields.get("category", "")))
+    if len(preds) < 3:
+        click.echo("error: fewer than 3 records with drafting stats", err=True)
+        return 2
+    click.echo(f"records {len(preds)}: Spearman(predicted, measured acceptance length, k={k}) = "
+               f"{spearman(preds, meas):.3f}")
+    by = defaultdict(list)
+    for p, m, c in zip(preds, meas, cats):
+        by[c].append((p, m))
+    click.echo(f"{'category':<16}{'records':>8}{'predicted':>10}{'measured':>10}")
+    for c, pm in sorted(by.items(), key=lambda kv: -sum(m for _, m in kv[1]) / len(kv[1])):
+        click.echo(f"{c or '-':<16}{len(pm):>8}{sum(p for p, _ in pm) / len(pm):>10.2f}"
+                   f"{sum(m for _, m in pm) / len(pm):>10.2f}")
+    return 0

@@ -1,0 +1,124 @@
+"""Auto planner: cost-model choice of k, online adaptation, buckets, and output invariance."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from specbatch.config import SamplingParams
+from specbatch.plan.costmodel import CostModel, fit
+from specbatch.plan.planner import best_k, make_plan
+from specbatch.plan.policy import AdaptivePolicy, RowAcceptance
+from specbatch.plan.predict import predict, repeat_share, spearman
+from tests.helpers import make_engine, repeating_prompts, run_engine, tiny_llama
+
+MEMORY_BOUND = CostModel((0.040, 0.0005, 0.0, 0.0))  # verifying 6 tokens ~ free (GPU-like)
+COMPUTE_BOUND = CostModel((0.0, 0.010, 0.0, 0.0))  # every fed token costs the same
+
+
+def test_picks_k0_when_verification_costs_more_than_it_returns():
+    for alpha in (0.1, 0.5, 0.8):
+        k, speedup = best_k(COMPUTE_BOUND, [alpha], k_max=8, rows=16, context_len=512)
+        assert k == 0 and speedup == pytest.approx(1.0)
+
+
+def test_picks_larger_k_as_acceptance_rises():
+    ks = [best_k(MEMORY_BOUND, [a], k_max=8, rows=1, context_len=512)[0]
+          for a in (0.05, 0.3, 0.6, 0.8, 0.95)]
+    assert ks == sorted(ks), ks
+    assert ks[0] <= 1 and ks[-1] >= 6, ks
+
+
+def test_cost_fit_recovers_a_linear_model():
+    true = CostModel((0.02, 0.001, 2e-6, 1e-7))
+    samples = [(r, q, c, true.step_time(r, q, c)) for r in (1, 4, 16) for q in (1, 3, 6)
+               for c in (256, 1024)]
+    got = CostModel(fit(samples))
+    for r, q, c, t in samples:
+        assert got.step_time(r, q, c) == pytest.approx(t, rel=1e-6)
+
+
+def _seq(seq_id: int, length: int = 100):
+    return SimpleNamespace(seq_id=seq_id, token_ids=[0] * length)
+
+
+def test_online_adaptation_drops_k_when_drafts_stop_being_accepted():
+    # verifying a token costs 10% of a step: drafting pays only while drafts are accepted
+    policy = AdaptivePolicy(CostModel((0.02, 0.002, 0.0, 0.0)), k_max=5,
+                            prior_for=lambda s: [(1.0, 1.0)] * 5)
+    seq = _seq(1)
+    draft = [1, 2, 3, 4, 5]
+    for _ in range(20):  # copying: every draft accepted
+        chosen = policy.select([seq], [draft])[0]
+        policy.observe(seq, draft, draft + [9])
+    assert len(chosen) == 5
+    ks = []
+    for _ in range(30):  # text turned novel: the first draft token is always wrong
+        chosen = policy.select([seq], [draft])[0]
+        ks.append(len(chosen))
+        policy.observe(seq, draft, [7] * (len(chosen) + 1))
+    # with a Beta(1, 1) prior and ~10 steps of memory, p(accept) bottoms out near 0.1,
+    # where one draft token still (just) pays at this cost; five no longer do
+    assert ks[0] == 5 and ks[-1] <= 1, ks
+    # and k comes back once drafts are accepted again, learnt while drafting nothing
+    for _ in range(30):
+        chosen = policy.select([seq], [draft])[0]
+        policy.observe(seq, draft, draft[:len(chosen)] + [draft[len(chosen)]]
+                       if len(chosen) < 5 else draft + [9])
+    assert len(chosen) >= 3
+
+
+def test_row_acceptance_counts_only_positions_tried():
+    acc = RowAcceptance(prior=[(0.0, 0.0)] * 3)
+    acc.observe([1, 2, 3], [1, 5], decay=1.0)  # pos 0 hit, pos 1 miss, pos 2 never tried
+    assert acc.trials == [1.0, 1.0, 0.0] and acc.hits == [1.0, 0.0, 0.0]
+
+
+def test_predictor_features_and_buckets():
+    assert repeat_share([1, 2, 3, 1, 2, 3, 1, 2], 2) == pytest.approx(4 / 7)
+    assert repeat_share([1, 2, 3, 4], 2) == 0.0
+    copy = predict([5, 6, 7, 8] * 200, "Summarize the following article.", 0.0)
+    novel = predict(list(range(12)), "Translate German to English: Guten Tag.", 0.0)
+    hot = predict([5, 6, 7, 8] * 200, "Summarize the following article.", 1.0)
+    assert copy.alpha > hot.alpha > 0 and copy.alpha > novel.alpha
+    assert copy.acceptance_length(5) > novel.acceptance_length(5)
+    recs = [SimpleNamespace(index=0, prompt="Summarize the following article.", messages=None,
+                            turns=None, sampling=SamplingParams()),
+            SimpleNamespace(index=1, prompt="Translate German to English: Guten Tag.",
+                            messages=None, turns=None, sampling=SamplingParams())]
+    plan = make_plan(recs, {0: [5, 6, 7, 8] * 200, 1: list(range(12))}, k_max=5, batch_size=4,
+                     cost=MEMORY_BOUND, prompt_lookup_min=2, expected_output_tokens=64)
+    assert plan.bucket_of == {0: "copy-heavy", 1: "novel"}
+    assert plan.buckets["copy-heavy"].k > plan.buckets["novel"].k
+    assert plan.order_key(0, 800) < plan.order_key(1, 12)
+    assert "copy-heavy" in plan.table()
+
+
+def test_spearman():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 2, 3], [1, 2, 2, 3]) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("cost", [MEMORY_BOUND, COMPUTE_BOUND, CostModel((0.01, 0.002, 0, 0))])
+def test_auto_outputs_equal_none(cost):
+    model = tiny_llama(vocab_size=64, seed=3)
+    prompts = repeating_prompts(64, 12, seed=5)
+    sp = SamplingParams(max_tokens=24)
+    plain = run_engine(model, prompts, 0, 4, sp)
+    from specbatch.engine.sequence import Request
+
+    engine = make_engine(model, 6, 4)
+    engine.policy = AdaptivePolicy(cost, 6, prior_for=lambda s: [(2.0, 2.0)] * 6)
+    outs = {c.request.request_id: c for c in engine.generate(
+        [Request(i, list(p), sp, seed=i) for i, p in enumerate(prompts)])}
+    assert [outs[i].output_ids for i in range(len(prompts))] == [c.output_ids for c in plain]
+    hist = {}
+    for c in outs.values():
+        for k, n in c.stats.k_histogram.items():
+            hist[k] = hist.get(k, 0) + n
+    if cost is COMPUTE_BOUND:
+        assert set(hist) == {0}, hist  # never drafts when verification does not pay
+    else:
+        assert sum(c.stats.num_accepted_tokens for c in outs.values()) > 0
