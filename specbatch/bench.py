@@ -42,8 +42,8 @@ class BenchOptions:
 
 def parse_configs(text: str,
                   draft_model: str | None = None) -> tuple[tuple[str, SpecConfig], ...]:
-    """``"none,ngram:k=3,ngram:k=5:min=1:max=3,draft:k=3"`` -> labelled ``SpecConfig``s; the
-    ``draft`` ones use ``draft_model``.
+    """``"none,ngram:k=3,ngram:k=5:min=1:max=3,draft:k=3,auto:k=8"`` -> labelled
+    ``SpecConfig``s; the ``draft`` ones use ``draft_model``; for ``auto`` k is the cap.
 
     Raises ``ValueError`` on an unknown method or key, or ``draft`` without a draft model."""
     out = []
@@ -104,8 +104,14 @@ def run_bench(opts: BenchOptions) -> int:
                               loaded.max_model_len, renderer.detokenize,
                               draft_model=draft.model if spec.method == "draft" else None)
         t0 = time.perf_counter()
+        plan = None
+        if spec.method == "auto":  # planning is part of the timed run (calibration is cached)
+            from specbatch.plan.planner import prepare_auto
+
+            plan = prepare_auto(engine, recs, renderer, spec, opts.engine, loaded.model_id,
+                                opts.cache_dir, echo=lambda line: None)
         outs = {rec.index: out for rec, out in generate_records(engine, renderer, recs,
-                                                                 opts.run_seed)}
+                                                                 opts.run_seed, plan=plan)}
         return time.perf_counter() - t0, outs
 
     warm = [replace_sampling(next(iter(groups.values()))[0], max_tokens=8)]
