@@ -181,6 +181,10 @@ def _what_if_text(wi: dict) -> list[str]:
     if sc["num_checked"]:
         lines.append(f"self-check: the replay of the run's own setting equals the recorded "
                      f"stats for {sc['num_equal']} of {sc['num_checked']} ngram records")
+        bad = [c for c in sc["records"] if not c["equal"]]
+        for c in bad[:MAX_DIFFS_SHOWN]:
+            lines.append(f"  differs: {c['file']} id={c['id']!r} ({c['setting']}; a planner "
+                         "that changes k per step, or a tokenizer that changed, does this)")
     settings = wi["settings"]
     lookups = sorted({(s["prompt_lookup_min"], s["prompt_lookup_max"]) for s in settings})
     ks = sorted({s["k"] for s in settings})

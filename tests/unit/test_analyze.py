@@ -215,6 +215,20 @@ def test_what_if_replays_own_setting_exactly(runs, run):
     assert "best:" in format_text(doc)
 
 
+def test_self_check_reports_a_record_that_does_not_replay(runs, tmp_path):
+    src = [json.loads(line) for line in runs["ngram"].read_text().splitlines()]
+    victim = next(r for r in src if r["spec"]["num_drafts"] > 2 and not r.get("temperature"))
+    victim["spec"]["k_histogram"]["0"] = victim["spec"]["k_histogram"].get("0", 0) + 1
+    path = tmp_path / "tampered.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in src))
+    config_path(path).write_text(config_path(runs["ngram"]).read_text())
+    _, doc = _doc([path], what_if=True)
+    sc = doc["what_if"]["self_check"]
+    assert [c["id"] for c in sc["records"] if not c["equal"]] == [victim["id"]]
+    assert sc["num_equal"] == sc["num_checked"] - 1
+    assert f"differs: tampered.jsonl id='{victim['id']}'" in format_text(doc)
+
+
 def test_what_if_from_plain_run_predicts_the_ngram_run(runs):
     """Replaying the plain-decoding run for ngram k4 1-3 gives what the ngram run measured
     (same outputs at T = 0), per group."""
