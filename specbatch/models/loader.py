@@ -157,15 +157,15 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu",
     except (RuntimeError, TypeError) as error:
         raise ValueError(f"device {device!r} is not a torch device: {error}") from None
     source = resolve_model(name, cache_dir)
-    cache_root = cache_root(cache_dir)
+    root = cache_root(cache_dir)
     if source.kind == "hf_folder":
         folder = source.path
-        digest = _folder_sha256(folder, cache_root)
+        digest = _folder_sha256(folder, root)
     else:
         gguf_path = source.gguf_path
         assert gguf_path is not None
-        digest = _file_sha256(gguf_path, cache_root)
-        folder = cache_root / _GGUF_CACHE_DIR / digest
+        digest = _file_sha256(gguf_path, root)
+        folder = root / _GGUF_CACHE_DIR / digest
         if not _is_complete(folder):
             _convert_gguf(gguf_path, folder, digest)
     model, tokenizer = _load_folder(folder, TORCH_DTYPES[dtype], torch_device)
