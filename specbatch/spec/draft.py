@@ -12,13 +12,14 @@ temperature, top-k and top-p of the record), so a draft that agrees with the tar
 distribution draws the target's token.
 
 Draft cache invariant (asserted in tests/unit/test_draft.py): between engine steps a row holds
-the keys/values of ``seq.token_ids[:n]`` with ``len(token_ids) - 2 <= n <= len(token_ids) - 1``
-once the sequence has drafted (after ``start`` only the prompt: n = len - 1); at least one
-committed token is always unseen. A proposal feeds the unseen committed tokens (1, or 2 after a
-step that accepted every draft: the last draft was never fed, and the bonus token follows it)
-in its first draft step, then one draft token per step; the k-th draft is not fed. At
-``on_commit`` the row is rolled back to the committed tokens it holds: the prompt and earlier
-output, plus the fed drafts that were accepted.
+the keys/values of ``seq.token_ids[:n]``, ``n <= len(token_ids) - 1``: at least one committed
+token is always unseen. After a step in which the row drafted, ``n >= len(token_ids) - 2``
+(after ``start``: the prompt, n = len - 1). A proposal feeds the unseen committed tokens (1, or
+2 after a step that accepted every draft: the last draft was never fed, and the bonus token
+follows it; more after steps in which the row got k = 0) in its first draft step, then one
+draft token per step; the k-th draft is not fed. At ``on_commit`` the row is rolled back to the
+committed tokens it holds: the prompt and earlier output, plus the fed drafts that were
+accepted.
 
 Memory: weights (``weight_bytes``) plus KV rows (``cache.nbytes``; per token per row
 ``kv_bytes_per_token``). The run summary reports both models; a batch-size budget must count

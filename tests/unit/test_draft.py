@@ -6,8 +6,8 @@
 (b) a draft that is the target accepts every draft token (its Gumbel-max uses the target's
     noise); a random draft accepts few, and still changes nothing;
 (c) KV rollback, both caches, after every engine step: the target's row holds the committed
-    tokens but the last, the draft's row all but the last one or two, and each row's keys and
-    values equal those of a fresh prefill of those tokens;
+    tokens but the last, the draft's row all but the last one or two (more after steps without
+    drafts), and each row's keys and values equal those of a fresh prefill of those tokens;
 (d) a draft whose vocabulary differs is refused with a message naming both models;
 (e) the split-part registry entry assembles its parts once, checks size, sha256 and header.
 """
@@ -155,6 +155,50 @@ def test_kv_rollback_both_caches(setup, sampling):
     assert lags == {1, 2}  # both catch-up cases happened: after a rejection and a full accept
     assert [outputs[i] for i in range(NUM_PROMPTS)] == [b.output_ids for b in base[sampling]]
     assert proposer.states == {}  # finished sequences dropped their state
+
+
+class _CuttingPolicy:
+    """A stand-in for the planner's policy: cuts each row's proposed drafts to a length that
+    cycles 0, 1, 3, ..., and sets some rows' k to 0 for the next step (no proposal at all)."""
+
+    def __init__(self) -> None:
+        self.counter = 0
+
+    def select(self, seqs, drafts):
+        out = []
+        for seq, d in zip(seqs, drafts):
+            self.counter += 1
+            out.append(d[:(0, 1, 3)[self.counter % 3]])
+            seq.k = 0 if self.counter % 4 == 0 else 3
+        return out
+
+    def observe(self, seq, draft, emitted):
+        pass
+
+    def finish(self, seq):
+        pass
+
+
+def test_cut_drafts_and_rows_without_drafts(setup):
+    """Drafts cut after proposing (fed but never verified) and steps where a row drafts
+    nothing: the draft row keeps only KV of committed tokens, may fall behind by more than 2
+    tokens and catches up in one forward at its next proposal; output unchanged."""
+    target, draft, prompts, base = setup
+    engine = draft_engine(target, draft, 4, 3)
+    engine.policy = _CuttingPolicy()
+    for i, (p, s) in enumerate(zip(prompts, SEEDS)):
+        engine.scheduler.add(Request(i, list(p), SAMPLINGS["greedy"], seed=s))
+    lags, outputs = [], {}
+    while engine.scheduler.has_work:
+        for c in engine.step():
+            outputs[c.request.request_id] = c.output_ids
+        for seq in engine.scheduler.running_sequences():
+            n = engine.proposer.cache.seq_lens[seq.row]
+            lags.append(len(seq.token_ids) - n)
+            _assert_row_holds(engine.proposer.cache, engine.proposer.forward, seq.row,
+                              seq.token_ids[:n])
+    assert min(lags) >= 1 and max(lags) > 2
+    assert [outputs[i] for i in range(NUM_PROMPTS)] == [b.output_ids for b in base["greedy"]]
 
 
 def test_draft_context_shorter_than_target(setup):
