@@ -55,6 +55,8 @@ def _panels(n: int, width: float = 3.6, height: float = 2.9):
     fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows + 0.6),
                              squeeze=False, sharex=True, sharey=True)
     flat = [ax for row in axes for ax in row]
+    for ax in flat[:n]:  # shared scales, but every panel keeps its tick labels
+        ax.tick_params(labelbottom=True, labelleft=True)
     for ax in flat[n:]:
         ax.set_visible(False)
     return fig, flat[:n]
