@@ -273,12 +273,14 @@ def calibrate(model, dtype, max_batch_size, max_model_len, cache_dir, output, re
               help="k of the predicted acceptance length.")
 @click.option("--model", default=None, help="Tokenizer's model (default: the run's model).")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None)
-def predict_eval(paths, k, model, cache_dir):
+@click.option("--refit", is_flag=True, help="Also fit the predictor's weights to these files "
+              "and report their 2-fold out-of-sample rank correlation.")
+def predict_eval(paths, k, model, cache_dir, refit):
     """Rank correlation (Spearman) between the acceptance predictor and the mean acceptance
     length measured in ngram output files, overall and per category."""
     from specbatch.plan.calibrate_cmd import run_predict_eval
 
-    sys.exit(run_predict_eval(paths, k, model, cache_dir))
+    sys.exit(run_predict_eval(paths, k, model, cache_dir, refit))
 
 
 def _exit_from_signals() -> None:

@@ -29,16 +29,19 @@ def run_calibrate(model: str | None, dtype: str, cache_dir: str | None, output: 
     return 0
 
 
-def run_predict_eval(paths, k: int, model: str | None, cache_dir: str | None) -> int:
+def run_predict_eval(paths, k: int, model: str | None, cache_dir: str | None,
+                     refit: bool = False) -> int:
     """Re-tokenise each record's first prompt, predict, and correlate with the measured
-    ``spec.mean_acceptance_length`` of records that drafted."""
+    ``spec.mean_acceptance_length`` of records that drafted. ``refit``: also fit the weights
+    to these files by least squares on logit(alpha), and report the rank correlation of the
+    refitted predictor out of sample (2-fold: fit on even records, score odd, and back)."""
     from specbatch.io.records import read_records
     from specbatch.models.loader import load_model
     from specbatch.models.registry import DEFAULT_MODEL
     from specbatch.pipeline import PromptRenderer
     from specbatch.plan.predict import instruction_text, predict, spearman
 
-    preds, meas, cats = [], [], []
+    preds, meas, cats, feats = [], [], [], []
     tokenizer = None
     for path in paths:
         cfg_path = Path(str(path) + ".config.json")  # written beside OUT by the writer
@@ -56,6 +59,8 @@ def run_predict_eval(paths, k: int, model: str | None, cache_dir: str | None) ->
             ids, _ = renderer.first_prompt(rec)
             p = predict(ids, instruction_text(rec), rec.sampling.temperature, lookup_min)
             preds.append(p.acceptance_length(k))
+            feats.append((1.0, p.repeat_share, p.log_prompt_tokens, p.quote_cue, p.novel_cue,
+                          p.temperature))
             meas.append(mal)
             cats.append(str(rec.fields.get("category", "")))
     if len(preds) < 3:
@@ -63,6 +68,8 @@ def run_predict_eval(paths, k: int, model: str | None, cache_dir: str | None) ->
         return 2
     click.echo(f"records {len(preds)}: Spearman(predicted, measured acceptance length, k={k}) = "
                f"{spearman(preds, meas):.3f}")
+    if refit:
+        _refit(feats, meas, k)
     by = defaultdict(list)
     for p, m, c in zip(preds, meas, cats):
         by[c].append((p, m))
@@ -71,3 +78,43 @@ def run_predict_eval(paths, k: int, model: str | None, cache_dir: str | None) ->
         click.echo(f"{c or '-':<16}{len(pm):>8}{sum(p for p, _ in pm) / len(pm):>10.2f}"
                    f"{sum(m for _, m in pm) / len(pm):>10.2f}")
     return 0
+
+
+def _alpha_from_length(length: float, k: int) -> float:
+    """Invert 1 + a + ... + a^k = length by bisection (a in [0.001, 0.999])."""
+    lo, hi = 0.001, 0.999
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if 1 + sum(mid ** i for i in range(1, k + 1)) < length:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def _refit(feats: list[tuple], meas: list[float], k: int) -> None:
+    import math
+
+    import torch
+
+    from specbatch.plan.predict import spearman
+
+    x = torch.tensor(feats, dtype=torch.float64)
+    alpha = [_alpha_from_length(m, k) for m in meas]
+    y = torch.tensor([math.log(a / (1 - a)) for a in alpha], dtype=torch.float64)
+
+    def solve(idx):
+        return torch.linalg.lstsq(x[idx], y[idx, None]).solution[:, 0]
+
+    def score(w, idx):
+        z = x[idx] @ w
+        lengths = [1 + sum((1 / (1 + math.exp(-v))) ** i for i in range(1, k + 1))
+                   for v in z.tolist()]
+        return spearman(lengths, [meas[i] for i in idx])
+
+    even, odd = list(range(0, len(meas), 2)), list(range(1, len(meas), 2))
+    cv = (score(solve(even), odd) + score(solve(odd), even)) / 2
+    w = solve(list(range(len(meas))))
+    click.echo(f"refitted weights (bias, repeat_share, log_prompt_tokens, quote_cue, novel_cue, "
+               f"temperature): ({', '.join(f'{v:.3f}' for v in w.tolist())})")
+    click.echo(f"2-fold out-of-sample Spearman of the refitted predictor: {cv:.3f}")

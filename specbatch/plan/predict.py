@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 QUOTE_CUE = re.compile(
     r"summar|rewrite|rephrase|paraphrase|extract|edit|correct|fix|refactor|rename|copy|repeat|"
     r"quote|based on|according to|passage|context|document|article|following|given|code|"
+    r"previous (answer|response)|"
     r"list (all|every|the)", re.I)
 NOVEL_CUE = re.compile(r"translat|poem|story|imagine|compose|creative|invent|joke|pretend|"
                        r"role|write an? (essay|blog|email|letter)", re.I)
@@ -78,13 +79,14 @@ def predict(prompt_ids: list[int], instruction: str, temperature: float,
 
 
 def instruction_text(record) -> str:
-    """The user text a record's task is stated in (first turn for ``turns``)."""
+    """The user text a record's task is stated in: the last user message, or every turn of a
+    ``turns`` record (a later "rewrite your previous answer" turn copies an earlier answer)."""
     if record.prompt is not None:
         return record.prompt
     if record.messages is not None:
         users = [m["content"] for m in record.messages if m.get("role") == "user"]
         return users[-1] if users else ""
-    return record.turns[0]
+    return "\n".join(record.turns)
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
