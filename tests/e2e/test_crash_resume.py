@@ -1,0 +1,161 @@
+"""SIGKILL a real ``specbatch run`` at three points, rerun the same command, and get the bytes of
+an uninterrupted run, with every record exactly once; with ``--method auto``, the same outputs.
+SIGINT and SIGTERM: a clean stop (exit 130, finished records kept, how to resume printed).
+
+The kill points (``tests/e2e/pause_run.py`` stops the real command there):
+    early    after the first finished record is in the work file
+    middle   halfway through appending a record's line (a torn last line in the work file)
+    final    inside the final write: OUT complete under its temp name, not yet renamed
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.cli_helpers import (REPO, assert_no_traceback, cli, cli_env, read_jsonl,
+                               spec_bench_or_example, specbatch_command)
+
+PAUSE_SCRIPT = REPO / "tests" / "e2e" / "pause_run.py"
+NUM_RECORDS = 12
+ARGS = ["--method", "ngram", "--k", "5", "--max-tokens", "16", "--max-batch-size", "4",
+        "--no-progress"]
+
+pytestmark = pytest.mark.slow
+
+
+def _ids(rows: list[dict]) -> list:
+    return [r.get("question_id", r.get("id")) for r in rows]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """The input, and the output of an uninterrupted run of it."""
+    root = tmp_path_factory.mktemp("crash")
+    inp = spec_bench_or_example(NUM_RECORDS, root / "in.jsonl")
+    out = root / "baseline" / "out.jsonl"
+    r = cli("run", inp, "-o", out, *ARGS)
+    assert r.returncode == 0, r.stderr
+    return inp, out.read_bytes()
+
+
+def _kill_at(point: str, args: list[str], workdir: Path) -> None:
+    """Start the run, wait until it is paused at ``point``, SIGKILL it."""
+    marker = workdir / "paused"
+    with open(workdir / "killed.stderr", "wb") as err:
+        proc = subprocess.Popen([sys.executable, str(PAUSE_SCRIPT), point, str(marker), *args],
+                                env=cli_env(), stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            deadline = time.monotonic() + 300
+            while not marker.exists():
+                assert proc.poll() is None, (f"run ended ({proc.returncode}) before {point}:\n"
+                                             + (workdir / "killed.stderr").read_text())
+                assert time.monotonic() < deadline, f"never reached {point}"
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGKILL)
+        finally:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("where", ["early", "middle", "final"])
+def test_killed_run_resumes_to_the_same_bytes(job, tmp_path, where):
+    inp, baseline = job
+    num = len(read_jsonl(inp))
+    out = tmp_path / "out.jsonl"
+    work = Path(f"{out}.work.jsonl")
+    args = ["run", str(inp), "-o", str(out), *ARGS]
+    point, num_saved = {"early": ("after:1", 1), "middle": (f"torn:{num // 2 + 1}", num // 2),
+                        "final": ("final", num)}[where]
+
+    _kill_at(point, args, tmp_path)
+
+    # what the kill left: the finished records in the work file, no final output
+    assert not out.exists()
+    data = work.read_bytes()
+    whole = data.split(b"\n")[:-1]  # lines ended by a newline
+    assert len(whole) == num_saved
+    assert (data.endswith(b"\n")) == (where != "middle")  # the torn line has no newline
+    temps = list(tmp_path.glob(".out.jsonl.*.tmp"))
+    if where == "final":  # the whole output, written and fsynced, only not renamed yet
+        assert [t.read_bytes() for t in temps] == [baseline]
+
+    r = cli(*args)
+    assert r.returncode == 0, r.stderr
+    assert_no_traceback(r)
+    assert f"resuming: {num_saved} of {num} records already done" in r.stderr
+    assert out.read_bytes() == baseline
+    rows = read_jsonl(out)
+    counts = collections.Counter(_ids(rows))
+    assert _ids(rows) == _ids(read_jsonl(inp)) and set(counts.values()) == {1}
+    assert not work.exists() and not list(tmp_path.glob(".out.jsonl.*.tmp"))
+
+
+# ----- SIGINT / SIGTERM: stop, keep what is finished, say how to resume, exit 130 -----
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_stops_cleanly(job, tmp_path, sig):
+    """The run stops, keeps every finished record (whole lines), says how to resume and exits
+    130; after SIGTERM (what a batch scheduler sends) the rerun finishes it."""
+    inp, baseline = job
+    num = len(read_jsonl(inp))
+    out = tmp_path / "out.jsonl"
+    work = Path(f"{out}.work.jsonl")
+    args = ["run", str(inp), "-o", str(out), *ARGS]
+    with open(tmp_path / "stderr", "wb") as err:
+        proc = subprocess.Popen([*specbatch_command(), *args], env=cli_env(),
+                                stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            deadline = time.monotonic() + 300
+            while not (work.exists() and work.read_bytes().count(b"\n") >= 1):
+                assert proc.poll() is None, (tmp_path / "stderr").read_text()
+                assert time.monotonic() < deadline, "no record finished"
+                time.sleep(0.02)
+            proc.send_signal(sig)
+            rc = proc.wait(timeout=120)
+        finally:
+            proc.kill()
+            proc.wait()
+    stderr = (tmp_path / "stderr").read_text()
+    assert rc == 130, stderr
+    assert "Traceback" not in stderr, stderr
+    saved = read_jsonl(work)  # whole lines only: the work file was closed, not cut
+    assert work.read_bytes().endswith(b"\n")
+    assert 1 <= len(saved) < num
+    assert (f"interrupted: {len(saved)} of {num} records are saved in {work}" in stderr), stderr
+    assert "Rerun the same command to resume." in stderr
+    assert not out.exists()
+    if sig != signal.SIGTERM:
+        return
+
+    r = cli(*args)
+    assert r.returncode == 0, r.stderr
+    assert f"resuming: {len(saved)} of {num} records already done" in r.stderr
+    assert out.read_bytes() == baseline
+
+
+def test_auto_killed_and_resumed_gives_the_same_outputs(job, tmp_path):
+    """With ``--method auto`` the draft length of a step depends on what else is in flight, so
+    the stats may differ after a resume; every output must not."""
+    inp, baseline = job
+    num = len(read_jsonl(inp))
+    out = tmp_path / "out.jsonl"
+    args = ["run", str(inp), "-o", str(out),
+            *[a if a != "ngram" else "auto" for a in ARGS]]
+    _kill_at(f"torn:{num // 2 + 1}", args, tmp_path)
+    r = cli(*args)
+    assert r.returncode == 0, r.stderr
+    assert_no_traceback(r)
+    assert f"resuming: {num // 2} of {num} records already done" in r.stderr
+    rows, expected = read_jsonl(out), [json.loads(line) for line in baseline.splitlines()]
+    assert _ids(rows) == _ids(expected) and len(set(_ids(rows))) == num
+    assert [(r["output"], r["output_token_ids"], r["finish_reason"]) for r in rows] == \
+        [(r["output"], r["output_token_ids"], r["finish_reason"]) for r in expected]
