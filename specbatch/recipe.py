@@ -9,7 +9,7 @@ optional except ``name`` and ``version``::
     description = "..."
 
     [model]        name, dtype, max_batch_size, max_model_len
-    [speculation]  method, k, prompt_lookup_min, prompt_lookup_max
+    [speculation]  method, k, prompt_lookup_min, prompt_lookup_max, draft_model
     [sampling]     temperature, top_p, top_k, seed (the run seed, --seed), max_tokens,
                    min_tokens, stop, stop_token_ids, ignore_eos, logprobs
     [input]        prompt_field, id_field, template (exclusive with prompt_field)
@@ -38,7 +38,7 @@ SECTIONS = MappingProxyType({
     "model": {"name": "model", "dtype": "dtype", "max_batch_size": "max_batch_size",
               "max_model_len": "max_model_len"},
     "speculation": {"method": "method", "k": "k", "prompt_lookup_min": "prompt_lookup_min",
-                    "prompt_lookup_max": "prompt_lookup_max"},
+                    "prompt_lookup_max": "prompt_lookup_max", "draft_model": "draft_model"},
     "sampling": {name: name for name in SAMPLING_FIELDS},
     "input": {"prompt_field": "prompt_field", "id_field": "id_field", "template": "template"},
 })
@@ -138,7 +138,8 @@ def _check(options: dict) -> None:
     SamplingParams.from_dict({k: v for k, v in options.items()
                               if k in SAMPLING_FIELDS and k != "seed"})
     spec_keys = {"method": "method", "k": "num_speculative_tokens",
-                 "prompt_lookup_min": "prompt_lookup_min", "prompt_lookup_max": "prompt_lookup_max"}
+                 "prompt_lookup_min": "prompt_lookup_min", "prompt_lookup_max": "prompt_lookup_max",
+                 "draft_model": "draft_model"}
     SpecConfig(**{spec_keys[k]: v for k, v in options.items() if k in spec_keys})
     engine_keys = {f.name for f in fields(EngineConfig)} & set(SECTIONS["model"].values())
     EngineConfig(**{k: v for k, v in options.items() if k in engine_keys})

@@ -82,6 +82,7 @@ def test_shipped_recipes():
     ('name = "x"\nversion = 1\n[sampling]\nstop = 5', "stop=5"),
     ('name = "x"\nversion = 1\n[speculation]\nk = 99', "num_speculative_tokens=99"),
     ('name = "x"\nversion = 1\n[speculation]\nmethod = "magic"', "method='magic'"),
+    ('name = "x"\nversion = 1\n[speculation]\nmethod = "draft"', "draft_model=None"),
     ('name = "x"\nversion = 1\n[model]\ndtype = "int8"', "dtype='int8'"),
     ('name = "x"\nversion = 1\n[model]\nmax_batch_size = 0', "max_batch_size=0"),
     ('name = "x"\nversion = 1\n[input]\ntemplate = "{code"', "template '{code'"),
@@ -96,6 +97,13 @@ def test_bad_recipes_name_file_and_key(tmp_path, text, message):
         load_recipe(path)
     assert str(e.value).startswith(f"recipe {str(path)!r}: "), str(e.value)
     assert message in str(e.value)
+
+
+def test_draft_model_recipe(tmp_path, captured):
+    path = _write(tmp_path, 'name = "d"\nversion = 1\n[speculation]\nmethod = "draft"\n'
+                  'draft_model = "small"\nk = 4')
+    opts = _run(["--recipe", str(path), "in.jsonl"], captured)
+    assert (opts.spec.method, opts.spec.draft_model, opts.spec.k) == ("draft", "small", 4)
 
 
 def test_missing_recipe_file(tmp_path):
