@@ -61,6 +61,14 @@ class KVCache:
             return self.k[layer][:, :, :length], self.v[layer][:, :, :length]
         return self.k[layer][rows, :, :length], self.v[layer][rows, :, :length]
 
+    def ensure_capacity(self, needed: int) -> None:
+        """Grow (doubling) until ``needed`` positions fit; contents are kept."""
+        if needed > self.capacity:
+            cap = self.capacity
+            while cap < needed:
+                cap *= 2
+            self.grow(cap)
+
     def grow(self, capacity: int) -> None:
         """Reallocate every layer to ``capacity`` positions, keeping the contents."""
         capacity = round_capacity(capacity)

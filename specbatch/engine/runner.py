@@ -35,13 +35,6 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.forward.vocab_size
 
-    def _ensure_capacity(self, needed: int) -> None:
-        if needed > self.cache.capacity:
-            cap = self.cache.capacity
-            while cap < needed:
-                cap *= 2
-            self.cache.grow(cap)
-
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         """Write each sequence's tokens into its cache row, in chunks of ``prefill_chunk``.
 
@@ -50,7 +43,7 @@ class ModelRunner:
         out = []
         for seq in seqs:
             ids = seq.token_ids
-            self._ensure_capacity(len(ids))
+            self.cache.ensure_capacity(len(ids))
             rows = torch.tensor([seq.row], device=self.device)
             logits = None
             for start in range(0, len(ids), self.prefill_chunk):
@@ -83,7 +76,7 @@ class ModelRunner:
             starts[i] = len(seq.token_ids) - 1
             assert self.cache.seq_lens[seq.row] == starts[i], "cache out of step with sequence"
         positions = starts[:, None] + torch.arange(qlen)[None, :]
-        self._ensure_capacity(int(positions.max()) + 1)
+        self.cache.ensure_capacity(int(positions.max()) + 1)
         rows = torch.tensor([s.row for s in seqs])
         logits = self.forward.forward(ids.to(self.device), positions.to(self.device), self.cache,
                                       rows.to(self.device))

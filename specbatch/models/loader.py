@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from specbatch.models.registry import DEFAULT_MODEL, REGISTRY
+from specbatch.models.registry import DEFAULT_MODEL, REGISTRY, write_text_atomic
 
 logger = logging.getLogger("specbatch")
 
@@ -330,11 +330,4 @@ def _folder_sha256(folder: Path, cache_root: Path) -> str:
 
 def _write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(path, text)

@@ -146,7 +146,7 @@ class SplitRegistryEntry:
             raise ValueError(f"model {self.name!r}: the installed parts hold {total} bytes, "
                              f"expected {self.size}; reinstall them with: {self.install}")
         self._assemble(parts, path)
-        _write_text_atomic(marker, json.dumps({"parts": signature, "sha256": self.sha256},
+        write_text_atomic(marker, json.dumps({"parts": signature, "sha256": self.sha256},
                                               indent=1) + "\n")
         return path
 
@@ -193,7 +193,8 @@ def _check_gguf_header(path: Path, name: str) -> None:
                          f"tensors")
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to a temp file beside ``path``, then rename it over ``path``."""
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as handle:

@@ -98,7 +98,7 @@ class DraftProposer:
         ids = seq.token_ids[:-1]
         if len(ids) >= self.max_model_len:
             return  # past the draft's context: this row never drafts (see propose)
-        self._ensure_capacity(len(ids))
+        self.cache.ensure_capacity(len(ids))
         rows = torch.tensor([row], device=self.device)
         for begin in range(0, len(ids), self.prefill_chunk):
             chunk = ids[begin:begin + self.prefill_chunk]
@@ -153,13 +153,6 @@ class DraftProposer:
             self.cache.reset(st.row)
 
     # ---- helpers --------------------------------------------------------------------------
-    def _ensure_capacity(self, needed: int) -> None:
-        if needed > self.cache.capacity:
-            cap = self.cache.capacity
-            while cap < needed:
-                cap *= 2
-            self.cache.grow(cap)
-
     def _step(self, seqs: list[Sequence], feeds: list[list[int]]) -> torch.Tensor:
         """One draft forward: row i feeds ``feeds[i]`` (1+ tokens) after its cached tokens.
 
@@ -180,7 +173,7 @@ class DraftProposer:
             last[i, 0] = len(feed) - 1
             rows.append(row)
         positions = starts[:, None] + torch.arange(qlen)[None, :]  # [B, Q]
-        self._ensure_capacity(int(positions.max()) + 1)
+        self.cache.ensure_capacity(int(positions.max()) + 1)
         logits = self.forward.forward(ids.to(self.device), positions.to(self.device), self.cache,
                                       torch.tensor(rows, device=self.device),
                                       logits_index=last.to(self.device))
