@@ -2,7 +2,7 @@
 
 ``calibrate`` times decode/verify steps of the loaded model on this machine (dtype, device) for
 a grid of rows in the batch, query tokens per row (k + 1) and context length, with warm-up and
-repeats (median), and fits
+repeats (fastest), and fits
 
     step_time(rows, q, ctx) = c0 + c1 * rows * q + c2 * rows * ctx + c3 * rows * q * ctx
 
@@ -86,7 +86,8 @@ def fit(samples: list[tuple[int, int, int, float]]) -> tuple[float, float, float
 
 
 def measure(forward, rows: int, query_len: int, context_len: int, repeats: int = 3) -> float:
-    """Median seconds of one decode/verify forward of this shape (after one warm-up)."""
+    """Fastest of ``repeats`` timings of one decode/verify forward of this shape, after one
+    warm-up (the minimum, not the median: other processes only ever add time)."""
     from specbatch.engine.kv_cache import KVCache  # noqa: F401  (cache type for readers)
 
     cache = forward.new_cache(rows, context_len + query_len + 1)
@@ -106,7 +107,7 @@ def measure(forward, rows: int, query_len: int, context_len: int, repeats: int =
             torch.cuda.synchronize()
         if i:
             times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    return min(times)
 
 
 def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
