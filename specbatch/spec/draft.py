@@ -212,8 +212,8 @@ def check_same_vocab(target_tokenizer: Any, draft_tokenizer: Any, target_name: s
         return
     differ = sorted((tok for tok in target_vocab.keys() | draft_vocab.keys()
                      if target_vocab.get(tok) != draft_vocab.get(tok)),
-                    key=lambda tok: min(target_vocab.get(tok, 1 << 62),
-                                        draft_vocab.get(tok, 1 << 62)))
+                    key=lambda tok: (min(target_vocab.get(tok, 1 << 62),
+                                         draft_vocab.get(tok, 1 << 62)), tok))
     examples = ", ".join(f"{tok!r}: {target_vocab.get(tok)} vs {draft_vocab.get(tok)}"
                          for tok in differ[:3])
     raise ValueError(f"draft model {draft_name!r} does not share the vocabulary of target "
