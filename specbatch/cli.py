@@ -275,12 +275,15 @@ def calibrate(model, dtype, max_batch_size, max_model_len, cache_dir, output, re
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None)
 @click.option("--refit", is_flag=True, help="Also fit the predictor's weights to these files "
               "and report their 2-fold out-of-sample rank correlation.")
-def predict_eval(paths, k, model, cache_dir, refit):
-    """Rank correlation (Spearman) between the acceptance predictor and the mean acceptance
-    length measured in ngram output files, overall and per category."""
+@click.option("--probe-tokens", type=click.IntRange(2, None), default=None,
+              help="Output tokens the probe replays (default: what --method auto uses, 16).")
+def predict_eval(paths, k, model, cache_dir, refit, probe_tokens):
+    """Rank correlation (Spearman) between predicted and measured acceptance length on ngram
+    output files: from the prompt alone, and after the probe (the first tokens replayed), with
+    per-category means."""
     from specbatch.plan.calibrate_cmd import run_predict_eval
 
-    sys.exit(run_predict_eval(paths, k, model, cache_dir, refit))
+    sys.exit(run_predict_eval(paths, k, model, cache_dir, refit, probe_tokens))
 
 
 def _exit_from_signals() -> None:

@@ -54,6 +54,13 @@ class KVCache:
         self.k[layer][b_idx, :, positions] = k
         self.v[layer][b_idx, :, positions] = v
 
+    def write_tokens(self, layer: int, rows: torch.Tensor, positions: torch.Tensor,
+                     k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store keys/values of packed tokens: rows, positions ``[T]`` int64; k, v
+        ``[T, Hkv, D]``."""
+        self.k[layer][rows, :, positions] = k
+        self.v[layer][rows, :, positions] = v
+
     def read(self, layer: int, rows: torch.Tensor, length: int,
              rows_are_all: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of ``rows`` for positions ``0 .. length-1``: ``[B, Hkv, length, D]`` each."""

@@ -24,8 +24,10 @@ class ModelRunner:
     """
 
     def __init__(self, forward: LlamaForward, num_rows: int, max_model_len: int,
-                 prefill_chunk: int = 1024, initial_capacity: int = 512) -> None:
+                 prefill_chunk: int = 1024, initial_capacity: int = 512,
+                 pack: bool = True) -> None:
         self.forward = forward
+        self.pack = pack  # verify: dense layers on real tokens only (LlamaForward num_fed)
         self.max_model_len = max_model_len
         self.prefill_chunk = prefill_chunk
         self.cache: KVCache = forward.new_cache(num_rows, initial_capacity)
@@ -78,8 +80,12 @@ class ModelRunner:
         positions = starts[:, None] + torch.arange(qlen)[None, :]
         self.cache.ensure_capacity(int(positions.max()) + 1)
         rows = torch.tensor([s.row for s in seqs])
+        # rows drafting fewer tokens than the longest: run the dense layers on real tokens only
+        fed = [1 + len(d) for d in drafts]
+        num_fed = (torch.tensor(fed, device=self.device)
+                   if self.pack and bsz >= 2 and min(fed) < qlen else None)
         logits = self.forward.forward(ids.to(self.device), positions.to(self.device), self.cache,
-                                      rows.to(self.device))
+                                      rows.to(self.device), num_fed=num_fed)
         for seq, draft in zip(seqs, drafts):
             self.cache.seq_lens[seq.row] = len(seq.token_ids) + len(draft)
         return logits

@@ -109,7 +109,8 @@ class LlamaForward:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                rows: torch.Tensor, logits_index: torch.Tensor | None = None) -> torch.Tensor:
+                rows: torch.Tensor, logits_index: torch.Tensor | None = None,
+                num_fed: torch.Tensor | None = None) -> torch.Tensor:
         """One forward over new tokens of ``B`` rows; writes their keys/values into ``cache``.
 
         input_ids: ``[B, Q]`` int64, new tokens per row, right-padded (pad with any id).
@@ -119,6 +120,13 @@ class LlamaForward:
         rows: ``[B]`` int64, the cache row of each batch row.
         logits_index: optional ``[B, M]`` int64 query indices whose logits are wanted (e.g. the
             last prompt token at prefill); ``None`` returns logits for every query.
+        num_fed: optional ``[B]`` int64 (on ``input_ids``' device), real tokens per row (the rest
+            of the row is padding). Given (and not with ``logits_index``), the projections, MLP
+            and lm_head run on the real tokens only, packed ``[sum(num_fed), hidden]``; only
+            attention sees the padded ``[B, Q]`` layout. A verify step whose rows draft
+            different lengths then costs by its total tokens, not by ``B x`` the longest row.
+            Padded queries' logits are returned as zeros. Needs ``sum(num_fed) >= 2`` (see
+            ``runner.verify``: no one-row matmuls).
         Returns logits ``[B, Q or M, vocab]``, float32 (float64 for a float64 model).
 
         In bfloat16 every op of a decode/verify step gives a token the same result whatever the
@@ -140,19 +148,35 @@ class LlamaForward:
         mask = mask[:, None, None].expand(bsz, 1, group, qlen, kv_len).reshape(
             bsz, 1, group * qlen, kv_len)
         cos, sin = self._rope(positions)
-        h = F.embedding(input_ids, self.embed)  # [B, Q, hidden]
+        # packed: token t of the flat [T] layout is (row, query) = real.nonzero()[t]
+        real = None
+        if num_fed is not None and logits_index is None:
+            real = torch.arange(qlen, device=input_ids.device)[None, :] < num_fed[:, None]
+            cos, sin = cos[real], sin[real]  # [T, 1, D]
+            cache_rows, cache_pos = rows[:, None].expand_as(positions)[real], positions[real]
+            h = F.embedding(input_ids[real], self.embed)  # [T, hidden]
+            lead = (h.shape[0],)
+        else:
+            h = F.embedding(input_ids, self.embed)  # [B, Q, hidden]
+            lead = (bsz, qlen)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = self._rms_norm(h, layer.input_layernorm.weight)
             q = F.linear(x, attn.q_proj.weight, attn.q_proj.bias).view(
-                bsz, qlen, self.num_heads, self.head_dim)
+                *lead, self.num_heads, self.head_dim)
             k = F.linear(x, attn.k_proj.weight, attn.k_proj.bias).view(
-                bsz, qlen, self.num_kv_heads, self.head_dim)
+                *lead, self.num_kv_heads, self.head_dim)
             v = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(
-                bsz, qlen, self.num_kv_heads, self.head_dim)
+                *lead, self.num_kv_heads, self.head_dim)
             q = self._rotate(q, cos, sin)
             k = self._rotate(k, cos, sin)
-            cache.write(i, rows, positions, k, v)
+            if real is None:
+                cache.write(i, rows, positions, k, v)
+            else:
+                cache.write_tokens(i, cache_rows, cache_pos, k, v)
+                padded = q.new_zeros(bsz, qlen, self.num_heads, self.head_dim)
+                padded[real] = q
+                q = padded
             keys, values = cache.read(i, rows, kv_len, rows_are_all)  # [B, Hkv, kv_len, D]
             # group query heads per kv head instead of repeating keys: [B, Hkv, group * Q, D]
             q = q.view(bsz, qlen, self.num_kv_heads, group, self.head_dim).permute(
@@ -160,6 +184,8 @@ class LlamaForward:
             o = self._attention(q, keys, values, mask, exact)
             o = o.view(bsz, self.num_kv_heads, group, qlen, self.head_dim).permute(
                 0, 3, 1, 2, 4).reshape(bsz, qlen, self.num_heads * self.head_dim)
+            if real is not None:
+                o = o[real]  # [T, hidden]
             h = h + F.linear(o, attn.o_proj.weight, attn.o_proj.bias)
             mlp = layer.mlp
             x = self._rms_norm(h, layer.post_attention_layernorm.weight)
@@ -169,4 +195,9 @@ class LlamaForward:
             h = torch.gather(h, 1, logits_index[:, :, None].expand(-1, -1, h.shape[-1]))
         h = self._rms_norm(h, self.norm.weight)
         logits = F.linear(h, self.lm_head)
-        return logits if logits.dtype == torch.float64 else logits.float()
+        logits = logits if logits.dtype == torch.float64 else logits.float()
+        if real is not None:
+            out = logits.new_zeros(bsz, qlen, logits.shape[-1])
+            out[real] = logits
+            logits = out
+        return logits

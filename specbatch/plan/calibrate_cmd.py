@@ -30,18 +30,33 @@ def run_calibrate(model: str | None, dtype: str, cache_dir: str | None, output: 
 
 
 def run_predict_eval(paths, k: int, model: str | None, cache_dir: str | None,
-                     refit: bool = False) -> int:
-    """Re-tokenise each record's first prompt, predict, and correlate with the measured
-    ``spec.mean_acceptance_length`` of records that drafted. ``refit``: also fit the weights
-    to these files by least squares on logit(alpha), and report the rank correlation of the
-    refitted predictor out of sample (2-fold: fit on even records, score odd, and back)."""
+                     refit: bool = False, probe_tokens: int | None = None) -> int:
+    """How well acceptance is predicted, on ngram output files (any T: outputs do not depend
+    on drafting, so replay is exact). Two predictions, each scored by Spearman rank correlation
+    over records:
+
+    - before generation, from the prompt (``predict``), against the record's measured
+      ``spec.mean_acceptance_length``;
+    - after the probe (``policy.Probe``): prompt lookup replayed over the first
+      ``probe_tokens`` output tokens of the first turn, combined with the prompt prediction as
+      the policy combines them (``RowAcceptance``), against the acceptance length replayed over
+      the rest of that turn (positions >= probe_tokens), which the probe never saw.
+
+    ``refit``: also fit the prompt weights to these files by least squares on logit(alpha) and
+    report the rank correlation of the refitted predictor out of sample (2-fold: fit on even
+    records, score odd, and back)."""
     from specbatch.io.records import read_records
     from specbatch.models.loader import load_model
     from specbatch.models.registry import DEFAULT_MODEL
     from specbatch.pipeline import PromptRenderer
+    from specbatch.plan.planner import PROBE_TOKENS, Plan
+    from specbatch.plan.policy import RowAcceptance
     from specbatch.plan.predict import instruction_text, predict, spearman
+    from specbatch.spec.replay import NgramReplay
 
+    probe_tokens = PROBE_TOKENS if probe_tokens is None else probe_tokens
     preds, meas, cats, feats = [], [], [], []
+    probe_pred, probe_meas = [], []
     tokenizer = None
     for path in paths:
         cfg_path = Path(str(path) + ".config.json")  # written beside OUT by the writer
@@ -51,6 +66,8 @@ def run_predict_eval(paths, k: int, model: str | None, cache_dir: str | None,
             tokenizer = load_model(name, cache_dir=cache_dir).tokenizer
         renderer = PromptRenderer(tokenizer)
         lookup_min = cfg.get("prompt_lookup_min", 2)
+        lookup_max = cfg.get("prompt_lookup_max", 4)
+        max_model_len = cfg.get("max_model_len") or 1 << 30
         records, errors = read_records(path)
         for rec in records:
             mal = rec.fields.get("spec", {}).get("mean_acceptance_length")
@@ -59,15 +76,33 @@ def run_predict_eval(paths, k: int, model: str | None, cache_dir: str | None,
             ids, _ = renderer.first_prompt(rec)
             p = predict(ids, instruction_text(rec), rec.sampling.temperature, lookup_min)
             preds.append(p.acceptance_length(k))
-            feats.append((1.0, p.repeat_share, p.log_prompt_tokens, p.quote_cue, p.novel_cue,
-                          p.temperature))
+            feats.append(p.values)
             meas.append(mal)
             cats.append(str(rec.fields.get("category", "")))
+            out = rec.fields.get("output_token_ids") or []
+            first = out[0] if out and isinstance(out[0], list) else out
+            if len(first) <= probe_tokens:
+                continue
+            replay = NgramReplay(ids, first, lookup_min, lookup_max, k)
+            rest = replay.stats(k, rec.sampling.max_tokens, max_model_len, start=probe_tokens)
+            if rest.mean_acceptance_length is None:
+                continue
+            acc = RowAcceptance(Plan.prior_from_alpha(p.alpha, k))
+            for draft, accepted, emitted in replay.steps(k, rec.sampling.max_tokens,
+                                                         max_model_len, end=probe_tokens):
+                acc.count(len(draft), accepted, emitted, decay=1.0)
+            probe_pred.append(acc.expected_tokens(k))
+            probe_meas.append(rest.mean_acceptance_length)
     if len(preds) < 3:
         click.echo("error: fewer than 3 records with drafting stats", err=True)
         return 2
-    click.echo(f"records {len(preds)}: Spearman(predicted, measured acceptance length, k={k}) = "
-               f"{spearman(preds, meas):.3f}")
+    click.echo(f"Spearman rank correlation, predicted vs measured acceptance length (k={k}):")
+    click.echo(f"  from the prompt, before generation:   {spearman(preds, meas):6.3f}  "
+               f"({len(preds)} records, vs the whole answer)")
+    if len(probe_pred) >= 3:
+        click.echo(f"  after the probe ({probe_tokens} tokens replayed): "
+                   f"{spearman(probe_pred, probe_meas):6.3f}  ({len(probe_pred)} records, vs the "
+                   f"rest of the first answer)")
     if refit:
         _refit(feats, meas, k)
     by = defaultdict(list)
@@ -97,7 +132,7 @@ def _refit(feats: list[tuple], meas: list[float], k: int) -> None:
 
     import torch
 
-    from specbatch.plan.predict import spearman
+    from specbatch.plan.predict import FEATURES, spearman
 
     x = torch.tensor(feats, dtype=torch.float64)
     alpha = [_alpha_from_length(m, k) for m in meas]
@@ -115,6 +150,6 @@ def _refit(feats: list[tuple], meas: list[float], k: int) -> None:
     even, odd = list(range(0, len(meas), 2)), list(range(1, len(meas), 2))
     cv = (score(solve(even), odd) + score(solve(odd), even)) / 2
     w = solve(list(range(len(meas))))
-    click.echo(f"refitted weights (bias, repeat_share, log_prompt_tokens, quote_cue, novel_cue, "
-               f"temperature): ({', '.join(f'{v:.3f}' for v in w.tolist())})")
+    click.echo(f"refitted weights ({', '.join(FEATURES)}):\n  "
+               f"({', '.join(f'{v:.3f}' for v in w.tolist())})")
     click.echo(f"2-fold out-of-sample Spearman of the refitted predictor: {cv:.3f}")

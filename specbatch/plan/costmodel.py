@@ -42,12 +42,20 @@ class CostModel:
     host: str = ""
     samples: tuple[tuple[int, int, int, float], ...] = ()
 
-    def step_time(self, num_rows: int, query_len: int, context_len: int) -> float:
-        """Predicted seconds for one forward over ``num_rows`` rows of ``query_len`` new
-        tokens each, attending to ``context_len`` keys (tokens)."""
+    def step_time(self, num_rows: int, query_len: int, context_len: int,
+                  num_tokens: int | None = None) -> float:
+        """Predicted seconds for one forward over ``num_rows`` rows padded to ``query_len``
+        new tokens, attending to ``context_len`` keys (tokens). num_tokens: the real tokens
+        when rows feed different lengths and the dense layers run packed (``runner.verify``);
+        default ``num_rows * query_len``. Attention always costs the padded shape."""
         c0, c1, c2, c3 = self.coef
         r, q, c = num_rows, query_len, context_len
-        return max(c0 + c1 * r * q + c2 * r * c + c3 * r * q * c, 1e-6)
+        t = r * q if num_tokens is None else num_tokens
+        return max(c0 + c1 * t + c2 * r * c + c3 * r * q * c, 1e-6)
+
+    def token_cost(self) -> float:
+        """Seconds one more packed token adds to a step (the dense layers' share), >= 0."""
+        return max(self.coef[1], 0.0)
 
     def speedup(self, num_rows: int, k: int, context_len: int, tokens_per_step: float) -> float:
         """Throughput with k drafts per row relative to plain decoding (k = 0)."""

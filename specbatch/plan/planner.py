@@ -19,13 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specbatch.plan.costmodel import CostModel
-from specbatch.plan.policy import AdaptivePolicy
+from specbatch.plan.policy import AdaptivePolicy, Probe
 from specbatch.plan.predict import Prediction, instruction_text, predict
 
 BUCKETS = ("copy-heavy", "mixed", "novel")
 COPY_HEAVY_MIN = 2.2  # predicted acceptance length at k_max (tokens per drafting step)
 NOVEL_MAX = 1.5
 PRIOR_STRENGTH = 4.0  # pseudo-observations behind the predicted alpha
+PROBE_TOKENS = 16  # committed tokens after which prompt lookup is replayed (policy.Probe)
 
 
 @dataclass
@@ -47,23 +48,40 @@ class Plan:
     predictions: dict[int, Prediction]
     bucket_of: dict[int, str]
     buckets: dict[str, BucketPlan]
+    policy: AdaptivePolicy | None = None
 
     def order_key(self, record_index: int, prompt_tokens: int) -> tuple:
         return (BUCKETS.index(self.bucket_of[record_index]), -prompt_tokens)
 
     def annotate(self, record_index: int) -> dict:
-        """Fields added to the record's ``spec`` stats."""
+        """Fields added to the record's ``spec`` stats: the planned bucket, the prompt-only
+        prediction and its features, and (once the record ran past the probe) ``probe``: the
+        acceptance length prompt lookup had on its first committed tokens and the bucket that
+        puts it in."""
         pred = self.predictions[record_index]
-        return {"bucket": self.bucket_of[record_index],
-                "predicted_acceptance_length": round(pred.acceptance_length(self.k_max), 4),
-                "predictor_features": pred.features()}
+        out = {"bucket": self.bucket_of[record_index],
+               "predicted_acceptance_length": round(pred.acceptance_length(self.k_max), 4),
+               "predictor_features": pred.features()}
+        result = self.policy.probe_results.get(record_index) if self.policy else None
+        if result is not None:
+            length, tokens = result
+            out["probe"] = {"tokens": tokens,
+                            "acceptance_length": None if length is None else round(length, 4),
+                            "bucket": bucket_for(1.0 if length is None else length)}
+        return out
 
     def prior(self, record_index: int) -> list[tuple[float, float]]:
-        a = self.predictions[record_index].alpha
-        return [(a * PRIOR_STRENGTH, (1 - a) * PRIOR_STRENGTH)] * max(self.k_max, 1)
+        return self.prior_from_alpha(self.predictions[record_index].alpha, self.k_max)
 
-    def make_policy(self, cost: CostModel) -> AdaptivePolicy:
-        return AdaptivePolicy(cost, self.k_max, lambda seq: self.prior(seq.request.tag))
+    @staticmethod
+    def prior_from_alpha(alpha: float, k_max: int) -> list[tuple[float, float]]:
+        """Beta prior per draft position: ``PRIOR_STRENGTH`` pseudo-trials at ``alpha``."""
+        return [(alpha * PRIOR_STRENGTH, (1 - alpha) * PRIOR_STRENGTH)] * max(k_max, 1)
+
+    def make_policy(self, cost: CostModel, probe: Probe | None = None) -> AdaptivePolicy:
+        self.policy = AdaptivePolicy(cost, self.k_max, lambda seq: self.prior(seq.request.tag),
+                                     probe=probe)
+        return self.policy
 
     def table(self) -> str:
         lines = [f"plan: k_max {self.k_max}, batch size {self.batch_size}",
@@ -75,6 +93,12 @@ class Plan:
                              f"{b.predicted_acceptance_length:>13.2f}{b.k:>4}"
                              f"{b.predicted_speedup:>13.2f}x")
         return "\n".join(lines)
+
+
+def bucket_for(acceptance_length: float) -> str:
+    """Bucket of a (predicted or probed) acceptance length at k_max."""
+    return ("copy-heavy" if acceptance_length >= COPY_HEAVY_MIN
+            else "novel" if acceptance_length < NOVEL_MAX else "mixed")
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -100,9 +124,7 @@ def make_plan(records, prompt_ids: dict[int, list[int]], k_max: int, batch_size:
                               prompt_lookup_min) for r in records}
     bucket_of = {}
     for r in records:
-        length = preds[r.index].acceptance_length(k_max)
-        bucket_of[r.index] = ("copy-heavy" if length >= COPY_HEAVY_MIN
-                              else "novel" if length < NOVEL_MAX else "mixed")
+        bucket_of[r.index] = bucket_for(preds[r.index].acceptance_length(k_max))
     buckets = {name: BucketPlan(name) for name in BUCKETS}
     for r in records:
         buckets[bucket_of[r.index]].indices.append(r.index)
@@ -136,6 +158,8 @@ def prepare_auto(engine, records, renderer, spec_config, engine_config, model_id
     plan = make_plan(records, prompt_ids, spec_config.num_speculative_tokens,
                      engine_config.max_batch_size, cost, spec_config.prompt_lookup_min,
                      max_tokens)
-    engine.policy = plan.make_policy(cost)
+    engine.policy = plan.make_policy(cost, Probe(PROBE_TOKENS, spec_config.prompt_lookup_min,
+                                                 spec_config.prompt_lookup_max,
+                                                 engine.runner.max_model_len))
     echo(plan.table())
     return plan

@@ -3,46 +3,52 @@
 Cheap (one pass over the prompt ids and a regex over the last user text; no model forward) and
 explainable: the features are stored in each record's stats.
 
-Features
+Features (``FEATURES``, in order)
 - ``repeat_share``: share of prompt positions whose preceding n-gram (n = prompt_lookup_min)
   already occurred earlier in the prompt: how often lookup would have matched while reading it.
 - ``log_prompt_tokens``: more context, more to copy from.
-- ``quote_cue`` / ``novel_cue``: the instruction asks to reuse the input (summarise, extract,
-  rewrite, edit code, answer from a passage) or to make new text (translate, write a story...).
+- instruction cues, 1.0 when the task text matches (``CUES``): translate, summarise, extract,
+  rewrite / edit, passage (answer from a given text), code, math, creative writing.
 - ``temperature``: sampling lowers the chance a draft equals the target's token.
 
 Model: per-position conditional acceptance ``alpha = sigmoid(w . features)``; predicted
 acceptance length for k drafts ``1 + sum_{i=1..k} alpha**i`` (drafts accepted as a geometric
-run, the model of Leviathan et al. 2023, arXiv 2211.17192, sec. 3.1). The weights were fitted
-on measured ngram k5 runs of SmolLM2-135M over Spec-Bench (``specbatch predict-eval`` reports
-the rank correlation on any output file).
+run, the model of Leviathan et al. 2023, arXiv 2211.17192, sec. 3.1). ``WEIGHTS`` are a
+least-squares fit of logit(alpha) on a measured ngram k5 run of SmolLM2-135M over the 480
+Spec-Bench records (``specbatch predict-eval --refit`` refits on any output files and reports
+the out-of-sample rank correlation). They encode what that model does: it echoes a source text
+it is asked to translate, and a 135M model repeats itself on open-ended prompts, so cues that
+mean "novel" for a large model need not here. Refit for another model.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-QUOTE_CUE = re.compile(
-    r"summar|rewrite|rephrase|paraphrase|extract|edit|correct|fix|refactor|rename|copy|repeat|"
-    r"quote|based on|according to|passage|context|document|article|following|given|code|"
-    r"previous (answer|response)|"
-    r"list (all|every|the)", re.I)
-NOVEL_CUE = re.compile(r"translat|poem|story|imagine|compose|creative|invent|joke|pretend|"
-                       r"role|write an? (essay|blog|email|letter)", re.I)
+CUES = {
+    "translate": re.compile(r"translat", re.I),
+    "summarize": re.compile(r"summar|tl;?dr|key points", re.I),
+    "extract": re.compile(r"extract|identify|list (all|every|the)|find (all|the)|which of", re.I),
+    "rewrite": re.compile(r"rewrite|rephrase|paraphrase|edit|correct|fix|refactor|rename|"
+                          r"previous (answer|response)", re.I),
+    "passage": re.compile(r"based on|according to|passage|context|document|article|"
+                          r"following|given", re.I),
+    "code": re.compile(r"code|function|python|program|```|def |class ", re.I),
+    "math": re.compile(r"calculat|solve|equation|math|\d+\s*[-+*/^]\s*\d+", re.I),
+    "creative": re.compile(r"poem|story|imagine|compose|creative|invent|joke|pretend|role|"
+                           r"essay|blog|email|letter", re.I),
+}
+FEATURES = ("bias", "repeat_share", "log_prompt_tokens", *CUES, "temperature")
 
-# fitted weights: bias, repeat_share, log_prompt_tokens, quote_cue, novel_cue, temperature
-WEIGHTS = (-2.2, 2.0, 0.22, 0.45, -0.45, -1.2)
+# fitted weights, one per FEATURES entry (see the module doc)
+WEIGHTS = (-2.2, 2.0, 0.22, -0.45, 0.45, 0.45, 0.45, 0.45, 0.45, 0.0, -0.45, -1.2)
 
 
 @dataclass(frozen=True)
 class Prediction:
-    repeat_share: float
-    log_prompt_tokens: float
-    quote_cue: float
-    novel_cue: float
-    temperature: float
+    values: tuple[float, ...]  # one per FEATURES entry
     alpha: float  # predicted conditional acceptance per draft position
 
     def acceptance_length(self, k: int) -> float:
@@ -50,8 +56,10 @@ class Prediction:
         return 1.0 + sum(self.alpha ** i for i in range(1, k + 1))
 
     def features(self) -> dict:
-        d = asdict(self)
-        return {key: round(v, 4) for key, v in d.items()}
+        """Named features (the bias left out) and alpha, rounded, for the record's stats."""
+        d = {name: round(v, 4) for name, v in zip(FEATURES[1:], self.values[1:])}
+        d["alpha"] = round(self.alpha, 4)
+        return d
 
 
 def repeat_share(ids: list[int], n: int) -> float:
@@ -67,15 +75,20 @@ def repeat_share(ids: list[int], n: int) -> float:
     return hits / (len(ids) - n + 1)
 
 
+def feature_values(prompt_ids: list[int], instruction: str, temperature: float,
+                   prompt_lookup_min: int = 2) -> tuple[float, ...]:
+    """The ``FEATURES`` of one record. instruction: the user text (where the task is stated)."""
+    cues = tuple(1.0 if rx.search(instruction) else 0.0 for rx in CUES.values())
+    return (1.0, repeat_share(prompt_ids, prompt_lookup_min),
+            math.log(max(len(prompt_ids), 1)), *cues, float(temperature))
+
+
 def predict(prompt_ids: list[int], instruction: str, temperature: float,
             prompt_lookup_min: int = 2, weights: tuple[float, ...] = WEIGHTS) -> Prediction:
-    """instruction: the last user text (where the task is stated)."""
-    feats = (1.0, repeat_share(prompt_ids, prompt_lookup_min),
-             math.log(max(len(prompt_ids), 1)),
-             1.0 if QUOTE_CUE.search(instruction) else 0.0,
-             1.0 if NOVEL_CUE.search(instruction) else 0.0, float(temperature))
-    z = sum(w * f for w, f in zip(weights, feats))
-    return Prediction(*feats[1:], alpha=1.0 / (1.0 + math.exp(-z)))
+    """instruction: the user text (where the task is stated); see ``instruction_text``."""
+    values = feature_values(prompt_ids, instruction, temperature, prompt_lookup_min)
+    z = sum(w * f for w, f in zip(weights, values, strict=True))
+    return Prediction(values, alpha=1.0 / (1.0 + math.exp(-z)))
 
 
 def instruction_text(record) -> str:

@@ -27,6 +27,8 @@ once per output position and replays every k <= k_max from that table.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from specbatch.spec.caps import draft_cap
 from specbatch.spec.ngram import NgramIndex
 from specbatch.spec.stats import SpecStats
@@ -56,21 +58,22 @@ class NgramReplay:
             tokens.append(self.output_ids[n])
             index.extend()
 
-    def stats(self, k: int, max_tokens: int, max_model_len: int,
-              proposer: str = "ngram") -> SpecStats:
-        """Replayed ``SpecStats`` of this answer at draft cap ``k`` (<= ``max_k``).
+    def steps(self, k: int, max_tokens: int, max_model_len: int, start: int = 1,
+              end: int | None = None) -> Iterator[tuple[list[int], int, int]]:
+        """Replayed verify steps at draft cap ``k`` as ``(draft, accepted, emitted)``.
 
-        max_tokens: the record's completion cap (tokens). max_model_len: the run's context cap
-        (tokens), as saved in ``OUT.config.json``.
+        start: output tokens already committed when the replay begins (>= 1: prefill emits the
+        first). end: stop once this many output tokens are committed (default: the whole
+        answer). ``accepted`` counts the draft tokens equal to the recorded output (stopping at
+        the recorded end); the step commits ``emitted = accepted + 1`` tokens, fewer on the last.
         """
         if not 0 <= k <= self.max_k:
             raise ValueError(f"k={k}: expected 0 <= k <= max_k={self.max_k}")
         out = self.output_ids
+        end = len(out) if end is None else min(end, len(out))
         num_prompt = len(self.prompt_ids)
-        stats = SpecStats(proposer=proposer, num_speculative_tokens=k)
-        stats.num_steps += 1  # prefill emits the first token
-        n = 1
-        while n < len(out):
+        n = max(start, 1)
+        while n < end:
             cap = draft_cap(k, max_tokens, n, max_model_len, num_prompt + n)
             draft = self.drafts[n][:cap]
             # accepted stops at the recorded end: the engine stopped there and counted at most
@@ -79,8 +82,23 @@ class NgramReplay:
             while (accepted < len(draft) and n + accepted < len(out)
                    and draft[accepted] == out[n + accepted]):
                 accepted += 1
-            stats.record_step(len(draft), accepted)
+            yield draft, accepted, min(accepted + 1, len(out) - n)
             n += accepted + 1  # overshoots the end only on the last step
+
+    def stats(self, k: int, max_tokens: int, max_model_len: int,
+              proposer: str = "ngram", start: int = 1) -> SpecStats:
+        """Replayed ``SpecStats`` of this answer at draft cap ``k`` (<= ``max_k``).
+
+        max_tokens: the record's completion cap (tokens). max_model_len: the run's context cap
+        (tokens), as saved in ``OUT.config.json``. start: replay only the steps after this many
+        output tokens (1 = the whole answer, counting its prefill step); with start > 1 the
+        stats measure the rest of the answer, e.g. after a probe prefix.
+        """
+        stats = SpecStats(proposer=proposer, num_speculative_tokens=k)
+        if start <= 1:
+            stats.num_steps += 1  # prefill emits the first token
+        for draft, accepted, _ in self.steps(k, max_tokens, max_model_len, start):
+            stats.record_step(len(draft), accepted)
         return stats
 
 

@@ -7,6 +7,8 @@ forward); a subset of cache rows; and KV rollback (truncate, re-feed).
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -42,15 +44,17 @@ def random_ids(gen: torch.Generator, n: int) -> list[int]:
 
 
 def feed(fwd: LlamaForward, cache, rows: list[int], starts: list[int],
-         new_ids: list[list[int]], pad_id: int = 0) -> torch.Tensor:
+         new_ids: list[list[int]], pad_id: int = 0, packed: bool = False) -> torch.Tensor:
     """One forward where row ``rows[b]`` feeds ``new_ids[b]`` at positions ``starts[b]...``,
-    right-padded; returns logits ``[B, Q, vocab]``."""
+    right-padded (``packed``: dense layers on the real tokens only); returns logits
+    ``[B, Q, vocab]``."""
     qlen = max(len(x) for x in new_ids)
     ids = torch.full((len(rows), qlen), pad_id, dtype=torch.int64)
     for b, x in enumerate(new_ids):
         ids[b, :len(x)] = torch.tensor(x)
     positions = torch.tensor(starts)[:, None] + torch.arange(qlen)[None, :]
-    return fwd.forward(ids, positions, cache, torch.tensor(rows))
+    num_fed = torch.tensor([len(x) for x in new_ids]) if packed else None
+    return fwd.forward(ids, positions, cache, torch.tensor(rows), num_fed=num_fed)
 
 
 def test_rope_variants_are_really_scaled():
@@ -113,6 +117,40 @@ def test_ragged_rows_in_one_forward(model):
     for b, r in enumerate(order):
         ref = hf_logits(model, seqs[r])[prompt_lens[r]:]
         assert (logits[b, :num_new[r]] - ref).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_packed_rows_equal_padded_rows(model, dtype):
+    """Rows feeding 3, 1, 5 and 2 tokens: with ``num_fed`` the dense layers see only the 11
+    real tokens. Logits at real queries and the cache rows' keys/values equal the padded
+    forward's: float64 to transformers, bfloat16 bit for bit (no row-count dependence)."""
+    ref_model, model = model, copy.deepcopy(model).to(dtype)
+    gen = torch.Generator().manual_seed(21)
+    prompt_lens, num_new = [5, 17, 2, 9], [3, 1, 5, 2]
+    seqs = [random_ids(gen, p + n) for p, n in zip(prompt_lens, num_new)]
+    fwd = LlamaForward(model)
+    caches, outs = [], []
+    for packed in (False, True):
+        cache = fwd.new_cache(4, 32)
+        for row, (s, p) in enumerate(zip(seqs, prompt_lens)):
+            feed(fwd, cache, [row], [0], [s[:p]])
+        order = [2, 0, 3, 1]
+        outs.append(feed(fwd, cache, order, [prompt_lens[r] for r in order],
+                         [seqs[r][prompt_lens[r]:] for r in order], pad_id=7, packed=packed))
+        caches.append(cache)
+    for b, r in enumerate([2, 0, 3, 1]):
+        n = num_new[r]
+        same = torch.equal if dtype == torch.bfloat16 else (
+            lambda a, b: (a - b).abs().max().item() < 1e-12)
+        assert same(outs[1][b, :n], outs[0][b, :n])
+        assert not outs[1][b, n:].any()  # padded queries: zeros
+        if dtype == torch.float64:
+            ref = hf_logits(ref_model, seqs[r])[prompt_lens[r]:]
+            assert (outs[1][b, :n] - ref).abs().max().item() < TOL
+        end = prompt_lens[r] + n
+        for layer in range(fwd.num_layers):
+            assert same(caches[1].k[layer][r, :, :end], caches[0].k[layer][r, :, :end])
+            assert same(caches[1].v[layer][r, :, :end], caches[0].v[layer][r, :, :end])
 
 
 def test_subset_of_cache_rows(model):

@@ -38,8 +38,8 @@ class PoisonedForward:
         return getattr(self.inner, name)
 
     @torch.inference_mode()
-    def forward(self, input_ids, positions, cache, rows, logits_index=None):
-        logits = self.inner.forward(input_ids, positions, cache, rows, logits_index)
+    def forward(self, input_ids, positions, cache, rows, logits_index=None, num_fed=None):
+        logits = self.inner.forward(input_ids, positions, cache, rows, logits_index, num_fed)
         if logits_index is not None:  # a prefill chunk of one row: track which row is poisoned
             row = int(rows[0])
             if positions[0, 0] == 0:

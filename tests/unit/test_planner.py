@@ -9,8 +9,9 @@ import pytest
 from specbatch.config import SamplingParams
 from specbatch.plan.costmodel import CostModel, fit
 from specbatch.plan.planner import best_k, make_plan
-from specbatch.plan.policy import AdaptivePolicy, RowAcceptance
+from specbatch.plan.policy import AdaptivePolicy, Probe, RowAcceptance
 from specbatch.plan.predict import predict, repeat_share, spearman
+from specbatch.spec.replay import NgramReplay
 from tests.helpers import make_engine, repeating_prompts, run_engine, tiny_llama
 
 MEMORY_BOUND = CostModel((0.040, 0.0005, 0.0, 0.0))  # verifying 6 tokens ~ free (GPU-like)
@@ -69,10 +70,56 @@ def test_online_adaptation_drops_k_when_drafts_stop_being_accepted():
     assert len(chosen) >= 3
 
 
+def test_rows_in_one_step_get_their_own_draft_length():
+    """Packed verify: a copying row keeps its 5 drafts while a row whose drafts are never
+    accepted drafts nothing in the same step; a row in between keeps a shorter prefix."""
+    cost = CostModel((0.030, 0.001, 0.0, 0.0))  # one more fed token: 1 ms on a 30 ms step
+    priors = {1: (9.0, 1.0), 2: (0.1, 9.9), 3: (5.0, 5.0)}  # p = 0.9, 0.01, 0.5
+    policy = AdaptivePolicy(cost, k_max=5, prior_for=lambda s: [priors[s.seq_id]] * 5)
+    seqs = [_seq(i) for i in (1, 2, 3)]
+    draft = [1, 2, 3, 4, 5]
+    cuts = [len(d) for d in policy.select(seqs, [draft] * 3)]
+    assert cuts[0] == 5 and cuts[1] == 0 and 0 < cuts[2] < 5, cuts
+    # the same costs without packing (every row padded to the longest) would not do better
+    assert policy._rate(seqs, cuts) > policy.rate(seqs, [draft] * 3, 5)
+    assert policy._rate(seqs, cuts) > policy.rate(seqs, [draft] * 3, 0)
+
+
 def test_row_acceptance_counts_only_positions_tried():
     acc = RowAcceptance(prior=[(0.0, 0.0)] * 3)
     acc.observe([1, 2, 3], [1, 5], decay=1.0)  # pos 0 hit, pos 1 miss, pos 2 never tried
     assert acc.trials == [1.0, 1.0, 0.0] and acc.hits == [1.0, 0.0, 0.0]
+
+
+def test_probe_replays_lookup_over_the_committed_tokens():
+    """A row decoding at K = 0 (verification never pays) learns only draft position 0 from
+    shadow drafts; at the probe the replayed lookup measures every position, exactly."""
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11] * 2 + [40]
+    output = [1, 2, 3, 4, 5, 6, 7, 50, 51, 1, 2, 3, 4, 5, 9, 9]
+    policy = AdaptivePolicy(COMPUTE_BOUND, k_max=4, prior_for=lambda s: [(1.0, 1.0)] * 4,
+                            decay=1.0, probe=Probe(tokens=12, prompt_lookup_min=2,
+                                                   prompt_lookup_max=3))
+    seq = SimpleNamespace(seq_id=7, request=SimpleNamespace(tag=3), num_prompt_tokens=len(prompt),
+                          token_ids=list(prompt), sampling=SamplingParams(max_tokens=16))
+    seq.num_output_tokens = 0
+    for n, tok in enumerate(output):
+        seq.token_ids.append(tok)
+        seq.num_output_tokens = n + 1
+        policy.observe(seq, [], [tok])  # nothing drafted: nothing learnt before the probe
+        if n + 1 == 11:
+            assert policy.rows[7].trials == [] and 3 not in policy.probe_results
+    # the probe ran once, at 12 tokens, on those 12 tokens
+    replay = NgramReplay(prompt, output[:12], 2, 3, 4)
+    expect = RowAcceptance(prior=[(1.0, 1.0)] * 4)
+    steps = list(replay.steps(4, 16, 1 << 30))
+    for draft, accepted, emitted in steps:
+        expect.count(len(draft), accepted, emitted, 1.0)
+    assert policy.rows[7].trials == expect.trials and policy.rows[7].hits == expect.hits
+    assert len(expect.trials) == 4 and expect.hits[3] > 0  # every position measured
+    length, tokens = policy.probe_results[3]
+    assert tokens == 12
+    assert length == pytest.approx(replay.stats(4, 16, 1 << 30, start=1).mean_acceptance_length)
+    assert length > 2.5  # the output copies 1..7 from the prompt, then 1..5 again
 
 
 def test_predictor_features_and_buckets():
@@ -110,14 +157,16 @@ def test_auto_outputs_equal_none(cost):
     from specbatch.engine.sequence import Request
 
     engine = make_engine(model, 6, 4)
-    engine.policy = AdaptivePolicy(cost, 6, prior_for=lambda s: [(2.0, 2.0)] * 6)
+    engine.policy = AdaptivePolicy(cost, 6, prior_for=lambda s: [(2.0, 2.0)] * 6,
+                                   probe=Probe(tokens=8))
     outs = {c.request.request_id: c for c in engine.generate(
-        [Request(i, list(p), sp, seed=i) for i, p in enumerate(prompts)])}
+        [Request(i, list(p), sp, seed=i, tag=i) for i, p in enumerate(prompts)])}
     assert [outs[i].output_ids for i in range(len(prompts))] == [c.output_ids for c in plain]
     hist = {}
     for c in outs.values():
         for k, n in c.stats.k_histogram.items():
             hist[k] = hist.get(k, 0) + n
+    assert set(engine.policy.probe_results) == set(range(len(prompts)))  # all ran past 8
     if cost is COMPUTE_BOUND:
         assert set(hist) == {0}, hist  # never drafts when verification does not pay
     else:

@@ -44,7 +44,7 @@ class ScriptedForward:
     def new_cache(self, num_rows: int, capacity: int) -> KVCache:
         return KVCache(1, num_rows, 1, capacity, 1, self.dtype, self.device)
 
-    def forward(self, input_ids, positions, cache, rows, logits_index=None):
+    def forward(self, input_ids, positions, cache, rows, logits_index=None, num_fed=None):
         assert int(positions.max()) < cache.capacity
         real = input_ids != PAD_ID
         self.max_real_position = max(self.max_real_position, int(positions[real].max()))
