@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
 
 from specbatch.config import SamplingParams
 from specbatch.plan.costmodel import CostModel, fit
-from specbatch.plan.planner import best_k, make_plan
+from specbatch.plan.planner import best_k, bucket_for, make_plan
 from specbatch.plan.policy import AdaptivePolicy, Probe, RowAcceptance
-from specbatch.plan.predict import predict, repeat_share, spearman
+from specbatch.plan.predict import FEATURES, predict, repeat_share, spearman
 from specbatch.spec.replay import NgramReplay
 from tests.helpers import make_engine, repeating_prompts, run_engine, tiny_llama
 
@@ -125,20 +126,35 @@ def test_probe_replays_lookup_over_the_committed_tokens():
 def test_predictor_features_and_buckets():
     assert repeat_share([1, 2, 3, 1, 2, 3, 1, 2], 2) == pytest.approx(4 / 7)
     assert repeat_share([1, 2, 3, 4], 2) == 0.0
-    copy = predict([5, 6, 7, 8] * 200, "Summarize the following article.", 0.0)
-    novel = predict(list(range(12)), "Translate German to English: Guten Tag.", 0.0)
-    hot = predict([5, 6, 7, 8] * 200, "Summarize the following article.", 1.0)
-    assert copy.alpha > hot.alpha > 0 and copy.alpha > novel.alpha
-    assert copy.acceptance_length(5) > novel.acceptance_length(5)
+    summ = predict([5, 6, 7, 8] * 200, "Summarize the following article.", 0.0)
+    assert dict(zip(FEATURES, summ.values)) == pytest.approx({
+        "bias": 1.0, "repeat_share": 795 / 799, "log_prompt_tokens": math.log(800),
+        "translate": 0.0, "summarize": 1.0, "extract": 0.0, "rewrite": 0.0, "passage": 1.0,
+        "code": 0.0, "math": 0.0, "creative": 0.0, "temperature": 0.0}, abs=2e-3)
+    # the fitted weights say what SmolLM2-135M does on Spec-Bench: it echoes a text it is asked
+    # to translate (the highest measured acceptance), and summaries copy less
+    trans = predict(list(range(12)), "Translate German to English: Guten Tag.", 0.0)
+    hot = predict(list(range(12)), "Translate German to English: Guten Tag.", 1.0)
+    assert trans.alpha > hot.alpha > 0 and trans.alpha > summ.alpha
+    assert trans.acceptance_length(5) > summ.acceptance_length(5)
+    # any weights: alpha = sigmoid(w . features)
+    w = tuple(0.1 * i for i in range(len(FEATURES)))
+    z = sum(a * b for a, b in zip(w, summ.values))
+    assert predict([5, 6, 7, 8] * 200, "Summarize the following article.", 0.0,
+                   weights=w).alpha == pytest.approx(1 / (1 + math.exp(-z)))
     recs = [SimpleNamespace(index=0, prompt="Summarize the following article.", messages=None,
                             turns=None, sampling=SamplingParams()),
             SimpleNamespace(index=1, prompt="Translate German to English: Guten Tag.",
                             messages=None, turns=None, sampling=SamplingParams())]
     plan = make_plan(recs, {0: [5, 6, 7, 8] * 200, 1: list(range(12))}, k_max=5, batch_size=4,
                      cost=MEMORY_BOUND, prompt_lookup_min=2, expected_output_tokens=64)
-    assert plan.bucket_of == {0: "copy-heavy", 1: "novel"}
-    assert plan.buckets["copy-heavy"].k > plan.buckets["novel"].k
-    assert plan.order_key(0, 800) < plan.order_key(1, 12)
+    assert plan.bucket_of == {i: bucket_for(plan.predictions[i].acceptance_length(5))
+                              for i in (0, 1)}
+    assert plan.bucket_of[1] == "copy-heavy"
+    assert bucket_for(1.2) == "novel" and bucket_for(1.8) == "mixed"
+    # admitted bucket by bucket (copy-heavy first), then longest prompt first
+    key = {i: plan.order_key(i, n) for i, n in ((0, 800), (1, 12))}
+    assert sorted(key, key=key.get) == ([0, 1] if plan.bucket_of[0] == "copy-heavy" else [1, 0])
     assert "copy-heavy" in plan.table()
 
 
