@@ -16,6 +16,7 @@ With ``k = 0`` this is plain decoding, the baseline every comparison uses.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -64,7 +65,8 @@ class Engine:
         self.scheduler = Scheduler(runner.cache.num_rows)
         self.follow_up: Callable[[Completion], Request | None] | None = None
         # planner hook (``plan.policy.AdaptivePolicy``): select(seqs, drafts) cuts the proposed
-        # drafts; observe(seq, proposed, emitted) learns; finish(seq) forgets
+        # drafts; observe_step(seqs, drafts, seconds) times the verify step; observe(seq,
+        # proposed, emitted) learns acceptance; finish(seq) forgets
         self.policy = None
 
     # ---- public -------------------------------------------------------------------------
@@ -84,7 +86,10 @@ class Engine:
             ks = self._draft_caps(running)
             proposed = [d[:k] for d, k in zip(self.proposer.propose(running, ks), ks)]
             drafts = self.policy.select(running, proposed) if self.policy else proposed
+            t0 = time.perf_counter()
             logits = self.runner.verify(running, drafts)
+            if self.policy is not None:  # the policy's cost model learns this machine's steps
+                self.policy.observe_step(running, drafts, time.perf_counter() - t0)
             done += self._commit_step(running, drafts, logits, proposed=proposed)
         return done
 

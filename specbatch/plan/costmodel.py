@@ -70,6 +70,56 @@ class CostModel:
         os.replace(tmp, p)
 
 
+class OnlineCost:
+    """A ``CostModel`` that keeps fitting while the engine runs.
+
+    The calibration grid is measured in a few seconds on synthetic batches; the steps of a real
+    run (other shapes, a warmer or busier machine, the engine's own work) can cost more or less.
+    Each verify step's wall time is added to the calibration samples and the four coefficients
+    are refitted (weighted least squares on relative error, as ``fit``; the normal equations are
+    accumulated, so an update is O(1)). The calibration samples, worth ``prior_weight`` steps in
+    all, keep the fit sane for shapes the run has not tried yet; after a few dozen steps the
+    run's own timings dominate. Same interface as ``CostModel`` (``step_time``, ``token_cost``).
+    """
+
+    def __init__(self, base: CostModel, prior_weight: float = 8.0, refit_every: int = 8) -> None:
+        self.base = base
+        self.coef = base.coef
+        self.refit_every = refit_every
+        self.num_observed = 0
+        self._a = torch.zeros(4, 4, dtype=torch.float64)
+        self._b = torch.zeros(4, dtype=torch.float64)
+        # the calibration counts as ``prior_weight`` observed steps in all
+        for r, q, c, sec in base.samples:
+            self._add(r, q, c, r * q, sec, prior_weight / len(base.samples))
+
+    def _add(self, rows: int, q: int, ctx: int, tokens: int, seconds: float,
+             weight: float = 1.0) -> None:
+        x = torch.tensor([1.0, tokens, rows * ctx, rows * q * ctx], dtype=torch.float64) / seconds
+        self._a += weight * torch.outer(x, x)
+        self._b += weight * x  # target: seconds / seconds = 1
+
+    def observe(self, num_rows: int, query_len: int, context_len: int, num_tokens: int,
+                seconds: float) -> None:
+        """One measured step (shape as in ``step_time``; seconds of wall time)."""
+        if seconds <= 0:
+            return
+        self._add(num_rows, query_len, context_len, num_tokens, seconds)
+        self.num_observed += 1
+        if self.num_observed % self.refit_every == 0:
+            try:
+                self.coef = tuple(float(v) for v in torch.linalg.solve(self._a, self._b))
+            except RuntimeError:  # singular (no calibration samples): keep the last fit
+                pass
+
+    def step_time(self, num_rows: int, query_len: int, context_len: int,
+                  num_tokens: int | None = None) -> float:
+        return CostModel.step_time(self, num_rows, query_len, context_len, num_tokens)
+
+    def token_cost(self) -> float:
+        return max(self.coef[1], 0.0)
+
+
 def load(path: str | os.PathLike) -> CostModel:
     """Read a cost model written by ``CostModel.save``; raises ``ValueError`` if malformed."""
     try:

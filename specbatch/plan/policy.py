@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import takewhile
 
-from specbatch.plan.costmodel import CostModel
+from specbatch.plan.costmodel import CostModel, OnlineCost
 from specbatch.spec.replay import NgramReplay
 from specbatch.spec.stats import SpecStats
 
@@ -106,7 +106,7 @@ class AdaptivePolicy:
 
     def __init__(self, cost: CostModel, k_max: int, prior_for, decay: float = 0.9,
                  switch_margin: float = 0.03, probe: Probe | None = None) -> None:
-        self.cost = cost
+        self.cost = cost if isinstance(cost, OnlineCost) or not cost.samples else OnlineCost(cost)
         self.k_max = k_max
         self.prior_for = prior_for
         self.decay = decay
@@ -128,31 +128,41 @@ class AdaptivePolicy:
         """Expected output tokens per second if every draft is cut to ``k`` tokens."""
         return self._rate(seqs, [min(k, len(d)) for d in drafts])
 
-    def _rate(self, seqs, cuts: list[int]) -> float:
+    def _rate(self, seqs, cuts: list[int], reach: list[list[float]] | None = None) -> float:
         """Expected output tokens per second if row i feeds ``cuts[i]`` draft tokens (rows
-        run packed: the dense layers cost by the real tokens, attention by the longest row)."""
+        run packed: the dense layers cost by the real tokens, attention by the longest row).
+        reach: per row, the chances that draft positions 0..j are all accepted (``_reach``)."""
+        if reach is None:
+            reach = self._reach(seqs, cuts)
         ctx = max(len(s.token_ids) for s in seqs)
-        tokens = sum(self._row(s).expected_tokens(c) for s, c in zip(seqs, cuts))
+        tokens = len(seqs) + sum(sum(r[:c]) for r, c in zip(reach, cuts))
         q = 1 + max(cuts, default=0)
         return tokens / self.cost.step_time(len(seqs), q, ctx, num_tokens=len(seqs) + sum(cuts))
 
-    def _cuts(self, seqs, drafts: list[list[int]], k: int) -> list[int]:
+    def _reach(self, seqs, lengths: list[int]) -> list[list[float]]:
+        """Per row: ``[prod_{m<=j} p_m for j < lengths[i]]`` (expected extra tokens per draft
+        position, E[tokens] = 1 + their sum)."""
+        out = []
+        for s, n in zip(seqs, lengths):
+            acc, run, r = self._row(s), 1.0, []
+            for j in range(n):
+                run *= acc.p(j)
+                r.append(run)
+            out.append(r)
+        return out
+
+    def _cuts(self, seqs, drafts: list[list[int]], k: int,
+              reach: list[list[float]]) -> list[int]:
         """Per-row draft lengths under a step cap ``k``: row i keeps draft position j only if
         the chance that positions 0..j are all accepted (the expected extra tokens it brings)
         is worth the packed token it costs at the step's rate (Dinkelbach-style fixed point,
         3 rounds from "keep everything")."""
         cuts = [min(k, len(d)) for d in drafts]
-        reach = []
-        for s, c in zip(seqs, cuts):
-            acc, run, r = self._row(s), 1.0, []
-            for j in range(c):
-                run *= acc.p(j)
-                r.append(run)
-            reach.append(r)
         token_cost = self.cost.token_cost()
         for _ in range(3):
-            threshold = self._rate(seqs, cuts) * token_cost
-            new = [sum(1 for _ in takewhile(lambda x: x >= threshold, r)) for r in reach]
+            threshold = self._rate(seqs, cuts, reach) * token_cost
+            new = [min(c0, sum(1 for _ in takewhile(lambda x: x >= threshold, r)))
+                   for r, c0 in zip(reach, (min(k, len(d)) for d in drafts))]
             if new == cuts:
                 break
             cuts = new
@@ -163,14 +173,23 @@ class AdaptivePolicy:
         longest = max((len(d) for d in drafts), default=0)
         if longest == 0:
             return drafts
-        options = {k: self._cuts(seqs, drafts, k) for k in range(0, min(self.k_max, longest) + 1)}
-        rates = {k: self._rate(seqs, cuts) for k, cuts in options.items()}
+        reach = self._reach(seqs, [min(self.k_max, len(d)) for d in drafts])
+        options = {k: self._cuts(seqs, drafts, k, reach)
+                   for k in range(0, min(self.k_max, longest) + 1)}
+        rates = {k: self._rate(seqs, cuts, reach) for k, cuts in options.items()}
         best = max(rates, key=lambda k: (rates[k], -k))
         keep = min(self.current_k, longest)
         if rates[best] > rates[keep] * (1 + self.switch_margin):
             self.current_k = best
             keep = best
         return [d[:c] for d, c in zip(drafts, options[keep])]
+
+    def observe_step(self, seqs, drafts: list[list[int]], seconds: float) -> None:
+        """A verify step's wall time (seconds), for the online cost fit (``OnlineCost``)."""
+        if isinstance(self.cost, OnlineCost):
+            self.cost.observe(len(seqs), 1 + max((len(d) for d in drafts), default=0),
+                              max(len(s.token_ids) for s in seqs),
+                              sum(1 + len(d) for d in drafts), seconds)
 
     def observe(self, seq, draft: list[int], emitted: list[int]) -> None:
         self._row(seq).observe(draft, emitted, self.decay)

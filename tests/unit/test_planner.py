@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from specbatch.config import SamplingParams
-from specbatch.plan.costmodel import CostModel, fit
+from specbatch.plan.costmodel import CostModel, OnlineCost, fit
 from specbatch.plan.planner import best_k, bucket_for, make_plan
 from specbatch.plan.policy import AdaptivePolicy, Probe, RowAcceptance
 from specbatch.plan.predict import FEATURES, predict, repeat_share, spearman
@@ -39,6 +39,32 @@ def test_cost_fit_recovers_a_linear_model():
     got = CostModel(fit(samples))
     for r, q, c, t in samples:
         assert got.step_time(r, q, c) == pytest.approx(t, rel=1e-6)
+
+
+def test_online_cost_follows_the_steps_it_times():
+    """Calibrated on a machine whose steps cost 60 ms + 1 ms/token; the run's steps cost
+    40 ms + 1.5 ms/token. After timing 200 steps the fit predicts the run's shapes within 3%
+    (the calibration alone: 6-27% off), the calibration still pulling a little."""
+    calibrated = CostModel((0.060, 0.001, 0.0, 0.0))
+    samples = tuple((r, q, c, calibrated.step_time(r, q, c)) for r in (1, 4, 16)
+                    for q in (1, 2, 4, 6, 9) for c in (256, 1024))
+    online = OnlineCost(CostModel(calibrated.coef, samples=samples))
+    assert online.step_time(10, 6, 300) == pytest.approx(calibrated.step_time(10, 6, 300))
+    actual = CostModel((0.040, 0.0015, 0.0, 0.0))
+    for i in range(200):
+        rows, q = 10 - i % 3, 1 + i % 6
+        tokens = rows + (q - 1) * (1 + i % 4)  # rows draft different lengths (packed)
+        online.observe(rows, q, 300, tokens, actual.step_time(rows, q, 300, tokens))
+    for rows, q, tokens in ((10, 1, 10), (9, 6, 30), (8, 4, 20)):
+        assert online.step_time(rows, q, 300, tokens) == pytest.approx(
+            actual.step_time(rows, q, 300, tokens), rel=0.03)
+        assert abs(calibrated.step_time(rows, q, 300, tokens) / actual.step_time(
+            rows, q, 300, tokens) - 1) > 0.05
+    assert online.token_cost() > 0.0012  # from the calibrated 1 ms toward 1.5
+    # an AdaptivePolicy given a calibrated model times its steps through OnlineCost
+    policy = AdaptivePolicy(CostModel(calibrated.coef, samples=samples), k_max=5,
+                            prior_for=lambda s: [(1.0, 1.0)] * 5)
+    assert isinstance(policy.cost, OnlineCost)
 
 
 def _seq(seq_id: int, length: int = 100):
