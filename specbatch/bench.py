@@ -38,6 +38,7 @@ class BenchOptions:
     repeats: int = 1
     draft_model: str | None = None
     template: str | None = None  # as RunOptions.template (load_records reads it)
+    groups: tuple[tuple[str, tuple[str, ...]], ...] = ()  # extra table rows: (name, categories)
 
 
 def parse_configs(text: str,
@@ -62,6 +63,19 @@ def parse_configs(text: str,
         out.append((item, SpecConfig(**kwargs)))
     if not out:
         raise ValueError("no configurations given")
+    return tuple(out)
+
+
+def parse_groups(items) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``("copy-heavy=summarization,rag", ...)`` -> ``(("copy-heavy", ("summarization",
+    "rag")), ...)``. Raises ``ValueError`` on an item without ``=`` or categories."""
+    out = []
+    for item in items:
+        name, eq, cats = item.partition("=")
+        members = tuple(c.strip() for c in cats.split(",") if c.strip())
+        if not eq or not name.strip() or not members:
+            raise ValueError(f"--group {item!r}: expected NAME=CATEGORY[,CATEGORY...]")
+        out.append((name.strip(), members))
     return tuple(out)
 
 
@@ -156,16 +170,22 @@ def replace_sampling(record, **changes):
 
 
 def format_table(labels, sizes: dict[str, int], seconds, tokens, stats, opts) -> str:
-    """Markdown table: per category and overall, tok/s and ratio to the first config, and the
-    mean acceptance length of each drafting config."""
+    """Markdown table: per category, per ``opts.groups`` group and overall, tok/s (the group's
+    tokens over its seconds) and ratio to the first config, and the mean acceptance length of
+    each drafting config. A group's categories absent from the run are left out of it."""
     cats = list(sizes)
     base = labels[0]
     head = ["category", "records"] + [f"{lb} tok/s" for lb in labels] + \
         [f"{lb} / {base}" for lb in labels[1:]] + [f"{lb} acc.len" for lb in labels[1:]]
     rows = []
-    groups = list(cats) + (["(all)"] if len(cats) > 1 else [])
-    for cat in groups:
-        members = cats if cat == "(all)" else [cat]
+    members_of = {c: [c] for c in cats}
+    for name, group in opts.groups:
+        present = [c for c in group if c in sizes]
+        if present:
+            members_of[f"({name})"] = present
+    if len(cats) > 1:
+        members_of["(all)"] = cats
+    for cat, members in members_of.items():
         tps, accs = {}, {}
         for lb in labels:
             t = sum(tokens[lb, c] for c in members)

@@ -204,13 +204,16 @@ def run(ctx, input_path, output, recipe, template, model, dtype, max_batch_size,
 @click.option("--categories", default=None, help="Comma-separated categories to keep.")
 @click.option("--repeats", type=click.IntRange(1), default=1, show_default=True,
               help="Rounds of the interleaved schedule.")
+@click.option("--group", "groups", multiple=True, metavar="NAME=CAT,CAT",
+              help="Also a table row for these categories together (repeatable), e.g. "
+                   "copy-heavy=summarization,rag.")
 def bench(input_path, configs, draft_model, model, dtype, max_batch_size, max_model_len,
           cache_dir, max_tokens, min_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
           ignore_eos, logprobs, prompt_field, id_field, split, limit, per_category, categories,
-          repeats):
+          repeats, groups):
     """Time several configurations on the same records, interleaved; print output tok/s and
     the ratio to none, overall and per category; check the outputs are identical."""
-    from specbatch.bench import BenchOptions, parse_configs, run_bench
+    from specbatch.bench import BenchOptions, parse_configs, parse_groups, run_bench
 
     try:
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
@@ -220,13 +223,15 @@ def bench(input_path, configs, draft_model, model, dtype, max_batch_size, max_mo
         engine = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_model_len,
                               dtype=dtype)
         specs = parse_configs(configs, draft_model)
+        named_groups = parse_groups(groups)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     sys.exit(run_bench(BenchOptions(
         input_path=input_path, model=model, draft_model=draft_model, cache_dir=cache_dir,
         sampling=sampling, specs=specs, engine=engine, run_seed=seed, prompt_field=prompt_field,
         id_field=id_field, split=split, limit=limit, per_category=per_category,
-        categories=tuple(categories.split(",")) if categories else None, repeats=repeats)))
+        categories=tuple(categories.split(",")) if categories else None, repeats=repeats,
+        groups=named_groups)))
 
 
 

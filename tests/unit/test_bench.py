@@ -1,0 +1,61 @@
+"""``specbatch bench``: configuration and group parsing, and the table's arithmetic."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+
+from specbatch.bench import format_table, parse_configs, parse_groups
+from specbatch.spec.stats import SpecStats
+
+
+def test_parse_configs():
+    specs = dict(parse_configs("none, ngram:k=3, ngram:k=5:min=1:max=3, auto:k=8"))
+    assert specs["none"].method == "none"
+    assert specs["ngram:k=3"].num_speculative_tokens == 3
+    s = specs["ngram:k=5:min=1:max=3"]
+    assert (s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max) == (5, 1, 3)
+    assert specs["auto:k=8"].method == "auto" and specs["auto:k=8"].num_speculative_tokens == 8
+    for bad in ("ngram:q=3", "ngram:k=x", ""):
+        with pytest.raises(ValueError):
+            parse_configs(bad)
+
+
+def test_parse_groups():
+    assert parse_groups(["copy-heavy=summarization, rag", "n=qa"]) == (
+        ("copy-heavy", ("summarization", "rag")), ("n", ("qa",)))
+    for bad in ("summarization,rag", "x=", "=qa"):
+        with pytest.raises(ValueError, match="--group"):
+            parse_groups([bad])
+
+
+def _row(table: str, name: str) -> list[str]:
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[0] == name:
+            return cells
+    raise AssertionError(f"no row {name!r} in\n{table}")
+
+
+def test_table_groups_add_tokens_and_seconds():
+    """A group's tok/s is its tokens over its seconds (not a mean of the categories' tok/s)."""
+    labels = ["none", "ngram:k=5"]
+    seconds = {("none", "a"): 10.0, ("none", "b"): 1.0, ("none", "c"): 5.0,
+               ("ngram:k=5", "a"): 5.0, ("ngram:k=5", "b"): 2.0, ("ngram:k=5", "c"): 5.0}
+    tokens = {(lb, c): n for lb in labels for c, n in (("a", 100), ("b", 100), ("c", 50))}
+    stats = defaultdict(SpecStats)
+    stats["ngram:k=5", "a"] = SpecStats(num_drafts=10, num_accepted_tokens=20)
+    stats["ngram:k=5", "b"] = SpecStats(num_drafts=10, num_accepted_tokens=0)
+    opts = SimpleNamespace(groups=(("ab", ("a", "b", "missing")),), model=None,
+                           engine=SimpleNamespace(dtype="bfloat16", max_batch_size=16),
+                           sampling=SimpleNamespace(max_tokens=128, temperature=0.0), repeats=1)
+    table = format_table(labels, {"a": 2, "b": 3, "c": 1}, seconds, tokens, stats, opts)
+    ab = _row(table, "(ab)")
+    assert ab[1] == "5"  # records of a and b
+    assert ab[2] == f"{200 / 11:.1f}" and ab[3] == f"{200 / 7:.1f}"
+    assert ab[4] == f"{(200 / 7) / (200 / 11):.2f}x"
+    assert ab[5] == "2.00"  # (20 accepted over 20 drafts) + 1
+    assert _row(table, "(all)")[2] == f"{250 / 16:.1f}"
+    assert _row(table, "a")[4] == "2.00x"
