@@ -213,3 +213,41 @@ def test_auto_outputs_equal_none(cost):
         assert set(hist) == {0}, hist  # never drafts when verification does not pay
     else:
         assert sum(c.stats.num_accepted_tokens for c in outs.values()) > 0
+
+
+def test_auto_stats_fields_through_generate_records():
+    """What ``specbatch run --method auto`` writes per record: the planned bucket, the prompt's
+    predicted acceptance length and features, the probe (replayed lookup over the first 16
+    output tokens: equal to replaying the written output), the k actually used; outputs equal
+    a plain run."""
+    from specbatch.pipeline import generate_records
+    from specbatch.plan.planner import PROBE_TOKENS
+
+    model = tiny_llama(vocab_size=64, seed=3)
+    prompts = repeating_prompts(64, 6, seed=5)
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    records = [SimpleNamespace(index=i, id=f"r{i}", prompt="Summarize the following text.",
+                               messages=None, turns=None, sampling=sp, ids=p)
+               for i, p in enumerate(prompts)]
+    renderer = SimpleNamespace(first_prompt=lambda rec: (list(rec.ids), None))
+    plain = {rec.index: out for rec, out in generate_records(
+        make_engine(model, 0, 4), renderer, records)}
+    plan = make_plan(records, {r.index: r.ids for r in records}, k_max=5, batch_size=4,
+                     cost=MEMORY_BOUND, prompt_lookup_min=2, expected_output_tokens=24)
+    engine = make_engine(model, 5, 4)
+    engine.policy = plan.make_policy(MEMORY_BOUND, Probe(PROBE_TOKENS, 2, 4))
+    outs = {rec.index: out for rec, out in generate_records(engine, renderer, records, plan=plan)}
+    for i, out in outs.items():
+        assert out["output_token_ids"] == plain[i]["output_token_ids"]
+        spec = out["spec"]
+        assert spec["bucket"] == plan.bucket_of[i]
+        assert spec["predicted_acceptance_length"] == pytest.approx(
+            plan.predictions[i].acceptance_length(5), abs=1e-4)
+        assert set(spec["predictor_features"]) == set(FEATURES[1:]) | {"alpha"}
+        assert sum(spec["k_histogram"].values()) == spec["num_steps"] - 1
+        probe = spec["probe"]  # at the first step that reaches 16 tokens (it may commit 6)
+        assert PROBE_TOKENS <= probe["tokens"] <= PROBE_TOKENS + 5
+        replay = NgramReplay(prompts[i], out["output_token_ids"][:probe["tokens"]], 2, 4, 5)
+        want = replay.stats(5, 24, 1 << 30).mean_acceptance_length
+        assert probe["acceptance_length"] == (None if want is None else round(want, 4))
+        assert probe["bucket"] == bucket_for(probe["acceptance_length"] or 1.0)
