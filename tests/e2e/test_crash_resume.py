@@ -109,7 +109,10 @@ def test_signal_stops_cleanly(job, tmp_path, sig):
     num = len(read_jsonl(inp))
     out = tmp_path / "out.jsonl"
     work = Path(f"{out}.work.jsonl")
-    args = ["run", str(inp), "-o", str(out), *ARGS]
+    # one row at a time: after the first record, ~11 records of work remain, so the signal
+    # lands mid-run even on a loaded machine (at batch 4 the rest could finish first)
+    args = ["run", str(inp), "-o", str(out), *ARGS[:-2], "1", "--no-progress"]
+    assert ARGS[-3:-1] == ["--max-batch-size", "4"]
     with open(tmp_path / "stderr", "wb") as err:
         proc = subprocess.Popen([*specbatch_command(), *args], env=cli_env(),
                                 stdout=subprocess.DEVNULL, stderr=err)
