@@ -194,7 +194,8 @@ def run(ctx, input_path, output, recipe, template, model, dtype, max_batch_size,
 @main.command()
 @click.argument("input_path", metavar="INPUT", type=click.Path(exists=True))
 @click.option("--configs", default="none,ngram:k=5", show_default=True,
-              help="Comma-separated configurations: none, ngram:k=N[:min=A:max=B], draft:k=N.")
+              help="Comma-separated configurations: none, ngram:k=N[:min=A:max=B], draft:k=N, "
+                   "auto[:k=CAP].")
 @click.option("--draft-model", default=None, help="Draft model of the draft:k=N configurations.")
 @_model_options
 @_sampling_options

@@ -135,7 +135,7 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     from specbatch.io.writer import OutputWriter, check_output_path
 
     try:  # before the model loads: a wrong output path should not cost a load
-        check_output_path(opts.output_path)
+        check_output_path(opts.output_path, opts.input_path)
     except ValueError as e:
         _err(f"error: {e}")
         return EXIT_BAD_INPUT

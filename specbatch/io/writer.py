@@ -38,11 +38,16 @@ JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
 OUTPUT_FORMATS = (".jsonl", ".parquet")
 
 
-def check_output_path(out_path: str | os.PathLike) -> None:
-    """Raise ``ValueError`` naming the problem if ``out_path`` cannot be written: an extension
-    other than ``OUTPUT_FORMATS``, a folder in its place, or a parent that cannot be created
-    (a file in the way) or written. Cheap, so callers check before loading a model."""
+def check_output_path(out_path: str | os.PathLike,
+                      input_path: str | os.PathLike | None = None) -> None:
+    """Raise ``ValueError`` naming the problem if ``out_path`` cannot be written: the input
+    file itself (never overwritten, not even with ``--force``), an extension other than
+    ``OUTPUT_FORMATS``, a folder in its place, or a parent that cannot be created (a file in
+    the way) or written. Folders that do not exist yet are created when the run starts.
+    Cheap, so callers check before loading a model."""
     path = Path(out_path)
+    if input_path is not None and Path(input_path).resolve() == path.resolve():
+        raise ValueError(f"output {str(out_path)!r} is the input file; choose another -o")
     if path.suffix.lower() not in OUTPUT_FORMATS:
         raise ValueError(f"output {str(out_path)!r}: expected a name ending in "
                          f"{' or '.join(OUTPUT_FORMATS)}")
@@ -136,8 +141,7 @@ class OutputWriter:
                                f"{' ...' if len(missing) > 10 else ''})")
         records = self._load_work()
         rows = [records[i] for i in sorted(records)]
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.out_path.name}.", suffix=".tmp",
-                                   dir=self.out_path.parent)
+        fd, tmp = _temp_beside(self.out_path)
         try:
             with os.fdopen(fd, "wb") as f:
                 if self.out_path.suffix.lower() == ".parquet":
@@ -268,8 +272,18 @@ def _beside(path: Path, suffix: str) -> Path:
     return path.with_name(path.name + suffix)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def _temp_beside(path: Path) -> tuple[int, str]:
+    """A temp file next to ``path`` (same folder, so ``os.replace`` is atomic), with the mode a
+    plain ``open`` would give (``mkstemp`` makes it 0600, which the final file would keep)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)
+    return fd, tmp
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = _temp_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

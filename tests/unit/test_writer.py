@@ -255,3 +255,27 @@ def test_errors_file(tmp_path):
 def test_unknown_output_extension(tmp_path):
     with pytest.raises(ValueError, match="expected a name ending in .jsonl or .parquet"):
         OutputWriter(tmp_path / "out.csv", CONFIG, resume=False, force=False, num_records=1)
+
+
+def test_output_and_config_get_the_mode_open_gives(tmp_path):
+    """mkstemp's 0600 must not reach the final files: others in the group can read them."""
+    old = os.umask(0o022)
+    try:
+        _uninterrupted(tmp_path / "out.jsonl")
+        w = OutputWriter(tmp_path / "e.jsonl", CONFIG, resume=False, force=False, num_records=1)
+        w.write_errors([RecordError(path="in.jsonl", line=3, id="x", reason="empty prompt")])
+    finally:
+        os.umask(old)
+    for name in ("out.jsonl", "out.jsonl.config.json", "e.jsonl.errors.jsonl"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o644, name
+
+
+def test_output_may_not_be_the_input(tmp_path):
+    from specbatch.io.writer import check_output_path
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "hi"}\n')
+    for out in (inp, tmp_path / "sub" / ".." / "in.jsonl"):
+        with pytest.raises(ValueError, match="is the input file"):
+            check_output_path(out, inp)
+    check_output_path(tmp_path / "out.jsonl", inp)
