@@ -84,10 +84,12 @@ def settings_for(files: list[RunFile], ks=KS, lookups=LOOKUPS) -> list[Setting]:
 
 
 def own_setting(f: RunFile, rec: Record) -> Setting | None:
-    """The setting the record ran with, when it ran with the n-gram proposer."""
+    """The setting the record ran with, when it ran with the n-gram proposer at a fixed k
+    (``--method auto`` chooses the draft length per step: no fixed setting to check)."""
     c = f.config or {}
     spec = rec.fields["spec"]
-    if spec.get("proposer") != "ngram" or not c.get("prompt_lookup_min"):
+    if (spec.get("proposer") != "ngram" or not c.get("prompt_lookup_min")
+            or c.get("method") == "auto"):
         return None
     return Setting(c["prompt_lookup_min"], c["prompt_lookup_max"],
                    spec.get("num_speculative_tokens", c.get("k", 0)))

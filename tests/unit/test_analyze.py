@@ -351,3 +351,15 @@ def test_cli_json_and_usage_errors(runs, tmp_path):
     for args, msg in bad:
         result = _invoke(args)
         assert result.exit_code == 2 and msg in result.output, (args, result.output)
+
+
+def test_what_if_does_not_self_check_auto_runs(runs, tmp_path):
+    """``--method auto`` varies k per step: its records are replayed (what fixed settings would
+    have done) but not checked against one setting."""
+    out = tmp_path / "auto.jsonl"
+    out.write_bytes(runs["ngram"].read_bytes())
+    cfg = json.loads(config_path(runs["ngram"]).read_text())
+    config_path(out).write_text(json.dumps({**cfg, "method": "auto"}))
+    wi = _doc([out], by="category", what_if=True)[1]["what_if"]
+    assert wi["num_replayed"] > 0
+    assert wi["self_check"]["num_checked"] == 0
