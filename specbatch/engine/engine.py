@@ -65,8 +65,8 @@ class Engine:
         self.scheduler = Scheduler(runner.cache.num_rows)
         self.follow_up: Callable[[Completion], Request | None] | None = None
         # planner hook (``plan.policy.AdaptivePolicy``): select(seqs, drafts) cuts the proposed
-        # drafts; observe_step(seqs, drafts, seconds) times the verify step; observe(seq,
-        # proposed, emitted) learns acceptance; finish(seq) forgets
+        # drafts; observe_step(seqs, drafts, seconds), optional, times the verify step;
+        # observe(seq, proposed, emitted) learns acceptance; finish(seq) forgets
         self.policy = None
 
     # ---- public -------------------------------------------------------------------------
@@ -88,8 +88,9 @@ class Engine:
             drafts = self.policy.select(running, proposed) if self.policy else proposed
             t0 = time.perf_counter()
             logits = self.runner.verify(running, drafts)
-            if self.policy is not None:  # the policy's cost model learns this machine's steps
-                self.policy.observe_step(running, drafts, time.perf_counter() - t0)
+            observe_step = getattr(self.policy, "observe_step", None)
+            if observe_step is not None:  # the policy's cost model learns this machine's steps
+                observe_step(running, drafts, time.perf_counter() - t0)
             done += self._commit_step(running, drafts, logits, proposed=proposed)
         return done
 

@@ -114,8 +114,11 @@ def test_signal_stops_cleanly(job, tmp_path, sig):
     args = ["run", str(inp), "-o", str(out), *ARGS[:-2], "1", "--no-progress"]
     assert ARGS[-3:-1] == ["--max-batch-size", "4"]
     with open(tmp_path / "stderr", "wb") as err:
+        # a child inherits an ignored SIGINT (pytest started in the background, as `cmd &`
+        # or nohup do) and then rightly keeps ignoring it: give it the default disposition
         proc = subprocess.Popen([*specbatch_command(), *args], env=cli_env(),
-                                stdout=subprocess.DEVNULL, stderr=err)
+                                stdout=subprocess.DEVNULL, stderr=err,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             deadline = time.monotonic() + 300
             while not (work.exists() and work.read_bytes().count(b"\n") >= 1):
