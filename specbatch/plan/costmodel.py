@@ -18,7 +18,7 @@ import json
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -83,8 +83,7 @@ class OnlineCost:
     """
 
     def __init__(self, base: CostModel, prior_weight: float = 8.0, refit_every: int = 8) -> None:
-        self.base = base
-        self.coef = base.coef
+        self.model = base  # the current fit; ``coef`` replaced at each refit
         self.refit_every = refit_every
         self.num_observed = 0
         self._a = torch.zeros(4, 4, dtype=torch.float64)
@@ -108,16 +107,17 @@ class OnlineCost:
         self.num_observed += 1
         if self.num_observed % self.refit_every == 0:
             try:
-                self.coef = tuple(float(v) for v in torch.linalg.solve(self._a, self._b))
+                coef = tuple(float(v) for v in torch.linalg.solve(self._a, self._b))
+                self.model = replace(self.model, coef=coef)
             except RuntimeError:  # singular (no calibration samples): keep the last fit
                 pass
 
     def step_time(self, num_rows: int, query_len: int, context_len: int,
                   num_tokens: int | None = None) -> float:
-        return CostModel.step_time(self, num_rows, query_len, context_len, num_tokens)
+        return self.model.step_time(num_rows, query_len, context_len, num_tokens)
 
     def token_cost(self) -> float:
-        return max(self.coef[1], 0.0)
+        return self.model.token_cost()
 
 
 def load(path: str | os.PathLike) -> CostModel:
