@@ -43,16 +43,20 @@ class BenchOptions:
 
 def parse_configs(text: str,
                   draft_model: str | None = None) -> tuple[tuple[str, SpecConfig], ...]:
-    """``"none,ngram:k=3,ngram:k=5:min=1:max=3,draft:k=3,auto:k=8"`` -> labelled
-    ``SpecConfig``s; the ``draft`` ones use ``draft_model``; for ``auto`` k is the cap.
+    """``"none,ngram:k=3,ngram:k=5:min=1:max=3,draft:k=3,auto:k=8,auto:draft"`` -> labelled
+    ``SpecConfig``s; the ``draft`` ones use ``draft_model``; for ``auto`` k is the cap, and
+    ``auto:draft`` may also draft with ``draft_model``.
 
     Raises ``ValueError`` on an unknown method or key, or ``draft`` without a draft model."""
     out = []
     for item in (t.strip() for t in text.split(",") if t.strip()):
         method, *parts = item.split(":")
         kwargs: dict = {"method": method}
-        if method == "draft":
+        if method == "draft" or (method == "auto" and "draft" in parts):
+            if draft_model is None:
+                raise ValueError(f"config {item!r} needs --draft-model")
             kwargs["draft_model"] = draft_model
+        parts = [p for p in parts if not (method == "auto" and p == "draft")]
         keys = {"k": "num_speculative_tokens", "min": "prompt_lookup_min",
                 "max": "prompt_lookup_max"}
         for part in parts:
@@ -103,7 +107,7 @@ def run_bench(opts: BenchOptions) -> int:
                         device=opts.engine.device, cache_dir=opts.cache_dir)
     renderer = PromptRenderer(loaded.tokenizer)
     draft = None
-    if any(spec.method == "draft" for _, spec in opts.specs):
+    if any(spec.draft_model is not None for _, spec in opts.specs):
         from specbatch.spec.draft import load_draft_model
 
         try:
@@ -116,14 +120,15 @@ def run_bench(opts: BenchOptions) -> int:
     def run_once(spec: SpecConfig, recs: list) -> tuple[float, dict]:
         engine = build_engine(loaded.model, spec, opts.engine, loaded.eos_token_ids,
                               loaded.max_model_len, renderer.detokenize,
-                              draft_model=draft.model if spec.method == "draft" else None)
+                              draft_model=draft.model if spec.draft_model is not None else None)
         t0 = time.perf_counter()
         plan = None
         if spec.method == "auto":  # planning is part of the timed run (calibration is cached)
             from specbatch.plan.planner import prepare_auto
 
             plan = prepare_auto(engine, recs, renderer, spec, opts.engine, loaded.model_id,
-                                opts.cache_dir, echo=lambda line: None)
+                                opts.cache_dir, echo=lambda line: None,
+                                draft_model_id=draft.model_id if spec.draft_model else "")
         outs = {rec.index: out for rec, out in generate_records(engine, renderer, recs,
                                                                  opts.run_seed, plan=plan)}
         return time.perf_counter() - t0, outs

@@ -173,8 +173,8 @@ def build_engine(model, spec_config, engine_config, eos_ids: Iterable[int], max_
 
     model: a Llama-family transformers model (already in the wanted dtype and device).
     max_model_len: context cap (tokens), lowered to ``engine_config.max_model_len`` if set.
-    draft_model: the draft transformers model for ``method = draft`` (vocabulary checked by the
-    caller, ``spec.draft.load_draft_model``).
+    draft_model: the draft transformers model for ``method = draft``, or for ``auto`` to choose
+    from (vocabulary checked by the caller, ``spec.draft.load_draft_model``).
     """
     from specbatch.engine.runner import ModelRunner
     from specbatch.engine.sequence import StopRules
@@ -198,6 +198,7 @@ def memory_summary(engine: Engine) -> str:
     from specbatch.spec.draft import DraftProposer, weight_bytes
 
     runner, proposer = engine.runner, engine.proposer
+    proposer = getattr(proposer, "model", proposer)  # auto with a draft model: the draft
     line = (f"memory: target weights {_gib(weight_bytes(runner.forward.hf_model))}, KV "
             f"{_gib(runner.cache.nbytes)} ({runner.cache.num_rows} rows x "
             f"{runner.cache.capacity} positions)")

@@ -156,7 +156,7 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         _err(f"error: cannot load model {opts.model or DEFAULT_MODEL!r}: {_os_error(e)}")
         return EXIT_BAD_INPUT
     draft = None
-    if opts.spec.method == "draft":
+    if opts.spec.method in ("draft", "auto") and opts.spec.draft_model is not None:
         from specbatch.spec.draft import load_draft_model
 
         try:
@@ -211,10 +211,12 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         from specbatch.plan.planner import prepare_auto
 
         engine = build_engine(loaded.model, opts.spec, opts.engine, loaded.eos_token_ids,
-                              max_model_len, renderer.detokenize)
+                              max_model_len, renderer.detokenize,
+                              draft_model=draft.model if draft is not None else None)
         skip = set(skipped)
         prepare_auto(engine, [r for r in records if r.index not in skip], renderer, opts.spec,
-                     opts.engine, loaded.model_id, opts.cache_dir, echo=_err)
+                     opts.engine, loaded.model_id, opts.cache_dir, echo=_err,
+                     draft_model_id=draft.model_id if draft is not None else "")
         return EXIT_OK
     try:
         writer = OutputWriter(opts.output_path, config, resume=opts.resume, force=opts.force,
@@ -245,7 +247,8 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         from specbatch.plan.planner import prepare_auto
 
         plan = prepare_auto(engine, todo, renderer, opts.spec, opts.engine, loaded.model_id,
-                            opts.cache_dir, echo=_err)
+                            opts.cache_dir, echo=_err,
+                            draft_model_id=draft.model_id if draft is not None else "")
     tput = Throughput()
     by_category: dict[str, list] = defaultdict(list)
     bar = job.bar = _progress(len(records), len(done) + len(skip), opts.progress)

@@ -5,12 +5,15 @@ Plan, before any generation:
 2. bucket: ``copy-heavy`` / ``mixed`` / ``novel`` by predicted acceptance length at k_max,
    and order records by bucket, then prompt length (longest first), so rows that run together
    have alike acceptance and length;
-3. per bucket choose the k in 0..k_max that maximises predicted output tokens per second at
-   the batch size, from the measured step cost (``costmodel``): that is the bucket's starting
-   k and its predicted speedup over none.
+3. per bucket choose the proposer (prompt lookup, or the draft model when one is given) and
+   the k in 0..k_max that maximise predicted output tokens per second at the batch size, from
+   the measured step costs (``costmodel``; a draft model's k forwards are counted): that is the
+   bucket's starting choice and its predicted speedup over none. The draft model's acceptance
+   is not predicted per record: it starts at ``policy.MODEL_PRIOR`` and is learned online.
 
-While generating, ``policy.AdaptivePolicy`` re-chooses the draft length every step from the same
-cost model and each row's observed acceptance (the bucket's prediction is only the prior).
+While generating, ``policy.AdaptivePolicy`` re-chooses the proposer and draft length of every
+row every step from the same cost models and each row's observed acceptance (the bucket's
+prediction is only the prior).
 Outputs are identical to ``--method none``: only how many drafts are verified changes.
 """
 
@@ -19,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specbatch.plan.costmodel import CostModel
-from specbatch.plan.policy import AdaptivePolicy, Probe
+from specbatch.plan.policy import MODEL_PRIOR, AdaptivePolicy, Probe
 from specbatch.plan.predict import Prediction, instruction_text, predict
 
 BUCKETS = ("copy-heavy", "mixed", "novel")
@@ -36,6 +39,7 @@ class BucketPlan:
     mean_prompt_tokens: float = 0.0
     predicted_acceptance_length: float = 0.0
     k: int = 0
+    proposer: str = "ngram"  # "ngram" or "draft"; "none" when k = 0
     predicted_speedup: float = 1.0
 
 
@@ -62,6 +66,9 @@ class Plan:
         out = {"bucket": self.bucket_of[record_index],
                "predicted_acceptance_length": round(pred.acceptance_length(self.k_max), 4),
                "predictor_features": pred.features()}
+        steps = self.policy.steps_by_proposer.get(record_index) if self.policy else None
+        if steps:
+            out["proposer_steps"] = dict(sorted(steps.items()))
         result = self.policy.probe_results.get(record_index) if self.policy else None
         if result is not None:
             length, tokens = result
@@ -78,19 +85,22 @@ class Plan:
         """Beta prior per draft position: ``PRIOR_STRENGTH`` pseudo-trials at ``alpha``."""
         return [(alpha * PRIOR_STRENGTH, (1 - alpha) * PRIOR_STRENGTH)] * max(k_max, 1)
 
-    def make_policy(self, cost: CostModel, probe: Probe | None = None) -> AdaptivePolicy:
+    def make_policy(self, cost: CostModel, probe: Probe | None = None, proposer=None,
+                    model_cost: CostModel | None = None) -> AdaptivePolicy:
+        """proposer, model_cost: a ``LookupAndDraftProposer`` and its draft forward's cost
+        model, when a draft model is given."""
         self.policy = AdaptivePolicy(cost, self.k_max, lambda seq: self.prior(seq.request.tag),
-                                     probe=probe)
+                                     probe=probe, proposer=proposer, model_cost=model_cost)
         return self.policy
 
     def table(self) -> str:
         lines = [f"plan: k_max {self.k_max}, batch size {self.batch_size}",
                  f"{'bucket':<12}{'records':>8}{'prompt tok':>11}{'pred acc len':>13}"
-                 f"{'k':>4}{'pred speedup':>14}"]
+                 f"{'proposer':>9}{'k':>4}{'pred speedup':>14}"]
         for b in self.buckets.values():
             if b.indices:
                 lines.append(f"{b.name:<12}{len(b.indices):>8}{b.mean_prompt_tokens:>11.0f}"
-                             f"{b.predicted_acceptance_length:>13.2f}{b.k:>4}"
+                             f"{b.predicted_acceptance_length:>13.2f}{b.proposer:>9}{b.k:>4}"
                              f"{b.predicted_speedup:>13.2f}x")
         return "\n".join(lines)
 
@@ -106,20 +116,27 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 def best_k(cost: CostModel, alphas: list[float], k_max: int, rows: int,
-           context_len: int) -> tuple[int, float]:
+           context_len: int, model_cost: CostModel | None = None) -> tuple[int, float]:
     """k in 0..k_max maximising predicted tokens/s for a batch of ``rows`` rows whose
-    acceptance is ``alphas`` (cycled); returns (k, speedup over k = 0)."""
+    acceptance is ``alphas`` (cycled); returns (k, speedup over k = 0). model_cost: the step
+    cost of a draft model, which runs k forwards of ``rows`` rows per verify step (None: the
+    drafts are free, as prompt lookup's)."""
     rate = {}
     for k in range(k_max + 1):
         tokens = sum(expected_tokens(alphas[i % len(alphas)], k) for i in range(rows))
-        rate[k] = tokens / cost.step_time(rows, k + 1, context_len)
+        seconds = cost.step_time(rows, k + 1, context_len)
+        if model_cost is not None:
+            seconds += k * model_cost.step_time(rows, 1, context_len)
+        rate[k] = tokens / seconds
     k = max(rate, key=lambda kk: (rate[kk], -kk))
     return k, rate[k] / rate[0]
 
 
 def make_plan(records, prompt_ids: dict[int, list[int]], k_max: int, batch_size: int,
-              cost: CostModel, prompt_lookup_min: int, expected_output_tokens: int) -> Plan:
-    """records: validated records; prompt_ids: record index -> first prompt's token ids."""
+              cost: CostModel, prompt_lookup_min: int, expected_output_tokens: int,
+              model_cost: CostModel | None = None) -> Plan:
+    """records: validated records; prompt_ids: record index -> first prompt's token ids.
+    model_cost: the draft model's step cost, when one is given (the bucket may choose it)."""
     preds = {r.index: predict(prompt_ids[r.index], instruction_text(r), r.sampling.temperature,
                               prompt_lookup_min) for r in records}
     bucket_of = {}
@@ -139,13 +156,21 @@ def make_plan(records, prompt_ids: dict[int, list[int]], k_max: int, batch_size:
         rows = min(batch_size, len(b.indices))
         ctx = int(b.mean_prompt_tokens + expected_output_tokens / 2)
         b.k, b.predicted_speedup = best_k(cost, alphas, k_max, rows, ctx)
+        if model_cost is not None:
+            k, speedup = best_k(cost, [MODEL_PRIOR], k_max, rows, ctx, model_cost)
+            if speedup > b.predicted_speedup:
+                b.proposer, b.k, b.predicted_speedup = "draft", k, speedup
+        if b.k == 0:
+            b.proposer = "none"
     return Plan(k_max, batch_size, preds, bucket_of, buckets)
 
 
 def prepare_auto(engine, records, renderer, spec_config, engine_config, model_id: str,
-                 cache_dir=None, echo=print) -> Plan:
-    """Calibrate (or load the cached cost model), plan, and attach the adaptive policy to
-    ``engine``. ``echo`` gets the human-readable lines (calibration note and plan table)."""
+                 cache_dir=None, echo=print, draft_model_id: str = "") -> Plan:
+    """Calibrate (or load the cached cost models: the target's and, when the engine's proposer
+    has a draft model, the draft's, cached under ``draft_model_id``), plan, and attach the
+    adaptive policy to ``engine``. ``echo`` gets the human-readable lines (calibration notes and
+    plan table)."""
     from specbatch.models.loader import cache_root
     from specbatch.plan.costmodel import load_or_calibrate
 
@@ -153,13 +178,22 @@ def prepare_auto(engine, records, renderer, spec_config, engine_config, model_id
                                              engine_config.dtype, cache_root(cache_dir))
     if measured:
         echo(f"calibrated the step-cost model for this machine: {path}")
+    proposer = engine.proposer if hasattr(engine.proposer, "propose_with_model") else None
+    model_cost = None
+    if proposer is not None:  # the draft model's forward gets its own calibration
+        model_cost, path, measured = load_or_calibrate(
+            proposer.model.forward, draft_model_id or "draft", engine_config.dtype,
+            cache_root(cache_dir))
+        if measured:
+            echo(f"calibrated the draft model's step cost for this machine: {path}")
     prompt_ids = {r.index: renderer.first_prompt(r)[0] for r in records}
     max_tokens = max((r.sampling.max_tokens for r in records), default=1)
     plan = make_plan(records, prompt_ids, spec_config.num_speculative_tokens,
                      engine_config.max_batch_size, cost, spec_config.prompt_lookup_min,
-                     max_tokens)
+                     max_tokens, model_cost)
     engine.policy = plan.make_policy(cost, Probe(PROBE_TOKENS, spec_config.prompt_lookup_min,
                                                  spec_config.prompt_lookup_max,
-                                                 engine.runner.max_model_len))
+                                                 engine.runner.max_model_len),
+                                     proposer=proposer, model_cost=model_cost)
     echo(plan.table())
     return plan

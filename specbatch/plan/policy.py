@@ -27,16 +27,33 @@ tokens do not depend on what was drafted) and replaces the row's counts with the
 every draft position is then measured, even for a row that ran at K = 0. The replayed acceptance
 length of each record's first probe is kept in ``probe_results`` (the record's ``probe`` stats).
 No token is generated twice.
+
+Draft model (``--method auto --draft-model NAME``; ``spec.composite``): after choosing the
+lookup drafts, the policy asks whether some rows should draft with the model instead. Its
+acceptance per row is the row's own decayed counts over a prior pooled across all rows (which
+starts at ``MODEL_PRIOR``); its cost is a second ``OnlineCost`` for the draft's forward,
+calibrated like the target's and refitted with the timed draft forwards of the run. A row takes
+the model when its drafts are worth more than its lookup drafts at the step's token value, and
+the step uses the model at all only if the verify step plus the draft forwards it adds still
+give more tokens per second than lookup alone. So each row, each step, drafts with lookup, the
+model or nothing; ``steps_by_proposer`` counts which, per record.
 """
 
 from __future__ import annotations
 
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 from itertools import takewhile
 
 from specbatch.plan.costmodel import CostModel, OnlineCost
 from specbatch.spec.replay import NgramReplay
 from specbatch.spec.stats import SpecStats
+
+
+MODEL_PRIOR = 0.7  # a draft model's conditional acceptance before it has drafted anything
+MODEL_PRIOR_STRENGTH = 4.0  # pseudo-trials behind the pooled acceptance in a row's estimate
+MODEL_POOL_DECAY = 0.99  # per observed step, for the acceptance pooled over all rows
 
 
 @dataclass(frozen=True)
@@ -97,16 +114,37 @@ class RowAcceptance:
         return total
 
 
+def _online(cost: CostModel) -> CostModel | OnlineCost:
+    """A calibrated model keeps fitting to the run's steps; a synthetic one (no samples) stays."""
+    return cost if isinstance(cost, OnlineCost) or not cost.samples else OnlineCost(cost)
+
+
 class AdaptivePolicy:
     """Chooses the step's draft length from a ``CostModel`` and per-row acceptance.
 
     prior_for(seq) -> [(alpha, beta)] per draft position: the planner's prediction.
-    Raises nothing; a row never seen gets the prior.
+    proposer, model_cost: a ``LookupAndDraftProposer`` and the draft forward's ``CostModel``
+    (both or neither; ``ValueError`` otherwise); model_prior: the draft model's assumed
+    conditional acceptance until it has drafted. A row never seen gets the prior.
     """
 
     def __init__(self, cost: CostModel, k_max: int, prior_for, decay: float = 0.9,
-                 switch_margin: float = 0.03, probe: Probe | None = None) -> None:
-        self.cost = cost if isinstance(cost, OnlineCost) or not cost.samples else OnlineCost(cost)
+                 switch_margin: float = 0.03, probe: Probe | None = None,
+                 proposer=None, model_cost: CostModel | None = None,
+                 model_prior: float = MODEL_PRIOR) -> None:
+        self.cost = _online(cost)
+        # draft model (``spec.composite.LookupAndDraftProposer``) and its forward's step cost
+        self.proposer = proposer
+        self.model_cost = _online(model_cost) if model_cost is not None else None
+        if (proposer is None) != (model_cost is None):
+            raise ValueError("a draft model needs both proposer and model_cost")
+        self.model_pool = RowAcceptance([(model_prior * MODEL_PRIOR_STRENGTH,
+                                          (1 - model_prior) * MODEL_PRIOR_STRENGTH)])
+        self.model_rows: dict[int, RowAcceptance] = {}  # seq id -> the model's own counts
+        self._model_drafts: dict[int, list[int]] = {}  # seq id -> this step's model drafts
+        self.using_model = False
+        # request tag -> steps per source ("ngram", "draft", "none")
+        self.steps_by_proposer: dict = {}
         self.k_max = k_max
         self.prior_for = prior_for
         self.decay = decay
@@ -169,10 +207,24 @@ class AdaptivePolicy:
         return cuts
 
     def select(self, seqs, drafts: list[list[int]]) -> list[list[int]]:
-        """Cut the drafts to this step's chosen lengths (per row, under one step cap)."""
+        """Cut the lookup drafts to this step's chosen lengths (per row, under one step cap);
+        with a draft model, replace some rows' drafts by the model's (``_select_model``)."""
+        self._model_drafts = {}
+        cuts, rate = self._select_lookup(seqs, drafts)
+        chosen = [d[:c] for d, c in zip(drafts, cuts)]
+        if self.proposer is not None:
+            chosen = self._select_model(seqs, chosen, rate)
+        for s, d in zip(seqs, chosen):
+            source = "draft" if s.seq_id in self._model_drafts else "ngram" if d else "none"
+            self.steps_by_proposer.setdefault(s.request.tag, Counter())[source] += 1
+        return chosen
+
+    def _select_lookup(self, seqs, drafts: list[list[int]]) -> tuple[list[int], float]:
+        """Per-row lookup draft lengths under the chosen step cap, and their predicted rate
+        (tokens/s)."""
         longest = max((len(d) for d in drafts), default=0)
         if longest == 0:
-            return drafts
+            return [0] * len(seqs), self._rate(seqs, [0] * len(seqs), [[] for _ in seqs])
         reach = self._reach(seqs, [min(self.k_max, len(d)) for d in drafts])
         options = {k: self._cuts(seqs, drafts, k, reach)
                    for k in range(0, min(self.k_max, longest) + 1)}
@@ -182,7 +234,72 @@ class AdaptivePolicy:
         if rates[best] > rates[keep] * (1 + self.switch_margin):
             self.current_k = best
             keep = best
-        return [d[:c] for d, c in zip(drafts, options[keep])]
+        return options[keep], rates[keep]
+
+    def _model_reach(self, seq, n: int) -> list[float]:
+        """As ``_reach`` for the draft model: the row's own decayed counts over a prior of
+        ``PRIOR_STRENGTH`` pseudo-trials at the pooled acceptance of all rows so far."""
+        acc = self.model_rows.get(seq.seq_id)
+        run, out = 1.0, []
+        for j in range(n):
+            t = acc.trials[j] if acc is not None and j < len(acc.trials) else 0.0
+            h = acc.hits[j] if acc is not None and j < len(acc.hits) else 0.0
+            run *= (h + MODEL_PRIOR_STRENGTH * self.model_pool.p(j)) / (t + MODEL_PRIOR_STRENGTH)
+            out.append(run)
+        return out
+
+    def _select_model(self, seqs, chosen: list[list[int]], lookup_rate: float) -> list[list[int]]:
+        """Rows whose draft-model drafts are worth more than their lookup drafts draft with the
+        model this step, if the step's rate, draft forwards included, beats lookup alone.
+
+        At the lookup choice's rate r, one more verified token costs ``r * token_cost`` tokens;
+        a row takes the model's draft length ``d`` (under a cap D) whose positions each reach
+        that value, and switches to the model if its net gain ``sum(reach[:d]) - d * value``
+        beats the lookup's. The step's rate then pays the verify step plus D draft forwards
+        (``model_cost.step_time`` at the rows still drafting at each depth); the best cap D
+        is compared with lookup alone, with the same hysteresis as the step cap."""
+        n = len(seqs)
+        ctx = max(len(s.token_ids) for s in seqs)
+        value = lookup_rate * self.cost.token_cost()
+        lookup_reach = self._reach(seqs, [len(d) for d in chosen])
+        lookup_net = [sum(r) - len(r) * value for r in lookup_reach]
+        model_reach = [self._model_reach(s, self.k_max) for s in seqs]
+        best = None  # (rate, lengths per row, 0 = keep the lookup draft)
+        for cap in range(1, self.k_max + 1):
+            lengths = []
+            for r, net in zip(model_reach, lookup_net):
+                d = sum(1 for _ in takewhile(lambda x: x >= value, r[:cap]))
+                lengths.append(d if d and sum(r[:d]) - d * value > net else 0)
+            if not any(lengths):
+                continue
+            tokens = n + sum(sum(mr[:d]) if d else sum(lr)
+                             for mr, lr, d in zip(model_reach, lookup_reach, lengths))
+            fed = [d if d else len(c) for d, c in zip(lengths, chosen)]
+            seconds = self.cost.step_time(n, 1 + max(fed), ctx, num_tokens=n + sum(fed))
+            for depth in range(max(lengths)):
+                rows = sum(1 for d in lengths if d > depth)
+                seconds += self.model_cost.step_time(rows, 1, ctx, num_tokens=rows)
+            rate = tokens / seconds
+            if best is None or rate > best[0]:
+                best = (rate, lengths)
+        margin = (1 + self.switch_margin) if not self.using_model else 1 / (1 + self.switch_margin)
+        self.using_model = best is not None and best[0] > lookup_rate * margin
+        if not self.using_model:
+            return chosen
+        rows = [i for i, d in enumerate(best[1]) if d]
+        model_seqs = [seqs[i] for i in rows]
+        self.proposer.start_model(model_seqs)
+        t0 = time.perf_counter()
+        model_drafts = self.proposer.propose_with_model(model_seqs, [best[1][i] for i in rows])
+        seconds = time.perf_counter() - t0
+        depth = max((len(d) for d in model_drafts), default=0)
+        if depth and isinstance(self.model_cost, OnlineCost):  # mean seconds per draft forward
+            self.model_cost.observe(len(rows), 1, ctx, len(rows), seconds / depth)
+        out = list(chosen)
+        for i, d in zip(rows, model_drafts):
+            out[i] = d
+            self._model_drafts[seqs[i].seq_id] = d
+        return out
 
     def observe_step(self, seqs, drafts: list[list[int]], seconds: float) -> None:
         """A verify step's wall time (seconds), for the online cost fit (``OnlineCost``)."""
@@ -192,7 +309,14 @@ class AdaptivePolicy:
                               sum(1 + len(d) for d in drafts), seconds)
 
     def observe(self, seq, draft: list[int], emitted: list[int]) -> None:
+        """draft: the row's full lookup proposal (checked against ``emitted`` whether or not it
+        was verified); the draft model's drafts of this step are learned from too."""
         self._row(seq).observe(draft, emitted, self.decay)
+        model_draft = self._model_drafts.pop(seq.seq_id, None)
+        if model_draft is not None:
+            row = self.model_rows.setdefault(seq.seq_id, RowAcceptance([(1.0, 1.0)]))
+            row.observe(model_draft, emitted, self.decay)
+            self.model_pool.observe(model_draft, emitted, MODEL_POOL_DECAY)
         if (self.probe is not None and seq.seq_id not in self.probed
                 and seq.num_output_tokens >= self.probe.tokens):
             self._run_probe(seq)
@@ -215,4 +339,5 @@ class AdaptivePolicy:
 
     def finish(self, seq) -> None:
         self.rows.pop(seq.seq_id, None)
+        self.model_rows.pop(seq.seq_id, None)
         self.probed.discard(seq.seq_id)

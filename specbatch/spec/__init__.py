@@ -10,9 +10,17 @@ from specbatch.spec.proposer import NoProposer, Proposer
 def make_proposer(config: SpecConfig, draft_forward=None, num_rows: int = 1) -> Proposer:
     """The proposer for ``config.method``; raises ``ValueError`` for an unknown method, or for
     ``draft`` without ``draft_forward`` (the draft model's ``LlamaForward``; its KV cache gets
-    ``num_rows`` rows, the target's row count)."""
+    ``num_rows`` rows, the target's row count). ``auto`` with a draft model may draft with
+    either, row by row (``spec.composite``)."""
     if config.method == "none":
         return NoProposer()
+    if config.method == "auto" and draft_forward is not None:  # lookup or the model, per row
+        from specbatch.spec.composite import LookupAndDraftProposer
+        from specbatch.spec.draft import DraftProposer
+
+        return LookupAndDraftProposer(
+            NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max),
+            DraftProposer(draft_forward, num_rows))
     if config.method in ("ngram", "auto"):  # auto: lookup drafts, length chosen per step
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method == "draft":

@@ -330,8 +330,9 @@ def test_qwen_pair_registered():
 # ---- (f) the CLI, on tiny GGUF files ---------------------------------------------------------
 
 def test_cli_run_draft_equals_none(tmp_path):
-    """``specbatch run --method draft --draft-model B.gguf`` writes the outputs of ``--method
-    none``, with draft stats and a memory line; a draft with another vocabulary is refused."""
+    """``specbatch run --method draft --draft-model B.gguf`` (and ``--method auto``, which may
+    draft with B row by row) writes the outputs of ``--method none``, with draft stats and a
+    memory line for both models; a draft with another vocabulary is refused."""
     from click.testing import CliRunner
 
     from specbatch.cli import main
@@ -347,16 +348,23 @@ def test_cli_run_draft_equals_none(tmp_path):
               "--max-tokens", "12", "--ignore-eos", "--no-progress", "--max-batch-size", "2",
               "--temperature", "0.8"]
     outputs = {}
-    for method in ("none", "draft"):
+    for method in ("none", "draft", "auto"):
         out = tmp_path / f"{method}.jsonl"
         result = CliRunner().invoke(main, [*common, "--method", method, "--draft-model",
                                            str(draft), "--k", "3", "-o", str(out)])
         assert result.exit_code == 0, result.output
         outputs[method] = [json.loads(line) for line in out.read_text().splitlines()]
         assert "memory: target weights" in result.output
-    assert "; draft weights" in result.output
-    assert [r["output_token_ids"] for r in outputs["draft"]] == \
-        [r["output_token_ids"] for r in outputs["none"]]
+        assert ("; draft weights" in result.output) == (method != "none")
+    for method in ("draft", "auto"):
+        assert [r["output_token_ids"] for r in outputs[method]] == \
+            [r["output_token_ids"] for r in outputs["none"]]
+    assert "calibrated the draft model's step cost" in result.output
+    assert " proposer " in result.output  # the plan table names each bucket's proposer
+    for r in outputs["auto"]:
+        steps = r["spec"]["proposer_steps"]
+        assert set(steps) <= {"draft", "ngram", "none"}
+        assert sum(steps.values()) == r["spec"]["num_steps"] - 1  # all but the prefill step
     assert all(r["spec"]["proposer"] == "draft" and r["spec"]["num_draft_tokens"] > 0
                for r in outputs["draft"])
 

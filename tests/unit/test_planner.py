@@ -68,7 +68,8 @@ def test_online_cost_follows_the_steps_it_times():
 
 
 def _seq(seq_id: int, length: int = 100):
-    return SimpleNamespace(seq_id=seq_id, token_ids=[0] * length)
+    return SimpleNamespace(seq_id=seq_id, token_ids=[0] * length,
+                           request=SimpleNamespace(tag=seq_id))
 
 
 def test_online_adaptation_drops_k_when_drafts_stop_being_accepted():

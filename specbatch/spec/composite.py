@@ -1,0 +1,63 @@
+"""Prompt lookup and a draft model behind one proposer (``--method auto --draft-model NAME``).
+
+The engine sees an ordinary proposer whose ``propose`` returns the prompt-lookup drafts (cheap:
+a dict lookup per row). The draft model runs only when the auto policy
+(``plan.policy.AdaptivePolicy``) decides, per step, that some rows should draft with it: the
+policy calls ``propose_with_model`` for those rows and verifies the model's drafts instead of
+the lookup's. Each row thus drafts with lookup, the draft model or nothing, step by step.
+
+The draft model's KV rows are filled lazily: a row's prompt is prefilled into the draft cache
+the first time the policy asks that row for model drafts (a record auto never drafts with the
+model costs no draft forward). After that the ``DraftProposer`` invariants hold: a row that
+skipped the model for some steps feeds the committed tokens it has not seen in its next draft
+step (see ``spec.draft``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specbatch.engine.sequence import Sequence
+    from specbatch.spec.draft import DraftProposer
+    from specbatch.spec.ngram import NgramProposer
+
+
+class LookupAndDraftProposer:
+    """Lookup drafts by default, draft-model drafts on request. ``lookup``: an
+    ``NgramProposer``; ``model``: a ``DraftProposer`` over the target's row count."""
+
+    name = "auto"
+
+    def __init__(self, lookup: NgramProposer, model: DraftProposer) -> None:
+        self.lookup = lookup
+        self.model = model
+
+    def start(self, seq: Sequence) -> None:
+        self.lookup.start(seq)
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        """Prompt-lookup drafts, up to ``ks[i]`` tokens per row (see ``NgramProposer``)."""
+        return self.lookup.propose(seqs, ks)
+
+    def start_model(self, seqs: list[Sequence]) -> None:
+        """Prefill the rows the draft cache does not hold yet (before ``propose_with_model``;
+        separate so the policy's draft step timings do not include one-off prefills)."""
+        for seq in seqs:
+            if seq.seq_id not in self.model.states:
+                self.model.start(seq)
+
+    def propose_with_model(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        """Draft-model drafts, ``ks[i]`` tokens for ``seqs[i]`` (fewer past the draft's
+        context), in ``max(ks)`` batched draft forwards; rows must be started
+        (``start_model``)."""
+        return self.model.propose(seqs, ks)
+
+    def on_commit(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.lookup.on_commit(seq, num_new_tokens)
+        if seq.seq_id in self.model.states:
+            self.model.on_commit(seq, num_new_tokens)
+
+    def finish(self, seq: Sequence) -> None:
+        self.lookup.finish(seq)
+        self.model.finish(seq)

@@ -1,0 +1,153 @@
+"""``--method auto`` with a draft model: the policy chooses lookup, the draft model or nothing,
+per row and step, from the two step costs and the acceptance it observes (tiny float64 models).
+
+(a) outputs equal plain decoding (T = 0 and T = 0.8, batch 1 and 4) while rows switch between
+    the model and lookup, and the draft cache holds only committed tokens after every step;
+(b) the choice follows cost and acceptance: a cheap draft that is the target is used for most
+    steps; the same draft made expensive is never used; a cheap draft that is wrong is dropped
+    once its drafts are seen to fail;
+(c) the planner's table picks the draft model for a bucket only when its cost allows.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from specbatch.config import SamplingParams
+from specbatch.engine.engine import Engine
+from specbatch.engine.runner import ModelRunner
+from specbatch.engine.sequence import Request, StopRules
+from specbatch.models.llama import LlamaForward
+from specbatch.plan.costmodel import CostModel
+from specbatch.plan.planner import best_k
+from specbatch.plan.policy import AdaptivePolicy
+from specbatch.spec.composite import LookupAndDraftProposer
+from specbatch.spec.draft import DraftProposer
+from specbatch.spec.ngram import NgramProposer
+from tests.helpers import repeating_prompts, run_engine, tiny_llama
+from tests.unit.test_draft import _assert_row_holds, perturbed
+
+VOCAB = 64
+MAX_TOKENS = 40
+NUM_PROMPTS = 6
+SEEDS = [7 * i + 1 for i in range(NUM_PROMPTS)]
+SAMPLINGS = {"greedy": SamplingParams(max_tokens=MAX_TOKENS),
+             "T0.8": SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8)}
+TARGET_COST = CostModel((0.02, 0.002, 0.0, 0.0))  # seconds: 20 ms a step + 2 ms a token
+CHEAP_DRAFT = CostModel((0.001, 0.0002, 0.0, 0.0))
+DEAR_DRAFT = CostModel((0.05, 0.01, 0.0, 0.0))  # one draft forward costs 2.5 verify steps
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target = tiny_llama(VOCAB, seed=31)
+    prompts = repeating_prompts(VOCAB, NUM_PROMPTS, seed=32, min_len=4, max_len=24)
+    base = {name: run_engine(target, prompts, 0, 1, sp, SEEDS) for name, sp in SAMPLINGS.items()}
+    return target, prompts, base
+
+
+def auto_engine(target, draft, batch_size: int, model_cost: CostModel, k: int = 4) -> Engine:
+    runner = ModelRunner(LlamaForward(target), batch_size, 256, initial_capacity=16)
+    proposer = LookupAndDraftProposer(NgramProposer(2, 4),
+                                      DraftProposer(LlamaForward(draft), batch_size,
+                                                    initial_capacity=16))
+    engine = Engine(runner, proposer, StopRules(frozenset(), 256), k)
+    engine.policy = AdaptivePolicy(TARGET_COST, k, prior_for=lambda s: [(1.0, 1.0)] * k,
+                                   proposer=proposer, model_cost=model_cost)
+    return engine
+
+
+def run_auto(engine: Engine, prompts, sampling: SamplingParams, check_cache: bool = False):
+    """Completions in prompt order; with check_cache, after every step each running row's
+    draft cache (when the model has drafted for it) holds a prefix of its committed tokens
+    that equals a fresh prefill."""
+    for i, (p, s) in enumerate(zip(prompts, SEEDS)):
+        engine.scheduler.add(Request(i, list(p), sampling, seed=s, tag=i))
+    model = engine.proposer.model
+    outputs = {}
+    while engine.scheduler.has_work:
+        for c in engine.step():
+            outputs[c.request.request_id] = c
+        if check_cache:
+            for seq in engine.scheduler.running_sequences():
+                if seq.seq_id in model.states:
+                    n = model.cache.seq_lens[seq.row]
+                    assert 1 <= len(seq.token_ids) - n
+                    _assert_row_holds(model.cache, model.forward, seq.row, seq.token_ids[:n])
+    return [outputs[i] for i in range(len(prompts))]
+
+
+def steps_by(engine: Engine) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for counts in engine.policy.steps_by_proposer.values():
+        for source, n in counts.items():
+            total[source] = total.get(source, 0) + n
+    return total
+
+
+# ---- (a) identity -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sampling", list(SAMPLINGS))
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_auto_with_draft_equals_plain(setup, batch_size, sampling):
+    target, prompts, base = setup
+    engine = auto_engine(target, perturbed(target, 0.1, seed=33), batch_size, CHEAP_DRAFT)
+    out = run_auto(engine, prompts, SAMPLINGS[sampling], check_cache=True)
+    assert [c.output_ids for c in out] == [b.output_ids for b in base[sampling]]
+    steps = steps_by(engine)
+    assert steps["draft"] > 0
+    if sampling == "greedy":  # where lookup matches better, rows switch to it
+        assert steps["ngram"] > 0
+    assert engine.proposer.model.states == {} and engine.policy.model_rows == {}
+
+
+# ---- (b) the choice follows cost and acceptance -----------------------------------------------
+
+def test_cheap_exact_draft_is_used(setup):
+    target, prompts, base = setup
+    engine = auto_engine(target, target, 4, CHEAP_DRAFT)
+    out = run_auto(engine, prompts, SAMPLINGS["greedy"])
+    assert [c.output_ids for c in out] == [b.output_ids for b in base["greedy"]]
+    steps = steps_by(engine)
+    assert steps["draft"] > 0.8 * sum(steps.values()), steps
+    assert engine.policy.model_pool.p(0) > 0.95  # it learned that every draft is accepted
+
+
+def test_expensive_draft_is_never_used(setup):
+    target, prompts, base = setup
+    engine = auto_engine(target, target, 4, DEAR_DRAFT)
+    out = run_auto(engine, prompts, SAMPLINGS["greedy"])
+    assert [c.output_ids for c in out] == [b.output_ids for b in base["greedy"]]
+    assert steps_by(engine).get("draft", 0) == 0
+    assert engine.proposer.model.cache.seq_lens.count(0) == 4  # never even prefilled
+
+
+def test_wrong_draft_is_dropped(setup):
+    target, prompts, base = setup
+    engine = auto_engine(target, tiny_llama(VOCAB, seed=99), 1, CHEAP_DRAFT)
+    first: list[str] = []  # source of each of the first record's steps, in order
+    policy = engine.policy
+    select = policy.select
+
+    def recording_select(seqs, drafts):
+        out = select(seqs, drafts)
+        if seqs[0].request.tag == 0:
+            first.append("draft" if seqs[0].seq_id in policy._model_drafts else "other")
+        return out
+
+    policy.select = recording_select
+    out = run_auto(engine, prompts, SAMPLINGS["greedy"])
+    assert [c.output_ids for c in out] == [b.output_ids for b in base["greedy"]]
+    assert first[0] == "draft"  # the prior says try it ...
+    assert first[-10:].count("draft") == 0  # ... the failures say stop
+    assert policy.model_pool.p(0) < 0.3
+
+
+# ---- (c) planner ------------------------------------------------------------------------------
+
+def test_planner_counts_the_draft_forwards():
+    free = best_k(TARGET_COST, [0.7], 5, 4, 100)
+    cheap = best_k(TARGET_COST, [0.7], 5, 4, 100, CHEAP_DRAFT)
+    dear = best_k(TARGET_COST, [0.7], 5, 4, 100, DEAR_DRAFT)
+    assert dear == (0, 1.0)  # drafting never pays back a forward that costs 2.5 steps
+    assert 1 <= cheap[0] <= free[0] and 1.0 < cheap[1] < free[1]
