@@ -6,6 +6,8 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -17,6 +19,42 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
+
+
+class _UsageError(click.UsageError):
+    """A usage error shown as one ``error:`` line and a hint, instead of click's usage block."""
+
+    def show(self, file=None) -> None:
+        click.echo(f"error: {self.format_message()}", file=file, err=file is None)
+        if self.ctx is not None:
+            click.echo(f"try '{self.ctx.command_path} --help'", file=file, err=file is None)
+
+
+@contextmanager
+def _one_line_usage_errors() -> Iterator[None]:
+    """Re-raise click's usage errors (bad flag, bad value, missing argument, unknown command,
+    and our own ``click.UsageError``) as ``_UsageError``; click's ``main`` then shows them and
+    exits 2 as usual. A bare ``specbatch`` still prints the help (``NoArgsIsHelpError``)."""
+    keep = (_UsageError, *[c for c in [getattr(click.exceptions, "NoArgsIsHelpError", None)]
+                           if c is not None])
+    try:
+        yield
+    except keep:
+        raise
+    except click.UsageError as e:
+        raise _UsageError(e.format_message(), e.ctx) from None
+
+
+class _Group(click.Group):
+    """The ``specbatch`` group: usage errors of it and of every subcommand are one line."""
+
+    def make_context(self, info_name, args, parent=None, **extra) -> click.Context:
+        with _one_line_usage_errors():
+            return super().make_context(info_name, args, parent=parent, **extra)
+
+    def invoke(self, ctx: click.Context):
+        with _one_line_usage_errors():  # the subcommand parses its options in here
+            return super().invoke(ctx)
 
 
 def _spec_options(f):
@@ -92,7 +130,7 @@ def _sampling_options(f):
     return f
 
 
-@click.group()
+@click.group(cls=_Group)
 @click.option("-v", "--verbose", is_flag=True, help="Log more.")
 def main(verbose: bool) -> None:
     """Offline batch text generation with speculative decoding."""

@@ -165,7 +165,9 @@ def test_bad_flag_values(tmp_path):
         assert r.returncode == 2, (flags, r.stderr)
         assert message in r.stderr, (flags, r.stderr)
         assert_no_traceback(r)
-        assert len([x for x in r.stderr.splitlines() if x.startswith("Error:")]) == 1, r.stderr
+        # one error line and a hint, not click's usage block
+        first, hint = r.stderr.splitlines()
+        assert first.startswith("error: ") and hint.endswith(" run --help'"), r.stderr
 
 
 @pytest.mark.slow
