@@ -51,9 +51,11 @@ def _err(msg: str) -> None:
     click.echo(msg, err=True)
 
 
-def _report_errors(errors, on_error: str) -> None:
+def _report_errors(errors, on_error: str, level: str = "error") -> None:
+    """One line per bad record (the first ``MAX_ERRORS_SHOWN``). level: ``error`` when they stop
+    the run, ``warning`` when ``--on-error skip`` leaves them out and the run goes on."""
     for e in errors[:MAX_ERRORS_SHOWN]:
-        _err(f"error: {e}")
+        _err(f"{level}: {e}")
     if len(errors) > MAX_ERRORS_SHOWN:
         _err(f"... and {len(errors) - MAX_ERRORS_SHOWN} more")
     if on_error == "fail":
@@ -230,7 +232,7 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         return EXIT_BAD_INPUT
     job.writer = writer
     if errors:
-        _report_errors(errors, "skip")
+        _report_errors(errors, "skip", level="warning")
         _err(f"skipping {len(errors)} bad record(s); listed in {writer.errors_path}")
     done = job.done_before = writer.done_indices()
     skip = set(skipped)

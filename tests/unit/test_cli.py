@@ -29,3 +29,24 @@ def test_usage_errors_are_one_line_and_a_hint(args, message, command):
 def test_no_command_still_prints_the_help():
     result = CliRunner().invoke(main, [])
     assert "Commands:" in result.output and "error:" not in result.output
+
+
+def test_skipped_records_are_warnings_failing_ones_errors(tmp_path):
+    """``--on-error skip`` runs the good records: the bad ones are ``warning:`` lines; with
+    ``--on-error fail`` the same records stop the run and are ``error:`` lines."""
+    from tests.unit.test_loader import write_tiny_gguf
+
+    model = tmp_path / "tiny.gguf"
+    write_tiny_gguf(model)
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": 1, "prompt": "abc abc"}\n{"id": 2}\n{"id": 3, "prompt": "x"}\n')
+    common = ["run", str(inp), "--model", str(model), "--cache-dir", str(tmp_path / "c"),
+              "--method", "none", "--max-tokens", "2", "--no-progress"]
+    bad = f"{inp}:2: id=2: no prompt"
+    skip = CliRunner().invoke(main, [*common, "-o", str(tmp_path / "s.jsonl"),
+                                     "--on-error", "skip"])
+    assert skip.exit_code == 0, skip.output
+    assert f"warning: {bad}" in skip.output and "error:" not in skip.output
+    fail = CliRunner().invoke(main, [*common, "-o", str(tmp_path / "f.jsonl")])
+    assert fail.exit_code == 2
+    assert f"error: {bad}" in fail.output and "warning:" not in fail.output
