@@ -214,7 +214,7 @@ def _json_rows(data: bytes, suffix: str) -> Iterator[tuple[int, dict | _BadLine]
         try:
             whole = orjson.loads(data)
         except orjson.JSONDecodeError as e:
-            whole, reason = None, str(e)
+            whole, reason = None, f"line {e.lineno}, column {e.colno}: {e.msg}"
         if isinstance(whole, list):  # a JSON array: rows are its elements
             for i, item in enumerate(whole):
                 yield i + 1, item if isinstance(item, dict) else _BadLine(
@@ -239,8 +239,8 @@ def _jsonl_rows(data: bytes) -> Iterator[tuple[int, dict | _BadLine]]:
             continue
         try:
             value = orjson.loads(text)
-        except orjson.JSONDecodeError as e:
-            yield n, _BadLine(f"invalid JSON: {e}")
+        except orjson.JSONDecodeError as e:  # its "line 1" is this line: give the column only
+            yield n, _BadLine(f"invalid JSON at column {e.colno}: {e.msg}")
             continue
         yield n, value if isinstance(value, dict) else _BadLine(
             f"line is a JSON {_kind(value)}, not an object")

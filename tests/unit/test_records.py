@@ -21,7 +21,7 @@ CASES = {
     "crlf.jsonl": (2, []),
     "json_array.jsonl": (2, []),
     "invalid_utf8.jsonl": (2, [(2, "invalid UTF-8 at byte")]),
-    "truncated_json.jsonl": (2, [(3, "invalid JSON: unexpected end of data")]),
+    "truncated_json.jsonl": (2, [(3, "invalid JSON at column 32: unexpected end of data")]),
     "not_object.jsonl": (2, [(2, "line is a JSON array, not an object"),
                              (3, "line is a JSON string, not an object"),
                              (4, "line is a JSON number, not an object")]),
@@ -81,6 +81,23 @@ def test_record_error_str():
     assert str(err) == "in.jsonl:3: id=7: prompt is empty"
     assert str(RecordError("in.jsonl", 2, None, "bad")) == "in.jsonl:2: bad"
     assert str(RecordError("in.jsonl", 0, None, "no records")) == "in.jsonl: no records"
+
+
+def test_invalid_json_names_the_line_and_the_column_in_it(tmp_path):
+    """The parser sees one line at a time: its "line 1" is no news; the column is, in
+    characters (not bytes) from 1."""
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"id": 1, "prompt": "a"}\n\n{"id": 2, "prompt": "é" x}\n',
+                    encoding="utf-8")
+    _, errors = read_records(path)
+    assert [str(e) for e in errors] == [
+        f"{path}:3: invalid JSON at column 25: unexpected character"]
+    assert '{"id": 2, "prompt": "é" x}'[25 - 1] == "x"
+    path.write_text('[\n{"id": 1, "prompt": "a"},\n{"id": 2 "prompt": "b"}\n]\n')
+    _, errors = read_records(path)  # a broken array: line and column in the file
+    assert [str(e) for e in errors] == [
+        f"{path}: looks like a JSON array but is not valid JSON: line 3, column 10: "
+        "unexpected character"]
 
 
 def test_check_lengths():
