@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from specbatch.config import EngineConfig, SamplingParams, SpecConfig
+from specbatch.config import MAX_INT, MIN_INT, EngineConfig, SamplingParams, SpecConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -117,7 +117,8 @@ def _sampling_options(f):
                      show_default=True),
         click.option("--top-k", type=click.IntRange(0), default=0, show_default=True,
                      help="0 = off."),
-        click.option("--seed", type=int, default=0, show_default=True,
+        click.option("--seed", type=click.IntRange(MIN_INT, MAX_INT), default=0,
+                     show_default=True,
                      help="Run seed; a record's seed is derived from it and the record id."),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
         click.option("--stop-token-id", "stop_token_ids", type=int, multiple=True,

@@ -10,6 +10,9 @@ from dataclasses import dataclass, fields, replace
 
 METHODS = ("none", "ngram", "draft", "auto")
 DTYPES = ("float32", "bfloat16", "float64", "float16")
+# The integers a JSON file holds exactly (orjson reads and writes -2**63 .. 2**64 - 1; it reads
+# a longer integer as a float): the range of a seed, which the output's config saves.
+MIN_INT, MAX_INT = -2**63, 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -20,7 +23,8 @@ class SamplingParams:
         Gumbel-max sampling (see ``specbatch.spec.sampler``).
     top_p: nucleus mass kept, in (0, 1]; 1 keeps everything.
     top_k: number of most likely tokens kept; 0 keeps everything.
-    seed: the record seed; ``None`` lets the run derive it from ``--seed`` and the record id.
+    seed: the record seed, an integer in [MIN_INT, MAX_INT]; ``None`` lets the run derive it
+        from ``--seed`` and the record id.
     max_tokens: cap on completion tokens (tokens) per generated answer.
     min_tokens: EOS and stop ids are ignored before this many completion tokens.
     stop: stop strings; the output ends before the one that completes earliest in the text.
@@ -48,7 +52,8 @@ class SamplingParams:
                and 0.0 < self.top_p <= 1.0, "top_p", self.top_p, "a number in (0, 1]")
         _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", self.top_k,
                "an integer >= 0 (0 = off)")
-        _check(self.seed is None or _is_int(self.seed), "seed", self.seed, "an integer")
+        _check(self.seed is None or (_is_int(self.seed) and MIN_INT <= self.seed <= MAX_INT),
+               "seed", self.seed, "an integer that fits in 64 bits")
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
                "an integer >= 1")
         _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
@@ -169,4 +174,5 @@ def _check(ok: bool, name: str, value, expected: str) -> None:
         raise ValueError(f"{name}={value!r}: expected {expected}")
 
 
-__all__ = ["SamplingParams", "SpecConfig", "EngineConfig", "SAMPLING_FIELDS", "METHODS", "DTYPES"]
+__all__ = ["SamplingParams", "SpecConfig", "EngineConfig", "SAMPLING_FIELDS", "METHODS", "DTYPES",
+           "MIN_INT", "MAX_INT"]

@@ -26,7 +26,8 @@ import sys
 from dataclasses import dataclass, fields
 from types import MappingProxyType
 
-from specbatch.config import SAMPLING_FIELDS, EngineConfig, SamplingParams, SpecConfig
+from specbatch.config import (MAX_INT, MIN_INT, SAMPLING_FIELDS, EngineConfig, SamplingParams,
+                              SpecConfig)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -129,8 +130,9 @@ def _check(options: dict) -> None:
         if "prompt_field" in options:
             raise ValueError("[input] has both prompt_field and template; keep one")
     seed = options.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ValueError(f"seed={seed!r}: expected an integer")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                             or not MIN_INT <= seed <= MAX_INT):
+        raise ValueError(f"seed={seed!r}: expected an integer that fits in 64 bits")
     if "stop" in options and not isinstance(options["stop"], (list, str)):
         raise ValueError(f"stop={options['stop']!r}: expected a string or a list of strings")
     if "stop_token_ids" in options and not isinstance(options["stop_token_ids"], list):

@@ -23,6 +23,7 @@ is a per-record error naming the field.
 
 from __future__ import annotations
 
+import json
 import os
 import string
 import tempfile
@@ -39,6 +40,7 @@ ID_FIELDS = ("id", "question_id")
 ROLES = ("system", "user", "assistant")
 FORMATS = (".jsonl", ".json", ".parquet", ".csv")
 _BOM = b"\xef\xbb\xbf"
+INT_SAMPLING_FIELDS = ("top_k", "seed", "max_tokens", "min_tokens", "logprobs")
 
 
 @dataclass(frozen=True)
@@ -108,9 +110,12 @@ def read_records(path: str | os.PathLike, *, prompt_field: str | None = None,
         if isinstance(row, _BadLine):
             errors.append(RecordError(p, line, None, row.reason))
             continue
+        wide: dict[str, int] = {}
+        if isinstance(row, _WideInts):
+            row, wide = row.row, row.ints
         rec_id = None
         try:
-            rec_id = _record_id(row, id_field, line)
+            rec_id = _record_id(row, id_field, line, wide)
             key = str(rec_id)
             if key in first_line:
                 raise ValueError(f"duplicate id {rec_id!r}: first seen on line {first_line[key]}")
@@ -119,7 +124,7 @@ def read_records(path: str | os.PathLike, *, prompt_field: str | None = None,
                 prompt, messages, turns = None, [_render(template, row)], None
             else:
                 prompt, messages, turns = _prompt(row, prompt_field)
-            sampling = _sampling(row, defaults)
+            sampling = _sampling(row, defaults, wide)
         except ValueError as e:
             errors.append(RecordError(p, line, rec_id, str(e)))
             continue
@@ -154,7 +159,21 @@ class _BadLine:
     reason: str
 
 
-def _rows(path: Path, split: str | None) -> Iterator[tuple[int, dict | _BadLine]]:
+@dataclass(frozen=True)
+class _WideInts:
+    """A JSON object holding an integer beyond 64 bits, which orjson reads as a float.
+
+    row: the object as orjson read it (what the output echoes). ints: top-level key -> the
+    integer as written, so that a checked field (the id, an integer sampling field) is reported
+    as the user wrote it, not as ``1.2345678901234568e+29``.
+    """
+
+    row: dict
+    ints: dict[str, int]
+
+
+def _rows(path: Path, split: str | None
+          ) -> Iterator[tuple[int, dict | _BadLine | _WideInts]]:
     if not path.exists():
         raise _FileError("no such file or folder")
     if path.is_dir():
@@ -205,7 +224,8 @@ def _dataset_rows(ds) -> Iterator[tuple[int, dict]]:
         yield i + 1, row
 
 
-def _json_rows(data: bytes, suffix: str) -> Iterator[tuple[int, dict | _BadLine]]:
+def _json_rows(data: bytes, suffix: str
+               ) -> Iterator[tuple[int, dict | _BadLine | _WideInts]]:
     if data.startswith(_BOM):
         data = data[len(_BOM):]
     head = data.lstrip()
@@ -216,19 +236,24 @@ def _json_rows(data: bytes, suffix: str) -> Iterator[tuple[int, dict | _BadLine]
         except orjson.JSONDecodeError as e:
             whole, reason = None, f"line {e.lineno}, column {e.colno}: {e.msg}"
         if isinstance(whole, list):  # a JSON array: rows are its elements
+            exact = None
             for i, item in enumerate(whole):
-                yield i + 1, item if isinstance(item, dict) else _BadLine(
-                    f"array element is a JSON {_kind(item)}, not an object")
+                if not isinstance(item, dict):
+                    yield i + 1, _BadLine(f"array element is a JSON {_kind(item)}, not an object")
+                    continue
+                if exact is None and _may_be_wide(item):
+                    exact = _exact(data)
+                yield i + 1, _with_wide_ints(item, exact[i] if exact else None)
             return
         if isinstance(whole, dict):  # one object, possibly spread over several lines
-            yield 1, whole
+            yield 1, _with_wide_ints(whole, _exact(data) if _may_be_wide(whole) else None)
             return
         if whole is None and head.startswith(b"[") and not _parses(head.split(b"\n", 1)[0]):
             raise _FileError(f"looks like a JSON array but is not valid JSON: {reason}")
     yield from _jsonl_rows(data)
 
 
-def _jsonl_rows(data: bytes) -> Iterator[tuple[int, dict | _BadLine]]:
+def _jsonl_rows(data: bytes) -> Iterator[tuple[int, dict | _BadLine | _WideInts]]:
     for n, raw in enumerate(data.split(b"\n"), start=1):
         if not raw.strip():
             continue
@@ -242,17 +267,47 @@ def _jsonl_rows(data: bytes) -> Iterator[tuple[int, dict | _BadLine]]:
         except orjson.JSONDecodeError as e:  # its "line 1" is this line: give the column only
             yield n, _BadLine(f"invalid JSON at column {e.colno}: {e.msg}")
             continue
-        yield n, value if isinstance(value, dict) else _BadLine(
-            f"line is a JSON {_kind(value)}, not an object")
+        if not isinstance(value, dict):
+            yield n, _BadLine(f"line is a JSON {_kind(value)}, not an object")
+            continue
+        yield n, _with_wide_ints(value, _exact(text) if _may_be_wide(value) else None)
 
 
-def _record_id(row: dict, id_field: str | None, line: int) -> str | int:
+def _may_be_wide(obj: dict) -> bool:
+    """Whether a top-level value may be an integer that orjson read as a float (beyond 64 bits);
+    ``_exact`` decides."""
+    return any(isinstance(v, float) and abs(v) >= 2**63 and v.is_integer() for v in obj.values())
+
+
+def _exact(source: str | bytes):
+    """The JSON text read again by the standard library, which keeps every integer exact."""
+    try:
+        return json.loads(source)
+    except (ValueError, RecursionError):  # orjson read it, so this is not expected
+        return None
+
+
+def _with_wide_ints(row: dict, exact) -> dict | _WideInts:
+    """``row``, or a ``_WideInts`` with the integers ``exact`` (the same object read exactly)
+    holds where ``row`` has floats."""
+    if not isinstance(exact, dict):
+        return row
+    ints = {k: v for k, v in exact.items() if isinstance(v, int) and not isinstance(v, bool)
+            and isinstance(row.get(k), float)}
+    return _WideInts(row, ints) if ints else row
+
+
+def _record_id(row: dict, id_field: str | None, line: int, wide: dict[str, int]) -> str | int:
+    """wide: the record's integers beyond 64 bits (see ``_WideInts``)."""
     if id_field is not None:
         if row.get(id_field) is None:
             raise ValueError(f"missing id field {id_field!r}")
-        value = row[id_field]
+        key = id_field
     else:
-        value = next((row[k] for k in ID_FIELDS if row.get(k) is not None), line)
+        key = next((k for k in ID_FIELDS if row.get(k) is not None), None)
+    if key in wide:
+        raise ValueError(f"id {wide[key]} does not fit in 64 bits; write it as a string")
+    value = line if key is None else row[key]
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise ValueError(f"id must be a string or an integer, got {_kind(value)} {value!r}")
     if isinstance(value, str) and not value.strip():
@@ -355,10 +410,15 @@ def _messages(name: str, value: list[dict]) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
-def _sampling(row: dict, defaults: SamplingParams) -> SamplingParams:
+def _sampling(row: dict, defaults: SamplingParams, wide: dict[str, int]) -> SamplingParams:
+    """The record's sampling parameters. wide: its integers beyond 64 bits (``_WideInts``)."""
     own = {k: row[k] for k in SAMPLING_FIELDS if row.get(k) is not None}
     if not own:
         return defaults
+    for k in INT_SAMPLING_FIELDS:
+        if k in own and k in wide:
+            raise ValueError(f"invalid sampling field: {k}={wide[k]}: expected an integer "
+                             "that fits in 64 bits")
     try:
         return SamplingParams.from_dict(own, base=defaults)
     except (ValueError, TypeError) as e:

@@ -16,6 +16,9 @@ from specbatch.cli import main
     (["run"], "error: Missing argument 'INPUT'.", "main run"),
     (["run", "in.jsonl", "--template", "{x}", "--prompt-field", "p"],
      "error: --template and --prompt-field exclude each other", "main run"),
+    (["run", "in.jsonl", "--seed", "123456789012345678901234567890"],
+     "error: Invalid value for '--seed': 123456789012345678901234567890 is not in the range "
+     "-9223372036854775808<=x<=18446744073709551615.", "main run"),
     (["frob"], "error: No such command 'frob'.", "main"),
     (["analyze", "a.jsonl", "--batch-size", "0"],
      "error: Invalid value for '--batch-size': 0 is not in the range x>=1.", "main analyze"),

@@ -79,6 +79,8 @@ def test_shipped_recipes():
     ('name = "x"\nversion = 1\n[sampling]\ntemperature = -1.0', "temperature=-1.0"),
     ('name = "x"\nversion = 1\n[sampling]\nmax_tokens = "12"', "max_tokens='12'"),
     ('name = "x"\nversion = 1\n[sampling]\nseed = 1.5', "seed=1.5"),
+    ('name = "x"\nversion = 1\n[sampling]\nseed = 123456789012345678901234567890',
+     "seed=123456789012345678901234567890: expected an integer that fits in 64 bits"),
     ('name = "x"\nversion = 1\n[sampling]\nstop = 5', "stop=5"),
     ('name = "x"\nversion = 1\n[speculation]\nk = 99', "num_speculative_tokens=99"),
     ('name = "x"\nversion = 1\n[speculation]\nmethod = "magic"', "method='magic'"),

@@ -100,6 +100,29 @@ def test_invalid_json_names_the_line_and_the_column_in_it(tmp_path):
         "unexpected character"]
 
 
+def test_integers_beyond_64_bits_are_reported_as_written(tmp_path):
+    """orjson reads an integer beyond 64 bits as a float; the message shows the integer."""
+    big = 123456789012345678901234567890
+    rows = ['{"id": 1, "prompt": "a", "seed": 18446744073709551615}',
+            f'{{"id": 2, "prompt": "a", "seed": {big}}}',
+            f'{{"id": 3, "prompt": "a", "max_tokens": -{big}}}',
+            f'{{"id": {big}, "prompt": "a"}}',
+            '{"id": 5, "prompt": "a", "seed": 1e30}']
+    for name, text in [("in.jsonl", "\n".join(rows)), ("in.json", f"[{','.join(rows)}]")]:
+        path = tmp_path / name
+        path.write_text(text)
+        records, errors = read_records(path)
+        assert [(r.id, r.sampling.seed) for r in records] == [(1, 2**64 - 1)]
+        assert [str(e) for e in errors] == [
+            f"{path}:2: id=2: invalid sampling field: seed={big}: expected an integer that "
+            "fits in 64 bits",
+            f"{path}:3: id=3: invalid sampling field: max_tokens=-{big}: expected an integer "
+            "that fits in 64 bits",
+            f"{path}:4: id {big} does not fit in 64 bits; write it as a string",
+            f"{path}:5: id=5: invalid sampling field: seed=1e+30: expected an integer that "
+            "fits in 64 bits"]
+
+
 def test_check_lengths():
     path = CORPUS / "too_long.jsonl"
     records, errors = read_records(path)
