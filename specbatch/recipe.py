@@ -112,10 +112,23 @@ def parse_recipe(data: dict, path: str = "<recipe>") -> Recipe:
     try:
         _check(options)
     except ValueError as e:
-        raise fail(str(e)) from None
+        raise fail(_as_written(str(e))) from None
     if isinstance(options.get("stop"), str):  # one stop string, as a record may give it
         options["stop"] = [options["stop"]]
     return Recipe(name, version, description, path, options)
+
+
+# what the checks call a value -> the recipe key that sets it
+_KEYS = {**{param: f"[{table}] {key}" for table, keys in SECTIONS.items()
+            for key, param in keys.items()},
+         "num_speculative_tokens": "[speculation] k"}
+
+
+def _as_written(message: str) -> str:
+    """Name the value in a check's message by the recipe's key: ``num_speculative_tokens=99:
+    expected ...`` -> ``[speculation] k=99: expected ...``, ``model=''`` -> ``[model] name=''``."""
+    name, sep, rest = message.partition("=")
+    return f"{_KEYS[name]}={rest}" if sep and name in _KEYS else message
 
 
 def _check(options: dict) -> None:

@@ -76,17 +76,20 @@ def test_shipped_recipes():
     ('name = "x"\nversion = 1\n[sampling]\ntemprature = 1.0', "unknown key [sampling] "
      "'temprature'"),
     ('name = "x"\nversion = 1\nsampling = 3', "sampling must be a table"),
-    ('name = "x"\nversion = 1\n[sampling]\ntemperature = -1.0', "temperature=-1.0"),
+    ('name = "x"\nversion = 1\n[sampling]\ntemperature = -1.0', "[sampling] temperature=-1.0"),
     ('name = "x"\nversion = 1\n[sampling]\nmax_tokens = "12"', "max_tokens='12'"),
     ('name = "x"\nversion = 1\n[sampling]\nseed = 1.5', "seed=1.5"),
     ('name = "x"\nversion = 1\n[sampling]\nseed = 123456789012345678901234567890',
      "seed=123456789012345678901234567890: expected an integer that fits in 64 bits"),
     ('name = "x"\nversion = 1\n[sampling]\nstop = 5', "stop=5"),
-    ('name = "x"\nversion = 1\n[speculation]\nk = 99', "num_speculative_tokens=99"),
+    ('name = "x"\nversion = 1\n[speculation]\nk = 99', "[speculation] k=99: expected an "
+     "integer in [0, 32]"),
+    ('name = "x"\nversion = 1\n[model]\nname = ""', "[model] name='': expected a non-empty "
+     "string"),
     ('name = "x"\nversion = 1\n[speculation]\nmethod = "magic"', "method='magic'"),
     ('name = "x"\nversion = 1\n[speculation]\nmethod = "draft"', "draft_model=None"),
     ('name = "x"\nversion = 1\n[model]\ndtype = "int8"', "dtype='int8'"),
-    ('name = "x"\nversion = 1\n[model]\nmax_batch_size = 0', "max_batch_size=0"),
+    ('name = "x"\nversion = 1\n[model]\nmax_batch_size = 0', "[model] max_batch_size=0"),
     ('name = "x"\nversion = 1\n[input]\ntemplate = "{code"', "template '{code'"),
     ('name = "x"\nversion = 1\n[input]\ntemplate = "no fields"', "uses no record field"),
     ('name = "x"\nversion = 1\n[input]\ntemplate = "{a}"\nprompt_field = "b"', "keep one"),
@@ -182,7 +185,7 @@ def test_bad_recipe_is_a_usage_error(tmp_path, captured):
     result = CliRunner().invoke(main, ["run", "--recipe", str(path), "in.jsonl"])
     assert result.exit_code == 2 and not captured
     assert "Invalid value for '--recipe'" in result.output
-    assert "num_speculative_tokens=99" in result.output
+    assert "[speculation] k=99" in result.output and "num_speculative" not in result.output
 
 
 # ----- templates -----
