@@ -1,10 +1,12 @@
 """Acceptance tables: per-record ``spec`` counters summed by group, and the ratios that decide.
 
 Groupings: ``bucket`` (``spec.bucket``, written by the auto planner; records without one are
-bucket ``all``), ``proposer`` (``none`` or ``<proposer>:k=<k>``) and any input field
+bucket ``-``), ``proposer`` (``none`` or ``<proposer>:k=<k>``) and any input field
 (``--by category``; records without the field are group ``-``). Every table ends with the
 ``(all)`` row, summed over records independently of the groups, so its counters equal both the
-sum of the group rows and the sum of the per-record counters (tested).
+sum of the group rows and the sum of the per-record counters (tested). ``(all)`` is the one
+spelling of the total, and no group is named like it.
+The text output leaves the ``(all)`` row out of a table with one group, whose row equals it.
 
 Steps. ``spec.num_steps`` counts every target forward that emitted tokens for the record: one
 prefill step per answer (a ``turns`` record has one per turn) plus the decode / verify steps.
@@ -24,7 +26,7 @@ from specbatch.io.records import Record
 from specbatch.spec.stats import SpecStats
 
 ALL = "(all)"
-NO_BUCKET = "all"
+NO_BUCKET = "-"
 NO_FIELD = "-"
 
 

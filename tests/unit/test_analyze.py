@@ -156,7 +156,19 @@ def test_tables_reconcile_with_records(runs, run, tmp_path):
         assert total["k_histogram"] == {str(k): n for k, n in sorted(pos.k_histogram.items())}
     text = format_text(doc)
     assert "== by category ==" in text and "(all)" in text
+    assert [r["group"] for r in doc["tables"]["bucket"]] == ["-", "b0", "b1", "(all)"]
 
+
+def test_one_group_text_table_has_no_second_spelling_of_all(runs):
+    """A run without buckets: its bucket table has one group, ``-``, whose row the text shows
+    alone (it equals ``(all)``); nothing there reads like the total but isn't."""
+    _, doc = _doc([runs["ngram"]], what_if=True)
+    assert [r["group"] for r in doc["tables"]["bucket"]] == ["-", "(all)"]
+    lines = format_text(doc).splitlines()
+    at = lines.index("== by bucket ==")
+    assert lines[at + 2].split()[0] == "-" and lines[at + 3].startswith("per-position")
+    assert not any(line.split()[:1] in (["all"], ["all:"]) for line in lines)
+    assert any(line.startswith("-: ") for line in lines)  # the what-if group
 
 def _check_row(r: dict) -> None:
     """Identities every row must satisfy, whatever the records."""
