@@ -116,10 +116,11 @@ def read_records(path: str | os.PathLike, *, prompt_field: str | None = None,
         rec_id = None
         try:
             rec_id = _record_id(row, id_field, line, wide)
+            seen = (line, rec_id, id_field is None and all(row.get(k) is None for k in ID_FIELDS))
             key = str(rec_id)
             if key in first_line:
-                raise ValueError(f"duplicate id {rec_id!r}: first seen on line {first_line[key]}")
-            first_line[key] = line
+                raise ValueError(_duplicate(seen, first_line[key]))
+            first_line[key] = seen
             if template is not None:
                 prompt, messages, turns = None, [_render(template, row)], None
             else:
@@ -295,6 +296,20 @@ def _with_wide_ints(row: dict, exact) -> dict | _WideInts:
     ints = {k: v for k, v in exact.items() if isinstance(v, int) and not isinstance(v, bool)
             and isinstance(row.get(k), float)}
     return _WideInts(row, ints) if ints else row
+
+
+def _duplicate(this: tuple[int, str | int, bool], first: tuple[int, str | int, bool]) -> str:
+    """Why a record whose id was seen before is refused. this, first: (line, id, whether the id
+    is the line number, for want of one), e.g. ``duplicate id '7': first seen on line 1 as 7
+    (ids are compared as text)``."""
+    (_, rec_id, _), (first_line, first_id, _) = this, first
+    msg = f"duplicate id {rec_id!r}: first seen on line {first_line}"
+    notes = [f"line {n} has no id and takes its line number"
+             for n, _, by_line in (first, this) if by_line]
+    if repr(first_id) != repr(rec_id):
+        msg += f" as {first_id!r}"
+        notes.append("ids are compared as text")
+    return msg + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def _record_id(row: dict, id_field: str | None, line: int, wide: dict[str, int]) -> str | int:

@@ -123,6 +123,22 @@ def test_integers_beyond_64_bits_are_reported_as_written(tmp_path):
             "fits in 64 bits"]
 
 
+def test_ids_are_compared_as_text(tmp_path):
+    """7 and "7" are one id (analyze --compare matches records by the id's text); a record
+    without an id takes its line number. The message says which applies."""
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"id": 7, "prompt": "a"}\n{"id": "7", "prompt": "b"}\n{"prompt": "c"}\n'
+                    '{"id": "3", "prompt": "d"}\n{"id": 7, "prompt": "e"}\n')
+    records, errors = read_records(path)
+    assert [r.id for r in records] == [7, 3]
+    assert [str(e) for e in errors] == [
+        f"{path}:2: id='7': duplicate id '7': first seen on line 1 as 7 (ids are compared as "
+        "text)",
+        f"{path}:4: id='3': duplicate id '3': first seen on line 3 as 3 (line 3 has no id and "
+        "takes its line number; ids are compared as text)",
+        f"{path}:5: id=7: duplicate id 7: first seen on line 1"]
+
+
 def test_check_lengths():
     path = CORPUS / "too_long.jsonl"
     records, errors = read_records(path)
@@ -168,12 +184,6 @@ def test_id_fallbacks_and_sampling_defaults(tmp_path):
     assert records[0].sampling is defaults
     assert records[1].sampling == SamplingParams(temperature=0.5, max_tokens=5, stop=("END",))
     assert records[2].sampling == defaults  # null means "not set"
-
-
-def test_duplicate_ids_compare_as_text(tmp_path):
-    rows = [{"id": 7, "prompt": "a"}, {"id": "7", "prompt": "b"}]
-    records, errors = read_records(_write_jsonl(tmp_path / "in.jsonl", rows))
-    assert len(records) == 1 and errors[0].reason == "duplicate id '7': first seen on line 1"
 
 
 def test_missing_file(tmp_path):
