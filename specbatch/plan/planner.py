@@ -86,11 +86,13 @@ class Plan:
         return [(alpha * PRIOR_STRENGTH, (1 - alpha) * PRIOR_STRENGTH)] * max(k_max, 1)
 
     def make_policy(self, cost: CostModel, probe: Probe | None = None, proposer=None,
-                    model_cost: CostModel | None = None) -> AdaptivePolicy:
+                    model_cost: CostModel | None = None,
+                    match_len_of=None) -> AdaptivePolicy:
         """proposer, model_cost: a ``LookupAndDraftProposer`` and its draft forward's cost
-        model, when a draft model is given."""
+        model, when a draft model is given; match_len_of: ``NgramProposer.match_len``."""
         self.policy = AdaptivePolicy(cost, self.k_max, lambda seq: self.prior(seq.request.tag),
-                                     probe=probe, proposer=proposer, model_cost=model_cost)
+                                     probe=probe, proposer=proposer, model_cost=model_cost,
+                                     match_len_of=match_len_of)
         return self.policy
 
     def table(self) -> str:
@@ -194,6 +196,7 @@ def prepare_auto(engine, records, renderer, spec_config, engine_config, model_id
     engine.policy = plan.make_policy(cost, Probe(PROBE_TOKENS, spec_config.prompt_lookup_min,
                                                  spec_config.prompt_lookup_max,
                                                  engine.runner.max_model_len),
-                                     proposer=proposer, model_cost=model_cost)
+                                     proposer=proposer, model_cost=model_cost,
+                                     match_len_of=getattr(engine.proposer, "match_len", None))
     echo(plan.table())
     return plan

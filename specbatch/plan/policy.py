@@ -53,7 +53,7 @@ from specbatch.spec.stats import SpecStats
 
 MODEL_PRIOR = 0.7  # a draft model's conditional acceptance before it has drafted anything
 MODEL_PRIOR_STRENGTH = 4.0  # pseudo-trials behind the pooled acceptance in a row's estimate
-MODEL_POOL_DECAY = 0.99  # per observed step, for the acceptance pooled over all rows
+POOL_DECAY = 0.995  # per observed row-step, for acceptance pooled over all rows
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,14 @@ class RowAcceptance:
         return total
 
 
+def _logit_shift(p: float, p_group: float, p_all: float) -> float:
+    """``p`` moved in logit space by ``logit(p_group) - logit(p_all)``: the odds of a row's
+    estimate scaled by how much likelier its group accepts than everyone."""
+    odds = p / max(1.0 - p, 1e-9) * (p_group / max(1.0 - p_group, 1e-9)) \
+        / (p_all / max(1.0 - p_all, 1e-9))
+    return odds / (1.0 + odds)
+
+
 def _online(cost: CostModel) -> CostModel | OnlineCost:
     """A calibrated model keeps fitting to the run's steps; a synthetic one (no samples) stays."""
     return cost if isinstance(cost, OnlineCost) or not cost.samples else OnlineCost(cost)
@@ -123,6 +131,9 @@ class AdaptivePolicy:
     """Chooses the step's draft length from a ``CostModel`` and per-row acceptance.
 
     prior_for(seq) -> [(alpha, beta)] per draft position: the planner's prediction.
+    match_len_of(seq) -> int: the n-gram size behind the row's lookup draft this step
+    (``NgramProposer.match_len``); drafts from longer matches are accepted more often, and the
+    policy learns by how much, pooled over rows (``_reach``).
     proposer, model_cost: a ``LookupAndDraftProposer`` and the draft forward's ``CostModel``
     (both or neither; ``ValueError`` otherwise); model_prior: the draft model's assumed
     conditional acceptance until it has drafted. A row never seen gets the prior.
@@ -131,8 +142,13 @@ class AdaptivePolicy:
     def __init__(self, cost: CostModel, k_max: int, prior_for, decay: float = 0.9,
                  switch_margin: float = 0.03, probe: Probe | None = None,
                  proposer=None, model_cost: CostModel | None = None,
-                 model_prior: float = MODEL_PRIOR) -> None:
+                 model_prior: float = MODEL_PRIOR, match_len_of=None) -> None:
         self.cost = _online(cost)
+        # match_len_of(seq) -> n-gram size behind the row's lookup draft this step (0: none)
+        self.match_len_of = match_len_of
+        self._match: dict[int, int] = {}  # seq id -> this step's match length
+        self.lookup_pool = RowAcceptance([(1.0, 1.0)])  # lookup acceptance, all rows pooled
+        self.by_match_len: dict[int, RowAcceptance] = {}  # n -> the same, drafts from n-grams
         # draft model (``spec.composite.LookupAndDraftProposer``) and its forward's step cost
         self.proposer = proposer
         self.model_cost = _online(model_cost) if model_cost is not None else None
@@ -179,12 +195,18 @@ class AdaptivePolicy:
 
     def _reach(self, seqs, lengths: list[int]) -> list[list[float]]:
         """Per row: ``[prod_{m<=j} p_m for j < lengths[i]]`` (expected extra tokens per draft
-        position, E[tokens] = 1 + their sum)."""
+        position, E[tokens] = 1 + their sum). With match lengths, each p_m is the row's own
+        estimate shifted in logit by how much more (or less) often drafts from this step's
+        n-gram size are accepted than lookup drafts overall, pooled over all rows."""
         out = []
         for s, n in zip(seqs, lengths):
             acc, run, r = self._row(s), 1.0, []
+            pool_n = self.by_match_len.get(self._match.get(s.seq_id, 0))
             for j in range(n):
-                run *= acc.p(j)
+                p = acc.p(j)
+                if pool_n is not None:
+                    p = _logit_shift(p, pool_n.p(j), self.lookup_pool.p(j))
+                run *= p
                 r.append(run)
             out.append(r)
         return out
@@ -210,6 +232,8 @@ class AdaptivePolicy:
         """Cut the lookup drafts to this step's chosen lengths (per row, under one step cap);
         with a draft model, replace some rows' drafts by the model's (``_select_model``)."""
         self._model_drafts = {}
+        if self.match_len_of is not None:
+            self._match = {s.seq_id: self.match_len_of(s) for s, d in zip(seqs, drafts) if d}
         cuts, rate = self._select_lookup(seqs, drafts)
         chosen = [d[:c] for d, c in zip(drafts, cuts)]
         if self.proposer is not None:
@@ -312,11 +336,16 @@ class AdaptivePolicy:
         """draft: the row's full lookup proposal (checked against ``emitted`` whether or not it
         was verified); the draft model's drafts of this step are learned from too."""
         self._row(seq).observe(draft, emitted, self.decay)
+        n = self._match.pop(seq.seq_id, 0)
+        if n:
+            self.by_match_len.setdefault(n, RowAcceptance([(1.0, 1.0)])).observe(
+                draft, emitted, POOL_DECAY)
+            self.lookup_pool.observe(draft, emitted, POOL_DECAY)
         model_draft = self._model_drafts.pop(seq.seq_id, None)
         if model_draft is not None:
             row = self.model_rows.setdefault(seq.seq_id, RowAcceptance([(1.0, 1.0)]))
             row.observe(model_draft, emitted, self.decay)
-            self.model_pool.observe(model_draft, emitted, MODEL_POOL_DECAY)
+            self.model_pool.observe(model_draft, emitted, POOL_DECAY)
         if (self.probe is not None and seq.seq_id not in self.probed
                 and seq.num_output_tokens >= self.probe.tokens):
             self._run_probe(seq)

@@ -40,6 +40,10 @@ class LookupAndDraftProposer:
         """Prompt-lookup drafts, up to ``ks[i]`` tokens per row (see ``NgramProposer``)."""
         return self.lookup.propose(seqs, ks)
 
+    def match_len(self, seq: Sequence) -> int:
+        """The lookup's last matched n-gram size (``NgramProposer.match_len``)."""
+        return self.lookup.match_len(seq)
+
     def start_model(self, seqs: list[Sequence]) -> None:
         """Prefill the rows the draft cache does not hold yet (before ``propose_with_model``;
         separate so the policy's draft step timings do not include one-off prefills)."""

@@ -34,6 +34,7 @@ class NgramIndex:
         # size n -> {n-gram: index of the token that followed its latest occurrence}
         self.tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
         self.num_indexed = 0
+        self.match_len = 0  # n-gram size (tokens) behind the last proposal; 0: none matched
         self.extend()
 
     def extend(self) -> None:
@@ -50,12 +51,14 @@ class NgramIndex:
         """Up to ``k`` draft ids continuing the longest matched suffix; [] when none matches."""
         toks = self.tokens
         length = len(toks)
+        self.match_len = 0
         if k <= 0:
             return []
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             start = self.tables[n].get(tuple(toks[length - n:]))
             if start is None:
                 continue
+            self.match_len = n
             draft: list[int] = []
             for j in range(start, start + k):
                 draft.append(toks[j] if j < length else draft[j - length])
@@ -81,6 +84,11 @@ class NgramProposer:
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
         return [self.indexes[s.seq_id].propose(k) for s, k in zip(seqs, ks)]
+
+    def match_len(self, seq: Sequence) -> int:
+        """Size (tokens) of the n-gram behind the row's last proposal; 0 if none matched. A
+        longer match is accepted more often (``plan.policy`` uses it)."""
+        return self.indexes[seq.seq_id].match_len
 
     def on_commit(self, seq: Sequence, num_new_tokens: int) -> None:
         self.indexes[seq.seq_id].extend()

@@ -113,6 +113,32 @@ def test_rows_in_one_step_get_their_own_draft_length():
     assert policy._rate(seqs, cuts) > policy.rate(seqs, [draft] * 3, 0)
 
 
+def test_longer_lookup_matches_get_longer_drafts():
+    """Two rows with the same history; this step one drafts from a 4-gram match, the other
+    from a 2-gram one. Once the pooled counts show 4-gram drafts accepted more often at every
+    position, the 4-gram row keeps more of its draft and the 2-gram row less; without match
+    lengths both get the same cut."""
+    cost = CostModel((0.030, 0.002, 0.0, 0.0))
+    match = {1: 4, 2: 2}
+    policy = AdaptivePolicy(cost, k_max=5, prior_for=lambda s: [(3.0, 3.0)] * 5,
+                            match_len_of=lambda s: match[s.seq_id])
+    plain = AdaptivePolicy(cost, k_max=5, prior_for=lambda s: [(3.0, 3.0)] * 5)
+    seqs = [_seq(1), _seq(2)]
+    draft = [1, 2, 3, 4, 5]
+    trainer = _seq(3)
+    for i in range(200):  # other rows' steps teach the pools (the two rows' counts stay)
+        n = 4 if i % 2 else 2
+        # 4-gram drafts: all five accepted 80% of the time; 2-gram: only the first, 40%
+        hits = (5 if n == 4 else 1) if (i * 7) % 10 < (9 if n == 4 else 3) else 0
+        policy._match[trainer.seq_id] = n
+        policy.observe(trainer, draft, draft[:hits] + [99])
+    assert policy.by_match_len[4].p(0) > 0.7 > 0.5 > policy.by_match_len[2].p(0)
+    cuts = [len(d) for d in policy.select(seqs, [draft] * 2)]
+    plain_cuts = [len(d) for d in plain.select(seqs, [draft] * 2)]
+    assert plain_cuts[0] == plain_cuts[1]
+    assert cuts[0] > plain_cuts[0] >= cuts[1], (cuts, plain_cuts)
+
+
 def test_row_acceptance_counts_only_positions_tried():
     acc = RowAcceptance(prior=[(0.0, 0.0)] * 3)
     acc.observe([1, 2, 3], [1, 5], decay=1.0)  # pos 0 hit, pos 1 miss, pos 2 never tried
