@@ -63,8 +63,9 @@ def _spec_options(f):
                      default="auto", show_default=True,
                      help="Proposer: auto (prompt lookup with k chosen per bucket and step from "
                      "measured cost), none (plain decoding), ngram, or draft (--draft-model)."),
-        click.option("--draft-model", default=None, help="Draft model for --method draft: "
-                     "registry name, .gguf path or HF folder sharing the target's tokenizer."),
+        click.option("--draft-model", default=None, help="Draft model for --method draft "
+                     "(or for auto to choose per row): registry name, .gguf path or HF folder "
+                     "sharing the target's tokenizer."),
         click.option("--k", "--num-speculative-tokens", "k", type=click.IntRange(0, 32),
                      default=5, show_default=True,
                      help="Draft tokens per verify step (with auto: the most it may choose)."),
@@ -234,8 +235,9 @@ def run(ctx, input_path, output, recipe, template, model, dtype, max_batch_size,
 @click.argument("input_path", metavar="INPUT", type=click.Path(exists=True))
 @click.option("--configs", default="none,ngram:k=5", show_default=True,
               help="Comma-separated configurations: none, ngram:k=N[:min=A:max=B], draft:k=N, "
-                   "auto[:k=CAP].")
-@click.option("--draft-model", default=None, help="Draft model of the draft:k=N configurations.")
+                   "auto[:k=CAP][:draft] (auto:draft may also draft with --draft-model).")
+@click.option("--draft-model", default=None,
+              help="Draft model of the draft:k=N and auto:draft configurations.")
 @_model_options
 @_sampling_options
 @_input_options
