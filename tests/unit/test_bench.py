@@ -18,9 +18,15 @@ def test_parse_configs():
     s = specs["ngram:k=5:min=1:max=3"]
     assert (s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max) == (5, 1, 3)
     assert specs["auto:k=8"].method == "auto" and specs["auto:k=8"].num_speculative_tokens == 8
-    for bad in ("ngram:q=3", "ngram:k=x", ""):
+    assert specs["auto:k=8"].draft_model is None
+    for bad in ("ngram:q=3", "ngram:k=x", "", "auto:draft", "ngram:draft"):
         with pytest.raises(ValueError):
             parse_configs(bad)
+    # auto:draft may draft with the draft model; plain auto and ngram never get it
+    specs = dict(parse_configs("auto,auto:draft,auto:k=3:draft,ngram:k=5", draft_model="d"))
+    assert specs["auto"].draft_model is None and specs["ngram:k=5"].draft_model is None
+    assert specs["auto:draft"].draft_model == "d" and specs["auto:draft"].method == "auto"
+    assert specs["auto:k=3:draft"].num_speculative_tokens == 3
 
 
 def test_parse_groups():
