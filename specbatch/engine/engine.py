@@ -64,8 +64,8 @@ class Engine:
         self.detokenize = detokenize or stop_rules.detokenize
         self.scheduler = Scheduler(runner.cache.num_rows)
         self.follow_up: Callable[[Completion], Request | None] | None = None
-        # planner hook (``plan.policy.AdaptivePolicy``): select(seqs, drafts) cuts the proposed
-        # drafts; observe_step(seqs, drafts, seconds), optional, times the verify step;
+        # planner hook (``plan.policy.AdaptivePolicy``): select(seqs, drafts, caps) cuts the
+        # proposed drafts (caps: the most each row may draft this step); observe_step(seqs, drafts, seconds), optional, times the verify step;
         # observe(seq, proposed, emitted) learns acceptance; finish(seq) forgets
         self.policy = None
 
@@ -85,7 +85,7 @@ class Engine:
         if running:
             ks = self._draft_caps(running)
             proposed = [d[:k] for d, k in zip(self.proposer.propose(running, ks), ks)]
-            drafts = self.policy.select(running, proposed) if self.policy else proposed
+            drafts = self.policy.select(running, proposed, ks) if self.policy else proposed
             t0 = time.perf_counter()
             logits = self.runner.verify(running, drafts)
             observe_step = getattr(self.policy, "observe_step", None)

@@ -228,16 +228,20 @@ class AdaptivePolicy:
             cuts = new
         return cuts
 
-    def select(self, seqs, drafts: list[list[int]]) -> list[list[int]]:
+    def select(self, seqs, drafts: list[list[int]],
+               caps: list[int] | None = None) -> list[list[int]]:
         """Cut the lookup drafts to this step's chosen lengths (per row, under one step cap);
-        with a draft model, replace some rows' drafts by the model's (``_select_model``)."""
+        with a draft model, replace some rows' drafts by the model's (``_select_model``).
+        caps: the most tokens each row may draft this step (its k, ``max_tokens`` and the
+        context; the engine's ``_draft_caps``); default k_max."""
         self._model_drafts = {}
         if self.match_len_of is not None:
             self._match = {s.seq_id: self.match_len_of(s) for s, d in zip(seqs, drafts) if d}
         cuts, rate = self._select_lookup(seqs, drafts)
         chosen = [d[:c] for d, c in zip(drafts, cuts)]
         if self.proposer is not None:
-            chosen = self._select_model(seqs, chosen, rate)
+            chosen = self._select_model(seqs, chosen, rate,
+                                        caps if caps is not None else [self.k_max] * len(seqs))
         for s, d in zip(seqs, chosen):
             source = "draft" if s.seq_id in self._model_drafts else "ngram" if d else "none"
             self.steps_by_proposer.setdefault(s.request.tag, Counter())[source] += 1
@@ -272,7 +276,8 @@ class AdaptivePolicy:
             out.append(run)
         return out
 
-    def _select_model(self, seqs, chosen: list[list[int]], lookup_rate: float) -> list[list[int]]:
+    def _select_model(self, seqs, chosen: list[list[int]], lookup_rate: float,
+                      caps: list[int]) -> list[list[int]]:
         """Rows whose draft-model drafts are worth more than their lookup drafts draft with the
         model this step, if the step's rate, draft forwards included, beats lookup alone.
 
@@ -287,7 +292,7 @@ class AdaptivePolicy:
         value = lookup_rate * self.cost.token_cost()
         lookup_reach = self._reach(seqs, [len(d) for d in chosen])
         lookup_net = [sum(r) - len(r) * value for r in lookup_reach]
-        model_reach = [self._model_reach(s, self.k_max) for s in seqs]
+        model_reach = [self._model_reach(s, min(self.k_max, c)) for s, c in zip(seqs, caps)]
         best = None  # (rate, lengths per row, 0 = keep the lookup draft)
         for cap in range(1, self.k_max + 1):
             lengths = []

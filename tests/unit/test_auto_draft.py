@@ -64,6 +64,13 @@ def run_auto(engine: Engine, prompts, sampling: SamplingParams, check_cache: boo
     for i, (p, s) in enumerate(zip(prompts, SEEDS)):
         engine.scheduler.add(Request(i, list(p), sampling, seed=s, tag=i))
     model = engine.proposer.model
+    verify = engine.runner.verify
+
+    def capped_verify(seqs, drafts):  # no row drafts past its k, max_tokens or the context
+        assert all(len(d) <= cap for d, cap in zip(drafts, engine._draft_caps(seqs)))
+        return verify(seqs, drafts)
+
+    engine.runner.verify = capped_verify
     outputs = {}
     while engine.scheduler.has_work:
         for c in engine.step():
@@ -129,8 +136,8 @@ def test_wrong_draft_is_dropped(setup):
     policy = engine.policy
     select = policy.select
 
-    def recording_select(seqs, drafts):
-        out = select(seqs, drafts)
+    def recording_select(seqs, drafts, caps):
+        out = select(seqs, drafts, caps)
         if seqs[0].request.tag == 0:
             first.append("draft" if seqs[0].seq_id in policy._model_drafts else "other")
         return out

@@ -164,7 +164,7 @@ class _CuttingPolicy:
     def __init__(self) -> None:
         self.counter = 0
 
-    def select(self, seqs, drafts):
+    def select(self, seqs, drafts, caps=None):
         out = []
         for seq, d in zip(seqs, drafts):
             self.counter += 1
