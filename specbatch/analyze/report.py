@@ -94,16 +94,16 @@ def run_analyze(opts: AnalyzeOptions) -> int:
 
 def load_tokenizer(model_id: str):
     """The tokenizer of the run's model, from ``OUT.config.json``'s ``model``
-    (``<registry name or path>@sha256:<16 hex>``). Loads the model through the weight cache
-    (about a second for SmolLM2-135M); warns when the file there now has other weights."""
-    from specbatch.models.loader import load_model
+    (``<registry name or path>@sha256:<16 hex>``), without the weights (from the weight cache:
+    about a second for SmolLM2-135M); warns when the model there now has other weights."""
+    from specbatch.models.loader import load_tokenizer as load
 
     name = model_id.rpartition("@sha256:")[0] or model_id
-    loaded = load_model(name)
-    if loaded.model_id != model_id:
-        click.echo(f"warning: the run used {model_id}; {name} is now {loaded.model_id} (its "
-                   "tokenizer is used for the replay)", err=True)
-    return loaded.tokenizer
+    tokenizer, now = load(name)
+    if now != model_id:
+        click.echo(f"warning: the run used {model_id}; {name} is now {now} (its tokenizer is "
+                   "used for the replay)", err=True)
+    return tokenizer
 
 
 def _bad(msg: str) -> int:

@@ -157,22 +157,38 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu",
     except (RuntimeError, TypeError) as error:
         raise ValueError(f"device {device!r} is not a torch device: {error}") from None
     source = resolve_model(name, cache_dir)
-    root = cache_root(cache_dir)
-    if source.kind == "hf_folder":
-        folder = source.path
-        digest = _folder_sha256(folder, root)
-    else:
-        gguf_path = source.gguf_path
-        assert gguf_path is not None
-        digest = _file_sha256(gguf_path, root)
-        folder = root / _GGUF_CACHE_DIR / digest
-        if not _is_complete(folder):
-            _convert_gguf(gguf_path, folder, digest)
+    folder, digest = _model_folder(source, cache_root(cache_dir))
     model, tokenizer = _load_folder(folder, TORCH_DTYPES[dtype], torch_device)
     return LoadedModel(model=model, tokenizer=tokenizer, source=source,
                        eos_token_ids=_eos_token_ids(model, tokenizer),
                        max_model_len=_max_model_len(model.config),
                        model_id=f"{source.name}@sha256:{digest[:16]}")
+
+
+def load_tokenizer(name: str, cache_dir: str | Path | None = None) -> tuple[Any, str]:
+    """``(tokenizer, model_id)`` of ``--model`` without its weights: the same tokenizer and id
+    as ``load_model`` gives (a GGUF is converted into the cache first if it is not there yet),
+    in a fraction of the time. Raises what ``resolve_model`` raises."""
+    from transformers import AutoTokenizer
+
+    source = resolve_model(name, cache_dir)
+    folder, digest = _model_folder(source, cache_root(cache_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    return tokenizer, f"{source.name}@sha256:{digest[:16]}"
+
+
+def _model_folder(source: ModelSource, root: Path) -> tuple[Path, str]:
+    """The HF folder to load ``source`` from and the sha256 of its weights: a HF folder itself,
+    or a GGUF's converted cache entry under ``root`` (converted now if missing)."""
+    if source.kind == "hf_folder":
+        return source.path, _folder_sha256(source.path, root)
+    gguf_path = source.gguf_path
+    assert gguf_path is not None
+    digest = _file_sha256(gguf_path, root)
+    folder = root / _GGUF_CACHE_DIR / digest
+    if not _is_complete(folder):
+        _convert_gguf(gguf_path, folder, digest)
+    return folder, digest
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:

@@ -296,6 +296,26 @@ def test_gguf_converts_once_then_loads_cache(tiny_gguf: Path, tmp_path: Path,
     assert half.model.model.rotary_emb.inv_freq.dtype == torch.float32
 
 
+@pytest.mark.parametrize("kind", ["gguf", "hf_folder"])
+def test_load_tokenizer_without_weights(kind: str, tiny_gguf: Path, hf_folder: Path,
+                                        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``load_tokenizer`` (what ``analyze --what-if`` uses) gives load_model's tokenizer and
+    model id without loading the weights; a GGUF not yet in the cache is converted first."""
+    name = str(tiny_gguf if kind == "gguf" else hf_folder)
+    tokenizer, model_id = loader.load_tokenizer(name, cache_dir=tmp_path)
+    monkeypatch.setattr(loader, "_load_gguf", lambda path: pytest.fail("converted again"))
+    loaded = load_model(name, cache_dir=tmp_path)
+    assert model_id == loaded.model_id
+    text = "hi there <|eos|> </s>"
+    assert tokenizer(text)["input_ids"] == loaded.tokenizer(text)["input_ids"]
+    monkeypatch.setattr(loader, "_load_folder", lambda *a: pytest.fail("loaded the weights"))
+    assert loader.load_tokenizer(name, cache_dir=tmp_path)[1] == model_id
+    from specbatch.analyze.report import load_tokenizer  # the run's tokenizer, for the replay
+
+    monkeypatch.setenv(loader.CACHE_ENV, str(tmp_path))
+    assert load_tokenizer(model_id)(text)["input_ids"] == tokenizer(text)["input_ids"]
+
+
 def test_gguf_hash_sidecar(tiny_gguf: Path, tmp_path: Path) -> None:
     copy = tmp_path / "copy.gguf"
     copy.write_bytes(tiny_gguf.read_bytes())
