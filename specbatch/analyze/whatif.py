@@ -1,6 +1,5 @@
 """What-if: the acceptance (and, with a cost model, the speedup) other n-gram settings would
-have had on the recorded outputs, replayed exactly (what ``spec.replay`` computes for one
-setting, ``replay_record`` computes for the whole grid at once), per group.
+have had on the recorded outputs, replayed exactly (``spec.replay``), per group.
 
 Which records replay. Temperature-0 records (greedy: both the drafts and the target's tokens
 are functions of the committed tokens alone; T > 0 records are listed as skipped), without an
@@ -37,6 +36,7 @@ from typing import Any, Protocol
 from specbatch.analyze.load import RunFile, answers, spec_stats
 from specbatch.analyze.tables import ALL, group_label
 from specbatch.io.records import Record
+from specbatch.spec.replay import NgramReplay
 from specbatch.spec.stats import SpecStats
 
 KS = tuple(range(1, 9))
@@ -133,118 +133,21 @@ def replay_record(prompts: list[list[int]], outputs: list[list[int]], max_tokens
 
     prompts / outputs: per answer, the prompt ids and the recorded output ids (tokens).
     max_tokens: the record's completion cap; max_model_len: the run's context cap (tokens).
-    The result equals ``spec.replay.NgramReplay(prompt, output, min, max, k).stats(k, ...)``
-    merged over the answers (tested), computed faster for a whole grid: each answer's n-gram
-    tables are built once for every (min, max) (``_draft_table``), and each verify step of each
-    k is then a few integer operations (``_replay_k``).
+    One ``spec.replay.NgramReplay`` per answer and (min, max) serves every k.
     """
-    if not settings:
-        return {}
-    lookups = sorted({(s.prompt_lookup_min, s.prompt_lookup_max) for s in settings})
-    max_k = max(s.k for s in settings)
     out: dict[Setting, SpecStats] = {}
-    for prompt, output in zip(prompts, outputs):
-        tables = _draft_table(prompt, output, lookups, max_k)
-        for s in settings:
-            draft_len, match_len = tables[(s.prompt_lookup_min, s.prompt_lookup_max)]
-            stats = _replay_k(draft_len, match_len, s.k, len(prompt), max_tokens, max_model_len)
-            if s in out:
-                out[s].merge(stats)
-            else:
-                out[s] = stats
+    by_lookup: dict[tuple[int, int], list[Setting]] = {}
+    for s in settings:
+        by_lookup.setdefault((s.prompt_lookup_min, s.prompt_lookup_max), []).append(s)
+    for (lo, hi), group in by_lookup.items():
+        max_k = max(s.k for s in group)
+        replays = [NgramReplay(p, o, lo, hi, max_k) for p, o in zip(prompts, outputs)]
+        for s in group:
+            total = SpecStats(proposer="ngram", num_speculative_tokens=s.k)
+            for r in replays:
+                total.merge(r.stats(s.k, max_tokens, max_model_len))
+            out[s] = total
     return out
-
-
-def _draft_table(prompt: list[int], output: list[int], lookups: list[tuple[int, int]],
-                 max_k: int) -> dict[tuple[int, int], tuple[list[int], list[int]]]:
-    """Per (min, max) n-gram sizes: ``(draft_len, match_len)``, each indexed by n, the output
-    tokens committed before a verify step (1 <= n < len(output); index 0 is unused).
-
-    draft_len[n]: length of the ``max_k``-token draft ``NgramIndex.propose`` makes there (0
-    when no n-gram matches). match_len[n]: how many of its leading tokens equal the recorded
-    output from n on (at most ``max_k`` and the tokens left). A step at draft cap k drafts
-    ``min(draft_len[n], cap)`` tokens and accepts ``min(match_len[n], that)`` of them.
-
-    Same lookup as ``spec.ngram.NgramIndex`` (longest suffix of ``min..max`` tokens, most
-    recent earlier occurrence, a continuation that runs into the end repeats the draft itself),
-    over one table per n-gram size shared by every (min, max): a size's table does not depend
-    on the sizes around it.
-    """
-    tokens = list(prompt) + list(output)
-    num_prompt, num_out = len(prompt), len(output)
-    sizes = range(min(lo for lo, _ in lookups), max(hi for _, hi in lookups) + 1)
-    tables: dict[int, dict[tuple[int, ...], int]] = {size: {} for size in sizes}
-    result = {lookup: ([0] * num_out, [0] * num_out) for lookup in lookups}
-    if max_k <= 0:
-        return result
-    keys: list[tuple[int, tuple[int, ...]]] = []
-    for n in range(1, num_out):
-        length = num_prompt + n  # tokens committed
-        if keys:  # one new token, at length - 1: it follows the last step's suffixes
-            for size, key in keys:
-                tables[size][key] = length - 1
-        else:  # the prompt and the first output token, in one go per size: token i (from
-            # `size` on) follows tokens[i-size:i]; a later i overwrites, as extend() does
-            for size, table in tables.items():
-                table.update(zip(zip(*(tokens[j:length - size + j] for j in range(size))),
-                                 range(size, length)))
-        # the suffixes of each size; sizes up to length - 1 are looked up (as propose does)
-        keys = [(size, tuple(tokens[length - size:length])) for size in sizes if size <= length]
-        starts = {size: tables[size].get(key) for size, key in keys if size < length}
-        limit = min(max_k, num_out - n)
-        for lookup in lookups:
-            lo, hi = lookup
-            start = None
-            for size in range(min(hi, length - 1), lo - 1, -1):
-                start = starts[size]
-                if start is not None:
-                    break
-            if start is None:
-                continue
-            period = length - start  # draft[j] = tokens[start + j % period]
-            m = 0
-            while m < limit and tokens[start + m % period] == tokens[length + m]:
-                m += 1
-            draft_len, match_len = result[lookup]
-            draft_len[n], match_len[n] = max_k, m
-    return result
-
-
-def _replay_k(draft_len: list[int], match_len: list[int], k: int, num_prompt: int,
-              max_tokens: int, max_model_len: int) -> SpecStats:
-    """``NgramReplay.stats(k, max_tokens, max_model_len)`` of one answer from its
-    ``_draft_table`` (one prefill step, then each verify step as ``NgramReplay.steps`` runs it:
-    draft cap from ``spec.caps.draft_cap``, commit accepted + 1 tokens)."""
-    num_out = len(draft_len)
-    by_draft = [0] * (k + 1)  # verify steps by draft length
-    by_accepted = [0] * (k + 1)  # drafting steps by accepted tokens
-    room_tokens, room_context = max_tokens - 1, max_model_len - num_prompt - 1
-    last_full = min(room_tokens, room_context) - k  # up to here a step's draft cap is k
-    n = 1
-    while n < num_out:
-        d = draft_len[n]
-        if d:
-            d = k if n <= last_full else max(0, min(k, room_tokens - n, room_context - n))
-        by_draft[d] += 1
-        if d:
-            a = match_len[n] if match_len[n] < d else d
-            by_accepted[a] += 1
-            n += a + 1
-        else:
-            n += 1
-    num_drafts = sum(by_draft) - by_draft[0]
-    max_draft = max((d for d in range(1, k + 1) if by_draft[d]), default=0)
-    per_pos = [0] * max_draft  # [i]: drafting steps that accepted more than i drafts
-    running = 0
-    for i in range(max_draft - 1, -1, -1):
-        running += by_accepted[i + 1]
-        per_pos[i] = running
-    return SpecStats(proposer="ngram", num_speculative_tokens=k, num_steps=1 + sum(by_draft),
-                     num_drafts=num_drafts,
-                     num_draft_tokens=sum(d * c for d, c in enumerate(by_draft)),
-                     num_accepted_tokens=sum(a * c for a, c in enumerate(by_accepted)),
-                     num_accepted_tokens_per_pos=per_pos,
-                     k_histogram={d: c for d, c in enumerate(by_draft) if c})
 
 
 def expected_step_time(cost: CostModel, batch_size: int, k_histogram: dict[int, int],

@@ -227,37 +227,6 @@ def test_what_if_replays_own_setting_exactly(runs, run):
     assert "best:" in format_text(doc)
 
 
-def test_replay_record_equals_ngram_replay():
-    """The what-if grid replay (one n-gram table per answer for every lookup, integer steps per
-    k) gives exactly ``NgramReplay.stats`` for each setting: random and periodic token streams,
-    empty prompts, several answers, caps from max_tokens and the context, k = 0 and k > 8."""
-    from specbatch.spec.replay import NgramReplay
-
-    settings = whatif.settings_for([]) + [whatif.Setting(2, 4, 0), whatif.Setting(1, 1, 11),
-                                          whatif.Setting(4, 6, 3)]
-    rng = random.Random(5)
-    for _ in range(150):
-        vocab = rng.choice([2, 3, 5, 20])
-        num = rng.choice([1, 1, 2, 3])
-        prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(0, 30))]
-                   for _ in range(num)]
-        if rng.random() < 0.3:  # periodic outputs: drafts that run into their own end
-            period = [rng.randrange(vocab) for _ in range(rng.randrange(1, 5))]
-            outputs = [(period * 30)[:rng.randrange(1, 60)] for _ in range(num)]
-        else:
-            outputs = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
-                       for _ in range(num)]
-        max_tokens = rng.choice([1, 2, 5, 60, 200])
-        max_model_len = rng.choice([10, 40, 1000])
-        got = whatif.replay_record(prompts, outputs, max_tokens, max_model_len, settings)
-        for s in settings:
-            want = SpecStats(proposer="ngram", num_speculative_tokens=s.k)
-            for prompt, output in zip(prompts, outputs):
-                want.merge(NgramReplay(prompt, output, s.prompt_lookup_min, s.prompt_lookup_max,
-                                       s.k).stats(s.k, max_tokens, max_model_len))
-            assert got[s] == want, (s, prompts, outputs, max_tokens, max_model_len)
-
-
 def test_self_check_reports_a_record_that_does_not_replay(runs, tmp_path):
     src = [json.loads(line) for line in runs["ngram"].read_text().splitlines()]
     victim = next(r for r in src if r["spec"]["num_drafts"] > 2 and not r.get("temperature"))
