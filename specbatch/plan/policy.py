@@ -286,25 +286,33 @@ class AdaptivePolicy:
         that value, and switches to the model if its net gain ``sum(reach[:d]) - d * value``
         beats the lookup's. The step's rate then pays the verify step plus D draft forwards
         (``model_cost.step_time`` at the rows still drafting at each depth); the best cap D
-        is compared with lookup alone, with the same hysteresis as the step cap."""
+        is compared with lookup alone, with the same hysteresis as the step cap.
+
+        A row the draft cache does not hold yet must first be prefilled into it (its whole
+        context, once): that cost, spread over the row's remaining steps (``_entry_seconds``),
+        is charged to the row's choice and to the step."""
         n = len(seqs)
         ctx = max(len(s.token_ids) for s in seqs)
         value = lookup_rate * self.cost.token_cost()
         lookup_reach = self._reach(seqs, [len(d) for d in chosen])
         lookup_net = [sum(r) - len(r) * value for r in lookup_reach]
         model_reach = [self._model_reach(s, min(self.k_max, c)) for s, c in zip(seqs, caps)]
+        entry = [0.0 if self.proposer.has_model_row(s) else self._entry_seconds(s, r)
+                 for s, r in zip(seqs, model_reach)]
         best = None  # (rate, lengths per row, 0 = keep the lookup draft)
         for cap in range(1, self.k_max + 1):
             lengths = []
-            for r, net in zip(model_reach, lookup_net):
+            for r, net, e in zip(model_reach, lookup_net, entry):
                 d = sum(1 for _ in takewhile(lambda x: x >= value, r[:cap]))
-                lengths.append(d if d and sum(r[:d]) - d * value > net else 0)
+                gain = sum(r[:d]) - d * value - e * lookup_rate
+                lengths.append(d if d and gain > net else 0)
             if not any(lengths):
                 continue
             tokens = n + sum(sum(mr[:d]) if d else sum(lr)
                              for mr, lr, d in zip(model_reach, lookup_reach, lengths))
             fed = [d if d else len(c) for d, c in zip(lengths, chosen)]
             seconds = self.cost.step_time(n, 1 + max(fed), ctx, num_tokens=n + sum(fed))
+            seconds += sum(e for e, d in zip(entry, lengths) if d)
             for depth in range(max(lengths)):
                 rows = sum(1 for d in lengths if d > depth)
                 seconds += self.model_cost.step_time(rows, 1, ctx, num_tokens=rows)
@@ -329,6 +337,13 @@ class AdaptivePolicy:
             out[i] = d
             self._model_drafts[seqs[i].seq_id] = d
         return out
+
+    def _entry_seconds(self, seq, reach: list[float]) -> float:
+        """Seconds of prefilling the row's context into the draft cache, per remaining step
+        (remaining output tokens over the tokens a model-drafted step is expected to emit)."""
+        prefill = self.model_cost.step_time(1, 1, 0, num_tokens=len(seq.token_ids))
+        remaining = max(seq.sampling.max_tokens - seq.num_output_tokens, 1)
+        return prefill * (1.0 + sum(reach)) / remaining
 
     def observe_step(self, seqs, drafts: list[list[int]], seconds: float) -> None:
         """A verify step's wall time (seconds), for the online cost fit (``OnlineCost``)."""

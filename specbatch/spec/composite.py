@@ -44,6 +44,10 @@ class LookupAndDraftProposer:
         """The lookup's last matched n-gram size (``NgramProposer.match_len``)."""
         return self.lookup.match_len(seq)
 
+    def has_model_row(self, seq: Sequence) -> bool:
+        """Whether the draft cache holds the row (``start_model`` ran for it)."""
+        return seq.seq_id in self.model.states
+
     def start_model(self, seqs: list[Sequence]) -> None:
         """Prefill the rows the draft cache does not hold yet (before ``propose_with_model``;
         separate so the policy's draft step timings do not include one-off prefills)."""

@@ -150,6 +150,48 @@ def test_wrong_draft_is_dropped(setup):
     assert policy.model_pool.p(0) < 0.3
 
 
+class _FakeModelProposer:
+    """Records which rows the policy prefills and asks for model drafts."""
+
+    def __init__(self) -> None:
+        self.started: set[int] = set()
+        self.asked: list[int] = []
+
+    def has_model_row(self, seq) -> bool:
+        return seq.seq_id in self.started
+
+    def start_model(self, seqs) -> None:
+        self.started.update(s.seq_id for s in seqs)
+
+    def propose_with_model(self, seqs, ks):
+        self.asked += [s.seq_id for s in seqs]
+        return [[1] * k for k in ks]
+
+
+def test_prefilling_a_long_context_is_charged():
+    """Two rows alike but for their context: 100 tokens vs 20,000 with 30 tokens left to
+    generate. Prefilling 20,000 tokens into the draft cache (~4 s at this cost) cannot pay back
+    over ~10 steps, so only the short row drafts with the model; once started, a row pays no
+    entry cost again."""
+    from types import SimpleNamespace
+
+    def seq(seq_id, context):
+        return SimpleNamespace(seq_id=seq_id, token_ids=[0] * context, num_output_tokens=10,
+                               sampling=SimpleNamespace(max_tokens=40),
+                               request=SimpleNamespace(tag=seq_id))
+
+    fake = _FakeModelProposer()
+    policy = AdaptivePolicy(TARGET_COST, 4, prior_for=lambda s: [(0.5, 9.5)] * 4,
+                            proposer=fake, model_cost=CHEAP_DRAFT, model_prior=0.9)
+    short, long = seq(1, 100), seq(2, 20000)
+    policy.select([short, long], [[], []], [4, 4])
+    assert fake.asked == [1] and fake.started == {1}
+    fake.started.add(2)  # as if the long row had been prefilled: now it pays like the other
+    fake.asked = []
+    policy.select([short, long], [[], []], [4, 4])
+    assert fake.asked == [1, 2]
+
+
 # ---- (c) planner ------------------------------------------------------------------------------
 
 def test_planner_counts_the_draft_forwards():
