@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from specbatch.engine.engine import Completion, Engine
 from specbatch.engine.sequence import Request
 from specbatch.spec.sampler import derive_seed
@@ -189,6 +191,53 @@ def build_engine(model, spec_config, engine_config, eos_ids: Iterable[int], max_
     draft_forward = LlamaForward(draft_model) if draft_model is not None else None
     proposer = make_proposer(spec_config, draft_forward, engine_config.max_batch_size)
     return Engine(runner, proposer, stop_rules, spec_config.k, detokenize)
+
+
+def longest_row(records, renderer: PromptRenderer, max_model_len: int) -> int:
+    """Tokens the longest record may hold in a cache row: its first prompt, every turn's
+    ``max_tokens``, and the later turns' text (plus 16 tokens of chat template each); at most
+    ``max_model_len``."""
+    longest = 0
+    for r in records:
+        n = renderer.count_tokens(r) + r.sampling.max_tokens
+        for turn in (r.turns or [])[1:]:
+            n += len(renderer.tokenizer.encode(turn, add_special_tokens=False)) + 16
+            n += r.sampling.max_tokens
+        longest = max(longest, n)
+    return min(longest, max_model_len)
+
+
+def fit_batch_size(batch_size: int, tokens_per_row: int, forwards,
+                   free_bytes: int | None = None, reserve: float = 0.1) -> tuple[int, str | None]:
+    """The largest batch size <= ``batch_size`` whose KV rows fit in memory.
+
+    Every row may grow to ``tokens_per_row`` tokens (longest prompt + largest max_tokens, at
+    most the context) in each model's cache (``forwards``: the target's ``LlamaForward`` and,
+    with a draft model, the draft's). free_bytes: memory available now, with the weights
+    already loaded (default: ``psutil``'s available memory, or the device's free memory on
+    CUDA); ``reserve`` of it is left for activations. Returns (batch size, a one-line note
+    when it had to be lowered, else None); never below 1.
+    """
+    forwards = list(forwards)
+    if free_bytes is None:
+        device = forwards[0].device
+        if device.type == "cuda":
+            free_bytes = torch.cuda.mem_get_info(device)[0]
+        else:
+            import psutil
+
+            free_bytes = psutil.virtual_memory().available
+    from specbatch.engine.kv_cache import round_capacity
+
+    tokens_per_row = round_capacity(tokens_per_row)  # caches grow in whole blocks
+    per_row = tokens_per_row * sum(f.kv_bytes_per_token for f in forwards)
+    fits = max(1, int(free_bytes * (1 - reserve)) // max(per_row, 1))
+    if fits >= batch_size:
+        return batch_size, None
+    models = "target + draft" if len(forwards) > 1 else "target"
+    return fits, (f"memory: KV rows of {tokens_per_row} tokens take {_gib(per_row)} per row "
+                  f"({models}) and {_gib(free_bytes)} is free: batch size lowered from "
+                  f"{batch_size} to {fits}")
 
 
 def memory_summary(engine: Engine) -> str:

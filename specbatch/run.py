@@ -241,14 +241,15 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         _err(f"resuming: {len(done)} of {len(records)} records already done in "
              f"{writer.work_path}")
 
-    engine = build_engine(loaded.model, opts.spec, opts.engine, loaded.eos_token_ids,
+    engine_config = _fit_memory(opts.engine, todo, renderer, max_model_len, loaded, draft)
+    engine = build_engine(loaded.model, opts.spec, engine_config, loaded.eos_token_ids,
                           max_model_len, renderer.detokenize,
                           draft_model=draft.model if draft is not None else None)
     plan = None
     if opts.spec.method == "auto":
         from specbatch.plan.planner import prepare_auto
 
-        plan = prepare_auto(engine, todo, renderer, opts.spec, opts.engine, loaded.model_id,
+        plan = prepare_auto(engine, todo, renderer, opts.spec, engine_config, loaded.model_id,
                             opts.cache_dir, echo=_err,
                             draft_model_id=draft.model_id if draft is not None else "")
     tput = Throughput()
@@ -283,6 +284,23 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     _err(summary_table(by_category))
     _err(memory_summary(engine))
     return EXIT_OK
+
+
+def _fit_memory(engine_config, records, renderer, max_model_len: int, loaded, draft):
+    """``engine_config`` with the batch size lowered, with a note, if the KV rows of both
+    models would not fit in the memory left after loading them (``pipeline.fit_batch_size``)."""
+    from specbatch.models.llama import LlamaForward
+    from specbatch.pipeline import fit_batch_size, longest_row
+
+    if not records:
+        return engine_config
+    forwards = [LlamaForward(loaded.model)] + ([LlamaForward(draft.model)] if draft else [])
+    rows, note = fit_batch_size(engine_config.max_batch_size,
+                                longest_row(records, renderer, max_model_len), forwards)
+    if note is None:
+        return engine_config
+    _err(note)
+    return replace(engine_config, max_batch_size=rows)
 
 
 def summary_table(by_category: dict[str, list[dict]]) -> str:

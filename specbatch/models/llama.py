@@ -53,6 +53,11 @@ class LlamaForward:
         self.device = self.embed.device
         self.max_exact_rows = 256  # query rows (heads x tokens) up to which _attention is exact
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes one token of one row takes (all layers, keys and values)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.embed.element_size()
+
     def new_cache(self, num_rows: int, capacity: int) -> KVCache:
         return KVCache(self.num_layers, num_rows, self.num_kv_heads, capacity, self.head_dim,
                        self.dtype, self.device)

@@ -22,8 +22,8 @@ committed tokens it holds: the prompt and earlier output, plus the fed drafts th
 accepted.
 
 Memory: weights (``weight_bytes``) plus KV rows (``cache.nbytes``; per token per row
-``kv_bytes_per_token``). The run summary reports both models; a batch-size budget must count
-the draft's weights and its KV rows beside the target's.
+``kv_bytes_per_token``). The run summary reports both models, and ``pipeline.fit_batch_size``
+counts the draft's KV rows beside the target's when it sizes the batch.
 """
 
 from __future__ import annotations
@@ -85,8 +85,7 @@ class DraftProposer:
     @property
     def kv_bytes_per_token(self) -> int:
         """KV bytes one cached token of one row takes (all layers, keys and values)."""
-        f = self.forward
-        return 2 * f.num_layers * f.num_kv_heads * f.head_dim * self.cache.k[0].element_size()
+        return self.forward.kv_bytes_per_token
 
     # ---- proposer interface ---------------------------------------------------------------
     def start(self, seq: Sequence) -> None:

@@ -248,6 +248,35 @@ def test_config_and_factory(setup):
         sum(b.numel() * b.element_size() for b in draft.buffers())
 
 
+def test_batch_size_counts_both_caches(setup):
+    """The KV bytes per token match what a cache really allocates, and the batch size is
+    lowered only when target + draft KV rows would not fit in the free memory."""
+    from specbatch.pipeline import fit_batch_size, longest_row
+
+    target, draft, _, _ = setup
+    t, d = LlamaForward(target), LlamaForward(draft)
+    cache = t.new_cache(3, 10)
+    assert cache.nbytes == 3 * cache.capacity * t.kv_bytes_per_token
+    per_row = 256 * (t.kv_bytes_per_token + d.kv_bytes_per_token)  # 100 tokens: one block
+    assert fit_batch_size(8, 100, [t, d], free_bytes=10 * per_row, reserve=0.0) == (8, None)
+    rows, note = fit_batch_size(8, 100, [t, d], free_bytes=5 * per_row + 1, reserve=0.0)
+    assert rows == 5 and "target + draft" in note and "lowered from 8 to 5" in note
+    assert fit_batch_size(8, 100, [t], free_bytes=5 * per_row + 1, reserve=0.0)[0] == 8
+    assert fit_batch_size(8, 100, [t, d], free_bytes=0)[0] == 1  # never below one row
+
+    class Renderer:  # 1 token per character; every turn after the first adds its text
+        tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens: list(text))
+
+        def count_tokens(self, r):
+            return len(r.turns[0])
+
+    sp = SimpleNamespace(max_tokens=20)
+    records = [SimpleNamespace(turns=["abcd", "xyz"], sampling=sp),
+               SimpleNamespace(turns=["a" * 30], sampling=sp)]
+    assert longest_row(records, Renderer(), 1000) == max(4 + 20 + 3 + 16 + 20, 30 + 20)
+    assert longest_row(records, Renderer(), 40) == 40
+
+
 # ---- (e) split-part registry entries --------------------------------------------------------
 
 def _install_parts(root, package: str, blob: bytes, sizes: list[int]) -> None:
@@ -367,6 +396,22 @@ def test_cli_run_draft_equals_none(tmp_path):
         assert sum(steps.values()) == r["spec"]["num_steps"] - 1  # all but the prefill step
     assert all(r["spec"]["proposer"] == "draft" and r["spec"]["num_draft_tokens"] > 0
                for r in outputs["draft"])
+
+    # with (pretend) little free memory the batch shrinks, with a note, and nothing changes
+    import psutil
+
+    real = psutil.virtual_memory
+    try:
+        psutil.virtual_memory = lambda: SimpleNamespace(available=1)
+        out = tmp_path / "small.jsonl"
+        result = CliRunner().invoke(main, [*common, "--method", "draft", "--draft-model",
+                                           str(draft), "--k", "3", "-o", str(out)])
+    finally:
+        psutil.virtual_memory = real
+    assert result.exit_code == 0, result.output
+    assert "(target + draft)" in result.output and "batch size lowered from 2 to 1" in result.output
+    assert [json.loads(line)["output_token_ids"] for line in out.read_text().splitlines()] == \
+        [r["output_token_ids"] for r in outputs["none"]]
 
     other = tmp_path / "other_vocab"
     write_tiny_hf_folder(other)
