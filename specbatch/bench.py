@@ -91,7 +91,7 @@ def run_bench(opts: BenchOptions) -> int:
 
     records, errors = load_records(opts)
     if errors:
-        _report_errors(errors, "fail")
+        _report_errors(errors, "fail", can_skip=False)
         return EXIT_BAD_INPUT
     groups: dict[str, list] = defaultdict(list)
     for r in records:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import Iterator
@@ -28,6 +29,21 @@ class _UsageError(click.UsageError):
         click.echo(f"error: {self.format_message()}", file=file, err=file is None)
         if self.ctx is not None:
             click.echo(f"try '{self.ctx.command_path} --help'", file=file, err=file is None)
+
+
+# config fields -> the flags that set them, for errors raised while building the configs
+_FLAG_OF = {"num_speculative_tokens": "--k", "prompt_lookup_min": "--prompt-lookup-min",
+            "prompt_lookup_max": "--prompt-lookup-max", "max_batch_size": "--max-batch-size",
+            "max_model_len": "--max-model-len", "max_tokens": "--max-tokens",
+            "min_tokens": "--min-tokens", "top_p": "--top-p", "top_k": "--top-k",
+            "temperature": "--temperature", "draft_model": "--draft-model",
+            "stop_token_ids": "--stop-token-id", "logprobs": "--logprobs", "dtype": "--dtype"}
+
+
+def _as_flags(message: str) -> str:
+    """``prompt_lookup_max=2: expected an integer >= prompt_lookup_min`` (a config field error)
+    -> ``--prompt-lookup-max=2: expected an integer >= --prompt-lookup-min``."""
+    return re.sub(r"\b[a-z_]+\b", lambda m: _FLAG_OF.get(m.group(0), m.group(0)), message)
 
 
 @contextmanager
@@ -219,7 +235,7 @@ def run(ctx, input_path, output, recipe, template, model, dtype, max_batch_size,
         engine = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_model_len,
                               dtype=dtype)
     except ValueError as e:
-        raise click.UsageError(str(e)) from None
+        raise click.UsageError(_as_flags(str(e))) from None
     out = output or f"{Path(input_path).name.split('.')[0]}.out.jsonl"
     opts = RunOptions(input_path=input_path, output_path=out, model=model, cache_dir=cache_dir,
                       sampling=sampling, spec=spec, engine=engine, run_seed=seed,
@@ -267,7 +283,7 @@ def bench(input_path, configs, draft_model, model, dtype, max_batch_size, max_mo
         specs = parse_configs(configs, draft_model)
         named_groups = parse_groups(groups)
     except ValueError as e:
-        raise click.UsageError(str(e)) from None
+        raise click.UsageError(_as_flags(str(e))) from None
     sys.exit(run_bench(BenchOptions(
         input_path=input_path, model=model, draft_model=draft_model, cache_dir=cache_dir,
         sampling=sampling, specs=specs, engine=engine, run_seed=seed, prompt_field=prompt_field,

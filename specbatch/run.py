@@ -51,16 +51,17 @@ def _err(msg: str) -> None:
     click.echo(msg, err=True)
 
 
-def _report_errors(errors, on_error: str, level: str = "error") -> None:
+def _report_errors(errors, on_error: str, level: str = "error", can_skip: bool = True) -> None:
     """One line per bad record (the first ``MAX_ERRORS_SHOWN``). level: ``error`` when they stop
-    the run, ``warning`` when ``--on-error skip`` leaves them out and the run goes on."""
+    the run, ``warning`` when ``--on-error skip`` leaves them out and the run goes on.
+    can_skip: whether the command has ``--on-error skip`` to suggest (``bench`` has not)."""
     for e in errors[:MAX_ERRORS_SHOWN]:
         _err(f"{level}: {e}")
     if len(errors) > MAX_ERRORS_SHOWN:
         _err(f"... and {len(errors) - MAX_ERRORS_SHOWN} more")
     if on_error == "fail":
-        _err(f"{len(errors)} bad record(s); nothing was generated. Fix them, or pass "
-             "--on-error skip to run the others.")
+        _err(f"{len(errors)} bad record(s); nothing was generated. Fix them"
+             + (", or pass --on-error skip to run the others." if can_skip else "."))
 
 
 def _os_error(e: OSError) -> str:

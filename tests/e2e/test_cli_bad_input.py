@@ -154,8 +154,9 @@ def test_bad_flag_values(tmp_path):
     cases = [
         (["--k", "-1"], "Invalid value for '--k'"),
         (["--temperature", "-0.5"], "Invalid value for '--temperature'"),
-        (["--min-tokens", "9", "--max-tokens", "4"], "min_tokens=9"),
-        (["--prompt-lookup-min", "5", "--prompt-lookup-max", "2"], "prompt_lookup_max=2"),
+        (["--min-tokens", "9", "--max-tokens", "4"], "--min-tokens=9"),
+        (["--prompt-lookup-min", "5", "--prompt-lookup-max", "2"],
+         "--prompt-lookup-max=2: expected an integer >= --prompt-lookup-min"),
         (["--method", "magic"], "Invalid value for '--method'"),
         (["--template", "{code"], "template '{code'"),
         (["--template", "{a}", "--prompt-field", "b"], "exclude each other"),

@@ -65,3 +65,17 @@ def test_table_groups_add_tokens_and_seconds():
     assert ab[5] == "2.00"  # (20 accepted over 20 drafts) + 1
     assert _row(table, "(all)")[2] == f"{250 / 16:.1f}"
     assert _row(table, "a")[4] == "2.00x"
+
+
+def test_bad_records_stop_bench_without_suggesting_run_flags(tmp_path):
+    """bench has no --on-error: its bad-record footer must not suggest it."""
+    from click.testing import CliRunner
+
+    from specbatch.cli import main
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1, "prompt": "ok"}\n{"id": 2}\n')
+    result = CliRunner().invoke(main, ["bench", str(bad), "--configs", "none"])
+    assert result.exit_code == 2, result.output
+    assert "1 bad record(s); nothing was generated. Fix them." in result.output
+    assert "--on-error" not in result.output

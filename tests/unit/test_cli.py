@@ -19,6 +19,10 @@ from specbatch.cli import main
     (["run", "in.jsonl", "--seed", "123456789012345678901234567890"],
      "error: Invalid value for '--seed': 123456789012345678901234567890 is not in the range "
      "-9223372036854775808<=x<=18446744073709551615.", "main run"),
+    (["run", "in.jsonl", "--prompt-lookup-min", "5", "--prompt-lookup-max", "2"],
+     "error: --prompt-lookup-max=2: expected an integer >= --prompt-lookup-min", "main run"),
+    (["bench", __file__, "--configs", "auto:draft"],  # checked before INPUT is read
+     "error: config 'auto:draft' needs --draft-model", "main bench"),
     (["frob"], "error: No such command 'frob'.", "main"),
     (["analyze", "a.jsonl", "--batch-size", "0"],
      "error: Invalid value for '--batch-size': 0 is not in the range x>=1.", "main analyze"),
