@@ -175,16 +175,18 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     if opts.engine.max_model_len is not None:
         max_model_len = min(max_model_len, opts.engine.max_model_len)
 
-    from specbatch.io.records import check_lengths
+    from specbatch.io.records import check_lengths, check_token_ids
 
-    length_errors = check_lengths(records, renderer.count_tokens, max_model_len,
+    model_errors = (check_lengths(records, renderer.count_tokens, max_model_len,
                                   str(opts.input_path))
-    if length_errors and opts.on_error == "fail":
-        _report_errors(errors + length_errors, "fail")
+                    + check_token_ids(records, loaded.model.config.vocab_size,
+                                      str(opts.input_path)))
+    if model_errors and opts.on_error == "fail":
+        _report_errors(errors + model_errors, "fail")
         return EXIT_BAD_INPUT
-    errors += length_errors
-    too_long = {e.line for e in length_errors}
-    skipped = [r.index for r in records if r.line in too_long]
+    errors += model_errors
+    bad_lines = {e.line for e in model_errors}  # records this model cannot run
+    skipped = [r.index for r in records if r.line in bad_lines]
 
     config = {
         "input": str(Path(opts.input_path).resolve()),

@@ -151,6 +151,20 @@ def check_lengths(records: Iterable[Record], count_tokens: Callable[[Record], in
     return errors
 
 
+def check_token_ids(records: Iterable[Record], vocab_size: int,
+                    path: str | os.PathLike) -> list[RecordError]:
+    """Errors for records whose ``stop_token_ids`` name an id outside the model's vocabulary
+    (``vocab_size`` token ids, 0 .. vocab_size - 1)."""
+    errors = []
+    for r in records:
+        bad = [t for t in r.sampling.stop_token_ids if t >= vocab_size]
+        if bad:
+            errors.append(RecordError(str(path), r.line, r.id,
+                                      f"stop_token_ids {bad} are not token ids of this model "
+                                      f"(its vocabulary has ids 0..{vocab_size - 1})"))
+    return errors
+
+
 class _FileError(Exception):
     """A problem with the whole file; its text is the reason shown to the user."""
 

@@ -8,7 +8,8 @@ import orjson
 import pytest
 
 from specbatch.config import SamplingParams
-from specbatch.io.records import Record, RecordError, check_lengths, read_records
+from specbatch.io.records import (Record, RecordError, check_lengths, check_token_ids,
+                                  read_records)
 
 CORPUS = Path(__file__).parents[1] / "data" / "bad_inputs"
 QUESTIONS = Path(__file__).parents[3] / "shared" / "data" / "spec_bench" / "question.jsonl"
@@ -148,6 +149,21 @@ def test_check_lengths():
         (2, 2, "prompt is 301 tokens; the model's context is 128")]
     assert check_lengths(records, lambda r: 127, 128, path) == []
     assert len(check_lengths(records, lambda r: 128, 128, path)) == 3  # no room to generate
+
+
+def test_check_token_ids(tmp_path):
+    """A stop token id the model does not have is a bad record (it used to crash sampling with
+    an IndexError once min_tokens banned it)."""
+    path = _write_jsonl(tmp_path / "stop.jsonl", [
+        {"id": "a", "prompt": "x", "stop_token_ids": [5, 99]},
+        {"id": "b", "prompt": "x", "stop_token_ids": [100, 7, 12345678901234567890]},
+        {"id": "c", "prompt": "x"}])
+    records, errors = read_records(path)
+    assert errors == []
+    errors = check_token_ids(records, 100, path)
+    assert [(e.line, e.id, e.reason) for e in errors] == [
+        (2, "b", "stop_token_ids [100, 12345678901234567890] are not token ids of this model "
+                 "(its vocabulary has ids 0..99)")]
 
 
 def _write_jsonl(path: Path, rows: list) -> Path:
