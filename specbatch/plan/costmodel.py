@@ -7,9 +7,7 @@ repeats (fastest), and fits
     step_time(rows, q, ctx) = c0 + c1 * rows * q + c2 * rows * ctx + c3 * rows * q * ctx
 
 by least squares: weight matmuls grow with the tokens in the batch (rows * q), attention with
-the keys read (rows * ctx) and scored (rows * q * ctx). A packed verify step replaces rows * q
-by its real tokens in the second term and by its attention query slots in the last
-(``attention_queries``). The fit is cached as JSON per
+the keys read (rows * ctx) and scored (rows * q * ctx). The fit is cached as JSON per
 (model, dtype, device, host) under the cache directory; ``run --method auto`` calibrates on
 first use (a few seconds).
 """
@@ -45,18 +43,15 @@ class CostModel:
     samples: tuple[tuple[int, int, int, float], ...] = ()
 
     def step_time(self, num_rows: int, query_len: int, context_len: int,
-                  num_tokens: int | None = None, attn_queries: int | None = None) -> float:
+                  num_tokens: int | None = None) -> float:
         """Predicted seconds for one forward over ``num_rows`` rows padded to ``query_len``
         new tokens, attending to ``context_len`` keys (tokens). num_tokens: the real tokens
         when rows feed different lengths and the dense layers run packed (``runner.verify``);
-        default ``num_rows * query_len``. attn_queries: the query slots attention computes
-        (``attention_queries``: a packed step gives one-token rows one slot each); default
-        ``num_rows * query_len``."""
+        default ``num_rows * query_len``. Attention always costs the padded shape."""
         c0, c1, c2, c3 = self.coef
         r, q, c = num_rows, query_len, context_len
         t = r * q if num_tokens is None else num_tokens
-        a = r * q if attn_queries is None else attn_queries
-        return max(c0 + c1 * t + c2 * r * c + c3 * a * c, 1e-6)
+        return max(c0 + c1 * t + c2 * r * c + c3 * r * q * c, 1e-6)
 
     def token_cost(self) -> float:
         """Seconds one more packed token adds to a step (the dense layers' share), >= 0."""
@@ -73,15 +68,6 @@ class CostModel:
         tmp = p.with_suffix(".tmp")
         tmp.write_text(json.dumps(asdict(self), indent=1))
         os.replace(tmp, p)
-
-
-def attention_queries(fed: list[int]) -> int:
-    """Query slots attention computes for a packed verify step whose rows feed ``fed[i]``
-    tokens: one-token rows attend apart with one slot each, the others padded to the longest
-    (``LlamaForward._attention_groups``)."""
-    longest = max(fed, default=0)
-    ones = sum(1 for f in fed if f == 1)
-    return ones + (len(fed) - ones) * longest
 
 
 class OnlineCost:
@@ -107,19 +93,17 @@ class OnlineCost:
             self._add(r, q, c, r * q, sec, prior_weight / len(base.samples))
 
     def _add(self, rows: int, q: int, ctx: int, tokens: int, seconds: float,
-             weight: float = 1.0, attn_queries: int | None = None) -> None:
-        a = rows * q if attn_queries is None else attn_queries
-        x = torch.tensor([1.0, tokens, rows * ctx, a * ctx], dtype=torch.float64) / seconds
+             weight: float = 1.0) -> None:
+        x = torch.tensor([1.0, tokens, rows * ctx, rows * q * ctx], dtype=torch.float64) / seconds
         self._a += weight * torch.outer(x, x)
         self._b += weight * x  # target: seconds / seconds = 1
 
     def observe(self, num_rows: int, query_len: int, context_len: int, num_tokens: int,
-                seconds: float, attn_queries: int | None = None) -> None:
+                seconds: float) -> None:
         """One measured step (shape as in ``step_time``; seconds of wall time)."""
         if seconds <= 0:
             return
-        self._add(num_rows, query_len, context_len, num_tokens, seconds,
-                  attn_queries=attn_queries)
+        self._add(num_rows, query_len, context_len, num_tokens, seconds)
         self.num_observed += 1
         if self.num_observed % self.refit_every == 0:
             try:
@@ -129,8 +113,8 @@ class OnlineCost:
                 pass
 
     def step_time(self, num_rows: int, query_len: int, context_len: int,
-                  num_tokens: int | None = None, attn_queries: int | None = None) -> float:
-        return self.model.step_time(num_rows, query_len, context_len, num_tokens, attn_queries)
+                  num_tokens: int | None = None) -> float:
+        return self.model.step_time(num_rows, query_len, context_len, num_tokens)
 
     def token_cost(self) -> float:
         return self.model.token_cost()

@@ -4,8 +4,7 @@ Each step the proposer drafts up to k_max tokens per row (cheap for prompt looku
 then cuts each row's draft to the length that maximises expected output tokens per second:
 
     rate = sum_rows E[tokens emitted | row i feeds k_i drafts]
-           / step_time(rows, 1 + max k_i, ctx, tokens = sum (1 + k_i),
-                       attention query slots = rows without drafts + the others x (1 + max k_i))
+           / step_time(rows, 1 + max k_i, ctx, tokens = sum (1 + k_i))
 
 E[tokens] = 1 + sum_{j=1..k_i} prod_{m<=j} p_m, where p_m is the row's conditional acceptance
 at draft position m: a Beta posterior whose prior is the record's predicted acceptance
@@ -47,7 +46,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from itertools import takewhile
 
-from specbatch.plan.costmodel import CostModel, OnlineCost, attention_queries
+from specbatch.plan.costmodel import CostModel, OnlineCost
 from specbatch.spec.replay import NgramReplay
 from specbatch.spec.stats import SpecStats
 
@@ -192,8 +191,7 @@ class AdaptivePolicy:
         ctx = max(len(s.token_ids) for s in seqs)
         tokens = len(seqs) + sum(sum(r[:c]) for r, c in zip(reach, cuts))
         q = 1 + max(cuts, default=0)
-        return tokens / self.cost.step_time(len(seqs), q, ctx, num_tokens=len(seqs) + sum(cuts),
-                                            attn_queries=attention_queries([1 + c for c in cuts]))
+        return tokens / self.cost.step_time(len(seqs), q, ctx, num_tokens=len(seqs) + sum(cuts))
 
     def _reach(self, seqs, lengths: list[int]) -> list[list[float]]:
         """Per row: ``[prod_{m<=j} p_m for j < lengths[i]]`` (expected extra tokens per draft
@@ -313,8 +311,7 @@ class AdaptivePolicy:
             tokens = n + sum(sum(mr[:d]) if d else sum(lr)
                              for mr, lr, d in zip(model_reach, lookup_reach, lengths))
             fed = [d if d else len(c) for d, c in zip(lengths, chosen)]
-            seconds = self.cost.step_time(n, 1 + max(fed), ctx, num_tokens=n + sum(fed),
-                                          attn_queries=attention_queries([1 + f for f in fed]))
+            seconds = self.cost.step_time(n, 1 + max(fed), ctx, num_tokens=n + sum(fed))
             seconds += sum(e for e, d in zip(entry, lengths) if d)
             for depth in range(max(lengths)):
                 rows = sum(1 for d in lengths if d > depth)
@@ -351,9 +348,9 @@ class AdaptivePolicy:
     def observe_step(self, seqs, drafts: list[list[int]], seconds: float) -> None:
         """A verify step's wall time (seconds), for the online cost fit (``OnlineCost``)."""
         if isinstance(self.cost, OnlineCost):
-            fed = [1 + len(d) for d in drafts]
-            self.cost.observe(len(seqs), max(fed), max(len(s.token_ids) for s in seqs),
-                              sum(fed), seconds, attn_queries=attention_queries(fed))
+            self.cost.observe(len(seqs), 1 + max((len(d) for d in drafts), default=0),
+                              max(len(s.token_ids) for s in seqs),
+                              sum(1 + len(d) for d in drafts), seconds)
 
     def observe(self, seq, draft: list[int], emitted: list[int]) -> None:
         """draft: the row's full lookup proposal (checked against ``emitted`` whether or not it

@@ -113,25 +113,6 @@ def test_rows_in_one_step_get_their_own_draft_length():
     assert policy._rate(seqs, cuts) > policy.rate(seqs, [draft] * 3, 0)
 
 
-def test_attention_slots_of_rows_without_drafts():
-    """Packed steps give one-token rows one attention slot each (``_attention_groups``), so
-    one copying row among rows that draft nothing may keep a long draft even where attention
-    is dear: padded to 6 queries, all 8 rows would pay 48 slots; split, 7 + 6 = 13."""
-    from specbatch.plan.costmodel import attention_queries
-
-    assert attention_queries([1, 1, 6, 1]) == 3 + 6
-    assert attention_queries([3, 2, 3]) == 9 and attention_queries([1, 1]) == 2
-    cost = CostModel((0.03, 0.001, 0.0, 1e-5))  # attention: 10 ms per query slot at 1000 keys
-    priors = {i: (0.1, 9.9) for i in range(8)} | {0: (9.5, 0.5)}  # row 0 copies
-    policy = AdaptivePolicy(cost, k_max=5, prior_for=lambda s: [priors[s.seq_id]] * 5)
-    seqs = [_seq(i, 1000) for i in range(8)]
-    cuts = [len(d) for d in policy.select(seqs, [[1, 2, 3, 4, 5]] * 8)]
-    assert cuts == [5] + [0] * 7, cuts
-    padded = cost.step_time(8, 6, 1000, num_tokens=8 + 5)
-    split = cost.step_time(8, 6, 1000, num_tokens=8 + 5, attn_queries=13)
-    assert padded - split == pytest.approx(35 * 0.01)
-
-
 def test_longer_lookup_matches_get_longer_drafts():
     """Two rows with the same history; this step one drafts from a 4-gram match, the other
     from a 2-gram one. Once the pooled counts show 4-gram drafts accepted more often at every
