@@ -106,42 +106,6 @@ class LlamaForward:
             out += partial[:, :, i]
         return out.to(q.dtype)
 
-    def _grouped_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                           mask: torch.Tensor, exact: bool) -> torch.Tensor:
-        """q: ``[B, Q, H, D]``; keys, values: ``[B, Hkv, kv_len, D]``; mask: ``[B, 1, group * Q,
-        kv_len]``. Query heads are grouped per kv head (no repeated keys). Returns ``[B, Q,
-        H * D]``."""
-        bsz, qlen = q.shape[:2]
-        group = self.num_heads // self.num_kv_heads
-        q = q.reshape(bsz, qlen, self.num_kv_heads, group, self.head_dim).permute(
-            0, 2, 3, 1, 4).reshape(bsz, self.num_kv_heads, group * qlen, self.head_dim)
-        o = self._attention(q, keys, values, mask, exact)
-        return o.view(bsz, self.num_kv_heads, group, qlen, self.head_dim).permute(
-            0, 3, 1, 2, 4).reshape(bsz, qlen, self.num_heads * self.head_dim)
-
-    @staticmethod
-    def _attention_groups(num_fed: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-                          group: int) -> list | None:
-        """Packed verify steps split attention in two calls when some rows feed one token and
-        others more: the one-token rows attend with one query each, not padded to the longest
-        draft, and each call reads keys up to its own rows' longest context (whole blocks).
-        ``_attention`` gives a row the same result in either call (batch- and padding-
-        invariant). Returns ``[(batch indices [n], Q, kv_len, mask [n, 1, group * Q, kv_len],
-        cache rows [n])]`` or None when all rows feed alike."""
-        single = num_fed == 1
-        if bool(single.all()) or not bool(single.any()):
-            return None
-        out = []
-        qlen = positions.shape[1]
-        for idx, g_qlen in ((single.nonzero()[:, 0], 1), ((~single).nonzero()[:, 0], qlen)):
-            pos = positions[idx, :g_qlen]  # [n, Q]
-            kv_len = -(-(int(pos.max()) + 1) // KV_BLOCK) * KV_BLOCK
-            key_pos = torch.arange(kv_len, device=pos.device)
-            mask = (key_pos[None, None, :] <= pos[:, :, None])[:, None, None].expand(
-                len(idx), 1, group, g_qlen, kv_len).reshape(len(idx), 1, group * g_qlen, kv_len)
-            out.append((idx, g_qlen, kv_len, mask, rows[idx]))
-        return out
-
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
@@ -190,15 +154,13 @@ class LlamaForward:
             bsz, 1, group * qlen, kv_len)
         cos, sin = self._rope(positions)
         # packed: token t of the flat [T] layout is (row, query) = real.nonzero()[t]
-        real, groups = None, None
+        real = None
         if num_fed is not None and logits_index is None:
             real = torch.arange(qlen, device=input_ids.device)[None, :] < num_fed[:, None]
             cos, sin = cos[real], sin[real]  # [T, 1, D]
             cache_rows, cache_pos = rows[:, None].expand_as(positions)[real], positions[real]
             h = F.embedding(input_ids[real], self.embed)  # [T, hidden]
             lead = (h.shape[0],)
-            if exact:
-                groups = self._attention_groups(num_fed, positions, rows, group)
         else:
             h = F.embedding(input_ids, self.embed)  # [B, Q, hidden]
             lead = (bsz, qlen)
@@ -220,15 +182,13 @@ class LlamaForward:
                 padded = q.new_zeros(bsz, qlen, self.num_heads, self.head_dim)
                 padded[real] = q
                 q = padded
-            if groups is not None:  # rows feeding one token apart from the drafting rows
-                o = q.new_zeros(bsz, qlen, self.num_heads * self.head_dim)
-                for idx, g_qlen, g_kv_len, g_mask, g_rows in groups:
-                    keys, values = cache.read(i, g_rows, g_kv_len, False)
-                    o[idx, :g_qlen] = self._grouped_attention(q[idx, :g_qlen], keys, values,
-                                                              g_mask, exact)
-            else:
-                keys, values = cache.read(i, rows, kv_len, rows_are_all)  # [B, Hkv, kv_len, D]
-                o = self._grouped_attention(q, keys, values, mask, exact)
+            keys, values = cache.read(i, rows, kv_len, rows_are_all)  # [B, Hkv, kv_len, D]
+            # group query heads per kv head instead of repeating keys: [B, Hkv, group * Q, D]
+            q = q.view(bsz, qlen, self.num_kv_heads, group, self.head_dim).permute(
+                0, 2, 3, 1, 4).reshape(bsz, self.num_kv_heads, group * qlen, self.head_dim)
+            o = self._attention(q, keys, values, mask, exact)
+            o = o.view(bsz, self.num_kv_heads, group, qlen, self.head_dim).permute(
+                0, 3, 1, 2, 4).reshape(bsz, qlen, self.num_heads * self.head_dim)
             if real is not None:
                 o = o[real]  # [T, hidden]
             h = h + F.linear(o, attn.o_proj.weight, attn.o_proj.bias)
