@@ -86,7 +86,8 @@ def parse_groups(items) -> tuple[tuple[str, tuple[str, ...]], ...]:
 def run_bench(opts: BenchOptions) -> int:
     from specbatch.models.loader import load_model
     from specbatch.models.registry import DEFAULT_MODEL
-    from specbatch.pipeline import PromptRenderer, build_engine, generate_records
+    from specbatch.pipeline import (PromptRenderer, build_engine, fit_engine_config,
+                                    generate_records)
     from specbatch.run import EXIT_BAD_INPUT, _report_errors, load_records
 
     records, errors = load_records(opts)
@@ -114,11 +115,18 @@ def run_bench(opts: BenchOptions) -> int:
             draft = load_draft_model(opts.draft_model, loaded, opts.engine.dtype,
                                      opts.engine.device, opts.cache_dir)
         except ValueError as e:
-            click.echo(f"error: draft model {opts.draft_model!r}: {e}", err=True)
+            click.echo(f"error: {e}" if str(e).startswith("draft model ")
+                       else f"error: draft model {opts.draft_model!r}: {e}", err=True)
             return EXIT_BAD_INPUT
 
+    # the memory check of ``run``, once for every configuration (batch size from the table)
+    engine_config = fit_engine_config(
+        opts.engine, [r for recs in groups.values() for r in recs], renderer, loaded.max_model_len,
+        loaded.model, draft.model if draft is not None else None,
+        echo=lambda line: click.echo(line, err=True))
+
     def run_once(spec: SpecConfig, recs: list) -> tuple[float, dict]:
-        engine = build_engine(loaded.model, spec, opts.engine, loaded.eos_token_ids,
+        engine = build_engine(loaded.model, spec, engine_config, loaded.eos_token_ids,
                               loaded.max_model_len, renderer.detokenize,
                               draft_model=draft.model if spec.draft_model is not None else None)
         t0 = time.perf_counter()
@@ -126,7 +134,7 @@ def run_bench(opts: BenchOptions) -> int:
         if spec.method == "auto":  # planning is part of the timed run (calibration is cached)
             from specbatch.plan.planner import prepare_auto
 
-            plan = prepare_auto(engine, recs, renderer, spec, opts.engine, loaded.model_id,
+            plan = prepare_auto(engine, recs, renderer, spec, engine_config, loaded.model_id,
                                 opts.cache_dir, echo=lambda line: None,
                                 draft_model_id=draft.model_id if spec.draft_model else "")
         outs = {rec.index: out for rec, out in generate_records(engine, renderer, recs,

@@ -208,15 +208,18 @@ def longest_row(records, renderer: PromptRenderer, max_model_len: int) -> int:
 
 
 def fit_batch_size(batch_size: int, tokens_per_row: int, forwards,
-                   free_bytes: int | None = None, reserve: float = 0.1) -> tuple[int, str | None]:
+                   free_bytes: int | None = None, reserve: float = 0.1,
+                   initial_capacity: int = 512) -> tuple[int, str | None]:
     """The largest batch size <= ``batch_size`` whose KV rows fit in memory.
 
     Every row may grow to ``tokens_per_row`` tokens (longest prompt + largest max_tokens, at
     most the context) in each model's cache (``forwards``: the target's ``LlamaForward`` and,
-    with a draft model, the draft's). free_bytes: memory available now, with the weights
-    already loaded (default: ``psutil``'s available memory, or the device's free memory on
-    CUDA); ``reserve`` of it is left for activations. Returns (batch size, a one-line note
-    when it had to be lowered, else None); never below 1.
+    with a draft model, the draft's). A cache allocates all its rows at the capacity it has
+    grown to: ``initial_capacity`` positions, doubled until the longest row fits
+    (``KVCache.ensure_capacity``). free_bytes: memory available now, with the weights already
+    loaded (default: ``psutil``'s available memory, or the device's free memory on CUDA);
+    ``reserve`` of it is left for activations. Returns (batch size, a one-line note when it had
+    to be lowered, else None); never below 1.
     """
     forwards = list(forwards)
     if free_bytes is None:
@@ -229,15 +232,38 @@ def fit_batch_size(batch_size: int, tokens_per_row: int, forwards,
             free_bytes = psutil.virtual_memory().available
     from specbatch.engine.kv_cache import round_capacity
 
-    tokens_per_row = round_capacity(tokens_per_row)  # caches grow in whole blocks
-    per_row = tokens_per_row * sum(f.kv_bytes_per_token for f in forwards)
+    capacity = round_capacity(initial_capacity)
+    while capacity < tokens_per_row:
+        capacity *= 2
+    per_row = capacity * sum(f.kv_bytes_per_token for f in forwards)
     fits = max(1, int(free_bytes * (1 - reserve)) // max(per_row, 1))
     if fits >= batch_size:
         return batch_size, None
     models = "target + draft" if len(forwards) > 1 else "target"
-    return fits, (f"memory: KV rows of {tokens_per_row} tokens take {_gib(per_row)} per row "
-                  f"({models}) and {_gib(free_bytes)} is free: batch size lowered from "
+    return fits, (f"memory: a row of {capacity} KV positions takes {per_row / 2**20:.1f} MiB "
+                  f"({models}) and {_gib(free_bytes)} is available: batch size lowered from "
                   f"{batch_size} to {fits}")
+
+
+def fit_engine_config(engine_config, records, renderer: PromptRenderer, max_model_len: int,
+                      model, draft_model=None, echo=print):
+    """``engine_config`` with ``max_batch_size`` at most the number of records (a record holds
+    one row at a time) and lowered, with a note to ``echo``, if the KV rows of the target and
+    the draft would not fit in memory (``fit_batch_size``). model, draft_model: transformers
+    models as loaded."""
+    from dataclasses import replace
+
+    from specbatch.models.llama import LlamaForward
+
+    records = list(records)
+    if not records:
+        return engine_config
+    rows = min(engine_config.max_batch_size, len(records))
+    forwards = [LlamaForward(model)] + ([LlamaForward(draft_model)] if draft_model else [])
+    rows, note = fit_batch_size(rows, longest_row(records, renderer, max_model_len), forwards)
+    if note is not None:
+        echo(note)
+    return replace(engine_config, max_batch_size=rows)
 
 
 def memory_summary(engine: Engine) -> str:

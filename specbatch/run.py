@@ -145,8 +145,8 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
 
     from specbatch.models.loader import load_model
     from specbatch.models.registry import DEFAULT_MODEL
-    from specbatch.pipeline import (PromptRenderer, Throughput, build_engine, generate_records,
-                                    memory_summary)
+    from specbatch.pipeline import (PromptRenderer, Throughput, build_engine, fit_engine_config,
+                                    generate_records, memory_summary)
 
     t0 = time.perf_counter()
     try:
@@ -166,8 +166,9 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
             draft = load_draft_model(opts.spec.draft_model, loaded, opts.engine.dtype,
                                      opts.engine.device, opts.cache_dir)
         except (ValueError, OSError) as e:
-            _err(f"error: draft model {opts.spec.draft_model!r}: "
-                 f"{e if isinstance(e, ValueError) else _os_error(e)}")
+            why = e if isinstance(e, ValueError) else _os_error(e)
+            _err(f"error: {why}" if str(why).startswith("draft model ")
+                 else f"error: draft model {opts.spec.draft_model!r}: {why}")
             return EXIT_BAD_INPUT
     load_s = time.perf_counter() - t0
     renderer = PromptRenderer(loaded.tokenizer)
@@ -215,12 +216,16 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
             return EXIT_BAD_INPUT
         from specbatch.plan.planner import prepare_auto
 
-        engine = build_engine(loaded.model, opts.spec, opts.engine, loaded.eos_token_ids,
+        skip = set(skipped)
+        todo = [r for r in records if r.index not in skip]
+        engine_config = fit_engine_config(opts.engine, todo, renderer, max_model_len,
+                                          loaded.model,
+                                          draft.model if draft is not None else None, echo=_err)
+        engine = build_engine(loaded.model, opts.spec, engine_config, loaded.eos_token_ids,
                               max_model_len, renderer.detokenize,
                               draft_model=draft.model if draft is not None else None)
-        skip = set(skipped)
-        prepare_auto(engine, [r for r in records if r.index not in skip], renderer, opts.spec,
-                     opts.engine, loaded.model_id, opts.cache_dir, echo=_err,
+        prepare_auto(engine, todo, renderer, opts.spec,
+                     engine_config, loaded.model_id, opts.cache_dir, echo=_err,
                      draft_model_id=draft.model_id if draft is not None else "")
         return EXIT_OK
     try:
@@ -244,7 +249,8 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         _err(f"resuming: {len(done)} of {len(records)} records already done in "
              f"{writer.work_path}")
 
-    engine_config = _fit_memory(opts.engine, todo, renderer, max_model_len, loaded, draft)
+    engine_config = fit_engine_config(opts.engine, todo, renderer, max_model_len, loaded.model,
+                                      draft.model if draft is not None else None, echo=_err)
     engine = build_engine(loaded.model, opts.spec, engine_config, loaded.eos_token_ids,
                           max_model_len, renderer.detokenize,
                           draft_model=draft.model if draft is not None else None)
@@ -287,23 +293,6 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     _err(summary_table(by_category))
     _err(memory_summary(engine))
     return EXIT_OK
-
-
-def _fit_memory(engine_config, records, renderer, max_model_len: int, loaded, draft):
-    """``engine_config`` with the batch size lowered, with a note, if the KV rows of both
-    models would not fit in the memory left after loading them (``pipeline.fit_batch_size``)."""
-    from specbatch.models.llama import LlamaForward
-    from specbatch.pipeline import fit_batch_size, longest_row
-
-    if not records:
-        return engine_config
-    forwards = [LlamaForward(loaded.model)] + ([LlamaForward(draft.model)] if draft else [])
-    rows, note = fit_batch_size(engine_config.max_batch_size,
-                                longest_row(records, renderer, max_model_len), forwards)
-    if note is None:
-        return engine_config
-    _err(note)
-    return replace(engine_config, max_batch_size=rows)
 
 
 def summary_table(by_category: dict[str, list[dict]]) -> str:

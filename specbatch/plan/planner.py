@@ -66,8 +66,8 @@ class Plan:
         out = {"bucket": self.bucket_of[record_index],
                "predicted_acceptance_length": round(pred.acceptance_length(self.k_max), 4),
                "predictor_features": pred.features()}
-        steps = self.policy.steps_by_proposer.get(record_index) if self.policy else None
-        if steps:
+        if self.policy is not None:
+            steps = self.policy.steps_by_proposer.get(record_index, {})
             out["proposer_steps"] = dict(sorted(steps.items()))
         result = self.policy.probe_results.get(record_index) if self.policy else None
         if result is not None:

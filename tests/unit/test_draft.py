@@ -257,12 +257,18 @@ def test_batch_size_counts_both_caches(setup):
     t, d = LlamaForward(target), LlamaForward(draft)
     cache = t.new_cache(3, 10)
     assert cache.nbytes == 3 * cache.capacity * t.kv_bytes_per_token
-    per_row = 256 * (t.kv_bytes_per_token + d.kv_bytes_per_token)  # 100 tokens: one block
+    # caches start at 512 positions and double: 100 tokens take 512, 1300 take 2048
+    per_row = 512 * (t.kv_bytes_per_token + d.kv_bytes_per_token)
     assert fit_batch_size(8, 100, [t, d], free_bytes=10 * per_row, reserve=0.0) == (8, None)
     rows, note = fit_batch_size(8, 100, [t, d], free_bytes=5 * per_row + 1, reserve=0.0)
     assert rows == 5 and "target + draft" in note and "lowered from 8 to 5" in note
+    assert "512 KV positions" in note
     assert fit_batch_size(8, 100, [t], free_bytes=5 * per_row + 1, reserve=0.0)[0] == 8
+    assert fit_batch_size(8, 1300, [t, d], free_bytes=20 * per_row, reserve=0.0)[0] == 5
     assert fit_batch_size(8, 100, [t, d], free_bytes=0)[0] == 1  # never below one row
+    grown = t.new_cache(1, 512)
+    grown.ensure_capacity(1300)
+    assert grown.capacity == 2048
 
     class Renderer:  # 1 token per character; every turn after the first adds its text
         tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens: list(text))
@@ -391,7 +397,7 @@ def test_cli_run_draft_equals_none(tmp_path):
     assert "calibrated the draft model's step cost" in result.output
     assert " proposer " in result.output  # the plan table names each bucket's proposer
     for r in outputs["auto"]:
-        steps = r["spec"]["proposer_steps"]
+        steps = r["spec"]["proposer_steps"]  # present on every auto record
         assert set(steps) <= {"draft", "ngram", "none"}
         assert sum(steps.values()) == r["spec"]["num_steps"] - 1  # all but the prefill step
     assert all(r["spec"]["proposer"] == "draft" and r["spec"]["num_draft_tokens"] > 0
@@ -410,6 +416,10 @@ def test_cli_run_draft_equals_none(tmp_path):
         psutil.virtual_memory = real
     assert result.exit_code == 0, result.output
     assert "(target + draft)" in result.output and "batch size lowered from 2 to 1" in result.output
+    # and a run never holds more rows than it has records
+    result = CliRunner().invoke(main, [*common, "--method", "none", "--max-batch-size", "64",
+                                       "-o", str(tmp_path / "big.jsonl")])
+    assert result.exit_code == 0 and "(3 rows x" in result.output, result.output
     assert [json.loads(line)["output_token_ids"] for line in out.read_text().splitlines()] == \
         [r["output_token_ids"] for r in outputs["none"]]
 
@@ -419,4 +429,5 @@ def test_cli_run_draft_equals_none(tmp_path):
                                        "-o", str(tmp_path / "bad.jsonl")])
     assert result.exit_code == 2
     assert "does not share the vocabulary of target" in result.output
+    assert "': draft model '" not in result.output  # the model named once, not twice
     assert not (tmp_path / "bad.jsonl").exists()
