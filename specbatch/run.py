@@ -315,8 +315,13 @@ def summary_table(by_category: dict[str, list[dict]]) -> str:
         mal, rate = s.mean_acceptance_length, s.acceptance_rate
         lines.append(f"{cat or '-':<16}{len(outs):>8}{tokens:>9}{s.num_steps:>8}"
                      f"{tokens / max(s.num_steps, 1):>9.2f}"
-                     f"{(f'{mal:.2f}' if mal else '-'):>11}{(f'{rate:.2f}' if rate else '-'):>12}")
+                     f"{_or_dash(mal):>11}{_or_dash(rate):>12}")
     return "\n".join(lines)
+
+
+def _or_dash(x: float | None) -> str:
+    """``0.00`` is a measurement (drafts, none accepted); ``-`` means nothing was drafted."""
+    return "-" if x is None else f"{x:.2f}"
 
 
 def _progress(total: int, initial: int, enabled: bool):

@@ -57,3 +57,17 @@ def test_skipped_records_are_warnings_failing_ones_errors(tmp_path):
     fail = CliRunner().invoke(main, [*common, "-o", str(tmp_path / "f.jsonl")])
     assert fail.exit_code == 2
     assert f"error: {bad}" in fail.output and "warning:" not in fail.output
+
+
+def test_summary_table_tells_zero_acceptance_from_no_drafts():
+    from specbatch.run import summary_table
+
+    def out(drafts, accepted, tokens):
+        return {"spec": {"num_steps": tokens - accepted, "num_drafts": drafts,
+                         "num_draft_tokens": 3 * drafts, "num_accepted_tokens": accepted},
+                "usage": {"completion_tokens": tokens}}
+
+    table = summary_table({"novel": [out(4, 0, 10)], "plain": [out(0, 0, 10)]})
+    rows = {line.split()[0]: line.split() for line in table.splitlines()[1:]}
+    assert rows["novel"][-2:] == ["1.00", "0.00"]  # drafted, nothing accepted
+    assert rows["plain"][-2:] == ["-", "-"]  # nothing drafted
