@@ -135,6 +135,7 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         _report_errors(errors, "fail")
         return EXIT_BAD_INPUT
 
+    from specbatch.io.records import RecordError
     from specbatch.io.writer import OutputWriter, check_output_path
 
     try:  # before the model loads: a wrong output path should not cost a load
@@ -263,6 +264,7 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
                             draft_model_id=draft.model_id if draft is not None else "")
     tput = Throughput()
     by_category: dict[str, list] = defaultdict(list)
+    failed = []  # records written with an ``error`` (a NaN, a later turn past the context)
     bar = job.bar = _progress(len(records), len(done) + len(skip), opts.progress)
 
     def on_tokens(n, stats):
@@ -273,6 +275,8 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
                                          plan=plan):
             writer.write(rec.index, {**rec.fields, **out})
             by_category[str(rec.fields.get("category", ""))].append(out)
+            if "error" in out:
+                failed.append(RecordError(str(opts.input_path), rec.line, rec.id, out["error"]))
             if bar is not None:
                 mal = tput.stats.mean_acceptance_length
                 bar.set_postfix_str(f"{tput.tokens_per_second:.1f} tok/s"
@@ -290,6 +294,10 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     elapsed = time.perf_counter() - tput.start
     _err(f"wrote {n} records to {opts.output_path} ({tput.num_tokens} new output tokens in "
          f"{elapsed:.1f} s, {tput.tokens_per_second:.1f} tok/s; model load {load_s:.1f} s)")
+    if failed:  # written, with finish_reason "error", but the user must hear of them
+        _report_errors(failed, "skip", level="warning")
+        _err(f"{len(failed)} record(s) stopped with an error; their output so far is written "
+             "with finish_reason \"error\" and an \"error\" field")
     _err(summary_table(by_category))
     _err(memory_summary(engine))
     return EXIT_OK

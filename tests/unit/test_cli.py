@@ -71,3 +71,28 @@ def test_summary_table_tells_zero_acceptance_from_no_drafts():
     rows = {line.split()[0]: line.split() for line in table.splitlines()[1:]}
     assert rows["novel"][-2:] == ["1.00", "0.00"]  # drafted, nothing accepted
     assert rows["plain"][-2:] == ["-", "-"]  # nothing drafted
+
+
+def test_records_that_stop_with_an_error_are_reported(tmp_path):
+    """A later turn that no longer fits the context ends its record with an error: the record
+    is written (finish_reason "error"), and the run says so instead of a silent success."""
+    import json
+
+    from tests.unit.test_loader import write_tiny_gguf
+
+    model = tmp_path / "m.gguf"
+    write_tiny_gguf(model)
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": "t", "turns": ["abc", "x" * 40]}) + "\n"
+                   + json.dumps({"id": "ok", "prompt": "hello"}) + "\n")
+    out = tmp_path / "out.jsonl"
+    result = CliRunner().invoke(main, ["run", str(src), "-o", str(out), "--model", str(model),
+                                       "--cache-dir", str(tmp_path / "c"), "--method", "none",
+                                       "--max-tokens", "8", "--ignore-eos", "--no-progress",
+                                       "--max-model-len", "40"])
+    assert result.exit_code == 0, result.output
+    rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert rows["t"]["finish_reason"][-1] == "error" and "context" in rows["t"]["error"]
+    assert f"warning: {src}:1: id='t': prompt is" in result.output, result.output
+    assert "1 record(s) stopped with an error" in result.output
+    assert "error" not in rows["ok"] and rows["ok"]["finish_reason"] == "length"
