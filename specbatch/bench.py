@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import click
 
 from specbatch.config import EngineConfig, SamplingParams, SpecConfig
-from specbatch.spec.stats import SpecStats
+from specbatch.spec_decode.stats import SpecStats
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ def run_bench(opts: BenchOptions) -> int:
     renderer = PromptRenderer(loaded.tokenizer)
     draft = None
     if any(spec.draft_model is not None for _, spec in opts.specs):
-        from specbatch.spec.draft import load_draft_model
+        from specbatch.spec_decode.draft import load_draft_model
 
         try:
             draft = load_draft_model(opts.draft_model, loaded, opts.engine.dtype,

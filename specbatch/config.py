@@ -20,7 +20,7 @@ class SamplingParams:
     """How one record's tokens are chosen and when its generation stops.
 
     temperature: 0 means greedy (argmax, lowest token id wins ties); > 0 means position-keyed
-        Gumbel-max sampling (see ``specbatch.spec.sampler``).
+        Gumbel-max sampling (see ``specbatch.spec_decode.sampler``).
     top_p: nucleus mass kept, in (0, 1]; 1 keeps everything.
     top_k: number of most likely tokens kept; 0 keeps everything.
     seed: the record seed, an integer in [MIN_INT, MAX_INT]; ``None`` lets the run derive it

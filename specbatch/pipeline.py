@@ -18,8 +18,8 @@ import torch
 
 from specbatch.engine.engine import Completion, Engine
 from specbatch.engine.sequence import Request
-from specbatch.spec.sampler import derive_seed
-from specbatch.spec.stats import SpecStats
+from specbatch.spec_decode.sampler import derive_seed
+from specbatch.spec_decode.stats import SpecStats
 
 
 @dataclass
@@ -176,12 +176,12 @@ def build_engine(model, spec_config, engine_config, eos_ids: Iterable[int], max_
     model: a Llama-family transformers model (already in the wanted dtype and device).
     max_model_len: context cap (tokens), lowered to ``engine_config.max_model_len`` if set.
     draft_model: the draft transformers model for ``method = draft``, or for ``auto`` to choose
-    from (vocabulary checked by the caller, ``spec.draft.load_draft_model``).
+    from (vocabulary checked by the caller, ``spec_decode.draft.load_draft_model``).
     """
     from specbatch.engine.runner import ModelRunner
     from specbatch.engine.sequence import StopRules
     from specbatch.models.llama import LlamaForward
-    from specbatch.spec import make_proposer
+    from specbatch.spec_decode import make_proposer
 
     if engine_config.max_model_len is not None:
         max_model_len = min(max_model_len, engine_config.max_model_len)
@@ -270,7 +270,7 @@ def memory_summary(engine: Engine) -> str:
     """One line: weights and KV cache bytes of the target and, for a draft proposer, the draft.
 
     KV bytes are the caches' size at the time of the call (they grow with the longest row)."""
-    from specbatch.spec.draft import DraftProposer, weight_bytes
+    from specbatch.spec_decode.draft import DraftProposer, weight_bytes
 
     runner, proposer = engine.runner, engine.proposer
     proposer = getattr(proposer, "model", proposer)  # auto with a draft model: the draft

@@ -105,7 +105,7 @@ class _Replayer:
         reproduced ``output_ids[:position]`` on the way."""
         from specbatch.config import SamplingParams
         from specbatch.engine.sequence import Request, Sequence
-        from specbatch.spec.sampler import argmax_lowest
+        from specbatch.spec_decode.sampler import argmax_lowest
 
         seq = Sequence(Request(0, list(prompt_ids), SamplingParams()), "none", 0)
         seq.row = 0

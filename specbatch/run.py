@@ -161,7 +161,7 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         return EXIT_BAD_INPUT
     draft = None
     if opts.spec.method in ("draft", "auto") and opts.spec.draft_model is not None:
-        from specbatch.spec.draft import load_draft_model
+        from specbatch.spec_decode.draft import load_draft_model
 
         try:
             draft = load_draft_model(opts.spec.draft_model, loaded, opts.engine.dtype,
@@ -305,7 +305,7 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
 
 def summary_table(by_category: dict[str, list[dict]]) -> str:
     """Per-category totals of the records generated in this run (input ``category`` field)."""
-    from specbatch.spec.stats import SpecStats
+    from specbatch.spec_decode.stats import SpecStats
 
     lines = [f"{'category':<16}{'records':>8}{'out tok':>9}{'steps':>8}{'tok/step':>9}"
              f"{'accept len':>11}{'accept rate':>12}"]

@@ -17,8 +17,8 @@ from specbatch.engine.engine import Completion, Engine
 from specbatch.engine.runner import ModelRunner
 from specbatch.engine.sequence import Request, StopRules
 from specbatch.models.llama import LlamaForward
-from specbatch.spec.ngram import NgramProposer
-from specbatch.spec.proposer import NoProposer
+from specbatch.spec_decode.ngram import NgramProposer
+from specbatch.spec_decode.proposer import NoProposer
 
 # The tiny models run thousands of small ops; on a shared 2-core machine intra-op threads only
 # add contention (10-100x slower), so tests that import these helpers run single-threaded.

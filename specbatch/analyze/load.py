@@ -16,7 +16,7 @@ from pathlib import Path
 
 from specbatch.config import SamplingParams
 from specbatch.io.records import Record, read_records
-from specbatch.spec.stats import SpecStats
+from specbatch.spec_decode.stats import SpecStats
 
 
 @dataclass

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from specbatch.analyze.load import answers, spec_stats
 from specbatch.io.records import Record
-from specbatch.spec.stats import SpecStats
+from specbatch.spec_decode.stats import SpecStats
 
 ALL = "(all)"
 NO_BUCKET = "-"

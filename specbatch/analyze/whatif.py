@@ -1,5 +1,5 @@
 """What-if: the acceptance (and, with a cost model, the speedup) other n-gram settings would
-have had on the recorded outputs, replayed exactly (``spec.replay``), per group.
+have had on the recorded outputs, replayed exactly (``spec_decode.replay``), per group.
 
 Which records replay. Temperature-0 records (greedy: both the drafts and the target's tokens
 are functions of the committed tokens alone; T > 0 records are listed as skipped), without an
@@ -36,8 +36,8 @@ from typing import Any, Protocol
 from specbatch.analyze.load import RunFile, answers, spec_stats
 from specbatch.analyze.tables import ALL, group_label
 from specbatch.io.records import Record
-from specbatch.spec.replay import NgramReplay
-from specbatch.spec.stats import SpecStats
+from specbatch.spec_decode.replay import NgramReplay
+from specbatch.spec_decode.stats import SpecStats
 
 KS = tuple(range(1, 9))
 LOOKUPS = ((1, 2), (1, 3), (2, 4), (3, 5))
@@ -133,7 +133,7 @@ def replay_record(prompts: list[list[int]], outputs: list[list[int]], max_tokens
 
     prompts / outputs: per answer, the prompt ids and the recorded output ids (tokens).
     max_tokens: the record's completion cap; max_model_len: the run's context cap (tokens).
-    One ``spec.replay.NgramReplay`` per answer and (min, max) serves every k.
+    One ``spec_decode.replay.NgramReplay`` per answer and (min, max) serves every k.
     """
     out: dict[Setting, SpecStats] = {}
     by_lookup: dict[tuple[int, int], list[Setting]] = {}

@@ -6,7 +6,7 @@ rows and yields a ``Completion`` as each finishes. One step:
     admit waiting requests into free rows and prefill them (each emits its first token)
     propose draft tokens for every running row (a row may get none)
     verify: one target forward over [last token, drafts...] of every row
-    sample the target's token at every fed position (position-keyed, see spec.sampler)
+    sample the target's token at every fed position (position-keyed, see spec_decode.sampler)
     accept the matching draft prefix, commit it plus the recovered/bonus token token by token
     through the stop rules, roll the KV rows back to the committed length
 
@@ -25,11 +25,11 @@ import torch
 from specbatch.engine.runner import ModelRunner
 from specbatch.engine.scheduler import Scheduler
 from specbatch.engine.sequence import LogprobEntry, Request, Sequence, StopRules
-from specbatch.spec import sampler
-from specbatch.spec.caps import draft_cap
-from specbatch.spec.proposer import Proposer
-from specbatch.spec.stats import SpecStats
-from specbatch.spec.verify import count_accepted
+from specbatch.spec_decode import sampler
+from specbatch.spec_decode.caps import draft_cap
+from specbatch.spec_decode.proposer import Proposer
+from specbatch.spec_decode.stats import SpecStats
+from specbatch.spec_decode.verify import count_accepted
 
 
 @dataclass

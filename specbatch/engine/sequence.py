@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specbatch.config import SamplingParams
-from specbatch.spec.stats import SpecStats
+from specbatch.spec_decode.stats import SpecStats
 
 _seq_ids = itertools.count()
 

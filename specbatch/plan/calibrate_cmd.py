@@ -52,7 +52,7 @@ def run_predict_eval(paths, k: int, model: str | None, cache_dir: str | None,
     from specbatch.plan.planner import PROBE_TOKENS, Plan
     from specbatch.plan.policy import RowAcceptance
     from specbatch.plan.predict import instruction_text, predict, spearman
-    from specbatch.spec.replay import NgramReplay
+    from specbatch.spec_decode.replay import NgramReplay
 
     probe_tokens = PROBE_TOKENS if probe_tokens is None else probe_tokens
     preds, meas, cats, feats = [], [], [], []

@@ -22,13 +22,13 @@ a record starts copying, without probe steps. Hysteresis: the step cap K changes
 new choice is predicted to be ``switch_margin`` better than keeping the current one.
 
 Probe: once a row has committed ``Probe.tokens`` output tokens (16 by default), the policy
-replays prompt lookup over them (``spec.replay``: exact at any temperature, since the committed
+replays prompt lookup over them (``spec_decode.replay``: exact at any temperature, since the committed
 tokens do not depend on what was drafted) and replaces the row's counts with the replayed ones:
 every draft position is then measured, even for a row that ran at K = 0. The replayed acceptance
 length of each record's first probe is kept in ``probe_results`` (the record's ``probe`` stats).
 No token is generated twice.
 
-Draft model (``--method auto --draft-model NAME``; ``spec.composite``): after choosing the
+Draft model (``--method auto --draft-model NAME``; ``spec_decode.composite``): after choosing the
 lookup drafts, the policy asks whether some rows should draft with the model instead. Its
 acceptance per row is the row's own decayed counts over a prior pooled across all rows (which
 starts at ``MODEL_PRIOR``); its cost is a second ``OnlineCost`` for the draft's forward,
@@ -47,8 +47,8 @@ from dataclasses import dataclass, field
 from itertools import takewhile
 
 from specbatch.plan.costmodel import CostModel, OnlineCost
-from specbatch.spec.replay import NgramReplay
-from specbatch.spec.stats import SpecStats
+from specbatch.spec_decode.replay import NgramReplay
+from specbatch.spec_decode.stats import SpecStats
 
 
 MODEL_PRIOR = 0.7  # a draft model's conditional acceptance before it has drafted anything
@@ -149,7 +149,7 @@ class AdaptivePolicy:
         self._match: dict[int, int] = {}  # seq id -> this step's match length
         self.lookup_pool = RowAcceptance([(1.0, 1.0)])  # lookup acceptance, all rows pooled
         self.by_match_len: dict[int, RowAcceptance] = {}  # n -> the same, drafts from n-grams
-        # draft model (``spec.composite.LookupAndDraftProposer``) and its forward's step cost
+        # draft model (``spec_decode.composite.LookupAndDraftProposer``) and its forward's step cost
         self.proposer = proposer
         self.model_cost = _online(model_cost) if model_cost is not None else None
         if (proposer is None) != (model_cost is None):

@@ -24,7 +24,7 @@ from specbatch.cli import main
 from specbatch.config import SamplingParams
 from specbatch.io.records import read_records
 from specbatch.pipeline import PromptRenderer, generate_records
-from specbatch.spec.stats import SpecStats
+from specbatch.spec_decode.stats import SpecStats
 from tests.helpers import make_engine, repeating_prompts, tiny_llama
 
 VOCAB = 48

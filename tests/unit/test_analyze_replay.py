@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from specbatch.config import SamplingParams
-from specbatch.spec.caps import draft_cap
-from specbatch.spec.replay import NgramReplay, replay_ngram
+from specbatch.spec_decode.caps import draft_cap
+from specbatch.spec_decode.replay import NgramReplay, replay_ngram
 from tests.helpers import repeating_prompts, run_engine, tiny_llama
 
 VOCAB = 48

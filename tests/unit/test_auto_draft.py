@@ -21,9 +21,9 @@ from specbatch.models.llama import LlamaForward
 from specbatch.plan.costmodel import CostModel
 from specbatch.plan.planner import best_k
 from specbatch.plan.policy import AdaptivePolicy
-from specbatch.spec.composite import LookupAndDraftProposer
-from specbatch.spec.draft import DraftProposer
-from specbatch.spec.ngram import NgramProposer
+from specbatch.spec_decode.composite import LookupAndDraftProposer
+from specbatch.spec_decode.draft import DraftProposer
+from specbatch.spec_decode.ngram import NgramProposer
 from tests.helpers import repeating_prompts, run_engine, tiny_llama
 from tests.unit.test_draft import _assert_row_holds, perturbed
 

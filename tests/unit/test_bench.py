@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from specbatch.bench import format_table, parse_configs, parse_groups
-from specbatch.spec.stats import SpecStats
+from specbatch.spec_decode.stats import SpecStats
 
 
 def test_parse_configs():

@@ -28,8 +28,8 @@ from specbatch.engine.engine import Engine
 from specbatch.engine.runner import ModelRunner
 from specbatch.engine.sequence import Request, StopRules
 from specbatch.models.llama import LlamaForward
-from specbatch.spec import make_proposer
-from specbatch.spec.draft import DraftProposer, check_same_vocab
+from specbatch.spec_decode import make_proposer
+from specbatch.spec_decode.draft import DraftProposer, check_same_vocab
 from tests.helpers import repeating_prompts, run_engine, tiny_llama, total
 
 VOCAB = 64

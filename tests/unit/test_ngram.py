@@ -8,7 +8,7 @@ import pytest
 
 from specbatch.config import SamplingParams
 from specbatch.engine.sequence import Request, Sequence
-from specbatch.spec.ngram import NgramIndex, NgramProposer
+from specbatch.spec_decode.ngram import NgramIndex, NgramProposer
 
 # (name, tokens, min_n, max_n, k, expected draft)
 CASES = [

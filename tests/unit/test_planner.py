@@ -12,7 +12,7 @@ from specbatch.plan.costmodel import CostModel, OnlineCost, fit
 from specbatch.plan.planner import best_k, bucket_for, make_plan
 from specbatch.plan.policy import AdaptivePolicy, Probe, RowAcceptance
 from specbatch.plan.predict import FEATURES, predict, repeat_share, spearman
-from specbatch.spec.replay import NgramReplay
+from specbatch.spec_decode.replay import NgramReplay
 from tests.helpers import make_engine, repeating_prompts, run_engine, tiny_llama
 
 MEMORY_BOUND = CostModel((0.040, 0.0005, 0.0, 0.0))  # verifying 6 tokens ~ free (GPU-like)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from specbatch.config import SamplingParams
-from specbatch.spec import sampler
+from specbatch.spec_decode import sampler
 from tests.helpers import cycle_prompt, cyclic_llama, run_engine, total
 
 # ---- (a) identity ---------------------------------------------------------------------------

@@ -10,7 +10,7 @@ The draft model's KV rows are filled lazily: a row's prompt is prefilled into th
 the first time the policy asks that row for model drafts (a record auto never drafts with the
 model costs no draft forward). After that the ``DraftProposer`` invariants hold: a row that
 skipped the model for some steps feeds the committed tokens it has not seen in its next draft
-step (see ``spec.draft``).
+step (see ``spec_decode.draft``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from specbatch.engine.sequence import Sequence
-    from specbatch.spec.draft import DraftProposer
-    from specbatch.spec.ngram import NgramProposer
+    from specbatch.spec_decode.draft import DraftProposer
+    from specbatch.spec_decode.ngram import NgramProposer
 
 
 class LookupAndDraftProposer:

@@ -6,7 +6,7 @@ The draft runs our own ``LlamaForward`` on a ``KVCache`` of its own with as many
 target's; a sequence uses the same row number (``seq.row``) in both.
 
 Drafts are deterministic, so speculation cannot change the output (the verifier decides every
-token; see ``spec.sampler``): at T = 0 the draft's argmax; at T > 0 the draft's own Gumbel-max
+token; see ``spec_decode.sampler``): at T = 0 the draft's argmax; at T > 0 the draft's own Gumbel-max
 with the same position-keyed noise the target uses at that output position (record seed,
 temperature, top-k and top-p of the record), so a draft that agrees with the target's
 distribution draws the target's token.
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from specbatch.spec import sampler
+from specbatch.spec_decode import sampler
 
 if TYPE_CHECKING:
     from specbatch.engine.sequence import Sequence

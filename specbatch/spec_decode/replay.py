@@ -29,9 +29,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from specbatch.spec.caps import draft_cap
-from specbatch.spec.ngram import NgramIndex
-from specbatch.spec.stats import SpecStats
+from specbatch.spec_decode.caps import draft_cap
+from specbatch.spec_decode.ngram import NgramIndex
+from specbatch.spec_decode.stats import SpecStats
 
 
 class NgramReplay:
