@@ -23,6 +23,7 @@ is a per-record error naming the field.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import string
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import orjson
 
-from specbatch.config import SAMPLING_FIELDS, SamplingParams
+from specbatch.config import SAMPLING_FIELDS, UNSUPPORTED_SAMPLING_FIELDS, SamplingParams
 
 PROMPT_FIELDS = ("prompt", "messages", "turns")
 ID_FIELDS = ("id", "question_id")
@@ -41,6 +42,10 @@ ROLES = ("system", "user", "assistant")
 FORMATS = (".jsonl", ".json", ".parquet", ".csv")
 _BOM = b"\xef\xbb\xbf"
 INT_SAMPLING_FIELDS = ("top_k", "seed", "max_tokens", "min_tokens", "logprobs")
+# A field within this difflib ratio of a known name (lower case, '-' and ' ' read as '_') is
+# taken for a typo of it: 0.9 catches "temprature", "max_token", "prompts"; it spares metadata
+# such as "speed" (0.89 to "seed"), "top" (0.86 to "stop"), "num_tokens" (0.8 to "min_tokens").
+NEAR_MISS_CUTOFF = 0.9
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,7 @@ def read_records(path: str | os.PathLike, *, prompt_field: str | None = None,
     if not rows:
         return [], [RecordError(p, 0, None, "no records")]
     records, errors, first_line = [], [], {}
+    named = {prompt_field, id_field, *(template_fields(template) if template is not None else ())}
     for line, row in rows:
         if isinstance(row, _BadLine):
             errors.append(RecordError(p, line, None, row.reason))
@@ -121,6 +127,7 @@ def read_records(path: str | os.PathLike, *, prompt_field: str | None = None,
             if key in first_line:
                 raise ValueError(_duplicate(seen, first_line[key]))
             first_line[key] = seen
+            _check_fields(row, named)
             if template is not None:
                 prompt, messages, turns = None, [_render(template, row)], None
             else:
@@ -179,12 +186,13 @@ class _WideInts:
     """A JSON object holding an integer beyond 64 bits, which orjson reads as a float.
 
     row: the object as orjson read it (what the output echoes). ints: top-level key -> the
-    integer as written, so that a checked field (the id, an integer sampling field) is reported
-    as the user wrote it, not as ``1.2345678901234568e+29``.
+    integer (or the list holding one, e.g. ``stop_token_ids``) as written, so that a checked
+    field (the id, an integer sampling field) is reported as the user wrote it, not as
+    ``1.2345678901234568e+29``.
     """
 
     row: dict
-    ints: dict[str, int]
+    ints: dict[str, int | list]
 
 
 def _rows(path: Path, split: str | None
@@ -269,7 +277,11 @@ def _json_rows(data: bytes, suffix: str
 
 
 def _jsonl_rows(data: bytes) -> Iterator[tuple[int, dict | _BadLine | _WideInts]]:
-    for n, raw in enumerate(data.split(b"\n"), start=1):
+    # a file with CR and no LF has classic Mac line endings (a raw CR cannot be inside a JSON
+    # string, so it can only end a line or be blank space); CRLF lines keep a CR that orjson
+    # reads as blank space
+    eol = b"\r" if b"\n" not in data and b"\r" in data else b"\n"
+    for n, raw in enumerate(data.split(eol), start=1):
         if not raw.strip():
             continue
         try:
@@ -289,9 +301,14 @@ def _jsonl_rows(data: bytes) -> Iterator[tuple[int, dict | _BadLine | _WideInts]
 
 
 def _may_be_wide(obj: dict) -> bool:
-    """Whether a top-level value may be an integer that orjson read as a float (beyond 64 bits);
-    ``_exact`` decides."""
-    return any(isinstance(v, float) and abs(v) >= 2**63 and v.is_integer() for v in obj.values())
+    """Whether a top-level value, or an element of a top-level list (``stop_token_ids``), may be
+    an integer that orjson read as a float (beyond 64 bits); ``_exact`` decides."""
+    return any(_wide_float(v) or (isinstance(v, list) and any(_wide_float(x) for x in v))
+               for v in obj.values())
+
+
+def _wide_float(v) -> bool:
+    return isinstance(v, float) and abs(v) >= 2**63 and v.is_integer()
 
 
 def _exact(source: str | bytes):
@@ -304,12 +321,22 @@ def _exact(source: str | bytes):
 
 def _with_wide_ints(row: dict, exact) -> dict | _WideInts:
     """``row``, or a ``_WideInts`` with the integers ``exact`` (the same object read exactly)
-    holds where ``row`` has floats."""
+    holds where ``row`` has floats: a top-level integer, or a whole list holding one."""
     if not isinstance(exact, dict):
         return row
-    ints = {k: v for k, v in exact.items() if isinstance(v, int) and not isinstance(v, bool)
-            and isinstance(row.get(k), float)}
+    ints = {}
+    for k, v in exact.items():
+        got = row.get(k)
+        if _is_int(v) and isinstance(got, float):
+            ints[k] = v
+        elif (isinstance(v, list) and isinstance(got, list)
+              and any(_is_int(x) and isinstance(y, float) for x, y in zip(v, got))):
+            ints[k] = v
     return _WideInts(row, ints) if ints else row
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _duplicate(this: tuple[int, str | int, bool], first: tuple[int, str | int, bool]) -> str:
@@ -334,7 +361,7 @@ def _record_id(row: dict, id_field: str | None, line: int, wide: dict[str, int])
         key = id_field
     else:
         key = next((k for k in ID_FIELDS if row.get(k) is not None), None)
-    if key in wide:
+    if key in wide and _is_int(wide[key]):
         raise ValueError(f"id {wide[key]} does not fit in 64 bits; write it as a string")
     value = line if key is None else row[key]
     if isinstance(value, bool) or not isinstance(value, (str, int)):
@@ -342,6 +369,55 @@ def _record_id(row: dict, id_field: str | None, line: int, wide: dict[str, int])
     if isinstance(value, str) and not value.strip():
         raise ValueError("id is an empty string")
     return value
+
+
+def unsupported_fields(row: dict) -> list[str]:
+    """The record's non-null fields that are sampling parameters specbatch does not apply
+    (``config.UNSUPPORTED_SAMPLING_FIELDS``, less any that are now ``SAMPLING_FIELDS``), in the
+    record's order."""
+    return [k for k, v in row.items() if v is not None and k in UNSUPPORTED_SAMPLING_FIELDS
+            and k not in SAMPLING_FIELDS]
+
+
+def _check_fields(row: dict, named: set) -> None:
+    """Raise ``ValueError`` for a field the user cannot mean as metadata: a sampling parameter
+    specbatch does not apply, or a near-miss of a field the reader knows ("temprature"). Other
+    fields are metadata and pass through. named: fields the run names (--prompt-field,
+    --id-field, template fields), never near-misses."""
+    bad = unsupported_fields(row)
+    if bad:
+        hints = {UNSUPPORTED_SAMPLING_FIELDS[k] for k in bad}
+        names = ", ".join(repr(k) for k in bad)
+        if len(bad) == 1 and hints != {""}:
+            raise ValueError(f"unsupported sampling parameter {names}: use {hints.pop()}")
+        raise ValueError(f"unsupported sampling parameter{'s' * (len(bad) > 1)} {names}: "
+                         f"specbatch does not apply {'them' if len(bad) > 1 else 'it'} (rename a "
+                         "field that is only metadata)")
+    for k in row:
+        meant = None if k in named else _near_miss(k)
+        if meant is not None:
+            raise ValueError(f"unknown field {k!r}: did you mean {meant!r}? (rename a field "
+                             "that is only metadata)")
+
+
+_KNOWN_FIELDS = (*SAMPLING_FIELDS, *PROMPT_FIELDS, *ID_FIELDS)
+
+
+def _near_miss(name: str) -> str | None:
+    """The known field ``name`` is probably a typo of, else None. A near-miss: the same name
+    but for case, '-', '_' and ' ' ("maxTokens", "top-p"); a plural or singular of a name of 4+
+    letters ("stops", "message"); or a difflib ratio >= ``NEAR_MISS_CUTOFF``."""
+    known = _KNOWN_FIELDS
+    if name in known or name in UNSUPPORTED_SAMPLING_FIELDS:
+        return None
+    norm = name.lower().replace("-", "_").replace(" ", "_")
+    for k in known:
+        if k.replace("_", "") == norm.replace("_", ""):
+            return k
+        if len(k) >= 4 and (norm == k + "s" or norm + "s" == k):
+            return k
+    match = difflib.get_close_matches(norm, known, n=1, cutoff=NEAR_MISS_CUTOFF)
+    return match[0] if match else None
 
 
 def _prompt(row: dict, prompt_field: str | None
@@ -352,7 +428,10 @@ def _prompt(row: dict, prompt_field: str | None
             raise ValueError(f"missing prompt field {prompt_field!r}")
         name = prompt_field
     else:
-        name = next((k for k in PROMPT_FIELDS if row.get(k) is not None), None)
+        given = [k for k in PROMPT_FIELDS if row.get(k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"both {' and '.join(given)} are given; keep one")
+        name = given[0] if given else None
         if name is None:
             name = next((k for k in PROMPT_FIELDS if k in row), None)
             if name is None:
@@ -445,9 +524,12 @@ def _sampling(row: dict, defaults: SamplingParams, wide: dict[str, int]) -> Samp
     if not own:
         return defaults
     for k in INT_SAMPLING_FIELDS:
-        if k in own and k in wide:
+        if k in own and k in wide and _is_int(wide[k]):
             raise ValueError(f"invalid sampling field: {k}={wide[k]}: expected an integer "
                              "that fits in 64 bits")
+    if "stop_token_ids" in own and "stop_token_ids" in wide:
+        raise ValueError(f"invalid sampling field: stop_token_ids={wide['stop_token_ids']}: "
+                         "expected token ids that fit in 64 bits")
     try:
         return SamplingParams.from_dict(own, base=defaults)
     except (ValueError, TypeError) as e:

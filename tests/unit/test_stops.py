@@ -61,6 +61,7 @@ def detokenize(ids: list[int]) -> str:
 
 
 PROMPT = list(range(1, VOCAB)) + [1, 2, 3]  # the whole cycle, then 1 2 3: output starts 4 5 6
+CYCLE = [succ(t) for t in range(3, 3 + 20)]  # the greedy output: 4 5 ... 15 1 2 3 4 5 ...
 
 
 @dataclass
@@ -116,6 +117,15 @@ CASES = [
          2, 3, eos_ids=(7,)),
     Case("min_tokens bans stop ids too", sp(min_tokens=4, max_tokens=5, stop_token_ids=(7,)),
          [4, 5, 6, 8, 9], "length", None, "EeFfGgIiJj", 3, 2),
+    # stop strings, as vLLM's detokenizer: one that completes within the first min_tokens
+    # tokens does not count, ever; the next occurrence (output tokens 16, 17: 4 5) does
+    Case("min_tokens holds stop strings back", sp(min_tokens=3, stop=("Ff",)),
+         CYCLE[:17], "stop", "Ff", detokenize(CYCLE[:16]), 4, 14),
+    # "fG" completes with the 3rd token: allowed after 2, not after 3 (it ends inside them)
+    Case("stop string completing after min_tokens", sp(min_tokens=2, stop=("fG",)), [4, 5, 6],
+         "stop", "fG", "EeF", 2, 2),
+    Case("stop string completing at min_tokens", sp(min_tokens=3, stop=("fG",)), CYCLE[:18],
+         "stop", "fG", detokenize(CYCLE[:16]) + "F", 4, 15),
 ]
 
 
