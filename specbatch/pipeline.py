@@ -138,7 +138,7 @@ def _output_fields(rec, completions: list[Completion]) -> dict:
         "output_token_ids": per_turn([c.output_ids for c in completions]),
         "finish_reason": per_turn([c.finish_reason for c in completions]),
         "stop_reason": per_turn([c.stop_reason for c in completions]),
-        "usage": {"prompt_tokens": sum(len(c.prompt_ids) for c in completions),
+        "usage": {"prompt_tokens": sum(len(c.prompt_ids) for c in completions if c.prompt_fed),
                   "completion_tokens": sum(len(c.output_ids) for c in completions)},
         "spec": stats.to_dict(),
     }

@@ -135,7 +135,10 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         _report_errors(errors, "fail")
         return EXIT_BAD_INPUT
 
-    from specbatch.io.records import RecordError
+    from specbatch.io.records import RecordError, order_warning
+
+    if (warning := order_warning(records)) is not None:
+        _err(f"warning: {warning}")
     from specbatch.io.writer import OutputWriter, check_output_path
 
     try:  # before the model loads: a wrong output path should not cost a load

@@ -59,6 +59,7 @@ class Sequence:
         self.num_prompt_tokens = len(request.prompt_ids)
         self.k = k  # current draft cap; the planner may change it per step
         self.row: int | None = None
+        self.is_prefilled = False  # whether the prompt was fed (a too-long one never is)
         self.finish_reason: str | None = None  # "stop" | "length" | "error"
         self.stop_reason: int | str | None = None
         self.error: str | None = None

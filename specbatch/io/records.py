@@ -59,6 +59,7 @@ class Record:
     Exactly one of ``prompt`` (plain text), ``messages`` (chat list of {role, content}) and
     ``turns`` (user turns, generated in order, each answer fed back) is set.
     sampling: the run defaults overridden by the record's own sampling fields.
+    id_from_line: the record has no id, so ``id`` is its line number.
     """
 
     index: int
@@ -69,6 +70,7 @@ class Record:
     messages: list[dict] | None
     turns: list[str] | None
     sampling: SamplingParams
+    id_from_line: bool = False
 
 
 @dataclass(frozen=True)
@@ -136,8 +138,23 @@ def read_records(path: str | os.PathLike, *, prompt_field: str | None = None,
         except ValueError as e:
             errors.append(RecordError(p, line, rec_id, str(e)))
             continue
-        records.append(Record(len(records), line, rec_id, row, prompt, messages, turns, sampling))
+        records.append(Record(len(records), line, rec_id, row, prompt, messages, turns, sampling,
+                              id_from_line=seen[2]))
     return records, errors
+
+
+def order_warning(records: Iterable[Record]) -> str | None:
+    """A one-line warning when records sample (temperature > 0) with neither an id nor a
+    seed: the id falls back to the line number and the seed derives from the id, so their
+    output changes when their place in the file changes. None when no record is affected."""
+    lines = [r.line for r in records
+             if r.id_from_line and r.sampling.seed is None and not r.sampling.is_greedy]
+    if not lines:
+        return None
+    where = ", ".join(map(str, lines[:3])) + (", ..." if len(lines) > 3 else "")
+    return (f"{len(lines)} record(s) sample at temperature > 0 with no id and no seed (line "
+            f"{where}): their seed derives from the line number, so their output changes if "
+            "their place in the file changes; give each an id or a seed")
 
 
 def check_lengths(records: Iterable[Record], count_tokens: Callable[[Record], int],
@@ -551,4 +568,5 @@ def _kind(value) -> str:
 
 
 __all__ = ["Record", "RecordError", "read_records", "check_lengths", "template_fields",
+           "order_warning", "unsupported_fields",
            "PROMPT_FIELDS", "ID_FIELDS"]

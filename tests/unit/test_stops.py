@@ -228,3 +228,24 @@ def test_logprobs_equal_with_spec_on_and_off(temperature):
         assert abs(entry.logprob - ref[j, entry.token_id].item()) < 1e-9
         top = torch.topk(ref[j], 3)
         assert [t for t, _ in entry.top] == top.indices.tolist()
+
+
+# token -> UTF-8 bytes: 5 6 split "你" (e4 bd a0); 8 9 10 split "😀" (f0 9f 98 80)
+BYTES = {4: b"a", 5: b"\xe4\xbd", 6: b"\xa0", 7: b"b", 8: b"\xf0", 9: b"\x9f\x98", 10: b"\x80"}
+
+
+def byte_detokenize(ids: list[int]) -> str:
+    """A byte-level detokenizer: bytes joined, then decoded with U+FFFD for bad bytes."""
+    return b"".join(BYTES.get(t, b"?") for t in ids).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("max_tokens, text", [(1, "a"), (2, "a"), (3, "a你"), (4, "a你b"),
+                                              (5, "a你b"), (6, "a你b"), (7, "a你b😀")])
+def test_text_holds_back_an_incomplete_character(max_tokens, text):
+    """max_tokens cutting inside a multi-byte character: the text leaves the incomplete
+    character out (no U+FFFD), as a streaming detokenizer holds it back; the ids stay whole."""
+    for k in (5, 0):
+        out = run_engine(ScriptedForward(), [PROMPT], k, 1, sp(max_tokens=max_tokens),
+                         detokenize=byte_detokenize)[0]
+        assert out.output_ids == CYCLE[:max_tokens] and out.finish_reason == "length"
+        assert out.text == text, k
