@@ -111,7 +111,8 @@ class SpecConfig:
         model, ``draft_model``).
     num_speculative_tokens: k, draft tokens per verify step (the cap when k varies per row).
     prompt_lookup_min / prompt_lookup_max: n-gram sizes (tokens) the lookup tries, longest first.
-    draft_model: the draft model (registry name, .gguf or HF folder); required for ``draft``.
+    draft_model: the draft model (registry name, .gguf or HF folder); required for ``draft``,
+        optional for ``auto``, refused for ``ngram`` (it would go unused), ignored by ``none``.
     """
 
     method: str = "none"
@@ -127,6 +128,11 @@ class SpecConfig:
                "draft_model", self.draft_model, "a model name or path")
         _check(self.method != "draft" or self.draft_model is not None, "draft_model",
                self.draft_model, "a draft model (--draft-model NAME) for method draft")
+        # ngram would leave it unused, and a user would believe it drafted; none drafts nothing,
+        # so a baseline may share the command line of the draft run it is compared with
+        _check(self.draft_model is None or self.method != "ngram", "draft_model",
+               self.draft_model, "no draft model with method ngram (prompt lookup drafts; use "
+               "method draft or auto to draft with a model)")
         _check(_is_int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= 32,
                "num_speculative_tokens", self.num_speculative_tokens, "an integer in [0, 32]")
         _check(_is_int(self.prompt_lookup_min) and self.prompt_lookup_min >= 1,
