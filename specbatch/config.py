@@ -6,7 +6,9 @@ naming the field and the value. Derived values are properties.
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 from dataclasses import dataclass, fields, replace
 
 METHODS = ("none", "ngram", "draft", "auto")
@@ -177,11 +179,15 @@ class EngineConfig:
 
 def resolve_device(name: str) -> str:
     """``auto`` -> ``cuda`` if torch sees a GPU, else ``cpu``; ``cpu`` / ``cuda`` / ``cuda:N``
-    are checked (a GPU must be visible to torch). Raises ``ValueError`` naming the value."""
-    import torch
-
+    are checked (a GPU must be visible to torch). Raises ``ValueError`` naming the value.
+    ``cpu``, and ``auto`` on a Linux machine without GPU device files, do not import torch
+    (seconds), so that errors found before the model loads are shown at once."""
     _check(isinstance(name, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", name) is not None,
            "device", name, "auto, cpu, cuda or cuda:N")
+    if name == "cpu" or (name == "auto" and _surely_no_gpu()):
+        return "cpu"
+    import torch
+
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda"):
@@ -190,6 +196,13 @@ def resolve_device(name: str) -> str:
         _check(index < count, "device", name,
                f"a visible GPU (torch {torch.__version__} sees {count})")
     return name
+
+
+def _surely_no_gpu() -> bool:
+    """Linux without the device files of an NVIDIA, ROCm or WSL GPU driver: torch cannot see a
+    GPU there."""
+    return sys.platform.startswith("linux") and not any(
+        os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg"))
 
 
 def _is_int(v) -> bool:

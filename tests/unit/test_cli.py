@@ -181,3 +181,16 @@ def test_every_option_has_a_help_text():
 
     walk(main, "specbatch")
     assert not missing, missing
+
+
+def test_auto_device_skips_importing_torch_only_where_torch_sees_no_gpu():
+    """``--device auto`` decides "cpu" from the absence of GPU device files, without importing
+    torch; where that shortcut is taken, torch must agree."""
+    import torch
+
+    from specbatch.config import _surely_no_gpu
+
+    if _surely_no_gpu():
+        assert not torch.cuda.is_available()
+    if torch.cuda.is_available():
+        assert not _surely_no_gpu()
