@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specbatch.engine import logits as logits_processing
 from specbatch.engine.runner import ModelRunner
 from specbatch.engine.scheduler import Scheduler
 from specbatch.engine.sequence import LogprobEntry, Request, Sequence, StopRules
@@ -131,7 +132,7 @@ class Engine:
         proposed: the drafts before the policy cut them (what the policy learns from).
         """
         num_fed = [len(d) + 1 for d in drafts]
-        target_ids, scaled = self._sample(seqs, logits, num_fed)
+        target_ids, scaled = self._sample(seqs, logits, num_fed, drafts)
         qlen = logits.shape[1]
         target = torch.zeros((len(seqs), qlen), dtype=torch.int64)
         offsets = [0]
@@ -155,6 +156,7 @@ class Engine:
             emitted = target[i, :num_accepted[i] + 1].tolist()
             num_before = seq.num_output_tokens
             num_committed = self.stop_rules.commit(seq, emitted)
+            logits_processing.commit(seq, emitted[:num_committed])
             if not is_prefill:
                 seq.stats.record_step(len(drafts[i]), min(num_accepted[i], num_committed))
             else:
@@ -173,13 +175,15 @@ class Engine:
                 done.append(self._finish(seq))
         return done
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor,
-                num_fed: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, num_fed: list[int],
+                drafts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Target tokens at the fed positions of every row, flattened row-major: ``[sum num_fed]``."""
         rows = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(num_fed))
         cols = torch.cat([torch.arange(n) for n in num_fed])
         flat = logits[rows, cols].float() if logits.dtype != torch.float64 else logits[rows, cols]
-        temps, top_k, top_p, seeds, positions, bans = [], [], [], [], [], []
+        if logits_processing.needs_processing(seqs):  # grammar, logit_bias, penalties
+            flat = logits_processing.process_logits(flat, seqs, drafts)
+        temps, top_k, top_p, min_p, seeds, positions, bans = [], [], [], [], [], [], []
         any_ban = False
         for seq, n in zip(seqs, num_fed):
             sp = seq.sampling
@@ -188,6 +192,7 @@ class Engine:
                 temps.append(sp.temperature)
                 top_k.append(sp.top_k)
                 top_p.append(sp.top_p)
+                min_p.append(sp.min_p)
                 seeds.append(seq.request.seed)
                 positions.append(t)
                 ban = t < sp.min_tokens
@@ -203,7 +208,8 @@ class Engine:
                               torch.tensor(top_k, dtype=torch.int64),
                               torch.tensor(top_p, dtype=torch.float64),
                               torch.tensor(seeds, dtype=torch.int64),
-                              torch.tensor(positions, dtype=torch.int64), banned)
+                              torch.tensor(positions, dtype=torch.int64), banned,
+                              torch.tensor(min_p, dtype=torch.float64))
 
     def _add_logprobs(self, seq: Sequence, scaled: torch.Tensor, ids: list[int]) -> None:
         """scaled: ``[n, V]`` logits / T (logits at T = 0) at the committed positions."""
@@ -219,7 +225,12 @@ class Engine:
 
     def _make_sequence(self, request: Request) -> Sequence:
         k = self.k if request.max_k is None else min(self.k, request.max_k)
-        return Sequence(request, self.proposer.name, k)
+        seq = Sequence(request, self.proposer.name, k)
+        if request.grammar is not None:
+            from specbatch.engine.grammar import new_matcher
+
+            seq.matcher = new_matcher(request.grammar, self.stop_rules.stop_ids(request.sampling))
+        return seq
 
     def _finish(self, seq: Sequence) -> Completion:
         self.proposer.finish(seq)
