@@ -38,6 +38,7 @@ _FLAG_OF = {"num_speculative_tokens": "--k", "prompt_lookup_min": "--prompt-look
             "min_tokens": "--min-tokens", "top_p": "--top-p", "top_k": "--top-k",
             "temperature": "--temperature", "draft_model": "--draft-model",
             "stop_token_ids": "--stop-token-id", "logprobs": "--logprobs", "dtype": "--dtype",
+            "device": "--device",
             "n": "--n", "repetition_penalty": "--repetition-penalty", "min_p": "--min-p",
             "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty"}
 
@@ -103,6 +104,9 @@ def _model_options(f):
         click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float64"]),
                      default="bfloat16", show_default=True,
                      help="Weights and activations dtype (bfloat16 is fastest on AMX CPUs)."),
+        click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
+                     show_default=True,
+                     help="Where the model runs: auto picks cuda when a GPU is visible."),
         click.option("--max-batch-size", type=click.IntRange(1), default=16, show_default=True,
                      help="Rows decoded together (continuous batching)."),
         click.option("--max-model-len", type=click.IntRange(2), default=None,
@@ -246,11 +250,11 @@ def _given(ctx: click.Context, name: str) -> bool:
 @click.option("--plan-only", is_flag=True,
               help="With --method auto: print the plan (buckets, k, predicted speedup) and exit.")
 @click.pass_context
-def run(ctx, input_path, output, recipe, template, model, dtype, max_batch_size, max_model_len,
-        cache_dir, method, draft_model, k, prompt_lookup_min, prompt_lookup_max, max_tokens,
-        min_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, logprobs,
-        prompt_field, id_field, split, limit, on_error, resume, force, no_progress, plan_only,
-        **more_sampling):
+def run(ctx, input_path, output, recipe, template, model, dtype, device, max_batch_size,
+        max_model_len, cache_dir, method, draft_model, k, prompt_lookup_min, prompt_lookup_max,
+        max_tokens, min_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
+        ignore_eos, logprobs, prompt_field, id_field, split, limit, on_error, resume, force,
+        no_progress, plan_only, **more_sampling):
     """Generate an output for every record of INPUT (JSONL, JSON, Parquet, CSV or a saved
     dataset folder) and write them, with per-record acceptance stats, to OUT."""
     from specbatch.run import RunOptions, run_job
@@ -273,7 +277,7 @@ def run(ctx, input_path, output, recipe, template, model, dtype, max_batch_size,
                           prompt_lookup_min=prompt_lookup_min,
                           prompt_lookup_max=prompt_lookup_max, draft_model=draft_model)
         engine = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_model_len,
-                              dtype=dtype)
+                              dtype=dtype, device=device)
     except ValueError as e:
         raise click.UsageError(_as_flags(str(e))) from None
     out = output or f"{Path(input_path).name.split('.')[0]}.out.jsonl"
@@ -305,7 +309,7 @@ def run(ctx, input_path, output, recipe, template, model, dtype, max_batch_size,
 @click.option("--group", "groups", multiple=True, metavar="NAME=CAT,CAT",
               help="Also a table row for these categories together (repeatable), e.g. "
                    "copy-heavy=summarization,rag.")
-def bench(input_path, configs, draft_model, model, dtype, max_batch_size, max_model_len,
+def bench(input_path, configs, draft_model, model, dtype, device, max_batch_size, max_model_len,
           cache_dir, max_tokens, min_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
           ignore_eos, logprobs, prompt_field, id_field, split, limit, per_category, categories,
           repeats, groups, **more_sampling):
@@ -319,7 +323,7 @@ def bench(input_path, configs, draft_model, model, dtype, max_batch_size, max_mo
                                   stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
                                   logprobs=logprobs, **_more_sampling(more_sampling))
         engine = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_model_len,
-                              dtype=dtype)
+                              dtype=dtype, device=device)
         specs = parse_configs(configs, draft_model)
         named_groups = parse_groups(groups)
     except ValueError as e:
@@ -362,12 +366,18 @@ def analyze(paths, by, what_if, calibration, batch_size, compare, as_json, plot_
 @click.option("--output", "-o", default=None, type=click.Path(dir_okay=False),
               help="Also write the cost model here (JSON).")
 @click.option("--recalibrate", is_flag=True, help="Measure again even if cached.")
-def calibrate(model, dtype, max_batch_size, max_model_len, cache_dir, output, recalibrate):
+def calibrate(model, dtype, device, max_batch_size, max_model_len, cache_dir, output,
+              recalibrate):
     """Measure this machine's step cost for the model and dtype (used by --method auto and
     analyze --what-if); cached per (model, dtype, device, host)."""
+    from specbatch.config import resolve_device
     from specbatch.plan.calibrate_cmd import run_calibrate
 
-    sys.exit(run_calibrate(model, dtype, cache_dir, output, recalibrate))
+    try:
+        device = resolve_device(device)
+    except ValueError as e:
+        raise click.UsageError(_as_flags(str(e))) from None
+    sys.exit(run_calibrate(model, dtype, cache_dir, output, recalibrate, device=device))
 
 
 @main.command("predict-eval")

@@ -6,6 +6,7 @@ naming the field and the value. Derived values are properties.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields, replace
 
 METHODS = ("none", "ngram", "draft", "auto")
@@ -240,13 +241,15 @@ class EngineConfig:
 
     max_model_len: cap on prompt + completion tokens per row; ``None`` takes the model's context.
     prefill_chunk: prompt tokens per prefill forward (bounds activation memory).
+    device: ``auto`` (cuda when available, else cpu), ``cpu``, ``cuda`` or ``cuda:N``; stored
+    resolved (``auto`` never remains). Raises ``ValueError`` for cuda without a usable GPU.
     """
 
     max_batch_size: int = 16
     max_model_len: int | None = None
     prefill_chunk: int = 1024
     dtype: str = "float32"
-    device: str = "cpu"
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         _check(_is_int(self.max_batch_size) and self.max_batch_size >= 1, "max_batch_size",
@@ -257,6 +260,24 @@ class EngineConfig:
         _check(_is_int(self.prefill_chunk) and self.prefill_chunk >= 16, "prefill_chunk",
                self.prefill_chunk, "an integer >= 16")
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
+        object.__setattr__(self, "device", resolve_device(self.device))
+
+
+def resolve_device(name: str) -> str:
+    """``auto`` -> ``cuda`` if torch sees a GPU, else ``cpu``; ``cpu`` / ``cuda`` / ``cuda:N``
+    are checked (a GPU must be visible to torch). Raises ``ValueError`` naming the value."""
+    import torch
+
+    _check(isinstance(name, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", name) is not None,
+           "device", name, "auto, cpu, cuda or cuda:N")
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(name.partition(":")[2] or 0)
+        _check(index < count, "device", name,
+               f"a visible GPU (torch {torch.__version__} sees {count})")
+    return name
 
 
 def _is_int(v) -> bool:
@@ -272,5 +293,5 @@ def _check(ok: bool, name: str, value, expected: str) -> None:
         raise ValueError(f"{name}={value!r}: expected {expected}")
 
 
-__all__ = ["SamplingParams", "SpecConfig", "EngineConfig", "SAMPLING_FIELDS", "METHODS", "DTYPES",
+__all__ = ["SamplingParams", "SpecConfig", "EngineConfig", "resolve_device", "SAMPLING_FIELDS", "METHODS", "DTYPES",
            "MIN_INT", "MAX_INT"]

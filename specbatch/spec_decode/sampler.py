@@ -112,9 +112,7 @@ def mask_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     As vLLM's ``MinPLogitsProcessor`` (Nguyen et al. 2024, arXiv 2407.01082): applied before
     top-k / top-p, and the most likely token is always kept.
     """
-    if bool((min_p == 0).all()):
-        return logits
-    probs = torch.softmax(logits, dim=-1)
+    probs = torch.softmax(logits, dim=-1)  # min_p = 0 rows: threshold 0, nothing dropped
     threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
     return logits.masked_fill(probs < threshold, float("-inf"))
 
