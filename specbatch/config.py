@@ -6,7 +6,9 @@ naming the field and the value. Derived values are properties.
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 from dataclasses import dataclass, field, fields, replace
 
 METHODS = ("none", "ngram", "draft", "auto")
@@ -206,7 +208,8 @@ class SpecConfig:
         model, ``draft_model``).
     num_speculative_tokens: k, draft tokens per verify step (the cap when k varies per row).
     prompt_lookup_min / prompt_lookup_max: n-gram sizes (tokens) the lookup tries, longest first.
-    draft_model: the draft model (registry name, .gguf or HF folder); required for ``draft``.
+    draft_model: the draft model (registry name, .gguf or HF folder); required for ``draft``,
+        optional for ``auto``, refused for ``ngram`` (it would go unused), ignored by ``none``.
     """
 
     method: str = "none"
@@ -222,6 +225,11 @@ class SpecConfig:
                "draft_model", self.draft_model, "a model name or path")
         _check(self.method != "draft" or self.draft_model is not None, "draft_model",
                self.draft_model, "a draft model (--draft-model NAME) for method draft")
+        # ngram would leave it unused, and a user would believe it drafted; none drafts nothing,
+        # so a baseline may share the command line of the draft run it is compared with
+        _check(self.draft_model is None or self.method != "ngram", "draft_model",
+               self.draft_model, "no draft model with method ngram (prompt lookup drafts; use "
+               "method draft or auto to draft with a model)")
         _check(_is_int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= 32,
                "num_speculative_tokens", self.num_speculative_tokens, "an integer in [0, 32]")
         _check(_is_int(self.prompt_lookup_min) and self.prompt_lookup_min >= 1,
@@ -265,11 +273,15 @@ class EngineConfig:
 
 def resolve_device(name: str) -> str:
     """``auto`` -> ``cuda`` if torch sees a GPU, else ``cpu``; ``cpu`` / ``cuda`` / ``cuda:N``
-    are checked (a GPU must be visible to torch). Raises ``ValueError`` naming the value."""
-    import torch
-
+    are checked (a GPU must be visible to torch). Raises ``ValueError`` naming the value.
+    ``cpu``, and ``auto`` on a Linux machine without GPU device files, do not import torch
+    (seconds), so that errors found before the model loads are shown at once."""
     _check(isinstance(name, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", name) is not None,
            "device", name, "auto, cpu, cuda or cuda:N")
+    if name == "cpu" or (name == "auto" and _surely_no_gpu()):
+        return "cpu"
+    import torch
+
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda"):
@@ -278,6 +290,13 @@ def resolve_device(name: str) -> str:
         _check(index < count, "device", name,
                f"a visible GPU (torch {torch.__version__} sees {count})")
     return name
+
+
+def _surely_no_gpu() -> bool:
+    """Linux without the device files of an NVIDIA, ROCm or WSL GPU driver: torch cannot see a
+    GPU there."""
+    return sys.platform.startswith("linux") and not any(
+        os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg"))
 
 
 def _is_int(v) -> bool:
