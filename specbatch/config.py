@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-METHODS = ("none", "ngram", "draft", "auto")
+METHODS = ("none", "ngram", "draft", "auto", "suffix")
+SUFFIX_CAP_FACTOR = 3  # suffix drafts may reach this many times k where a match is long
 DTYPES = ("float32", "bfloat16", "float64", "float16")
 # The integers a JSON file holds exactly (orjson reads and writes -2**63 .. 2**64 - 1; it reads
 # a longer integer as a float): the range of a seed, which the output's config saves.
@@ -107,11 +108,13 @@ SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 class SpecConfig:
     """Which proposer drafts tokens and how many.
 
-    method: ``none`` (plain decoding, k = 0), ``ngram`` (prompt lookup) or ``draft`` (a draft
-        model, ``draft_model``).
+    method: ``none`` (plain decoding, k = 0), ``ngram`` (prompt lookup), ``draft`` (a draft
+        model, ``draft_model``), ``suffix`` (own text + the job's finished outputs,
+        ``spec_decode.suffix``) or ``auto`` (chooses per row and step).
     num_speculative_tokens: k, draft tokens per verify step (the cap when k varies per row).
     prompt_lookup_min / prompt_lookup_max: n-gram sizes (tokens) the lookup tries, longest first.
     draft_model: the draft model (registry name, .gguf or HF folder); required for ``draft``.
+    suffix_max_tokens: bound (output tokens) of the job-wide suffix index; oldest evicted first.
     """
 
     method: str = "none"
@@ -119,6 +122,7 @@ class SpecConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     draft_model: str | None = None
+    suffix_max_tokens: int = 1 << 20
 
     def __post_init__(self) -> None:
         _check(self.method in METHODS, "method", self.method, f"one of {', '.join(METHODS)}")
@@ -134,10 +138,21 @@ class SpecConfig:
         _check(_is_int(self.prompt_lookup_max) and self.prompt_lookup_max >= self.prompt_lookup_min,
                "prompt_lookup_max", self.prompt_lookup_max, "an integer >= prompt_lookup_min")
 
+        _check(_is_int(self.suffix_max_tokens) and self.suffix_max_tokens >= 1,
+               "suffix_max_tokens", self.suffix_max_tokens, "an integer >= 1")
+
     @property
     def k(self) -> int:
         """Draft tokens per verify step; 0 for ``none``."""
         return 0 if self.method == "none" else self.num_speculative_tokens
+
+    @property
+    def draft_cap(self) -> int:
+        """The engine's per-row draft cap (tokens): k, except that ``suffix`` may draft a long,
+        frequent suffix match past k, up to ``SUFFIX_CAP_FACTOR * k`` (at most 32)."""
+        if self.method == "suffix":
+            return min(32, SUFFIX_CAP_FACTOR * self.k)
+        return self.k
 
 
 @dataclass(frozen=True)
