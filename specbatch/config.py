@@ -6,6 +6,9 @@ naming the field and the value. Derived values are properties.
 
 from __future__ import annotations
 
+import os
+import re
+import sys
 from dataclasses import dataclass, fields, replace
 
 METHODS = ("none", "ngram", "draft", "auto", "suffix")
@@ -113,7 +116,9 @@ class SpecConfig:
         ``spec_decode.suffix``) or ``auto`` (chooses per row and step).
     num_speculative_tokens: k, draft tokens per verify step (the cap when k varies per row).
     prompt_lookup_min / prompt_lookup_max: n-gram sizes (tokens) the lookup tries, longest first.
-    draft_model: the draft model (registry name, .gguf or HF folder); required for ``draft``.
+    draft_model: the draft model (registry name, .gguf or HF folder); required for ``draft``,
+        optional for ``auto``, refused for ``ngram`` and ``suffix`` (it would go unused),
+        ignored by ``none``.
     suffix_max_tokens: bound (output tokens) of the job-wide suffix index; oldest evicted first.
     """
 
@@ -131,13 +136,17 @@ class SpecConfig:
                "draft_model", self.draft_model, "a model name or path")
         _check(self.method != "draft" or self.draft_model is not None, "draft_model",
                self.draft_model, "a draft model (--draft-model NAME) for method draft")
+        # ngram would leave it unused, and a user would believe it drafted; none drafts nothing,
+        # so a baseline may share the command line of the draft run it is compared with
+        _check(self.draft_model is None or self.method not in ("ngram", "suffix"), "draft_model",
+               self.draft_model, f"no draft model with method {self.method} (it drafts by "
+               "lookup; use method draft or auto to draft with a model)")
         _check(_is_int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= 32,
                "num_speculative_tokens", self.num_speculative_tokens, "an integer in [0, 32]")
         _check(_is_int(self.prompt_lookup_min) and self.prompt_lookup_min >= 1,
                "prompt_lookup_min", self.prompt_lookup_min, "an integer >= 1")
         _check(_is_int(self.prompt_lookup_max) and self.prompt_lookup_max >= self.prompt_lookup_min,
                "prompt_lookup_max", self.prompt_lookup_max, "an integer >= prompt_lookup_min")
-
         _check(_is_int(self.suffix_max_tokens) and self.suffix_max_tokens >= 1,
                "suffix_max_tokens", self.suffix_max_tokens, "an integer >= 1")
 
@@ -161,13 +170,15 @@ class EngineConfig:
 
     max_model_len: cap on prompt + completion tokens per row; ``None`` takes the model's context.
     prefill_chunk: prompt tokens per prefill forward (bounds activation memory).
+    device: ``auto`` (cuda when available, else cpu), ``cpu``, ``cuda`` or ``cuda:N``; stored
+    resolved (``auto`` never remains). Raises ``ValueError`` for cuda without a usable GPU.
     """
 
     max_batch_size: int = 16
     max_model_len: int | None = None
     prefill_chunk: int = 1024
     dtype: str = "float32"
-    device: str = "cpu"
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         _check(_is_int(self.max_batch_size) and self.max_batch_size >= 1, "max_batch_size",
@@ -178,6 +189,35 @@ class EngineConfig:
         _check(_is_int(self.prefill_chunk) and self.prefill_chunk >= 16, "prefill_chunk",
                self.prefill_chunk, "an integer >= 16")
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
+        object.__setattr__(self, "device", resolve_device(self.device))
+
+
+def resolve_device(name: str) -> str:
+    """``auto`` -> ``cuda`` if torch sees a GPU, else ``cpu``; ``cpu`` / ``cuda`` / ``cuda:N``
+    are checked (a GPU must be visible to torch). Raises ``ValueError`` naming the value.
+    ``cpu``, and ``auto`` on a Linux machine without GPU device files, do not import torch
+    (seconds), so that errors found before the model loads are shown at once."""
+    _check(isinstance(name, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", name) is not None,
+           "device", name, "auto, cpu, cuda or cuda:N")
+    if name == "cpu" or (name == "auto" and _surely_no_gpu()):
+        return "cpu"
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(name.partition(":")[2] or 0)
+        _check(index < count, "device", name,
+               f"a visible GPU (torch {torch.__version__} sees {count})")
+    return name
+
+
+def _surely_no_gpu() -> bool:
+    """Linux without the device files of an NVIDIA, ROCm or WSL GPU driver: torch cannot see a
+    GPU there."""
+    return sys.platform.startswith("linux") and not any(
+        os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg"))
 
 
 def _is_int(v) -> bool:
@@ -189,5 +229,5 @@ def _check(ok: bool, name: str, value, expected: str) -> None:
         raise ValueError(f"{name}={value!r}: expected {expected}")
 
 
-__all__ = ["SamplingParams", "SpecConfig", "EngineConfig", "SAMPLING_FIELDS", "METHODS", "DTYPES",
+__all__ = ["SamplingParams", "SpecConfig", "EngineConfig", "resolve_device", "SAMPLING_FIELDS", "METHODS", "DTYPES",
            "MIN_INT", "MAX_INT"]

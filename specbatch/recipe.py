@@ -8,7 +8,7 @@ optional except ``name`` and ``version``::
     version = 1               # bump it when a change must not resume an older run's work
     description = "..."
 
-    [model]        name, dtype, max_batch_size, max_model_len
+    [model]        name, dtype, device, max_batch_size, max_model_len
     [speculation]  method, k, prompt_lookup_min, prompt_lookup_max, draft_model
     [sampling]     temperature, top_p, top_k, seed (the run seed, --seed), max_tokens,
                    min_tokens, stop, stop_token_ids, ignore_eos, logprobs
@@ -36,7 +36,8 @@ else:  # pragma: no cover - Python 3.10
 
 # table -> {recipe key: ``specbatch run`` parameter name}
 SECTIONS = MappingProxyType({
-    "model": {"name": "model", "dtype": "dtype", "max_batch_size": "max_batch_size",
+    "model": {"name": "model", "dtype": "dtype", "device": "device",
+              "max_batch_size": "max_batch_size",
               "max_model_len": "max_model_len"},
     "speculation": {"method": "method", "k": "k", "prompt_lookup_min": "prompt_lookup_min",
                     "prompt_lookup_max": "prompt_lookup_max", "draft_model": "draft_model"},

@@ -139,7 +139,8 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     from specbatch.io.writer import OutputWriter, check_output_path
 
     try:  # before the model loads: a wrong output path should not cost a load
-        check_output_path(opts.output_path, opts.input_path)
+        check_output_path(opts.output_path, opts.input_path,
+                          force=None if opts.plan_only else opts.force)
     except ValueError as e:
         _err(f"error: {e}")
         return EXIT_BAD_INPUT
@@ -296,14 +297,17 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
              f"{writer.work_path}; free the space and rerun the same command to resume.")
         return EXIT_FAILED
     elapsed = time.perf_counter() - tput.start
-    _err(f"wrote {n} records to {opts.output_path} ({tput.num_tokens} new output tokens in "
-         f"{elapsed:.1f} s, {tput.tokens_per_second:.1f} tok/s; model load {load_s:.1f} s)")
+    # the result goes to stdout (``specbatch run ... > log`` keeps it); progress and warnings
+    # stay on stderr
+    click.echo(f"wrote {n} records to {opts.output_path} ({tput.num_tokens} new output tokens "
+               f"in {elapsed:.1f} s, {tput.tokens_per_second:.1f} tok/s; model load "
+               f"{load_s:.1f} s)")
     if failed:  # written, with finish_reason "error", but the user must hear of them
         _report_errors(failed, "skip", level="warning")
         _err(f"{len(failed)} record(s) stopped with an error; their output so far is written "
              "with finish_reason \"error\" and an \"error\" field")
-    _err(summary_table(by_category))
-    _err(memory_summary(engine))
+    click.echo(summary_table(by_category))
+    click.echo(memory_summary(engine))
     return EXIT_OK
 
 
