@@ -139,8 +139,9 @@ class SpecConfig:
         # ngram would leave it unused, and a user would believe it drafted; none drafts nothing,
         # so a baseline may share the command line of the draft run it is compared with
         _check(self.draft_model is None or self.method not in ("ngram", "suffix"), "draft_model",
-               self.draft_model, f"no draft model with method {self.method} (it drafts by "
-               "lookup; use method draft or auto to draft with a model)")
+               self.draft_model, f"no draft model with method {self.method} "
+               f"({'prompt' if self.method == 'ngram' else 'suffix'} lookup drafts; use method "
+               "draft or auto to draft with a model)")
         _check(_is_int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= 32,
                "num_speculative_tokens", self.num_speculative_tokens, "an integer in [0, 32]")
         _check(_is_int(self.prompt_lookup_min) and self.prompt_lookup_min >= 1,
