@@ -270,7 +270,8 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     tput = Throughput()
     by_category: dict[str, list] = defaultdict(list)
     failed = []  # records written with an ``error`` (a NaN, a later turn past the context)
-    bar = job.bar = _progress(len(records), len(done) + len(skip), opts.progress)
+    bar = job.bar = _progress(len(records), len(done) + len(skip), opts.progress,
+                              warmup=engine_config.max_batch_size)
 
     def on_tokens(n, stats):
         tput.add(n, stats)
@@ -340,12 +341,25 @@ def _or_dash(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def _progress(total: int, initial: int, enabled: bool):
+def _progress(total: int, initial: int, enabled: bool, warmup: int = 1):
+    """A tqdm bar over records on stderr. The time left is shown only once ``warmup`` records
+    (a batch) finished in this run, and from the mean rate since the start: the first records
+    finish after the prefill of the whole batch, and extrapolating from them (tqdm's default)
+    once said 2:24:13 for a job that took 22 minutes."""
     if not enabled:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, unit="rec", file=sys.stderr, dynamic_ncols=True)
+    class _Bar(tqdm):
+        @property
+        def format_dict(self):
+            d = super().format_dict
+            if d["n"] - d["initial"] < min(warmup, d["total"] - d["initial"]):
+                d["bar_format"] = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<?{postfix}]"
+            return d
+
+    return _Bar(total=total, initial=initial, unit="rec", file=sys.stderr, dynamic_ncols=True,
+                smoothing=0)
 
 
 def _input_digest(path: str) -> str:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specbatch.engine import logits as logits_processing
 from specbatch.engine.runner import ModelRunner
 from specbatch.engine.scheduler import Scheduler
 from specbatch.engine.sequence import LogprobEntry, Request, Sequence, StopRules
@@ -147,7 +148,11 @@ class Engine:
         Sampling and acceptance run on the logits' device; one copy brings the results back.
         proposed: the drafts before the policy cut them (what the policy learns from).
         """
-        target, num_accepted, scaled = sample_and_accept(logits, meta)
+        process = None  # grammar masks, logit_bias, penalties (engine.logits), when any row has them
+        if logits_processing.needs_processing(seqs):
+            def process(flat):
+                return logits_processing.process_logits(flat, seqs, drafts)
+        target, num_accepted, scaled = sample_and_accept(logits, meta, process)
         has_nan = torch.isnan(logits).flatten(1).any(dim=1)
         res = fetch_step_results(num_accepted, has_nan, target)
         if any(s.sampling.logprobs is not None for s in seqs):
@@ -165,6 +170,7 @@ class Engine:
             emitted = res.target_ids[i][:num_acc + 1]
             num_before = seq.num_output_tokens
             num_committed = self.stop_rules.commit(seq, emitted)
+            logits_processing.commit(seq, emitted[:num_committed])
             if not is_prefill:
                 seq.stats.record_step(len(drafts[i]), min(num_acc, num_committed))
             else:
@@ -197,7 +203,12 @@ class Engine:
 
     def _make_sequence(self, request: Request) -> Sequence:
         k = self.k if request.max_k is None else min(self.k, request.max_k)
-        return Sequence(request, self.proposer.name, k)
+        seq = Sequence(request, self.proposer.name, k)
+        if request.grammar is not None:
+            from specbatch.engine.grammar import new_matcher
+
+            seq.matcher = new_matcher(request.grammar, self.stop_rules.stop_ids(request.sampling))
+        return seq
 
     def _finish(self, seq: Sequence) -> Completion:
         self.proposer.finish(seq)

@@ -37,12 +37,14 @@ def count_accepted(target_ids: torch.Tensor, draft_ids: torch.Tensor,
     return match.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
-def sample_and_accept(logits: torch.Tensor, meta) -> tuple[torch.Tensor, torch.Tensor,
-                                                             torch.Tensor]:
+def sample_and_accept(logits: torch.Tensor, meta, process=None,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sampling and acceptance of one step, on the logits' device, no host sync.
 
     logits: ``[B, Q, V]`` float (the forward's padded output); meta: the step's
-    ``engine.step_metadata.StepMetadata`` (on the same device).
+    ``engine.step_metadata.StepMetadata`` (on the same device); process: optional
+    ``[T, V] -> [T, V]`` logits processing applied before sampling (``engine.logits``: grammar
+    masks, logit_bias, penalties).
     Returns (target ids ``[B, Q]`` int64: the target's token at each fed position, padded
     slots hold -1; accepted draft tokens ``[B]`` int64; scaled logits ``[T, V]`` float64:
     logits / T, or logits at T = 0, with bans applied: the logprob source).
@@ -50,9 +52,12 @@ def sample_and_accept(logits: torch.Tensor, meta) -> tuple[torch.Tensor, torch.T
     bsz, qlen, vocab = logits.shape
     sm = meta.sampling
     flat = logits.reshape(bsz * qlen, vocab).index_select(0, meta.token_index)  # [T, V]
+    if process is not None:
+        flat = process(flat)
     banned = sm.banned_mask(flat.shape[0], vocab)
     ids, scaled = sampler.sample(flat, sm.temperature, sm.top_k, sm.top_p, sm.seeds,
-                                 sm.output_positions, banned)
+                                 sm.output_positions, banned,
+                                 sm.min_p if sm.any_min_p else None)
     target = torch.full((bsz * qlen,), -1, dtype=torch.int64, device=logits.device)
     target[meta.token_index] = ids
     target = target.view(bsz, qlen)

@@ -194,3 +194,25 @@ def test_auto_device_skips_importing_torch_only_where_torch_sees_no_gpu():
         assert not torch.cuda.is_available()
     if torch.cuda.is_available():
         assert not _surely_no_gpu()
+
+
+def test_progress_shows_time_left_only_after_a_batch_from_the_mean_rate():
+    """The first record finishes after the prefill of the whole batch: no time left is shown
+    until a batch (``warmup`` records) is done, then it comes from the mean rate."""
+    import re
+
+    from specbatch.run import _progress
+
+    bar = _progress(100, 0, True, warmup=4)
+    bar.update(1)
+    bar.start_t -= 10.0  # 10 s have passed
+    assert "<?" in str(bar), str(bar)
+    bar.update(2)
+    assert "<?" in str(bar), str(bar)
+    bar.update(1)  # 4 records in 10 s: 96 left at 0.4 rec/s = 4 minutes
+    assert re.search(r"\[00:1\d<0(3:5\d|4:00), ", str(bar)), str(bar)
+    bar.close()
+    resumed = _progress(10, 8, True, warmup=16)  # fewer left than a batch: wait for them all
+    resumed.update(1)
+    assert "<?" in str(resumed)
+    resumed.close()
