@@ -238,7 +238,7 @@ def build_engine(model, spec_config, engine_config, eos_ids: Iterable[int], max_
     stop_rules = StopRules(frozenset(eos_ids), max_model_len, detokenize)
     draft_forward = LlamaForward(draft_model) if draft_model is not None else None
     proposer = make_proposer(spec_config, draft_forward, engine_config.max_batch_size)
-    return Engine(runner, proposer, stop_rules, spec_config.k, detokenize)
+    return Engine(runner, proposer, stop_rules, spec_config.draft_cap, detokenize)
 
 
 def longest_row(records, renderer: PromptRenderer, max_model_len: int) -> int:

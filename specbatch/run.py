@@ -259,6 +259,10 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     engine = build_engine(loaded.model, opts.spec, engine_config, loaded.eos_token_ids,
                           max_model_len, renderer.detokenize,
                           draft_model=draft.model if draft is not None else None)
+    if done and hasattr(engine.proposer, "add_finished"):  # suffix: re-index finished outputs
+        from specbatch.spec_decode.suffix import finished_outputs
+
+        engine.proposer.add_finished(finished_outputs(writer.finished_records()))
     plan = None
     if opts.spec.method == "auto":
         from specbatch.plan.planner import prepare_auto
