@@ -45,6 +45,7 @@ class RunOptions:
     template: str | None = None  # renders the user message from record fields
     recipe: dict | None = None  # {"name", "version"} of the recipe the options came from
     plan_only: bool = False  # --method auto: print the plan and exit
+    input_format: str = "auto"  # records | openai-batch | auto (detected per line)
 
 
 def _err(msg: str) -> None:
@@ -86,7 +87,8 @@ def load_records(opts) -> tuple[list, list]:
 
     records, errors = read_records(opts.input_path, prompt_field=opts.prompt_field,
                                    id_field=opts.id_field, split=opts.split,
-                                   defaults=opts.sampling, template=opts.template)
+                                   defaults=opts.sampling, template=opts.template,
+                                   input_format=getattr(opts, "input_format", "auto"))
     if opts.limit is not None:
         records = records[:opts.limit]
         errors = [e for e in errors if e.line == 0 or not records or e.line <= records[-1].line]
@@ -282,7 +284,7 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     try:
         for rec, out in generate_records(engine, renderer, todo, opts.run_seed, on_tokens,
                                          plan=plan):
-            writer.write(rec.index, {**rec.fields, **out})
+            writer.write(rec.index, _output_line(rec, out, loaded.model_id))
             by_category[str(rec.fields.get("category", ""))].append(out)
             if "error" in out:
                 failed.append(RecordError(str(opts.input_path), rec.line, rec.id, out["error"]))
@@ -313,6 +315,16 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     click.echo(summary_table(by_category))
     click.echo(memory_summary(engine))
     return EXIT_OK
+
+
+def _output_line(rec, out: dict, model_id: str) -> dict:
+    """What OUT holds for a record: its fields plus the outputs, or, for an OpenAI batch
+    request, the batch output line answering it."""
+    from specbatch.io.openai_batch import is_batch_request, response_line
+
+    if is_batch_request(rec.fields):
+        return response_line(rec.fields, out, model_id)
+    return {**rec.fields, **out}
 
 
 def summary_table(by_category: dict[str, list[dict]]) -> str:
