@@ -105,6 +105,36 @@ def read_records(path: str | os.PathLike, *, prompt_field: str | None = None,
         return [], [RecordError(p, 0, None, str(e))]
     if not rows:
         return [], [RecordError(p, 0, None, "no records")]
+    return _validate(p, rows, prompt_field, id_field, defaults, template)
+
+
+def records_from_rows(rows: Iterable[dict], *, prompt_field: str | None = None,
+                      id_field: str | None = None,
+                      defaults: SamplingParams | list[SamplingParams] = SamplingParams(),
+                      template: str | None = None, source: str = "<records>",
+                      ) -> tuple[list[Record], list[RecordError]]:
+    """Validate in-memory rows (dicts in the input format) as ``read_records`` validates a
+    file's; row i is "line" i + 1 of ``source``. defaults: the sampling defaults, or one per
+    row. Raises ``ValueError`` only for a bad call (a malformed template, both template and
+    prompt_field, or a ``defaults`` list of another length)."""
+    rows = list(rows)
+    if template is not None:
+        template_fields(template)
+        if prompt_field is not None:
+            raise ValueError("give a prompt field or a template, not both")
+    if isinstance(defaults, list) and len(defaults) != len(rows):
+        raise ValueError(f"{len(defaults)} sampling params for {len(rows)} prompts")
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ValueError(f"prompt {i + 1}: expected a string or a dict, got {_kind(row)}")
+    return _validate(source, list(enumerate(rows, 1)), prompt_field, id_field, defaults,
+                     template)
+
+
+def _validate(p: str, rows: list, prompt_field: str | None, id_field: str | None,
+              defaults: SamplingParams | list[SamplingParams], template: str | None,
+              ) -> tuple[list[Record], list[RecordError]]:
+    """Records and errors of ``rows`` (``(line, row)`` pairs); see ``read_records``."""
     records, errors, first_line = [], [], {}
     for line, row in rows:
         if isinstance(row, _BadLine):
@@ -125,7 +155,8 @@ def read_records(path: str | os.PathLike, *, prompt_field: str | None = None,
                 prompt, messages, turns = None, [_render(template, row)], None
             else:
                 prompt, messages, turns = _prompt(row, prompt_field)
-            sampling = _sampling(row, defaults, wide)
+            sampling = _sampling(row, defaults[line - 1] if isinstance(
+                defaults, list) else defaults, wide)
         except ValueError as e:
             errors.append(RecordError(p, line, rec_id, str(e)))
             continue
@@ -164,6 +195,24 @@ def check_token_ids(records: Iterable[Record], vocab_size: int,
                                       f"(its vocabulary has ids 0..{vocab_size - 1})"))
     return errors
 
+
+
+MAX_ERRORS_SHOWN = 20
+
+
+def error_lines(errors: list[RecordError], on_error: str, level: str = "error",
+                can_skip: bool = True) -> list[str]:
+    """One line per bad record (the first ``MAX_ERRORS_SHOWN``), as the commands print them.
+    level: ``error`` when they stop the run, ``warning`` when ``--on-error skip`` leaves them
+    out and the run goes on. can_skip: whether the command has ``--on-error skip`` to suggest
+    (``bench`` has not)."""
+    lines = [f"{level}: {e}" for e in errors[:MAX_ERRORS_SHOWN]]
+    if len(errors) > MAX_ERRORS_SHOWN:
+        lines.append(f"... and {len(errors) - MAX_ERRORS_SHOWN} more")
+    if on_error == "fail":
+        lines.append(f"{len(errors)} bad record(s); nothing was generated. Fix them"
+                     + (", or pass --on-error skip to run the others." if can_skip else "."))
+    return lines
 
 class _FileError(Exception):
     """A problem with the whole file; its text is the reason shown to the user."""
