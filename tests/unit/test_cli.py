@@ -8,34 +8,37 @@ from click.testing import CliRunner
 from specbatch.cli import main
 
 
+# message: our own text, exact; or a tuple of what we put into click's sentence (the flag, the
+# value, our range), since click's wording ("Invalid value for ...") may change between releases.
 @pytest.mark.parametrize("args, message, command", [
-    (["run", "in.jsonl", "--bogus"], "error: No such option '--bogus'.", "main run"),
-    (["run", "in.jsonl", "--k", "99"],
-     "error: Invalid value for '--k' / '--num-speculative-tokens': 99 is not in the range "
-     "0<=x<=32.", "main run"),
-    (["run"], "error: Missing argument 'INPUT'.", "main run"),
+    (["run", "in.jsonl", "--bogus"], ("--bogus",), "main run"),
+    (["run", "in.jsonl", "--k", "99"], ("'--k'", "99", "32"), "main run"),
+    (["run"], ("INPUT",), "main run"),
     (["run", "in.jsonl", "--template", "{x}", "--prompt-field", "p"],
      "error: --template and --prompt-field exclude each other", "main run"),
     (["run", "in.jsonl", "--seed", "123456789012345678901234567890"],
-     "error: Invalid value for '--seed': 123456789012345678901234567890 is not in the range "
-     "-9223372036854775808<=x<=18446744073709551615.", "main run"),
+     ("'--seed'", "123456789012345678901234567890", "18446744073709551615"), "main run"),
     (["run", "in.jsonl", "--prompt-lookup-min", "5", "--prompt-lookup-max", "2"],
      "error: --prompt-lookup-max=2: expected an integer >= --prompt-lookup-min", "main run"),
     (["bench", __file__, "--configs", "auto:draft"],  # checked before INPUT is read
      "error: config 'auto:draft' needs --draft-model", "main bench"),
-    (["frob"], "error: No such command 'frob'.", "main"),
-    (["analyze", "a.jsonl", "--batch-size", "0"],
-     "error: Invalid value for '--batch-size': 0 is not in the range x>=1.", "main analyze"),
+    (["frob"], ("frob",), "main"),
+    (["analyze", "a.jsonl", "--batch-size", "0"], ("'--batch-size'", "0"), "main analyze"),
 ])
 def test_usage_errors_are_one_line_and_a_hint(args, message, command):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2, result.output
-    assert result.output.splitlines() == [message, f"try '{command} --help'"], result.output
+    lines = result.output.splitlines()
+    assert len(lines) == 2 and lines[1] == f"try '{command} --help'", result.output
+    if isinstance(message, str):
+        assert lines[0] == message
+    else:
+        assert lines[0].startswith("error: ") and all(m in lines[0] for m in message), lines[0]
 
 
 def test_no_command_still_prints_the_help():
     result = CliRunner().invoke(main, [])
-    assert "Commands:" in result.output and "error:" not in result.output
+    assert "Offline batch text generation" in result.output and "error:" not in result.output
 
 
 def test_skipped_records_are_warnings_failing_ones_errors(tmp_path):

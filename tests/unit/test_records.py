@@ -22,7 +22,7 @@ CASES = {
     "crlf.jsonl": (2, []),
     "json_array.jsonl": (2, []),
     "invalid_utf8.jsonl": (2, [(2, "invalid UTF-8 at byte")]),
-    "truncated_json.jsonl": (2, [(3, "invalid JSON at column 32: unexpected end of data")]),
+    "truncated_json.jsonl": (2, [(3, "invalid JSON at column 32: ")]),  # then orjson's words
     "not_object.jsonl": (2, [(2, "line is a JSON array, not an object"),
                              (3, "line is a JSON string, not an object"),
                              (4, "line is a JSON number, not an object")]),
@@ -86,19 +86,23 @@ def test_record_error_str():
 
 def test_invalid_json_names_the_line_and_the_column_in_it(tmp_path):
     """The parser sees one line at a time: its "line 1" is no news; the column is, in
-    characters (not bytes) from 1."""
+    characters (not bytes) from 1. After the colon comes orjson's own wording, which changes
+    between releases ("unexpected character" in 3.8, "..., expected ',' or '}'" in 3.13): the
+    test checks only what specbatch adds (file, line, column) and that some reason follows."""
     path = tmp_path / "in.jsonl"
     path.write_text('{"id": 1, "prompt": "a"}\n\n{"id": 2, "prompt": "é" x}\n',
                     encoding="utf-8")
     _, errors = read_records(path)
-    assert [str(e) for e in errors] == [
-        f"{path}:3: invalid JSON at column 25: unexpected character"]
+    assert len(errors) == 1
+    head, _, why = str(errors[0]).partition("invalid JSON at column 25: ")
+    assert head == f"{path}:3: " and why.strip(), str(errors[0])
     assert '{"id": 2, "prompt": "é" x}'[25 - 1] == "x"
     path.write_text('[\n{"id": 1, "prompt": "a"},\n{"id": 2 "prompt": "b"}\n]\n')
     _, errors = read_records(path)  # a broken array: line and column in the file
-    assert [str(e) for e in errors] == [
-        f"{path}: looks like a JSON array but is not valid JSON: line 3, column 10: "
-        "unexpected character"]
+    assert len(errors) == 1
+    head, _, why = str(errors[0]).partition("line 3, column 10: ")
+    assert head == f"{path}: looks like a JSON array but is not valid JSON: " and why.strip(), \
+        str(errors[0])
 
 
 def test_integers_beyond_64_bits_are_reported_as_written(tmp_path):
