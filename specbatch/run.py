@@ -44,6 +44,9 @@ class RunOptions:
     template: str | None = None  # renders the user message from record fields
     recipe: dict | None = None  # {"name", "version"} of the recipe the options came from
     plan_only: bool = False  # --method auto: print the plan and exit
+    ray: bool = False  # spread the job over Ray Data replicas (``specbatch.ray``)
+    ray_address: str | None = None  # None: start a local Ray
+    replicas: int = 1
 
 
 def _err(msg: str) -> None:
@@ -107,6 +110,7 @@ def _interrupted(job: _Job) -> int:
     if job.writer is None:
         _err("\ninterrupted before generation started; nothing was written.")
         return EXIT_INTERRUPTED
+    job.writer.absorb_shards()  # what Ray replicas finished (none in a local run)
     job.writer.close()  # fsync what is finished
     num_done = len(job.writer.done_indices())
     _err(f"\ninterrupted: {num_done} of {job.num_records} records are saved in "
@@ -138,8 +142,18 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         _err(f"error: {e}")
         return EXIT_BAD_INPUT
 
+    if opts.ray:  # before the model loads: without Ray, say how to install it
+        from specbatch.ray import RayUnavailable, import_ray
+
+        try:
+            import_ray()
+        except RayUnavailable as e:
+            _err(f"error: {e}")
+            return EXIT_BAD_INPUT
+
     from specbatch.llm import LLM, ModelLoadError
     from specbatch.pipeline import Throughput
+    from specbatch.ray import ReplicaFailed  # no Ray import: the error class only
 
     try:
         llm = LLM.from_config(opts.model, opts.spec, opts.engine, cache_dir=opts.cache_dir,
@@ -204,7 +218,6 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         _err(f"resuming: {len(done)} of {len(records)} records already done in "
              f"{writer.work_path}")
 
-    job_engine = llm.prepare(todo)  # with --method auto: calibrates, plans, prints the plan
     tput = Throughput()
     by_category: dict[str, list] = defaultdict(list)
     failed = []  # records written with an ``error`` (a NaN, a later turn past the context)
@@ -213,8 +226,18 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     def on_tokens(n, stats):
         tput.add(n, stats)
 
+    if opts.ray:
+        from specbatch.ray import generate_on_ray
+
+        results = generate_on_ray(todo, model=opts.model, spec=opts.spec, engine=opts.engine,
+                                  replicas=opts.replicas, address=opts.ray_address,
+                                  cache_dir=opts.cache_dir, seed=opts.run_seed,
+                                  out_path=str(opts.output_path), num_records=len(records),
+                                  on_tokens=on_tokens)
+    else:  # with --method auto: calibrates, plans, prints the plan
+        results = llm.prepare(todo).run(opts.run_seed, on_tokens)
     try:
-        for rec, out in job_engine.run(opts.run_seed, on_tokens):
+        for rec, out in results:
             writer.write(rec.index, {**rec.fields, **out})
             by_category[str(rec.fields.get("category", ""))].append(out)
             if "error" in out:
@@ -226,7 +249,17 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
                 bar.update(1)
         if bar is not None:
             bar.close()
+        writer.absorb_shards()  # Ray replicas' own work files (none in a local run)
         n = writer.finish(skipped=skipped)
+    except ReplicaFailed as e:  # --ray: a replica died and Ray gave up on it
+        if bar is not None:
+            bar.close()
+        writer.absorb_shards()
+        writer.close()
+        _err(f"error: the job on Ray stopped: {e}. {len(writer.done_indices())} of "
+             f"{len(records)} records are saved in {writer.work_path}; rerun the same command "
+             "to resume.")
+        return EXIT_FAILED
     except OSError as e:  # disk full, folder removed under us: what is finished is kept
         if bar is not None:
             bar.close()
@@ -242,7 +275,8 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         _err(f"{len(failed)} record(s) stopped with an error; their output so far is written "
              "with finish_reason \"error\" and an \"error\" field")
     _err(summary_table(by_category))
-    _err(llm.memory_summary())
+    if llm.engine is not None:  # with --ray the engines live in the replicas
+        _err(llm.memory_summary())
     return EXIT_OK
 
 
