@@ -3,7 +3,8 @@
 
 Fields: ``output``, ``output_token_ids``, ``finish_reason``, ``stop_reason``, ``usage``, ``spec``
 and, when asked, ``logprobs`` / ``error``. For ``turns`` records ``output``,
-``output_token_ids``, ``finish_reason`` and ``stop_reason`` are lists, one entry per turn.
+``output_token_ids``, ``finish_reason`` and ``stop_reason`` are lists, one entry per turn; with
+``n`` > 1 samples, one entry per sample (see ``output_fields``).
 """
 
 from __future__ import annotations
@@ -17,32 +18,47 @@ OUTPUT_FIELDS = ("output", "output_token_ids", "finish_reason", "stop_reason", "
                  "logprobs", "error")
 
 
-def output_fields(record, completions: list) -> dict:
-    """The output fields of ``record`` from its answers' completions (``engine.Completion``,
-    one per turn, in turn order; fewer when a turn stopped with an error)."""
+def _merged_stats(completions: list) -> SpecStats:
     stats = SpecStats(proposer=completions[0].stats.proposer,
                       num_speculative_tokens=completions[0].stats.num_speculative_tokens)
     for c in completions:
         stats.merge(c.stats)
-    is_turns = record.turns is not None
+    return stats
 
-    def per_turn(values: list):
-        return values if is_turns else values[0]
 
+def output_fields(rec, samples: list[list]) -> dict:
+    """The output fields of a record from its completions (``engine.Completion``),
+    ``samples[s][turn]`` (fewer turns when one stopped with an error).
+
+    With n = 1 each field holds the sample's value (a list over turns for ``turns`` records);
+    with n > 1, ``output``, ``output_token_ids``, ``finish_reason``, ``stop_reason`` and
+    ``logprobs`` are lists with one such value per sample, ``spec`` sums all samples and
+    ``spec.per_sample`` lists each sample's own, and ``usage`` counts the prompt once (as
+    OpenAI does) and every sample's completion tokens."""
+    is_turns = rec.turns is not None
+    is_multi = len(samples) > 1
+
+    def field_of(get):
+        per_sample = [[get(c) for c in cs] if is_turns else get(cs[0]) for cs in samples]
+        return per_sample if is_multi else per_sample[0]
+
+    everything = [c for cs in samples for c in cs]
     out = {
-        "output": per_turn([c.text for c in completions]),
-        "output_token_ids": per_turn([c.output_ids for c in completions]),
-        "finish_reason": per_turn([c.finish_reason for c in completions]),
-        "stop_reason": per_turn([c.stop_reason for c in completions]),
-        "usage": {"prompt_tokens": sum(len(c.prompt_ids) for c in completions),
-                  "completion_tokens": sum(len(c.output_ids) for c in completions)},
-        "spec": stats.to_dict(),
+        "output": field_of(lambda c: c.text),
+        "output_token_ids": field_of(lambda c: c.output_ids),
+        "finish_reason": field_of(lambda c: c.finish_reason),
+        "stop_reason": field_of(lambda c: c.stop_reason),
+        "usage": {"prompt_tokens": sum(len(c.prompt_ids) for c in samples[0]),
+                  "completion_tokens": sum(len(c.output_ids) for c in everything)},
+        "spec": _merged_stats(everything).to_dict(),
     }
-    if record.sampling.logprobs is not None:
-        out["logprobs"] = per_turn([[{"token_id": e.token_id, "logprob": e.logprob,
-                                      "top": [[t, lp] for t, lp in e.top]}
-                                     for e in (c.logprobs or [])] for c in completions])
-    errors = [c.error for c in completions if c.error]
+    if is_multi:
+        out["spec"]["per_sample"] = [_merged_stats(cs).to_dict() for cs in samples]
+    if rec.sampling.logprobs is not None:
+        out["logprobs"] = field_of(lambda c: [{"token_id": e.token_id, "logprob": e.logprob,
+                                               "top": [[t, lp] for t, lp in e.top]}
+                                              for e in (c.logprobs or [])])
+    errors = [c.error for c in everything if c.error]
     if errors:
         out["error"] = errors[0]
     return out
@@ -53,7 +69,8 @@ class RequestOutput:
     """One record's result from ``LLM.generate`` / ``LLM.chat`` (input order).
 
     text / token_ids / finish_reason / stop_reason: one value, or a list with one per turn for
-    a ``turns`` record. token_ids include a final EOS / stop id (``text`` does not).
+    a ``turns`` record (and, with ``n`` > 1, a list of those, one per sample). token_ids
+    include a final EOS / stop id (``text`` does not).
     usage: ``{"prompt_tokens", "completion_tokens"}``. spec: the per-record speculation stats
     ``specbatch run`` writes (docs/output.md). fields: every output field as the CLI writes it.
     """

@@ -27,8 +27,19 @@ from specbatch.spec_decode.stats import SpecStats
 @dataclass
 class _Pending:
     record: Any
-    completions: list[Completion] = field(default_factory=list)
-    messages: list[dict] | None = None
+    num_samples: int = 1
+    completions: dict[int, list[Completion]] = field(default_factory=dict)  # sample -> turns
+    messages: dict[int, list[dict] | None] = field(default_factory=dict)  # sample -> chat
+
+    def add(self, sample: int, c: Completion) -> None:
+        self.completions.setdefault(sample, []).append(c)
+
+    def is_done(self) -> bool:
+        """Every sample has all its turns, or stopped at an error."""
+        num_turns = len(self.record.turns) if self.record.turns is not None else 1
+        return len(self.completions) == self.num_samples and all(
+            len(cs) == num_turns or cs[-1].finish_reason == "error"
+            for cs in self.completions.values())
 
 
 def record_seed(record, run_seed: int) -> int:
@@ -36,6 +47,19 @@ def record_seed(record, run_seed: int) -> int:
     its line number or batch slot), so a record samples the same wherever it runs."""
     sp = record.sampling
     return sp.seed if sp.seed is not None else derive_seed(run_seed, record.id)
+
+
+def sample_seed(record, run_seed: int, sample: int) -> int:
+    """Seed of sample ``sample`` of ``n``: sample 0 is the record seed (what n = 1 samples),
+    sample s > 0 one derived from it and s, so samples never share noise."""
+    seed = record_seed(record, run_seed)
+    return seed if sample == 0 else derive_seed(seed, "sample", sample)
+
+
+def grammar_for(record, compiler):
+    """The compiled grammar of a record's ``response_format`` (None without one)."""
+    schema = record.sampling.json_schema
+    return None if schema is None else compiler.compile(schema)
 
 
 def generate_records(engine: Engine, renderer: PromptRenderer, records: Iterable,
@@ -50,12 +74,20 @@ def generate_records(engine: Engine, renderer: PromptRenderer, records: Iterable
     """
     pending: dict[int, _Pending] = {}
     requests = []
+    compiler = None  # xgrammar, built for the first record with a response_format
     for rec in records:
         ids, messages = renderer.first_prompt(rec)
-        pending[rec.index] = _Pending(rec, messages=messages)
-        seed = record_seed(rec, run_seed)
-        requests.append(Request((rec.index, 0), ids, rec.sampling,
-                                seed=derive_seed(seed, 0), tag=rec.index))
+        pending[rec.index] = _Pending(rec, rec.sampling.n)
+        if rec.sampling.json_schema is not None and compiler is None:
+            from specbatch.engine.grammar import GrammarCompiler
+
+            compiler = GrammarCompiler(renderer.tokenizer, engine.runner.forward.vocab_size)
+        grammar = grammar_for(rec, compiler)
+        for sample in range(rec.sampling.n):
+            pending[rec.index].messages[sample] = messages
+            seed = sample_seed(rec, run_seed, sample)
+            requests.append(Request((rec.index, 0, sample), ids, rec.sampling,
+                                    seed=derive_seed(seed, 0), tag=rec.index, grammar=grammar))
     if plan is not None:
         requests.sort(key=lambda r: plan.order_key(r.tag, len(r.prompt_ids)))
     else:
@@ -64,25 +96,25 @@ def generate_records(engine: Engine, renderer: PromptRenderer, records: Iterable
     def follow_up(c: Completion) -> Request | None:
         p = pending[c.request.tag]
         rec = p.record
-        turn = c.request.request_id[1]
+        _, turn, sample = c.request.request_id
         if rec.turns is None or turn + 1 >= len(rec.turns):
             return None
-        p.messages = p.messages + [{"role": "assistant", "content": c.text},
-                                   {"role": "user", "content": rec.turns[turn + 1]}]
-        seed = derive_seed(record_seed(rec, run_seed), turn + 1)
-        return Request((rec.index, turn + 1), renderer.encode_chat(p.messages), rec.sampling,
-                       seed=seed, tag=rec.index)
+        chat = p.messages[sample] + [{"role": "assistant", "content": c.text},
+                                     {"role": "user", "content": rec.turns[turn + 1]}]
+        p.messages[sample] = chat
+        seed = derive_seed(sample_seed(rec, run_seed, sample), turn + 1)
+        return Request((rec.index, turn + 1, sample), renderer.encode_chat(chat), rec.sampling,
+                       seed=seed, tag=rec.index, grammar=c.request.grammar)
 
     for c in engine.generate(requests, follow_up=follow_up):
         p = pending[c.request.tag]
-        p.completions.append(c)
+        p.add(c.request.request_id[2], c)
         if on_tokens is not None:
             on_tokens(len(c.output_ids), c.stats)
         rec = p.record
-        num_turns = len(rec.turns) if rec.turns is not None else 1
-        if c.finish_reason == "error" or len(p.completions) == num_turns:
+        if p.is_done():
             del pending[c.request.tag]
-            out = output_fields(rec, p.completions)
+            out = output_fields(rec, [p.completions[s] for s in range(p.num_samples)])
             if plan is not None:
                 out["spec"].update(plan.annotate(rec.index))
             yield rec, out
@@ -170,7 +202,7 @@ def fit_engine_config(engine_config, records, renderer: PromptRenderer, max_mode
     records = list(records)
     if not records:
         return engine_config
-    rows = min(engine_config.max_batch_size, len(records))
+    rows = min(engine_config.max_batch_size, sum(r.sampling.n for r in records))
     forwards = [LlamaForward(model)] + ([LlamaForward(draft_model)] if draft_model else [])
     rows, note = fit_batch_size(rows, longest_row(records, renderer, max_model_len), forwards)
     if note is not None:

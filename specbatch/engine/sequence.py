@@ -23,7 +23,8 @@ class Request:
 
     prompt_ids: the full prompt (tokens). seed: the record seed for this answer (already
     derived per turn). max_k: cap on draft tokens per step for this request (None: the
-    engine's k). tag: anything the caller wants back with the result.
+    engine's k). tag: anything the caller wants back with the result. grammar: an
+    ``xgrammar.CompiledGrammar`` the output must follow (``response_format``), or None.
     """
 
     request_id: Any
@@ -32,6 +33,7 @@ class Request:
     seed: int = 0
     max_k: int | None = None
     tag: Any = None
+    grammar: Any = None
 
 
 @dataclass
@@ -65,6 +67,7 @@ class Sequence:
         self.text: str | None = None  # final text, set at finish
         self.stop_text_end: int | None = None  # char offset the text is cut at (stop string)
         self.logprobs: list[LogprobEntry] = []
+        self.matcher = None  # xgrammar GrammarMatcher at the committed length (engine.grammar)
         self.stats = SpecStats(proposer=proposer_name, num_speculative_tokens=k)
 
     @property

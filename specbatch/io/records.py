@@ -40,7 +40,7 @@ ID_FIELDS = ("id", "question_id")
 ROLES = ("system", "user", "assistant")
 FORMATS = (".jsonl", ".json", ".parquet", ".csv")
 _BOM = b"\xef\xbb\xbf"
-INT_SAMPLING_FIELDS = ("top_k", "seed", "max_tokens", "min_tokens", "logprobs")
+INT_SAMPLING_FIELDS = ("top_k", "seed", "max_tokens", "min_tokens", "logprobs", "n")
 
 
 @dataclass(frozen=True)
@@ -184,15 +184,18 @@ def check_lengths(records: Iterable[Record], count_tokens: Callable[[Record], in
 
 def check_token_ids(records: Iterable[Record], vocab_size: int,
                     path: str | os.PathLike) -> list[RecordError]:
-    """Errors for records whose ``stop_token_ids`` name an id outside the model's vocabulary
-    (``vocab_size`` token ids, 0 .. vocab_size - 1)."""
+    """Errors for records whose ``stop_token_ids`` or ``logit_bias`` name an id outside the
+    model's vocabulary (``vocab_size`` token ids, 0 .. vocab_size - 1)."""
     errors = []
     for r in records:
-        bad = [t for t in r.sampling.stop_token_ids if t >= vocab_size]
-        if bad:
-            errors.append(RecordError(str(path), r.line, r.id,
-                                      f"stop_token_ids {bad} are not token ids of this model "
-                                      f"(its vocabulary has ids 0..{vocab_size - 1})"))
+        for name, ids in (("stop_token_ids", r.sampling.stop_token_ids),
+                          ("logit_bias", [t for t, _ in r.sampling.logit_bias])):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                errors.append(RecordError(str(path), r.line, r.id,
+                                          f"{name} {bad} are not token ids of this model "
+                                          f"(its vocabulary has ids 0..{vocab_size - 1})"))
+                break
     return errors
 
 
@@ -498,9 +501,14 @@ def _sampling(row: dict, defaults: SamplingParams, wide: dict[str, int]) -> Samp
             raise ValueError(f"invalid sampling field: {k}={wide[k]}: expected an integer "
                              "that fits in 64 bits")
     try:
-        return SamplingParams.from_dict(own, base=defaults)
+        sp = SamplingParams.from_dict(own, base=defaults)
     except (ValueError, TypeError) as e:
         raise ValueError(f"invalid sampling field: {e}") from e
+    if "response_format" in own and sp.json_schema is not None:
+        from specbatch.engine.grammar import check_schema
+
+        check_schema(sp.json_schema)  # ValueError: the record is bad, before the model loads
+    return sp
 
 
 def _parses(data: bytes) -> bool:

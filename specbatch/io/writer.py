@@ -42,12 +42,14 @@ OUTPUT_FORMATS = (".jsonl", ".parquet")
 
 
 def check_output_path(out_path: str | os.PathLike,
-                      input_path: str | os.PathLike | None = None) -> None:
+                      input_path: str | os.PathLike | None = None, *,
+                      force: bool | None = None) -> None:
     """Raise ``ValueError`` naming the problem if ``out_path`` cannot be written: the input
     file itself (never overwritten, not even with ``--force``), an extension other than
     ``OUTPUT_FORMATS``, a folder in its place, or a parent that cannot be created (a file in
-    the way) or written. Folders that do not exist yet are created when the run starts.
-    Cheap, so callers check before loading a model."""
+    the way) or written; and, when ``force`` is given and False, an ``OUT`` from a finished
+    run (no work file beside it), which ``OutputWriter`` would refuse. Folders that do not
+    exist yet are created when the run starts. Cheap, so callers check before loading a model."""
     path = Path(out_path)
     if input_path is not None and Path(input_path).resolve() == path.resolve():
         raise ValueError(f"output {str(out_path)!r} is the input file; choose another -o")
@@ -65,6 +67,8 @@ def check_output_path(out_path: str | os.PathLike,
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"cannot write the output {str(out_path)!r}: folder {parent} is not "
                          "writable")
+    if force is False and path.is_file() and not _beside(path, ".work.jsonl").exists():
+        raise ValueError(f"{path} exists from a finished run; --force to overwrite")
 
 
 class OutputWriter:

@@ -10,12 +10,12 @@ import click
 
 
 def run_calibrate(model: str | None, dtype: str, cache_dir: str | None, output: str | None,
-                  recalibrate: bool) -> int:
+                  recalibrate: bool, device: str = "cpu") -> int:
     from specbatch.config import EngineConfig, SpecConfig
     from specbatch.llm import LLM, ModelLoadError
 
     try:
-        llm = LLM.from_config(model, SpecConfig(method="none"), EngineConfig(dtype=dtype),
+        llm = LLM.from_config(model, SpecConfig(method="none"), EngineConfig(dtype=dtype, device=device),
                               cache_dir=cache_dir)
     except ModelLoadError as e:
         click.echo(f"error: {e}", err=True)

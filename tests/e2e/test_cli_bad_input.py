@@ -100,7 +100,7 @@ def _check(case: Case, mode: str, result: Result, out: Path) -> None:
         assert f"skipping {len(case.bad_lines)} bad record(s)" in err, where
     else:
         assert not errors_file.exists(), where
-    assert f"wrote {len(rows)} records" in err, where
+    assert f"wrote {len(rows)} records" in result.stdout, where  # the result: stdout
 
 
 @pytest.mark.parametrize("mode", ["fail", "skip"])
