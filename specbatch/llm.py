@@ -54,6 +54,7 @@ class Prepared:
     engine: Any  # engine.engine.Engine
     plan: Any  # plan.planner.Plan | None
     records: list
+    engine_config: EngineConfig  # as fitted: max_batch_size is the engine's rows
 
     def run(self, seed: int | None = None,
             on_tokens: Callable[[int, Any], None] | None = None) -> Iterator[tuple[Any, dict]]:
@@ -255,7 +256,7 @@ class LLM:
                                      proposer, model_cost, echo=echo)
         self.engine = Engine(runner, proposer, stop_rules, spec.k, self.renderer.detokenize,
                              policy=policy)
-        return Prepared(self, self.engine, plan, records)
+        return Prepared(self, self.engine, plan, records, engine_config)
 
     def memory_summary(self) -> str:
         """One line: weights and KV bytes of the last engine built (see

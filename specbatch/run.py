@@ -219,12 +219,6 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         _err(f"resuming: {len(done)} of {len(records)} records already done in "
              f"{writer.work_path}")
 
-    tput = Throughput()
-    by_category: dict[str, list] = defaultdict(list)
-    failed = []  # records written with an ``error`` (a NaN, a later turn past the context)
-    bar = job.bar = _progress(len(records), len(done) + len(skip), opts.progress,
-                              warmup=engine_config.max_batch_size)
-
     def on_tokens(n, stats):
         tput.add(n, stats)
 
@@ -236,8 +230,16 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
                                   cache_dir=opts.cache_dir, seed=opts.run_seed,
                                   out_path=str(opts.output_path), num_records=len(records),
                                   on_tokens=on_tokens)
+        warmup = min(opts.engine.max_batch_size, sum(r.sampling.n for r in todo))
     else:  # with --method auto: calibrates, plans, prints the plan
-        results = llm.prepare(todo).run(opts.run_seed, on_tokens)
+        prepared = llm.prepare(todo)
+        results = prepared.run(opts.run_seed, on_tokens)
+        warmup = prepared.engine_config.max_batch_size
+    tput = Throughput()
+    by_category: dict[str, list] = defaultdict(list)
+    failed = []  # records written with an ``error`` (a NaN, a later turn past the context)
+    bar = job.bar = _progress(len(records), len(done) + len(skip), opts.progress,
+                              warmup=warmup)
     try:
         for rec, out in results:
             writer.write(rec.index, {**rec.fields, **out})
