@@ -156,8 +156,11 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     from specbatch.pipeline import Throughput
     from specbatch.ray import ReplicaFailed  # no Ray import: the error class only
 
+    # with --ray the driver loads the model only to check the records (on its CPU: it may have
+    # no GPU); the replicas generate
+    engine = replace(opts.engine, device="cpu") if opts.ray else opts.engine
     try:
-        llm = LLM.from_config(opts.model, opts.spec, opts.engine, cache_dir=opts.cache_dir,
+        llm = LLM.from_config(opts.model, opts.spec, engine, cache_dir=opts.cache_dir,
                               seed=opts.run_seed, echo=_err)
     except ModelLoadError as e:
         _err(f"error: {e}")
