@@ -184,7 +184,7 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     from specbatch.io.records import check_lengths, check_token_ids
 
     model_errors = (check_lengths(records, renderer.count_tokens, max_model_len,
-                                  str(opts.input_path))
+                                  str(opts.input_path), tokenizer=loaded.tokenizer)
                     + check_token_ids(records, loaded.model.config.vocab_size,
                                       str(opts.input_path)))
     if model_errors and opts.on_error == "fail":
