@@ -78,10 +78,11 @@ class _Group(click.Group):
 
 def _spec_options(f):
     for opt in reversed([
-        click.option("--method", type=click.Choice(["auto", "none", "ngram", "draft"]),
+        click.option("--method", type=click.Choice(["auto", "none", "ngram", "draft", "suffix"]),
                      default="auto", show_default=True,
                      help="Proposer: auto (prompt lookup with k chosen per bucket and step from "
-                     "measured cost), none (plain decoding), ngram, or draft (--draft-model)."),
+                     "measured cost), none (plain decoding), ngram, draft (--draft-model), or suffix "
+                     "(own text + outputs of the job's finished records)."),
         click.option("--draft-model", default=None, help="Draft model for --method draft "
                      "(or for auto to choose per row): registry name, .gguf path or HF folder "
                      "sharing the target's tokenizer. Refused with ngram; none ignores it."),

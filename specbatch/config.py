@@ -11,7 +11,8 @@ import re
 import sys
 from dataclasses import dataclass, field, fields, replace
 
-METHODS = ("none", "ngram", "draft", "auto")
+METHODS = ("none", "ngram", "draft", "auto", "suffix")
+SUFFIX_CAP_FACTOR = 3  # suffix drafts may reach this many times k where a match is long
 DTYPES = ("float32", "bfloat16", "float64", "float16")
 # The integers a JSON file holds exactly (orjson reads and writes -2**63 .. 2**64 - 1; it reads
 # a longer integer as a float): the range of a seed, which the output's config saves.
@@ -199,17 +200,42 @@ def _response_format(v):
 
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
+# Generation parameters of vLLM's SamplingParams, the OpenAI chat/completions API (and a few of
+# transformers' generate(), often found in datasets) that specbatch does NOT apply: a record
+# carrying one is a bad record (``io.records``), since the user would believe it was applied.
+# Name -> what to use instead ("" if nothing). The ONE list: when a parameter becomes supported
+# (a SamplingParams field, or a record field the reader knows), remove it here; the reader skips
+# supported names anyway. Transport and metadata names (model, user, metadata, stream, store,
+# service_tier) are not listed: records may carry them as metadata.
+UNSUPPORTED_SAMPLING_FIELDS: dict[str, str] = {
+    "best_of": "", "allowed_token_ids": "", "bad_words": "", "prompt_logprobs": "",
+    "include_stop_str_in_output": "", "skip_special_tokens": "",
+    "spaces_between_special_tokens": "", "detokenize": "", "truncate_prompt_tokens": "",
+    "logits_processors": "", "extra_args": "", "guided_decoding": "", "structured_outputs": "",
+    "guided_json": "", "guided_regex": "", "guided_choice": "", "guided_grammar": "",
+    "use_beam_search": "", "length_penalty": "", "early_stopping": "", "tools": "",
+    "tool_choice": "", "functions": "", "function_call": "", "parallel_tool_calls": "",
+    "reasoning_effort": "", "chat_template_kwargs": "", "echo": "", "suffix": "",
+    "prediction": "", "max_completion_tokens": "max_tokens", "top_logprobs": "logprobs: N",
+    "stop_sequences": "stop", "max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
+    "do_sample": "temperature (0 is greedy)", "num_beams": "", "num_return_sequences": "n",
+    "typical_p": "", "no_repeat_ngram_size": "",
+}
+
 
 @dataclass(frozen=True)
 class SpecConfig:
     """Which proposer drafts tokens and how many.
 
-    method: ``none`` (plain decoding, k = 0), ``ngram`` (prompt lookup) or ``draft`` (a draft
-        model, ``draft_model``).
+    method: ``none`` (plain decoding, k = 0), ``ngram`` (prompt lookup), ``draft`` (a draft
+        model, ``draft_model``), ``suffix`` (own text + the job's finished outputs,
+        ``spec_decode.suffix``) or ``auto`` (chooses per row and step).
     num_speculative_tokens: k, draft tokens per verify step (the cap when k varies per row).
     prompt_lookup_min / prompt_lookup_max: n-gram sizes (tokens) the lookup tries, longest first.
     draft_model: the draft model (registry name, .gguf or HF folder); required for ``draft``,
-        optional for ``auto``, refused for ``ngram`` (it would go unused), ignored by ``none``.
+        optional for ``auto``, refused for ``ngram`` and ``suffix`` (it would go unused),
+        ignored by ``none``.
+    suffix_max_tokens: bound (output tokens) of the job-wide suffix index; oldest evicted first.
     """
 
     method: str = "none"
@@ -217,6 +243,7 @@ class SpecConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     draft_model: str | None = None
+    suffix_max_tokens: int = 1 << 20
 
     def __post_init__(self) -> None:
         _check(self.method in METHODS, "method", self.method, f"one of {', '.join(METHODS)}")
@@ -227,20 +254,31 @@ class SpecConfig:
                self.draft_model, "a draft model (--draft-model NAME) for method draft")
         # ngram would leave it unused, and a user would believe it drafted; none drafts nothing,
         # so a baseline may share the command line of the draft run it is compared with
-        _check(self.draft_model is None or self.method != "ngram", "draft_model",
-               self.draft_model, "no draft model with method ngram (prompt lookup drafts; use "
-               "method draft or auto to draft with a model)")
+        _check(self.draft_model is None or self.method not in ("ngram", "suffix"), "draft_model",
+               self.draft_model, f"no draft model with method {self.method} "
+               f"({'prompt' if self.method == 'ngram' else 'suffix'} lookup drafts; use method "
+               "draft or auto to draft with a model)")
         _check(_is_int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= 32,
                "num_speculative_tokens", self.num_speculative_tokens, "an integer in [0, 32]")
         _check(_is_int(self.prompt_lookup_min) and self.prompt_lookup_min >= 1,
                "prompt_lookup_min", self.prompt_lookup_min, "an integer >= 1")
         _check(_is_int(self.prompt_lookup_max) and self.prompt_lookup_max >= self.prompt_lookup_min,
                "prompt_lookup_max", self.prompt_lookup_max, "an integer >= prompt_lookup_min")
+        _check(_is_int(self.suffix_max_tokens) and self.suffix_max_tokens >= 1,
+               "suffix_max_tokens", self.suffix_max_tokens, "an integer >= 1")
 
     @property
     def k(self) -> int:
         """Draft tokens per verify step; 0 for ``none``."""
         return 0 if self.method == "none" else self.num_speculative_tokens
+
+    @property
+    def draft_cap(self) -> int:
+        """The engine's per-row draft cap (tokens): k, except that ``suffix`` may draft a long,
+        frequent suffix match past k, up to ``SUFFIX_CAP_FACTOR * k`` (at most 32)."""
+        if self.method == "suffix":
+            return min(32, SUFFIX_CAP_FACTOR * self.k)
+        return self.k
 
 
 @dataclass(frozen=True)
@@ -313,4 +351,4 @@ def _check(ok: bool, name: str, value, expected: str) -> None:
 
 
 __all__ = ["SamplingParams", "SpecConfig", "EngineConfig", "resolve_device", "SAMPLING_FIELDS", "METHODS", "DTYPES",
-           "MIN_INT", "MAX_INT"]
+           "MIN_INT", "MAX_INT", "UNSUPPORTED_SAMPLING_FIELDS"]

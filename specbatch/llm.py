@@ -158,7 +158,8 @@ class LLM:
         from specbatch.io.records import check_lengths, check_token_ids
 
         records = list(records)
-        return (check_lengths(records, self.renderer.count_tokens, self.max_model_len, path)
+        return (check_lengths(records, self.renderer.count_tokens, self.max_model_len, path,
+                              tokenizer=self.tokenizer)
                 + check_token_ids(records, self.loaded.model.config.vocab_size, path))
 
     def to_records(self, prompts: Iterable, sampling_params=None) -> list:

@@ -48,7 +48,8 @@ def output_fields(rec, samples: list[list]) -> dict:
         "output_token_ids": field_of(lambda c: c.output_ids),
         "finish_reason": field_of(lambda c: c.finish_reason),
         "stop_reason": field_of(lambda c: c.stop_reason),
-        "usage": {"prompt_tokens": sum(len(c.prompt_ids) for c in samples[0]),
+        "usage": {"prompt_tokens": sum(len(c.prompt_ids) for c in samples[0]
+                                       if c.prompt_fed),  # not a prompt refused as too long
                   "completion_tokens": sum(len(c.output_ids) for c in everything)},
         "spec": _merged_stats(everything).to_dict(),
     }

@@ -133,7 +133,10 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         _report_errors(errors, "fail")
         return EXIT_BAD_INPUT
 
-    from specbatch.io.records import RecordError
+    from specbatch.io.records import RecordError, order_warning
+
+    if (warning := order_warning(records)) is not None:
+        _err(f"warning: {warning}")
     from specbatch.io.writer import OutputWriter, check_output_path
 
     try:  # before the model loads: a wrong output path should not cost a load
@@ -236,6 +239,11 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         warmup = min(opts.engine.max_batch_size, sum(r.sampling.n for r in todo))
     else:  # with --method auto: calibrates, plans, prints the plan
         prepared = llm.prepare(todo)
+        proposer = prepared.engine.proposer
+        if done and hasattr(proposer, "add_finished"):  # suffix: re-index finished outputs
+            from specbatch.spec_decode.suffix import finished_outputs
+
+            proposer.add_finished(finished_outputs(writer.finished_records()))
         results = prepared.run(opts.run_seed, on_tokens)
         warmup = prepared.engine_config.max_batch_size
     tput = Throughput()

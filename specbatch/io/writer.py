@@ -93,6 +93,7 @@ class OutputWriter:
         self.num_records = num_records
         self.fsync_every = fsync_every
         self._done: set[int] = set()
+        self._finished: dict[int, dict] = {}  # index -> record, from the work file
         self._num_unsynced = 0
         self._fh = None
 
@@ -110,7 +111,8 @@ class OutputWriter:
         elif self.out_path.exists() and not force:
             raise ValueError(f"{self.out_path} exists from a finished run; --force to overwrite")
         if self.work_path.exists():
-            self._done = set(self._load_work())
+            self._finished = self._load_work()
+            self._done = set(self._finished)
         self.out_path.parent.mkdir(parents=True, exist_ok=True)
         self._remove_stale_temp_files()
         _atomic_write(self.config_path, orjson.dumps(self.config, option=orjson.OPT_INDENT_2)
@@ -137,6 +139,11 @@ class OutputWriter:
     def done_indices(self) -> set[int]:
         """``Record.index`` values already finished (skip these)."""
         return set(self._done)
+
+    def finished_records(self) -> list[dict]:
+        """The output records of an earlier run's finished records, in the order they finished
+        (the work file's order): what a resumed ``--method suffix`` job re-indexes."""
+        return list(self._finished.values())
 
     def write(self, index: int, out: dict) -> bool:
         """Append one finished record; returns False (and writes nothing) if already done."""
