@@ -52,6 +52,7 @@ CASES = {
     "empty.jsonl": (0, [(0, "no records")]),
     "unknown_ext.txt": (0, [(0, "unknown input format '.txt'")]),
     "too_long.jsonl": (3, []),  # too long only once tokenised: see test_check_lengths
+    "huge_prompt.jsonl": (3, []),  # too long by its bytes: see test_over_long_prompts_...
 }
 
 
@@ -441,3 +442,74 @@ def test_wide_stop_token_ids_are_reported_as_written(tmp_path):
         assert [str(e) for e in errors] == [
             f"{path}:1: id=1: invalid sampling field: stop_token_ids=[7, {big}]: expected token "
             "ids that fit in 64 bits"]
+
+
+class _CountingTokenizer:
+    """A tokenizer whose longest token is 4 bytes ("abcd"), one word a token, and which
+    fails the test if asked to tokenise a prompt the byte bound should have refused."""
+
+    max_encode_bytes = 10_000
+
+    def __init__(self, normalizer=None) -> None:
+        self.encoded = []
+        if normalizer is not None:
+            from types import SimpleNamespace
+
+            self.backend_tokenizer = SimpleNamespace(normalizer=normalizer)
+
+    def get_vocab(self) -> dict:
+        return {"a": 0, "ab": 1, "abcd": 2, "<s>": 3}
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        assert not tokenize
+        return "".join(f"<s>{m['role']}\n{m['content']}\n" for m in messages) + "<s>assistant\n"
+
+    def encode(self, text, add_special_tokens=True):
+        assert len(text.encode()) < self.max_encode_bytes, "tokenised an over-long prompt"
+        self.encoded.append(text)
+        return text.split()
+
+
+def test_over_long_prompts_are_refused_by_bytes_before_tokenising(tmp_path):
+    """A prompt of more UTF-8 bytes than the context's tokens can cover (no token covers more
+    than the longest vocabulary entry: 4 bytes here) is refused without tokenising it (a 50 MB
+    line took 7.8 GB and 94 s to tokenise); shorter ones are counted as before."""
+    path = _write_jsonl(tmp_path / "in.jsonl", [
+        {"id": 1, "prompt": "x " * 200_000},  # 400,000 bytes >= 100 tokens x 4 bytes
+        {"id": 2, "messages": [{"role": "user", "content": "é" * 300_000}]},
+        {"id": 3, "turns": ["short", "y" * 50_000]},  # a later turn alone cannot fit
+        {"id": 4, "prompt": "x " * 99},  # 99 tokens, 198 bytes: tokenised, fits
+        {"id": 5, "prompt": "x " * 100},  # 100 tokens by count: no room to generate
+        {"id": 6, "prompt": "xyzw" * 99},  # 396 bytes: maybe 99 tokens, tokenised (1 token)
+        {"id": 7, "prompt": "xyzw" * 99 + "x"}])  # 397 bytes: at least 99.25, so 100 tokens
+    records, errors = read_records(path)
+    assert errors == []
+    tok = _CountingTokenizer()
+    count = lambda r: len(tok.encode(r.prompt)) if r.prompt else 5  # noqa: E731
+    errors = check_lengths(records, count, 100, path, tokenizer=tok)
+    assert [(e.line, e.reason) for e in errors] == [
+        (1, "prompt is 400000 bytes, so at least 100000 tokens (no token of this model covers "
+            "more than 4 bytes); the model's context is 100"),
+        (2, "prompt is 600022 bytes, so at least 150006 tokens (no token of this model covers "
+            "more than 4 bytes); the model's context is 100"),
+        (3, "turn 2 is 50000 bytes, so at least 12500 tokens (no token of this model covers "
+            "more than 4 bytes); the model's context is 100"),
+        (5, "prompt is 100 tokens; the model's context is 100"),
+        (7, "prompt is 397 bytes, so at least 100 tokens (no token of this model covers more "
+            "than 4 bytes); the model's context is 100")]
+    assert tok.encoded == ["x " * 99, "x " * 100, "xyzw" * 99]
+
+
+def test_byte_bound_counts_the_text_the_tokenizer_sees(tmp_path):
+    """A normalizer may shrink the text (NFKC: a 3-byte fullwidth letter becomes 1 byte): the
+    bound counts the bytes after it."""
+    import unicodedata
+    from types import SimpleNamespace
+
+    nfkc = SimpleNamespace(normalize_str=lambda s: unicodedata.normalize("NFKC", s))
+    path = _write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "Ａ" * 3000}])
+    records, _ = read_records(path)  # 9000 bytes as written, 3000 once normalized
+    tok = _CountingTokenizer(normalizer=nfkc)
+    errors = check_lengths(records, lambda r: len(tok.encode(r.prompt)), 1000, path,
+                           tokenizer=tok)
+    assert errors == [] and len(tok.encoded) == 1
