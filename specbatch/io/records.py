@@ -118,7 +118,7 @@ def read_records(path: str | os.PathLike, *, prompt_field: str | None = None,
         return [], [RecordError(p, 0, None, str(e))]
     if not rows:
         return [], [RecordError(p, 0, None, "no records")]
-    return _validate(p, rows, prompt_field, id_field, defaults, template)
+    return _validate(p, rows, prompt_field, id_field, defaults, template, input_format)
 
 
 def records_from_rows(rows: Iterable[dict], *, prompt_field: str | None = None,
@@ -146,7 +146,7 @@ def records_from_rows(rows: Iterable[dict], *, prompt_field: str | None = None,
 
 def _validate(p: str, rows: list, prompt_field: str | None, id_field: str | None,
               defaults: SamplingParams | list[SamplingParams], template: str | None,
-              ) -> tuple[list[Record], list[RecordError]]:
+              input_format: str = "auto") -> tuple[list[Record], list[RecordError]]:
     """Records and errors of ``rows`` (``(line, row)`` pairs); see ``read_records``."""
     records, errors, first_line = [], [], {}
     named = {prompt_field, id_field, *(template_fields(template) if template is not None else ())}

@@ -38,7 +38,7 @@ FEATURES = {
     "logit_bias": {"logit_bias": {"28": -100, "30": 5, "253": 3}},
     "json": {"response_format": {"type": "json_schema", "json_schema": {"name": "qa",
                                                                        "schema": SCHEMA}},
-             "max_tokens": 64},
+             "max_tokens": 96},
 }
 
 
