@@ -157,6 +157,7 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
             _err(f"error: {e}")
             return EXIT_BAD_INPUT
 
+    from specbatch.io.openai_batch import output_line
     from specbatch.llm import LLM, ModelLoadError
     from specbatch.pipeline import Throughput
     from specbatch.ray import ReplicaFailed  # no Ray import: the error class only
@@ -255,7 +256,7 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
                               warmup=warmup)
     try:
         for rec, out in results:
-            writer.write(rec.index, _output_line(rec, out, llm.model_id))
+            writer.write(rec.index, output_line(rec, out, llm.model_id))
             by_category[str(rec.fields.get("category", ""))].append(out)
             if "error" in out:
                 failed.append(RecordError(str(opts.input_path), rec.line, rec.id, out["error"]))
@@ -297,16 +298,6 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     if llm.engine is not None:  # with --ray the engines live in the replicas
         click.echo(llm.memory_summary())
     return EXIT_OK
-
-
-def _output_line(rec, out: dict, model_id: str) -> dict:
-    """What OUT holds for a record: its fields plus the outputs, or, for an OpenAI batch
-    request, the batch output line answering it."""
-    from specbatch.io.openai_batch import is_batch_request, response_line
-
-    if is_batch_request(rec.fields):
-        return response_line(rec.fields, out, model_id)
-    return {**rec.fields, **out}
 
 
 def summary_table(by_category: dict[str, list[dict]]) -> str:

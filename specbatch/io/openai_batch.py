@@ -184,3 +184,11 @@ def _completion_logprobs(entries: list[dict] | None) -> dict | None:
     return {"tokens": [_token(e["token_id"]) for e in entries],
             "token_logprobs": [e["logprob"] for e in entries],
             "top_logprobs": [{_token(t): lp for t, lp in e["top"]} for e in entries]}
+
+
+def output_line(rec, out: dict, model_id: str) -> dict:
+    """What OUT holds for a record (``io.records.Record``): its fields plus the output fields,
+    or, for an OpenAI batch request, the batch output line answering it."""
+    if is_batch_request(rec.fields):
+        return response_line(rec.fields, out, model_id)
+    return {**rec.fields, **out}

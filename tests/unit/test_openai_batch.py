@@ -110,3 +110,14 @@ def test_failed_record_is_a_500_response():
                                          finish_reason="error"), "m")
     assert line["response"]["status_code"] == 500
     assert "NaN" in line["response"]["body"]["error"]["message"]
+
+
+def test_output_line_picks_the_format_by_record():
+    from specbatch.io.openai_batch import output_line
+
+    class Rec:
+        def __init__(self, fields):
+            self.fields = fields
+
+    assert output_line(Rec({"id": 1, "prompt": "p"}), _out(), "m")["output"] == "hi there"
+    assert output_line(Rec(chat("k")), _out(), "m")["custom_id"] == "k"
