@@ -147,10 +147,11 @@ class Engine:
         Sampling and acceptance run on the logits' device; one copy brings the results back.
         proposed: the drafts before the policy cut them (what the policy learns from).
         """
-        target, num_accepted, scaled = sample_and_accept(logits, meta)
+        want_logprobs = any(s.sampling.logprobs is not None for s in seqs)
+        target, num_accepted, scaled = sample_and_accept(logits, meta, want_logprobs)
         has_nan = torch.isnan(logits).flatten(1).any(dim=1)
         res = fetch_step_results(num_accepted, has_nan, target)
-        if any(s.sampling.logprobs is not None for s in seqs):
+        if want_logprobs:
             scaled = scaled.cpu()
         offsets = meta.cu_num_fed_host
 
