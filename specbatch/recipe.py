@@ -11,7 +11,9 @@ optional except ``name`` and ``version``::
     [model]        name, dtype, device, max_batch_size, max_model_len
     [speculation]  method, k, prompt_lookup_min, prompt_lookup_max, draft_model
     [sampling]     temperature, top_p, top_k, seed (the run seed, --seed), max_tokens,
-                   min_tokens, stop, stop_token_ids, ignore_eos, logprobs
+                   min_tokens, stop, stop_token_ids, ignore_eos, logprobs, n,
+                   repetition_penalty, presence_penalty, frequency_penalty, min_p,
+                   json_schema (a schema file, as --json-schema)
     [input]        prompt_field, id_field, template (exclusive with prompt_field)
 
 Keys are the option names with ``_`` for ``-`` (``[model] name`` is ``--model``). Values get
@@ -41,7 +43,11 @@ SECTIONS = MappingProxyType({
               "max_model_len": "max_model_len"},
     "speculation": {"method": "method", "k": "k", "prompt_lookup_min": "prompt_lookup_min",
                     "prompt_lookup_max": "prompt_lookup_max", "draft_model": "draft_model"},
-    "sampling": {name: name for name in SAMPLING_FIELDS},
+    # every sampling field with a flag (logit_bias and response_format are per record; a
+    # recipe's JSON schema is a file: json_schema = "schema.json")
+    "sampling": {**{name: name for name in SAMPLING_FIELDS
+                    if name not in ("logit_bias", "response_format")},
+                 "json_schema": "json_schema"},
     "input": {"prompt_field": "prompt_field", "id_field": "id_field", "template": "template"},
 })
 TOP_LEVEL = ("name", "version", "description")

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specbatch.engine import logits as logits_processing
 from specbatch.engine.runner import ModelRunner
 from specbatch.engine.scheduler import Scheduler
 from specbatch.engine.sequence import LogprobEntry, Request, Sequence, StopRules
@@ -45,6 +46,7 @@ class Completion:
     error: str | None
     stats: SpecStats
     logprobs: list[LogprobEntry] | None
+    prompt_fed: bool = True  # False when the prompt was refused before prefill (too long)
 
 
 class Engine:
@@ -107,6 +109,8 @@ class Engine:
                     fits.append(seq)
             if fits:
                 logits = self.runner.prefill(fits)  # [B, V]
+                for seq in fits:
+                    seq.is_prefilled = True
                 no_drafts = [[] for _ in fits]
                 meta = StepMetadata.build(fits, no_drafts, self.stop_rules, logits.device)
                 done += self._commit_step(fits, no_drafts, logits[:, None, :], meta,
@@ -147,8 +151,12 @@ class Engine:
         Sampling and acceptance run on the logits' device; one copy brings the results back.
         proposed: the drafts before the policy cut them (what the policy learns from).
         """
+        process = None  # grammar masks, logit_bias, penalties (engine.logits), when any row has them
+        if logits_processing.needs_processing(seqs):
+            def process(flat):
+                return logits_processing.process_logits(flat, seqs, drafts)
         want_logprobs = any(s.sampling.logprobs is not None for s in seqs)
-        target, num_accepted, scaled = sample_and_accept(logits, meta, want_logprobs)
+        target, num_accepted, scaled = sample_and_accept(logits, meta, process, want_logprobs)
         has_nan = torch.isnan(logits).flatten(1).any(dim=1)
         res = fetch_step_results(num_accepted, has_nan, target)
         if want_logprobs:
@@ -166,6 +174,7 @@ class Engine:
             emitted = res.target_ids[i][:num_acc + 1]
             num_before = seq.num_output_tokens
             num_committed = self.stop_rules.commit(seq, emitted)
+            logits_processing.commit(seq, emitted[:num_committed])
             if not is_prefill:
                 seq.stats.record_step(len(drafts[i]), min(num_acc, num_committed))
             else:
@@ -198,7 +207,12 @@ class Engine:
 
     def _make_sequence(self, request: Request) -> Sequence:
         k = self.k if request.max_k is None else min(self.k, request.max_k)
-        return Sequence(request, self.proposer.name, k)
+        seq = Sequence(request, self.proposer.name, k)
+        if request.grammar is not None:
+            from specbatch.engine.grammar import new_matcher
+
+            seq.matcher = new_matcher(request.grammar, self.stop_rules.stop_ids(request.sampling))
+        return seq
 
     def _finish(self, seq: Sequence) -> Completion:
         self.proposer.finish(seq)
@@ -214,14 +228,29 @@ class Engine:
             text = self.detokenize(text_ids)
             if seq.stop_text_end is not None:
                 text = text[:seq.stop_text_end]
+            text = hold_back_incomplete_char(text)
         c = Completion(seq.request, seq.token_ids[:seq.num_prompt_tokens], out, text,
                        seq.finish_reason, seq.stop_reason, seq.error, seq.stats,
-                       seq.logprobs if seq.sampling.logprobs is not None else None)
+                       seq.logprobs if seq.sampling.logprobs is not None else None,
+                       prompt_fed=seq.is_prefilled)
         if self.follow_up is not None and seq.finish_reason != "error":
             nxt = self.follow_up(c)
             if nxt is not None:
                 self.scheduler.add(nxt, front=True)
         return c
+
+
+def hold_back_incomplete_char(text: str) -> str:
+    """``text`` without the U+FFFD a detokenizer makes of an incomplete UTF-8 character at the
+    end (``max_tokens`` cut inside it): up to 3, one per byte for byte-fallback tokenizers.
+
+    Streaming detokenizers hold such a tail back until the character completes (vLLM's
+    ``detokenize_incrementally``: text ending in U+FFFD is not emitted); at the end of an output
+    it never completes. Like them, this cannot tell a genuine U+FFFD token at the very end
+    from an incomplete character, and drops it too. ``output_token_ids`` keep every token.
+    """
+    stripped = text.rstrip("\ufffd")
+    return text[:max(len(stripped), len(text) - 3)]
 
 
 def _finite(x: float) -> float | None:

@@ -65,8 +65,10 @@ class SamplingMetadata:
     float64 (1 = off); seeds: ``[T]`` int64 record seeds; output_positions: ``[T]`` int64, the
     output position (0-based, tokens) each fed token's target token will take: the Gumbel
     noise key. banned_token / banned_id: ``[num_banned]`` int64 pairs (flat token index, vocab
-    id) that may not be sampled (EOS and stop ids before ``min_tokens``).
-    Host flags (no device sync needed to branch on them): all_greedy, any_top_k_p, num_banned.
+    id) that may not be sampled (EOS and stop ids before ``min_tokens``). min_p: ``[T]`` float64
+    (0 = off).
+    Host flags (no device sync needed to branch on them): all_greedy, any_top_k_p, num_banned,
+    any_min_p.
     """
 
     temperature: torch.Tensor
@@ -76,12 +78,14 @@ class SamplingMetadata:
     output_positions: torch.Tensor
     banned_token: torch.Tensor
     banned_id: torch.Tensor
+    min_p: torch.Tensor
     all_greedy: bool
     any_top_k_p: bool
     num_banned: int
+    any_min_p: bool = False
 
     FIELDS = ("temperature", "top_k", "top_p", "seeds", "output_positions", "banned_token",
-              "banned_id")
+              "banned_id", "min_p")
 
     @staticmethod
     def add_fields(pack: _Packer, seqs: list[Sequence], num_fed: list[int],
@@ -89,6 +93,7 @@ class SamplingMetadata:
         """Append this step's per-token sampling fields to ``pack``; returns the host flags.
         stop_rules None: no bans (a forward-only step)."""
         temps, top_k, top_p, seeds, positions, ban_tok, ban_id = [], [], [], [], [], [], []
+        min_p = []
         tok = 0
         for seq, n in zip(seqs, num_fed):
             sp = seq.sampling
@@ -97,6 +102,7 @@ class SamplingMetadata:
                 temps.append(sp.temperature)
                 top_k.append(sp.top_k)
                 top_p.append(sp.top_p)
+                min_p.append(sp.min_p)
                 seeds.append(seq.request.seed)
                 positions.append(t)
                 if t < sp.min_tokens and stop_rules is not None:
@@ -111,9 +117,11 @@ class SamplingMetadata:
         pack.add("output_positions", positions)
         pack.add("banned_token", ban_tok)
         pack.add("banned_id", ban_id)
+        pack.add("min_p", min_p, torch.float64)
         return {"all_greedy": all(t == 0 for t in temps),
                 "any_top_k_p": any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p),
-                "num_banned": len(ban_tok)}
+                "num_banned": len(ban_tok),
+                "any_min_p": any(p > 0 for p in min_p)}
 
     def banned_mask(self, num_tokens: int, vocab_size: int) -> torch.Tensor | None:
         """``[T, V]`` bool on the device, True where a token is banned; None if none is."""
