@@ -58,7 +58,7 @@ class Engine:
     """
 
     def __init__(self, runner: ModelRunner, proposer: Proposer, stop_rules: StopRules, k: int,
-                 detokenize: Callable[[list[int]], str] | None = None) -> None:
+                 detokenize: Callable[[list[int]], str] | None = None, policy=None) -> None:
         self.runner = runner
         self.proposer = proposer
         self.stop_rules = stop_rules
@@ -69,7 +69,7 @@ class Engine:
         # planner hook (``plan.policy.AdaptivePolicy``): select(seqs, drafts, caps) cuts the
         # proposed drafts (caps: the most each row may draft this step); observe_step(seqs, drafts, seconds), optional, times the verify step;
         # observe(seq, proposed, emitted) learns acceptance; finish(seq) forgets
-        self.policy = None
+        self.policy = policy
 
     # ---- public -------------------------------------------------------------------------
     def generate(self, requests: Iterable[Request],

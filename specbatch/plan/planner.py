@@ -167,36 +167,26 @@ def make_plan(records, prompt_ids: dict[int, list[int]], k_max: int, batch_size:
     return Plan(k_max, batch_size, preds, bucket_of, buckets)
 
 
-def prepare_auto(engine, records, renderer, spec_config, engine_config, model_id: str,
-                 cache_dir=None, echo=print, draft_model_id: str = "") -> Plan:
-    """Calibrate (or load the cached cost models: the target's and, when the engine's proposer
-    has a draft model, the draft's, cached under ``draft_model_id``), plan, and attach the
-    adaptive policy to ``engine``. ``echo`` gets the human-readable lines (calibration notes and
-    plan table)."""
-    from specbatch.models.loader import cache_root
-    from specbatch.plan.costmodel import load_or_calibrate
+def plan_auto(records, renderer, spec_config, batch_size: int, max_model_len: int,
+              cost: CostModel, proposer, model_cost: CostModel | None = None,
+              echo=print) -> tuple[Plan, AdaptivePolicy]:
+    """Plan ``records`` and make the adaptive policy the engine is built with (``llm.LLM``
+    builds it; nothing reaches into an engine from outside).
 
-    cost, path, measured = load_or_calibrate(engine.runner.forward, model_id,
-                                             engine_config.dtype, cache_root(cache_dir))
-    if measured:
-        echo(f"calibrated the step-cost model for this machine: {path}")
-    proposer = engine.proposer if hasattr(engine.proposer, "propose_with_model") else None
-    model_cost = None
-    if proposer is not None:  # the draft model's forward gets its own calibration
-        model_cost, path, measured = load_or_calibrate(
-            proposer.model.forward, draft_model_id or "draft", engine_config.dtype,
-            cache_root(cache_dir))
-        if measured:
-            echo(f"calibrated the draft model's step cost for this machine: {path}")
+    cost: the target's step-cost model (``costmodel.load_or_calibrate``); proposer: the engine's
+    proposer (a ``LookupAndDraftProposer`` when a draft model is given; ``model_cost`` is then
+    its draft forward's cost model); batch_size: the engine's rows; max_model_len: its context.
+    ``echo`` gets the plan table."""
+    draft_proposer = proposer if hasattr(proposer, "propose_with_model") else None
     prompt_ids = {r.index: renderer.first_prompt(r)[0] for r in records}
     max_tokens = max((r.sampling.max_tokens for r in records), default=1)
-    plan = make_plan(records, prompt_ids, spec_config.num_speculative_tokens,
-                     engine_config.max_batch_size, cost, spec_config.prompt_lookup_min,
-                     max_tokens, model_cost)
-    engine.policy = plan.make_policy(cost, Probe(PROBE_TOKENS, spec_config.prompt_lookup_min,
-                                                 spec_config.prompt_lookup_max,
-                                                 engine.runner.max_model_len),
-                                     proposer=proposer, model_cost=model_cost,
-                                     match_len_of=getattr(engine.proposer, "match_len", None))
+    plan = make_plan(records, prompt_ids, spec_config.num_speculative_tokens, batch_size, cost,
+                     spec_config.prompt_lookup_min, max_tokens,
+                     model_cost if draft_proposer is not None else None)
+    policy = plan.make_policy(cost, Probe(PROBE_TOKENS, spec_config.prompt_lookup_min,
+                                          spec_config.prompt_lookup_max, max_model_len),
+                              proposer=draft_proposer,
+                              model_cost=model_cost if draft_proposer is not None else None,
+                              match_len_of=getattr(proposer, "match_len", None))
     echo(plan.table())
-    return plan
+    return plan, policy
