@@ -151,6 +151,11 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
 
     t0 = time.perf_counter()
     try:
+        if opts.progress:  # a person is watching: say what the wait is for (an unknown model
+            from specbatch.models.loader import resolve_model  # is still one error: line)
+
+            resolve_model(opts.model or DEFAULT_MODEL, opts.cache_dir)
+            _err(f"loading {opts.model or DEFAULT_MODEL} ({opts.engine.dtype}) ...")
         loaded = load_model(opts.model or DEFAULT_MODEL, dtype=opts.engine.dtype,
                             device=opts.engine.device, cache_dir=opts.cache_dir)
     except ValueError as e:
