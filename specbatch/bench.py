@@ -3,9 +3,10 @@
 Records are grouped by category (a single group when the input has none). For each group every
 configuration runs the group's records with a fresh engine, in an order that rotates from group
 to group (and round to round), so slow drift of the machine spreads over all configurations.
-Output tok/s = completion tokens / wall seconds of the run (prefill included). Ratios are to the
-first configuration (``none`` by default). The outputs of every configuration are compared with
-the first's: speculation must not change them.
+Output tok/s = completion tokens / wall seconds of the run (prefill included). Ratios are to
+``none`` wherever it is one of the configurations, whatever its place; without it, to the first
+configuration, and the table says so. The outputs of every configuration are compared with that
+baseline's: speculation must not change them.
 """
 
 from __future__ import annotations
@@ -47,10 +48,17 @@ def parse_configs(text: str,
     ``SpecConfig``s; the ``draft`` ones use ``draft_model``; for ``auto`` k is the cap, and
     ``auto:draft`` may also draft with ``draft_model``.
 
-    Raises ``ValueError`` on an unknown method or key, or ``draft`` without a draft model."""
+    Raises ``ValueError`` on an unknown method or key, a key given twice (``auto:k=3:k=4``), a
+    configuration given twice, or ``draft`` without a draft model."""
     out = []
     for item in (t.strip() for t in text.split(",") if t.strip()):
         method, *parts = item.split(":")
+        keys_given = [p.partition("=")[0] for p in parts]
+        twice = sorted({key for key in keys_given if keys_given.count(key) > 1})
+        if twice:
+            raise ValueError(f"config {item!r}: {', '.join(twice)} given twice")
+        if item in (label for label, _ in out):
+            raise ValueError(f"config {item!r} given twice")
         kwargs: dict = {"method": method}
         if method == "draft" or (method == "auto" and "draft" in parts):
             if draft_model is None:
@@ -67,7 +75,14 @@ def parse_configs(text: str,
         out.append((item, SpecConfig(**kwargs)))
     if not out:
         raise ValueError("no configurations given")
+    if draft_model is not None and all(spec.draft_model is None for _, spec in out):
+        raise ValueError("--draft-model is used by no configuration (draft:k=N or auto:draft)")
     return tuple(out)
+
+
+def baseline(labels: list[str]) -> str:
+    """The configuration ratios are taken to: the first ``none``, else the first of all."""
+    return next((lb for lb in labels if lb.split(":")[0] == "none"), labels[0])
 
 
 def parse_groups(items) -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -84,15 +99,14 @@ def parse_groups(items) -> tuple[tuple[str, tuple[str, ...]], ...]:
 
 
 def run_bench(opts: BenchOptions) -> int:
-    from specbatch.models.loader import load_model
-    from specbatch.models.registry import DEFAULT_MODEL
-    from specbatch.pipeline import (PromptRenderer, build_engine, fit_engine_config,
-                                    generate_records)
-    from specbatch.run import EXIT_BAD_INPUT, _report_errors, load_records
+    from specbatch.io.records import error_lines
+    from specbatch.llm import LLM, ModelLoadError
+    from specbatch.run import EXIT_BAD_INPUT, load_records
 
     records, errors = load_records(opts)
     if errors:
-        _report_errors(errors, "fail", can_skip=False)
+        for line in error_lines(errors, "fail", can_skip=False):
+            click.echo(line, err=True)
         return EXIT_BAD_INPUT
     groups: dict[str, list] = defaultdict(list)
     for r in records:
@@ -104,41 +118,23 @@ def run_bench(opts: BenchOptions) -> int:
     if not groups:
         click.echo("error: no records left after --categories / --per-category", err=True)
         return EXIT_BAD_INPUT
-    loaded = load_model(opts.model or DEFAULT_MODEL, dtype=opts.engine.dtype,
-                        device=opts.engine.device, cache_dir=opts.cache_dir)
-    renderer = PromptRenderer(loaded.tokenizer)
-    draft = None
-    if any(spec.draft_model is not None for _, spec in opts.specs):
-        from specbatch.spec_decode.draft import load_draft_model
-
-        try:
-            draft = load_draft_model(opts.draft_model, loaded, opts.engine.dtype,
-                                     opts.engine.device, opts.cache_dir)
-        except ValueError as e:
-            click.echo(f"error: {e}" if str(e).startswith("draft model ")
-                       else f"error: draft model {opts.draft_model!r}: {e}", err=True)
-            return EXIT_BAD_INPUT
+    # one load for every configuration; the draft model only when a configuration drafts with it
+    spec = next((s for _, s in opts.specs if s.draft_model is not None), opts.specs[0][1])
+    try:
+        llm = LLM.from_config(opts.model, spec, opts.engine, cache_dir=opts.cache_dir,
+                              seed=opts.run_seed, echo=lambda line: click.echo(line, err=True))
+    except ModelLoadError as e:
+        click.echo(f"error: {e}", err=True)
+        return EXIT_BAD_INPUT
 
     # the memory check of ``run``, once for every configuration (batch size from the table)
-    engine_config = fit_engine_config(
-        opts.engine, [r for recs in groups.values() for r in recs], renderer, loaded.max_model_len,
-        loaded.model, draft.model if draft is not None else None,
-        echo=lambda line: click.echo(line, err=True))
+    engine_config = llm.fit_engine_config([r for recs in groups.values() for r in recs])
 
     def run_once(spec: SpecConfig, recs: list) -> tuple[float, dict]:
-        engine = build_engine(loaded.model, spec, engine_config, loaded.eos_token_ids,
-                              loaded.max_model_len, renderer.detokenize,
-                              draft_model=draft.model if spec.draft_model is not None else None)
+        # planning is part of the timed run (calibration is cached)
         t0 = time.perf_counter()
-        plan = None
-        if spec.method == "auto":  # planning is part of the timed run (calibration is cached)
-            from specbatch.plan.planner import prepare_auto
-
-            plan = prepare_auto(engine, recs, renderer, spec, engine_config, loaded.model_id,
-                                opts.cache_dir, echo=lambda line: None,
-                                draft_model_id=draft.model_id if spec.draft_model else "")
-        outs = {rec.index: out for rec, out in generate_records(engine, renderer, recs,
-                                                                 opts.run_seed, plan=plan)}
+        prepared = llm.prepare(recs, spec, engine_config, echo=lambda line: None)
+        outs = {rec.index: out for rec, out in prepared.run(opts.run_seed)}
         return time.perf_counter() - t0, outs
 
     warm = [replace_sampling(next(iter(groups.values()))[0], max_tokens=8)]
@@ -160,16 +156,12 @@ def run_bench(opts: BenchOptions) -> int:
                 for idx, out in outs.items():
                     tokens[label, cat] += out["usage"]["completion_tokens"]
                     outputs[label][idx] = out["output_token_ids"]
-                    d = out["spec"]
-                    stats[label, cat].merge(SpecStats(
-                        num_steps=d["num_steps"], num_drafts=d["num_drafts"],
-                        num_draft_tokens=d["num_draft_tokens"],
-                        num_accepted_tokens=d["num_accepted_tokens"]))
+                    stats[label, cat].merge(SpecStats.from_dict(out["spec"]))
                 click.echo(f"  {cat:<14} {label:<22} {tokens[label, cat] / seconds[label, cat]:7.1f}"
                            f" tok/s (round {rnd + 1})", err=True)
     click.echo(format_table(labels, {c: len(r) for c, r in groups.items()}, seconds, tokens, stats, opts))
-    base = labels[0]
-    for label in labels[1:]:
+    base = baseline(labels)
+    for label in (lb for lb in labels if lb != base):
         diff = [i for i in outputs[base] if outputs[label].get(i) != outputs[base][i]]
         click.echo(f"outputs {label} vs {base}: {len(outputs[base]) - len(diff)} identical, "
                    f"{len(diff)} differ" + (f" (record indices {diff[:10]})" if diff else ""))
@@ -184,12 +176,15 @@ def replace_sampling(record, **changes):
 
 def format_table(labels, sizes: dict[str, int], seconds, tokens, stats, opts) -> str:
     """Markdown table: per category, per ``opts.groups`` group and overall, tok/s (the group's
-    tokens over its seconds) and ratio to the first config, and the mean acceptance length of
-    each drafting config. A group's categories absent from the run are left out of it."""
+    tokens over its seconds) and ratio to the baseline (``none``, else the first config; see
+    ``baseline``), and the mean acceptance length of each drafting config. A group's categories
+    absent from the run are left out of it."""
     cats = list(sizes)
-    base = labels[0]
+    base = baseline(labels)
+    others = [lb for lb in labels if lb != base]
+    drafting = [lb for lb in labels if lb.split(":")[0] != "none"]
     head = ["category", "records"] + [f"{lb} tok/s" for lb in labels] + \
-        [f"{lb} / {base}" for lb in labels[1:]] + [f"{lb} acc.len" for lb in labels[1:]]
+        [f"{lb} / {base}" for lb in others] + [f"{lb} acc.len" for lb in drafting]
     rows = []
     members_of = {c: [c] for c in cats}
     for name, group in opts.groups:
@@ -209,12 +204,14 @@ def format_table(labels, sizes: dict[str, int], seconds, tokens, stats, opts) ->
                 st.merge(stats[lb, c])
             accs[lb] = st.mean_acceptance_length
         row = [cat, str(sum(sizes[c] for c in members))] + [f"{tps[lb]:.1f}" for lb in labels] + \
-            [f"{tps[lb] / tps[base]:.2f}x" if tps[base] else "-" for lb in labels[1:]] + \
-            [f"{accs[lb]:.2f}" if accs[lb] else "-" for lb in labels[1:]]
+            [f"{tps[lb] / tps[base]:.2f}x" if tps[base] else "-" for lb in others] + \
+            [f"{accs[lb]:.2f}" if accs[lb] else "-" for lb in drafting]
         rows.append(row)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     cfg = (f"model {opts.model or 'default'}, dtype {opts.engine.dtype}, max_batch_size "
            f"{opts.engine.max_batch_size}, max_tokens {opts.sampling.max_tokens}, T "
-           f"{opts.sampling.temperature}, rounds {opts.repeats}")
+           f"{opts.sampling.temperature}, rounds {opts.repeats}; ratios to {base}"
+           + ("" if base.split(":")[0] == "none" else " (no none configuration: add none to the "
+              "--configs for speedups over plain decoding)"))
     return cfg + "\n" + "\n".join(lines)

@@ -1,10 +1,10 @@
-"""From validated records to output records: prompts -> requests -> engine -> output dicts.
+"""The middle of the data flow: prompts -> requests -> engine -> completions -> output fields.
 
-A record's prompt is ``prompt`` (plain text, tokenised as is), ``messages`` (a chat list,
-rendered with the tokenizer's chat template) or ``turns`` (user turns answered in order, each
-with the earlier turns and answers in context, as Spec-Bench does). Requests are sorted by
-prompt length (longest first) so rows in a batch have similar lengths; outputs are matched
-back to records by index, and the writer restores input order.
+records (``io.records``) -> prompts (``prompts.PromptRenderer``) -> requests (here) -> engine
+(built by ``llm.LLM``, the one place that assembles one) -> completions -> output fields
+(``outputs``) -> writer (``io.writer``). Requests are sorted by prompt length (longest first)
+so rows in a batch have similar lengths; outputs are matched back to records by index, and the
+writer restores input order.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import torch
 
 from specbatch.engine.engine import Completion, Engine
 from specbatch.engine.sequence import Request
+from specbatch.outputs import output_fields
+from specbatch.prompts import PromptRenderer
 from specbatch.spec_decode.sampler import derive_seed
 from specbatch.spec_decode.stats import SpecStats
 
@@ -25,42 +27,19 @@ from specbatch.spec_decode.stats import SpecStats
 @dataclass
 class _Pending:
     record: Any
-    completions: list[Completion] = field(default_factory=list)
-    messages: list[dict] | None = None
+    num_samples: int = 1
+    completions: dict[int, list[Completion]] = field(default_factory=dict)  # sample -> turns
+    messages: dict[int, list[dict] | None] = field(default_factory=dict)  # sample -> chat
 
+    def add(self, sample: int, c: Completion) -> None:
+        self.completions.setdefault(sample, []).append(c)
 
-class PromptRenderer:
-    """Tokenises a record's prompt for each turn. ``tokenizer``: a transformers tokenizer."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self._first: dict[int, tuple[list[int], list[dict] | None]] = {}  # record index -> ...
-
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def first_prompt(self, record) -> tuple[list[int], list[dict] | None]:
-        """Prompt ids of the first (or only) answer, and the chat so far (None for ``prompt``).
-        Remembered per record index: length checks, the planner and generation tokenise once."""
-        if record.index not in self._first:
-            self._first[record.index] = self._render_first(record)
-        ids, messages = self._first[record.index]
-        return ids, (list(messages) if messages is not None else None)
-
-    def _render_first(self, record) -> tuple[list[int], list[dict] | None]:
-        if record.prompt is not None:
-            return self.tokenizer.encode(record.prompt), None
-        messages = (list(record.messages) if record.messages is not None
-                    else [{"role": "user", "content": record.turns[0]}])
-        return self.encode_chat(messages), messages
-
-    def count_tokens(self, record) -> int:
-        return len(self.first_prompt(record)[0])
-
-    def detokenize(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def is_done(self) -> bool:
+        """Every sample has all its turns, or stopped at an error."""
+        num_turns = len(self.record.turns) if self.record.turns is not None else 1
+        return len(self.completions) == self.num_samples and all(
+            len(cs) == num_turns or cs[-1].finish_reason == "error"
+            for cs in self.completions.values())
 
 
 def record_seed(record, run_seed: int) -> int:
@@ -70,27 +49,45 @@ def record_seed(record, run_seed: int) -> int:
     return sp.seed if sp.seed is not None else derive_seed(run_seed, record.id)
 
 
+def sample_seed(record, run_seed: int, sample: int) -> int:
+    """Seed of sample ``sample`` of ``n``: sample 0 is the record seed (what n = 1 samples),
+    sample s > 0 one derived from it and s, so samples never share noise."""
+    seed = record_seed(record, run_seed)
+    return seed if sample == 0 else derive_seed(seed, "sample", sample)
+
+
+def grammar_for(record, compiler):
+    """The compiled grammar of a record's ``response_format`` (None without one)."""
+    schema = record.sampling.json_schema
+    return None if schema is None else compiler.compile(schema)
+
+
 def generate_records(engine: Engine, renderer: PromptRenderer, records: Iterable,
                      run_seed: int = 0,
                      on_tokens: Callable[[int, SpecStats], None] | None = None,
                      plan=None) -> Iterator[tuple[Any, dict]]:
     """Run records through the engine; yield ``(record, output_fields)`` as records finish.
 
-    output_fields: ``output``, ``output_token_ids``, ``finish_reason``, ``stop_reason``,
-    ``usage``, ``spec`` and, when asked, ``logprobs`` / ``error``. For ``turns`` records,
-    ``output``, ``output_token_ids``, ``finish_reason`` and ``stop_reason`` are lists, one per
-    turn. on_tokens(num_new_completion_tokens, stats) is called per finished answer.
+    output_fields: see ``outputs.output_fields``. on_tokens(num_new_completion_tokens, stats) is called per finished answer.
     plan: a ``plan.planner.Plan`` (``--method auto``): orders records by bucket then length, and
     adds its per-record fields to ``spec``; without one, records run longest prompt first.
     """
     pending: dict[int, _Pending] = {}
     requests = []
+    compiler = None  # xgrammar, built for the first record with a response_format
     for rec in records:
         ids, messages = renderer.first_prompt(rec)
-        pending[rec.index] = _Pending(rec, messages=messages)
-        seed = record_seed(rec, run_seed)
-        requests.append(Request((rec.index, 0), ids, rec.sampling,
-                                seed=derive_seed(seed, 0), tag=rec.index))
+        pending[rec.index] = _Pending(rec, rec.sampling.n)
+        if rec.sampling.json_schema is not None and compiler is None:
+            from specbatch.engine.grammar import GrammarCompiler
+
+            compiler = GrammarCompiler(renderer.tokenizer, engine.runner.forward.vocab_size)
+        grammar = grammar_for(rec, compiler)
+        for sample in range(rec.sampling.n):
+            pending[rec.index].messages[sample] = messages
+            seed = sample_seed(rec, run_seed, sample)
+            requests.append(Request((rec.index, 0, sample), ids, rec.sampling,
+                                    seed=derive_seed(seed, 0), tag=rec.index, grammar=grammar))
     if plan is not None:
         requests.sort(key=lambda r: plan.order_key(r.tag, len(r.prompt_ids)))
     else:
@@ -99,57 +96,28 @@ def generate_records(engine: Engine, renderer: PromptRenderer, records: Iterable
     def follow_up(c: Completion) -> Request | None:
         p = pending[c.request.tag]
         rec = p.record
-        turn = c.request.request_id[1]
+        _, turn, sample = c.request.request_id
         if rec.turns is None or turn + 1 >= len(rec.turns):
             return None
-        p.messages = p.messages + [{"role": "assistant", "content": c.text},
-                                   {"role": "user", "content": rec.turns[turn + 1]}]
-        seed = derive_seed(record_seed(rec, run_seed), turn + 1)
-        return Request((rec.index, turn + 1), renderer.encode_chat(p.messages), rec.sampling,
-                       seed=seed, tag=rec.index)
+        chat = p.messages[sample] + [{"role": "assistant", "content": c.text},
+                                     {"role": "user", "content": rec.turns[turn + 1]}]
+        p.messages[sample] = chat
+        seed = derive_seed(sample_seed(rec, run_seed, sample), turn + 1)
+        return Request((rec.index, turn + 1, sample), renderer.encode_chat(chat), rec.sampling,
+                       seed=seed, tag=rec.index, grammar=c.request.grammar)
 
     for c in engine.generate(requests, follow_up=follow_up):
         p = pending[c.request.tag]
-        p.completions.append(c)
+        p.add(c.request.request_id[2], c)
         if on_tokens is not None:
             on_tokens(len(c.output_ids), c.stats)
         rec = p.record
-        num_turns = len(rec.turns) if rec.turns is not None else 1
-        if c.finish_reason == "error" or len(p.completions) == num_turns:
+        if p.is_done():
             del pending[c.request.tag]
-            out = _output_fields(rec, p.completions)
+            out = output_fields(rec, [p.completions[s] for s in range(p.num_samples)])
             if plan is not None:
                 out["spec"].update(plan.annotate(rec.index))
             yield rec, out
-
-
-def _output_fields(rec, completions: list[Completion]) -> dict:
-    stats = SpecStats(proposer=completions[0].stats.proposer,
-                      num_speculative_tokens=completions[0].stats.num_speculative_tokens)
-    for c in completions:
-        stats.merge(c.stats)
-    is_turns = rec.turns is not None
-
-    def per_turn(values: list):
-        return values if is_turns else values[0]
-
-    out = {
-        "output": per_turn([c.text for c in completions]),
-        "output_token_ids": per_turn([c.output_ids for c in completions]),
-        "finish_reason": per_turn([c.finish_reason for c in completions]),
-        "stop_reason": per_turn([c.stop_reason for c in completions]),
-        "usage": {"prompt_tokens": sum(len(c.prompt_ids) for c in completions),
-                  "completion_tokens": sum(len(c.output_ids) for c in completions)},
-        "spec": stats.to_dict(),
-    }
-    if rec.sampling.logprobs is not None:
-        out["logprobs"] = per_turn([[{"token_id": e.token_id, "logprob": e.logprob,
-                                      "top": [[t, lp] for t, lp in e.top]}
-                                     for e in (c.logprobs or [])] for c in completions])
-    errors = [c.error for c in completions if c.error]
-    if errors:
-        out["error"] = errors[0]
-    return out
 
 
 class Throughput:
@@ -167,30 +135,6 @@ class Throughput:
     @property
     def tokens_per_second(self) -> float:
         return self.num_tokens / max(time.perf_counter() - self.start, 1e-9)
-
-
-def build_engine(model, spec_config, engine_config, eos_ids: Iterable[int], max_model_len: int,
-                 detokenize: Callable[[list[int]], str] | None, draft_model=None) -> Engine:
-    """Wire a transformers model into an ``Engine``.
-
-    model: a Llama-family transformers model (already in the wanted dtype and device).
-    max_model_len: context cap (tokens), lowered to ``engine_config.max_model_len`` if set.
-    draft_model: the draft transformers model for ``method = draft``, or for ``auto`` to choose
-    from (vocabulary checked by the caller, ``spec_decode.draft.load_draft_model``).
-    """
-    from specbatch.engine.runner import ModelRunner
-    from specbatch.engine.sequence import StopRules
-    from specbatch.models.llama import LlamaForward
-    from specbatch.spec_decode import make_proposer
-
-    if engine_config.max_model_len is not None:
-        max_model_len = min(max_model_len, engine_config.max_model_len)
-    runner = ModelRunner(LlamaForward(model), engine_config.max_batch_size, max_model_len,
-                         prefill_chunk=engine_config.prefill_chunk)
-    stop_rules = StopRules(frozenset(eos_ids), max_model_len, detokenize)
-    draft_forward = LlamaForward(draft_model) if draft_model is not None else None
-    proposer = make_proposer(spec_config, draft_forward, engine_config.max_batch_size)
-    return Engine(runner, proposer, stop_rules, spec_config.k, detokenize)
 
 
 def longest_row(records, renderer: PromptRenderer, max_model_len: int) -> int:
@@ -258,7 +202,7 @@ def fit_engine_config(engine_config, records, renderer: PromptRenderer, max_mode
     records = list(records)
     if not records:
         return engine_config
-    rows = min(engine_config.max_batch_size, len(records))
+    rows = min(engine_config.max_batch_size, sum(r.sampling.n for r in records))
     forwards = [LlamaForward(model)] + ([LlamaForward(draft_model)] if draft_model else [])
     rows, note = fit_batch_size(rows, longest_row(records, renderer, max_model_len), forwards)
     if note is not None:

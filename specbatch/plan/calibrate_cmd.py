@@ -10,20 +10,20 @@ import click
 
 
 def run_calibrate(model: str | None, dtype: str, cache_dir: str | None, output: str | None,
-                  recalibrate: bool) -> int:
-    from specbatch.models.llama import LlamaForward
-    from specbatch.models.loader import cache_root, load_model
-    from specbatch.models.registry import DEFAULT_MODEL
-    from specbatch.plan.costmodel import load_or_calibrate
+                  recalibrate: bool, device: str = "cpu") -> int:
+    from specbatch.config import EngineConfig, SpecConfig
+    from specbatch.llm import LLM, ModelLoadError
 
     def err(line: str) -> None:
         click.echo(line, err=True)
 
-    err(f"loading {model or DEFAULT_MODEL} ({dtype}) ...")
-    loaded = load_model(model or DEFAULT_MODEL, dtype=dtype, cache_dir=cache_dir)
-    cost, path, measured = load_or_calibrate(LlamaForward(loaded.model), loaded.model_id, dtype,
-                                             cache_root(cache_dir), recalibrate=recalibrate,
-                                             echo=err)
+    try:
+        llm = LLM.from_config(model, SpecConfig(method="none"), EngineConfig(dtype=dtype, device=device),
+                              cache_dir=cache_dir, echo=err)
+    except ModelLoadError as e:
+        click.echo(f"error: {e}", err=True)
+        return 2
+    cost, path, measured = llm.calibrate(recalibrate=recalibrate, echo=err)
     status = "cached" if not measured else "measured" if cost.problem() is None else "not cached"
     click.echo(f"{status}: {path}")
     click.echo(f"{'rows':>5}{'q':>4}{'ctx':>6}{'measured ms':>13}{'fit ms':>9}")
@@ -62,7 +62,7 @@ def run_predict_eval(paths, k: int, model: str | None, cache_dir: str | None,
     from specbatch.io.records import read_records
     from specbatch.models.loader import load_model
     from specbatch.models.registry import DEFAULT_MODEL
-    from specbatch.pipeline import PromptRenderer
+    from specbatch.prompts import PromptRenderer
     from specbatch.plan.planner import PROBE_TOKENS, Plan
     from specbatch.plan.policy import RowAcceptance
     from specbatch.plan.predict import instruction_text, predict, spearman

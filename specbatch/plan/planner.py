@@ -208,46 +208,31 @@ def make_plan(records, prompt_ids: dict[int, list[int]], k_max: int, batch_size:
                 copy_heavy_from=copy_heavy_from)
 
 
-def prepare_auto(engine, records, renderer, spec_config, engine_config, model_id: str,
-                 cache_dir=None, echo=print, draft_model_id: str = "") -> Plan:
-    """Calibrate (or load the cached cost models: the target's and, when the engine's proposer
-    has a draft model, the draft's, cached under ``draft_model_id``), plan, and attach the
-    adaptive policy to ``engine``. ``echo`` gets the human-readable lines (calibration notes and
-    plan table)."""
-    from specbatch.models.loader import cache_root
-    from specbatch.plan.costmodel import load_or_calibrate
+def plan_auto(records, renderer, spec_config, batch_size: int, max_model_len: int,
+              cost: CostModel, proposer, model_cost: CostModel | None = None,
+              echo=print, model_id: str = "") -> tuple[Plan, AdaptivePolicy]:
+    """Plan ``records`` and make the adaptive policy the engine is built with (``llm.LLM``
+    builds it; nothing reaches into an engine from outside).
 
-    cost, path, measured = load_or_calibrate(engine.runner.forward, model_id,
-                                             engine_config.dtype, cache_root(cache_dir),
-                                             echo=echo)
-    if measured:
-        echo(f"calibrated the step-cost model for this machine: {_where(cost, path)}")
-    proposer = engine.proposer if hasattr(engine.proposer, "propose_with_model") else None
-    model_cost = None
-    if proposer is not None:  # the draft model's forward gets its own calibration
-        model_cost, path, measured = load_or_calibrate(
-            proposer.model.forward, draft_model_id or "draft", engine_config.dtype,
-            cache_root(cache_dir), echo=echo)
-        if measured:
-            echo(f"calibrated the draft model's step cost for this machine: "
-                 f"{_where(model_cost, path)}")
+    cost: the target's step-cost model (``costmodel.load_or_calibrate``); proposer: the engine's
+    proposer (a ``LookupAndDraftProposer`` when a draft model is given; ``model_cost`` is then
+    its draft forward's cost model); batch_size: the engine's rows; max_model_len: its context.
+    ``echo`` gets the plan table; model_id: the target's (``LoadedModel.model_id``), for a note
+    when the acceptance predictor was fitted on another model."""
+    draft_proposer = proposer if hasattr(proposer, "propose_with_model") else None
     prompt_ids = {r.index: renderer.first_prompt(r)[0] for r in records}
     max_tokens = max((r.sampling.max_tokens for r in records), default=1)
-    plan = make_plan(records, prompt_ids, spec_config.num_speculative_tokens,
-                     engine_config.max_batch_size, cost, spec_config.prompt_lookup_min,
-                     max_tokens, model_cost)
-    if not fitted_for(model_id):
+    plan = make_plan(records, prompt_ids, spec_config.num_speculative_tokens, batch_size, cost,
+                     spec_config.prompt_lookup_min, max_tokens,
+                     model_cost if draft_proposer is not None else None)
+    if model_id and not fitted_for(model_id):
         plan.model_note = (f"note: the acceptance predictor was fitted on {FITTED_ON}; for "
                            f"{model_id.split('@')[0]} its scale may be off: the buckets use only "
                            "its ranking, and each record's acceptance is learned as it runs")
-    engine.policy = plan.make_policy(cost, Probe(PROBE_TOKENS, spec_config.prompt_lookup_min,
-                                                 spec_config.prompt_lookup_max,
-                                                 engine.runner.max_model_len),
-                                     proposer=proposer, model_cost=model_cost,
-                                     match_len_of=getattr(engine.proposer, "match_len", None))
+    policy = plan.make_policy(cost, Probe(PROBE_TOKENS, spec_config.prompt_lookup_min,
+                                          spec_config.prompt_lookup_max, max_model_len),
+                              proposer=draft_proposer,
+                              model_cost=model_cost if draft_proposer is not None else None,
+                              match_len_of=getattr(proposer, "match_len", None))
     echo(plan.table())
-    return plan
-
-
-def _where(cost: CostModel, path) -> str:
-    return str(path) if cost.problem() is None else "not cached (too noisy; see the warning)"
+    return plan, policy
