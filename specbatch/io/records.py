@@ -433,7 +433,9 @@ def _jsonl_rows(data: bytes) -> Iterator[tuple[int, dict | _BadLine | _WideInts]
         try:
             value = orjson.loads(text)
         except orjson.JSONDecodeError as e:  # its "line 1" is this line: give the column only
-            yield n, _BadLine(f"invalid JSON at column {e.colno}: {e.msg}")
+            mixed = (" (a CR ends a record inside this line: the file mixes CR-only and LF line "
+                     "endings)" if b"}\r" in raw.rstrip() else "")
+            yield n, _BadLine(f"invalid JSON at column {e.colno}: {e.msg}{mixed}")
             continue
         if not isinstance(value, dict):
             yield n, _BadLine(f"line is a JSON {_kind(value)}, not an object")
@@ -537,8 +539,11 @@ def _check_fields(row: dict, named: set) -> None:
     for k in row:
         meant = None if k in named else _near_miss(k)
         if meant is not None:
-            raise ValueError(f"unknown field {k!r}: did you mean {meant!r}? (rename a field "
-                             "that is only metadata)")
+            flag = ("--id-field" if meant in ID_FIELDS
+                    else "--prompt-field" if meant in PROMPT_FIELDS else None)
+            also = f"pass {flag} {k}, or " if flag else ""
+            raise ValueError(f"unknown field {k!r}: did you mean {meant!r}? ({also}rename a "
+                             "field that is only metadata)")
 
 
 _KNOWN_FIELDS = (*SAMPLING_FIELDS, *PROMPT_FIELDS, *ID_FIELDS)
