@@ -87,12 +87,12 @@ class Plan:
 
     def make_policy(self, cost: CostModel, probe: Probe | None = None, proposer=None,
                     model_cost: CostModel | None = None,
-                    match_len_of=None) -> AdaptivePolicy:
+                    match_len_of=None, suffix=None) -> AdaptivePolicy:
         """proposer, model_cost: a ``LookupAndDraftProposer`` and its draft forward's cost
         model, when a draft model is given; match_len_of: ``NgramProposer.match_len``."""
         self.policy = AdaptivePolicy(cost, self.k_max, lambda seq: self.prior(seq.request.tag),
                                      probe=probe, proposer=proposer, model_cost=model_cost,
-                                     match_len_of=match_len_of)
+                                     match_len_of=match_len_of, suffix=suffix)
         return self.policy
 
     def table(self) -> str:
@@ -197,6 +197,9 @@ def prepare_auto(engine, records, renderer, spec_config, engine_config, model_id
                                                  spec_config.prompt_lookup_max,
                                                  engine.runner.max_model_len),
                                      proposer=proposer, model_cost=model_cost,
-                                     match_len_of=getattr(engine.proposer, "match_len", None))
+                                     match_len_of=getattr(engine.proposer, "match_len", None),
+                                     suffix=(engine.proposer if hasattr(engine.proposer,
+                                                                        "propose_suffix")
+                                             else None))
     echo(plan.table())
     return plan
