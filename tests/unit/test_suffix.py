@@ -237,3 +237,24 @@ def test_auto_routes_suffix_drafts_per_row_and_keeps_outputs():
     assert max(max(c.stats.k_histogram) for c in out) > 4  # a suffix draft past k
     assert sum(t for t, _ in engine.policy.suffix_pool) > 0
     assert engine.policy.suffix_seconds is not None
+
+
+def test_json_extraction_recipe_and_example_input():
+    """The templated job: a suffix recipe whose template renders every one of 100+ example
+    records (Spec-Bench rag / summarization articles) with one fixed instruction."""
+    from pathlib import Path
+
+    from specbatch.io.records import read_records, template_fields
+    from specbatch.recipe import load_recipe
+
+    recipes = Path(__file__).resolve().parents[2] / "recipes"
+    recipe = load_recipe(recipes / "json_extraction.toml")
+    assert (recipe.name, recipe.options["method"], recipe.options["max_tokens"]) == \
+        ("json_extraction", "suffix", 128)
+    assert template_fields(recipe.options["template"]) == ["article"]
+    records, errors = read_records(recipes / "prompts" / "json_extraction.jsonl",
+                                   template=recipe.options["template"])
+    assert errors == [] and len(records) >= 100
+    instructions = {r.messages[0]["content"].split("Article:")[0] for r in records}
+    assert len(instructions) == 1 and '"title"' in next(iter(instructions))
+    assert {r.fields["source_category"] for r in records} == {"rag", "summarization"}
