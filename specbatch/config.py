@@ -200,6 +200,28 @@ def _response_format(v):
 
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
+# Generation parameters of vLLM's SamplingParams, the OpenAI chat/completions API (and a few of
+# transformers' generate(), often found in datasets) that specbatch does NOT apply: a record
+# carrying one is a bad record (``io.records``), since the user would believe it was applied.
+# Name -> what to use instead ("" if nothing). The ONE list: when a parameter becomes supported
+# (a SamplingParams field, or a record field the reader knows), remove it here; the reader skips
+# supported names anyway. Transport and metadata names (model, user, metadata, stream, store,
+# service_tier) are not listed: records may carry them as metadata.
+UNSUPPORTED_SAMPLING_FIELDS: dict[str, str] = {
+    "best_of": "", "allowed_token_ids": "", "bad_words": "", "prompt_logprobs": "",
+    "include_stop_str_in_output": "", "skip_special_tokens": "",
+    "spaces_between_special_tokens": "", "detokenize": "", "truncate_prompt_tokens": "",
+    "logits_processors": "", "extra_args": "", "guided_decoding": "", "structured_outputs": "",
+    "guided_json": "", "guided_regex": "", "guided_choice": "", "guided_grammar": "",
+    "use_beam_search": "", "length_penalty": "", "early_stopping": "", "tools": "",
+    "tool_choice": "", "functions": "", "function_call": "", "parallel_tool_calls": "",
+    "reasoning_effort": "", "chat_template_kwargs": "", "echo": "", "suffix": "",
+    "prediction": "", "max_completion_tokens": "max_tokens", "top_logprobs": "logprobs: N",
+    "stop_sequences": "stop", "max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
+    "do_sample": "temperature (0 is greedy)", "num_beams": "", "num_return_sequences": "n",
+    "typical_p": "", "no_repeat_ngram_size": "",
+}
+
 
 @dataclass(frozen=True)
 class SpecConfig:
@@ -330,4 +352,4 @@ def _check(ok: bool, name: str, value, expected: str) -> None:
 
 
 __all__ = ["SamplingParams", "SpecConfig", "EngineConfig", "resolve_device", "SAMPLING_FIELDS", "METHODS", "DTYPES",
-           "MIN_INT", "MAX_INT"]
+           "MIN_INT", "MAX_INT", "UNSUPPORTED_SAMPLING_FIELDS"]

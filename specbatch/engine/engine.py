@@ -46,6 +46,7 @@ class Completion:
     error: str | None
     stats: SpecStats
     logprobs: list[LogprobEntry] | None
+    prompt_fed: bool = True  # False when the prompt was refused before prefill (too long)
 
 
 class Engine:
@@ -57,7 +58,7 @@ class Engine:
     """
 
     def __init__(self, runner: ModelRunner, proposer: Proposer, stop_rules: StopRules, k: int,
-                 detokenize: Callable[[list[int]], str] | None = None) -> None:
+                 detokenize: Callable[[list[int]], str] | None = None, policy=None) -> None:
         self.runner = runner
         self.proposer = proposer
         self.stop_rules = stop_rules
@@ -68,7 +69,7 @@ class Engine:
         # planner hook (``plan.policy.AdaptivePolicy``): select(seqs, drafts, caps) cuts the
         # proposed drafts (caps: the most each row may draft this step); observe_step(seqs, drafts, seconds), optional, times the verify step;
         # observe(seq, proposed, emitted) learns acceptance; finish(seq) forgets
-        self.policy = None
+        self.policy = policy
 
     # ---- public -------------------------------------------------------------------------
     def generate(self, requests: Iterable[Request],
@@ -108,6 +109,8 @@ class Engine:
                     fits.append(seq)
             if fits:
                 logits = self.runner.prefill(fits)  # [B, V]
+                for seq in fits:
+                    seq.is_prefilled = True
                 no_drafts = [[] for _ in fits]
                 meta = StepMetadata.build(fits, no_drafts, self.stop_rules, logits.device)
                 done += self._commit_step(fits, no_drafts, logits[:, None, :], meta,
@@ -224,14 +227,29 @@ class Engine:
             text = self.detokenize(text_ids)
             if seq.stop_text_end is not None:
                 text = text[:seq.stop_text_end]
+            text = hold_back_incomplete_char(text)
         c = Completion(seq.request, seq.token_ids[:seq.num_prompt_tokens], out, text,
                        seq.finish_reason, seq.stop_reason, seq.error, seq.stats,
-                       seq.logprobs if seq.sampling.logprobs is not None else None)
+                       seq.logprobs if seq.sampling.logprobs is not None else None,
+                       prompt_fed=seq.is_prefilled)
         if self.follow_up is not None and seq.finish_reason != "error":
             nxt = self.follow_up(c)
             if nxt is not None:
                 self.scheduler.add(nxt, front=True)
         return c
+
+
+def hold_back_incomplete_char(text: str) -> str:
+    """``text`` without the U+FFFD a detokenizer makes of an incomplete UTF-8 character at the
+    end (``max_tokens`` cut inside it): up to 3, one per byte for byte-fallback tokenizers.
+
+    Streaming detokenizers hold such a tail back until the character completes (vLLM's
+    ``detokenize_incrementally``: text ending in U+FFFD is not emitted); at the end of an output
+    it never completes. Like them, this cannot tell a genuine U+FFFD token at the very end
+    from an incomplete character, and drops it too. ``output_token_ids`` keep every token.
+    """
+    stripped = text.rstrip("\ufffd")
+    return text[:max(len(stripped), len(text) - 3)]
 
 
 def _finite(x: float) -> float | None:

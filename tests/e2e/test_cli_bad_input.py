@@ -3,7 +3,7 @@
 Expected exit statuses, bad lines and message fragments come from the corpus README's table
 (the documentation a user reads). Cases that stop before the model loads run as separate
 ``specbatch`` processes; the ones that need the model (generation, or tokenising for
-``too_long``) share one process (``cli_session``), which loads the model once.
+``too_long``, ``huge_prompt``) share one process (``cli_session``), which loads the model once.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from tests.cli_helpers import (REPO, Result, assert_no_traceback, cli, cli_sessi
                                read_jsonl)
 
 CORPUS = REPO / "tests" / "data" / "bad_inputs"
-EXTRA_ARGS = {"too_long.jsonl": ["--max-model-len", "128"]}  # as the README's table says
+EXTRA_ARGS = {"too_long.jsonl": ["--max-model-len", "128"],  # as the README's table says
+              "huge_prompt.jsonl": ["--max-model-len", "128"]}
 FAST_ARGS = ["--method", "ngram", "--max-tokens", "4", "--max-batch-size", "4", "--no-progress"]
 
 

@@ -99,6 +99,10 @@ def test_records_that_stop_with_an_error_are_reported(tmp_path):
     assert f"warning: {src}:1: id='t': prompt is" in result.output, result.output
     assert "1 record(s) stopped with an error" in result.output
     assert "error" not in rows["ok"] and rows["ok"]["finish_reason"] == "length"
+    # usage counts the prompts actually fed: the first turn's, not the later one that was refused
+    usage = rows["t"]["usage"]
+    assert usage["completion_tokens"] == 8
+    assert usage["prompt_tokens"] + usage["completion_tokens"] <= 40, usage
 
 
 def test_result_goes_to_stdout_progress_and_warnings_to_stderr(tmp_path):
@@ -216,3 +220,26 @@ def test_progress_shows_time_left_only_after_a_batch_from_the_mean_rate():
     resumed.update(1)
     assert "<?" in str(resumed)
     resumed.close()
+
+
+def test_sampled_records_without_id_or_seed_are_warned_about_once(tmp_path):
+    """Their seed derives from the line number: reordering the file changes their output."""
+    from tests.unit.test_loader import write_tiny_gguf
+
+    model = tmp_path / "m.gguf"
+    write_tiny_gguf(model)
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"id": 3, "prompt": "c"}\n'
+                   '{"prompt": "d", "seed": 4}\n{"prompt": "e", "temperature": 0}\n')
+    common = ["run", str(src), "--model", str(model), "--cache-dir", str(tmp_path / "c"),
+              "--method", "none", "--max-tokens", "2", "--no-progress"]
+    result = CliRunner().invoke(main, [*common, "-o", str(tmp_path / "t.jsonl"),
+                                       "--temperature", "0.7"])
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.output.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        "warning: 2 record(s) sample at temperature > 0 with no id and no seed (line 1, 2): "
+        "their seed derives from the line number, so their output changes if their place in "
+        "the file changes; give each an id or a seed"], result.output
+    greedy = CliRunner().invoke(main, [*common, "-o", str(tmp_path / "g.jsonl")])
+    assert greedy.exit_code == 0 and "warning:" not in greedy.output, greedy.output
