@@ -155,10 +155,11 @@ class Engine:
         if logits_processing.needs_processing(seqs):
             def process(flat):
                 return logits_processing.process_logits(flat, seqs, drafts)
-        target, num_accepted, scaled = sample_and_accept(logits, meta, process)
+        want_logprobs = any(s.sampling.logprobs is not None for s in seqs)
+        target, num_accepted, scaled = sample_and_accept(logits, meta, process, want_logprobs)
         has_nan = torch.isnan(logits).flatten(1).any(dim=1)
         res = fetch_step_results(num_accepted, has_nan, target)
-        if any(s.sampling.logprobs is not None for s in seqs):
+        if want_logprobs:
             scaled = scaled.cpu()
         offsets = meta.cu_num_fed_host
 
