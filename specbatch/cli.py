@@ -324,7 +324,9 @@ def run(ctx, input_path, output, recipe, template, model, dtype, device, max_bat
 @click.argument("input_path", metavar="INPUT", type=click.Path(exists=True))
 @click.option("--configs", default="none,ngram:k=5", show_default=True,
               help="Comma-separated configurations: none, ngram:k=N[:min=A:max=B], draft:k=N, "
-                   "auto[:k=CAP][:draft] (auto:draft may also draft with --draft-model).")
+                   "suffix[:k=N], auto[:k=CAP][:draft] (auto:draft may also draft with "
+                   "--draft-model). Each configuration runs a category's records with a fresh "
+                   "engine, so suffix indexes only that run's finished records.")
 @click.option("--draft-model", default=None,
               help="Draft model of the draft:k=N and auto:draft configurations.")
 @_model_options
