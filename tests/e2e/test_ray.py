@@ -4,7 +4,8 @@ cluster writes the bytes one process writes.
 The fast test (in the default suite when Ray is installed): 12 Spec-Bench records (short
 ones), ``--method ngram --k 5 --max-tokens 8``, 2 replicas vs one process: byte-identical OUT and the same summary table. The
 others take minutes on a 2-core machine (every replica loads the model; auto calibrates), so
-they run only when asked:
+they run only when asked (each command may take up to 30 minutes under load; auto calibrates
+first):
 
     SPECBATCH_RAY_TESTS=1 python -m pytest -q tests/e2e/test_ray.py
 
@@ -68,9 +69,10 @@ def test_two_replicas_write_the_bytes_of_one_process(inp, tmp_path):
 @full_only
 def test_auto_on_two_replicas_gives_the_token_ids_of_one_process(inp, tmp_path):
     args = ["--method", "auto", "--k", "5", "--max-tokens", "24", "--no-progress"]
-    run_cli("run", str(inp), "-o", str(tmp_path / "local.jsonl"), *args, cwd=tmp_path)
+    run_cli("run", str(inp), "-o", str(tmp_path / "local.jsonl"), *args, cwd=tmp_path,
+            timeout=1800)
     run_cli("run", str(inp), "-o", str(tmp_path / "ray.jsonl"), *args, "--ray", "--replicas",
-            "2", cwd=tmp_path)
+            "2", cwd=tmp_path, timeout=1800)
     local, on_ray = read_jsonl(tmp_path / "local.jsonl"), read_jsonl(tmp_path / "ray.jsonl")
     assert [r["output_token_ids"] for r in on_ray] == [r["output_token_ids"] for r in local]
     assert [r["usage"] for r in on_ray] == [r["usage"] for r in local]
@@ -80,7 +82,8 @@ def test_auto_on_two_replicas_gives_the_token_ids_of_one_process(inp, tmp_path):
 @full_only
 def test_killed_replica_then_resume_gives_the_same_file(inp, tmp_path):
     args = ["--method", "ngram", "--k", "5", "--max-tokens", "32", "--no-progress"]
-    run_cli("run", str(inp), "-o", str(tmp_path / "local.jsonl"), *args, cwd=tmp_path)
+    run_cli("run", str(inp), "-o", str(tmp_path / "local.jsonl"), *args, cwd=tmp_path,
+            timeout=1800)
     out = tmp_path / "ray.jsonl"
     ray_args = ["run", str(inp), "-o", str(out), *args, "--ray", "--replicas", "2"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -99,7 +102,7 @@ def test_killed_replica_then_resume_gives_the_same_file(inp, tmp_path):
                     os.kill(killed, signal.SIGKILL)
                     break
             time.sleep(0.2)
-        stderr = proc.communicate(timeout=900)[1]
+        stderr = proc.communicate(timeout=1800)[1]
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -108,7 +111,7 @@ def test_killed_replica_then_resume_gives_the_same_file(inp, tmp_path):
     assert "Traceback" not in stderr
     if proc.returncode == 1:
         assert "error: the job on Ray stopped:" in stderr
-        run_cli(*ray_args, "--resume", cwd=tmp_path)
+        run_cli(*ray_args, "--resume", cwd=tmp_path, timeout=1800)
     assert out.read_bytes() == (tmp_path / "local.jsonl").read_bytes()
     assert not list(tmp_path.glob("ray.jsonl.work*"))
 
