@@ -186,7 +186,8 @@ def build_engine(model, spec_config, engine_config, eos_ids: Iterable[int], max_
     if engine_config.max_model_len is not None:
         max_model_len = min(max_model_len, engine_config.max_model_len)
     runner = ModelRunner(LlamaForward(model), engine_config.max_batch_size, max_model_len,
-                         prefill_chunk=engine_config.prefill_chunk)
+                         prefill_chunk=engine_config.prefill_chunk,
+                         max_prefill_tokens=engine_config.max_prefill_tokens)
     stop_rules = StopRules(frozenset(eos_ids), max_model_len, detokenize)
     draft_forward = LlamaForward(draft_model) if draft_model is not None else None
     proposer = make_proposer(spec_config, draft_forward, engine_config.max_batch_size)

@@ -81,7 +81,7 @@ class Engine:
 
     def step(self) -> list[Completion]:
         done = self._admit()
-        running = self.scheduler.running_sequences()
+        running = [s for s in self.scheduler.running_sequences() if s.is_prefilled]
         if running:
             ks = self._draft_caps(running)
             proposed = [d[:k] for d, k in zip(self.proposer.propose(running, ks), ks)]
@@ -96,24 +96,29 @@ class Engine:
 
     # ---- stages -------------------------------------------------------------------------
     def _admit(self) -> list[Completion]:
-        """Prefill waiting requests into free rows; a prompt that cannot fit the context fails
-        its record here, and a row freed at once (e.g. max_tokens = 1) is refilled."""
+        """Admit waiting requests into free rows and prefill: one packed forward of prompt
+        chunks per step while other rows are decoding (a long prompt cannot stall them for
+        long), as many as needed while none is. A prompt that cannot fit the context fails its
+        record here, and a row freed at once (e.g. max_tokens = 1) is refilled."""
         done = []
-        while self.scheduler.waiting and self.scheduler.free_rows:
-            fits = []
-            for seq in self.scheduler.admit(self._make_sequence):
-                if seq.num_prompt_tokens >= self.runner.max_model_len:
-                    seq.finish_reason = "error"
-                    seq.error = (f"prompt is {seq.num_prompt_tokens} tokens; the model's context "
-                                 f"is {self.runner.max_model_len}")
-                    done.append(self._finish(seq))
-                else:
-                    fits.append(seq)
-            if fits:
-                logits = self.runner.prefill(fits)  # [B, V]
-                done += self._commit_step(fits, [[] for _ in fits], logits[:, None, :],
+        while True:
+            while self.scheduler.waiting and self.scheduler.free_rows:
+                for seq in self.scheduler.admit(self._make_sequence):
+                    if seq.num_prompt_tokens >= self.runner.max_model_len:
+                        seq.finish_reason = "error"
+                        seq.error = (f"prompt is {seq.num_prompt_tokens} tokens; the model's "
+                                     f"context is {self.runner.max_model_len}")
+                        done.append(self._finish(seq))
+            running = self.scheduler.running_sequences()
+            prefilling = [s for s in running if not s.is_prefilled]
+            if not prefilling:
+                return done
+            ready, logits = self.runner.prefill_step(prefilling)  # [len(ready), V]
+            if ready:
+                done += self._commit_step(ready, [[] for _ in ready], logits[:, None, :],
                                           is_prefill=True)
-        return done
+            if any(s.is_prefilled and not s.is_finished for s in running):
+                return done  # rows are decoding: the rest of the prefill waits a step
 
     def _draft_caps(self, seqs: list[Sequence]) -> list[int]:
         """Draft length per row: its k, capped so the step cannot pass ``max_tokens`` or the

@@ -173,6 +173,82 @@ class LlamaForward:
                 o[dst] = out[src]
         return o
 
+    @torch.inference_mode()
+    def forward_prefill(self, input_ids: torch.Tensor, cache: KVCache,
+                        chunks: list[tuple[int, int, int]], logits_at: list[int]) -> torch.Tensor:
+        """Prompt chunks of several rows in one forward, packed without padding.
+
+        input_ids: ``[T]`` int64, the chunks' tokens back to back (chunk j is
+            ``input_ids[cu_j : cu_j + length_j]``).
+        chunks: ``(row, start, length)`` per chunk: cache row, position of its first token, and
+            its token count. A row's keys before ``start`` must already be in the cache or come
+            from an earlier chunk of the same call (keys/values are written before attention
+            in every layer). Each chunk attends alone, over its own row's cache view
+            ``0 .. start + length - 1``, exactly as a forward of that chunk alone would
+            (``forward`` with one row), so a record's keys, values and logits do not depend on
+            which other chunks share the call. The dense layers see ``[T, hidden]``; bfloat16
+            matmuls do not depend on the row count on this CPU, and a one-token call is run as
+            two rows (see ``runner.verify``).
+        logits_at: indices into ``[T]`` whose logits are wanted (e.g. each finished prompt's
+            last token).
+        Returns logits ``[len(logits_at), vocab]``, float32 (float64 for a float64 model).
+        """
+        group = self.num_heads // self.num_kv_heads
+        num_tokens = input_ids.shape[0]
+        dev = input_ids.device
+        positions = torch.cat([torch.arange(start, start + n, device=dev)
+                               for _, start, n in chunks])
+        cache_rows = torch.cat([torch.full((n,), row, device=dev, dtype=torch.int64)
+                                for row, _, n in chunks])
+        cu = [0]
+        for _, _, n in chunks:
+            cu.append(cu[-1] + n)
+        # per chunk: the same plan a one-row forward of it would make
+        plans = []
+        for (row, start, n), c0 in zip(chunks, cu):
+            exact = n * group <= self.max_exact_rows
+            plans.append((c0, n, exact, self._plan_reads(
+                torch.tensor([row]), positions[c0:c0 + n][None], group, exact)))
+        cos, sin = self._rope(positions[None])
+        cos, sin = cos[0], sin[0]  # [T, 1, D]
+        ids = input_ids if num_tokens >= 2 else input_ids.expand(2)  # no one-row matmuls
+        h = F.embedding(ids, self.embed)  # [T, hidden]
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = self._rms_norm(h, layer.input_layernorm.weight)
+            q = F.linear(x, attn.q_proj.weight, attn.q_proj.bias)[:num_tokens].view(
+                num_tokens, self.num_heads, self.head_dim)
+            k = F.linear(x, attn.k_proj.weight, attn.k_proj.bias)[:num_tokens].view(
+                num_tokens, self.num_kv_heads, self.head_dim)
+            v = F.linear(x, attn.v_proj.weight, attn.v_proj.bias)[:num_tokens].view(
+                num_tokens, self.num_kv_heads, self.head_dim)
+            q = self._rotate(q, cos, sin)
+            k = self._rotate(k, cos, sin)
+            cache.write_tokens(i, cache_rows, positions, k, v)
+            o = torch.empty(num_tokens, self.num_heads * self.head_dim, dtype=q.dtype,
+                            device=dev)
+            for c0, n, exact, plan in plans:
+                # [1, Hkv, group * n, D], as forward lays out one row
+                qc = q[c0:c0 + n].view(1, n, self.num_kv_heads, group, self.head_dim).permute(
+                    0, 2, 3, 1, 4).reshape(1, self.num_kv_heads, group * n, self.head_dim)
+                oc = self._attend(i, qc, cache, plan, exact)
+                o[c0:c0 + n] = oc.view(self.num_kv_heads, group, n, self.head_dim).permute(
+                    2, 0, 1, 3).reshape(n, self.num_heads * self.head_dim)
+            if num_tokens < 2:
+                o = o.expand(2, -1)
+            h = h + F.linear(o, attn.o_proj.weight, attn.o_proj.bias)
+            mlp = layer.mlp
+            x = self._rms_norm(h, layer.post_attention_layernorm.weight)
+            gated = F.silu(F.linear(x, mlp.gate_proj.weight)) * F.linear(x, mlp.up_proj.weight)
+            h = h + F.linear(gated, mlp.down_proj.weight)
+        if not logits_at:
+            return h.new_zeros(0, self.vocab_size,
+                               dtype=torch.float64 if h.dtype == torch.float64 else torch.float32)
+        h = h[torch.tensor(logits_at, dtype=torch.int64, device=dev)]
+        h = self._rms_norm(h, self.norm.weight)
+        logits = F.linear(h if h.shape[0] >= 2 else h.expand(2, -1), self.lm_head)[:len(logits_at)]
+        return logits if logits.dtype == torch.float64 else logits.float()
+
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
