@@ -3,9 +3,10 @@
 Records are grouped by category (a single group when the input has none). For each group every
 configuration runs the group's records with a fresh engine, in an order that rotates from group
 to group (and round to round), so slow drift of the machine spreads over all configurations.
-Output tok/s = completion tokens / wall seconds of the run (prefill included). Ratios are to the
-first configuration (``none`` by default). The outputs of every configuration are compared with
-the first's: speculation must not change them.
+Output tok/s = completion tokens / wall seconds of the run (prefill included). Ratios are to
+``none`` wherever it is one of the configurations, whatever its place; without it, to the first
+configuration, and the table says so. The outputs of every configuration are compared with that
+baseline's: speculation must not change them.
 """
 
 from __future__ import annotations
@@ -47,10 +48,17 @@ def parse_configs(text: str,
     ``SpecConfig``s; the ``draft`` ones use ``draft_model``; for ``auto`` k is the cap, and
     ``auto:draft`` may also draft with ``draft_model``.
 
-    Raises ``ValueError`` on an unknown method or key, or ``draft`` without a draft model."""
+    Raises ``ValueError`` on an unknown method or key, a key given twice (``auto:k=3:k=4``), a
+    configuration given twice, or ``draft`` without a draft model."""
     out = []
     for item in (t.strip() for t in text.split(",") if t.strip()):
         method, *parts = item.split(":")
+        keys_given = [p.partition("=")[0] for p in parts]
+        twice = sorted({key for key in keys_given if keys_given.count(key) > 1})
+        if twice:
+            raise ValueError(f"config {item!r}: {', '.join(twice)} given twice")
+        if item in (label for label, _ in out):
+            raise ValueError(f"config {item!r} given twice")
         kwargs: dict = {"method": method}
         if method == "draft" or (method == "auto" and "draft" in parts):
             if draft_model is None:
@@ -67,7 +75,14 @@ def parse_configs(text: str,
         out.append((item, SpecConfig(**kwargs)))
     if not out:
         raise ValueError("no configurations given")
+    if draft_model is not None and all(spec.draft_model is None for _, spec in out):
+        raise ValueError("--draft-model is used by no configuration (draft:k=N or auto:draft)")
     return tuple(out)
+
+
+def baseline(labels: list[str]) -> str:
+    """The configuration ratios are taken to: the first ``none``, else the first of all."""
+    return next((lb for lb in labels if lb.split(":")[0] == "none"), labels[0])
 
 
 def parse_groups(items) -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -168,8 +183,8 @@ def run_bench(opts: BenchOptions) -> int:
                 click.echo(f"  {cat:<14} {label:<22} {tokens[label, cat] / seconds[label, cat]:7.1f}"
                            f" tok/s (round {rnd + 1})", err=True)
     click.echo(format_table(labels, {c: len(r) for c, r in groups.items()}, seconds, tokens, stats, opts))
-    base = labels[0]
-    for label in labels[1:]:
+    base = baseline(labels)
+    for label in (lb for lb in labels if lb != base):
         diff = [i for i in outputs[base] if outputs[label].get(i) != outputs[base][i]]
         click.echo(f"outputs {label} vs {base}: {len(outputs[base]) - len(diff)} identical, "
                    f"{len(diff)} differ" + (f" (record indices {diff[:10]})" if diff else ""))
@@ -184,12 +199,15 @@ def replace_sampling(record, **changes):
 
 def format_table(labels, sizes: dict[str, int], seconds, tokens, stats, opts) -> str:
     """Markdown table: per category, per ``opts.groups`` group and overall, tok/s (the group's
-    tokens over its seconds) and ratio to the first config, and the mean acceptance length of
-    each drafting config. A group's categories absent from the run are left out of it."""
+    tokens over its seconds) and ratio to the baseline (``none``, else the first config; see
+    ``baseline``), and the mean acceptance length of each drafting config. A group's categories
+    absent from the run are left out of it."""
     cats = list(sizes)
-    base = labels[0]
+    base = baseline(labels)
+    others = [lb for lb in labels if lb != base]
+    drafting = [lb for lb in labels if lb.split(":")[0] != "none"]
     head = ["category", "records"] + [f"{lb} tok/s" for lb in labels] + \
-        [f"{lb} / {base}" for lb in labels[1:]] + [f"{lb} acc.len" for lb in labels[1:]]
+        [f"{lb} / {base}" for lb in others] + [f"{lb} acc.len" for lb in drafting]
     rows = []
     members_of = {c: [c] for c in cats}
     for name, group in opts.groups:
@@ -209,12 +227,14 @@ def format_table(labels, sizes: dict[str, int], seconds, tokens, stats, opts) ->
                 st.merge(stats[lb, c])
             accs[lb] = st.mean_acceptance_length
         row = [cat, str(sum(sizes[c] for c in members))] + [f"{tps[lb]:.1f}" for lb in labels] + \
-            [f"{tps[lb] / tps[base]:.2f}x" if tps[base] else "-" for lb in labels[1:]] + \
-            [f"{accs[lb]:.2f}" if accs[lb] else "-" for lb in labels[1:]]
+            [f"{tps[lb] / tps[base]:.2f}x" if tps[base] else "-" for lb in others] + \
+            [f"{accs[lb]:.2f}" if accs[lb] else "-" for lb in drafting]
         rows.append(row)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     cfg = (f"model {opts.model or 'default'}, dtype {opts.engine.dtype}, max_batch_size "
            f"{opts.engine.max_batch_size}, max_tokens {opts.sampling.max_tokens}, T "
-           f"{opts.sampling.temperature}, rounds {opts.repeats}")
+           f"{opts.sampling.temperature}, rounds {opts.repeats}; ratios to {base}"
+           + ("" if base.split(":")[0] == "none" else " (no none configuration: add none to the "
+              "--configs for speedups over plain decoding)"))
     return cfg + "\n" + "\n".join(lines)

@@ -37,7 +37,10 @@ _FLAG_OF = {"num_speculative_tokens": "--k", "prompt_lookup_min": "--prompt-look
             "max_model_len": "--max-model-len", "max_tokens": "--max-tokens",
             "min_tokens": "--min-tokens", "top_p": "--top-p", "top_k": "--top-k",
             "temperature": "--temperature", "draft_model": "--draft-model",
-            "stop_token_ids": "--stop-token-id", "logprobs": "--logprobs", "dtype": "--dtype"}
+            "stop_token_ids": "--stop-token-id", "logprobs": "--logprobs", "dtype": "--dtype",
+            "device": "--device",
+            "n": "--n", "repetition_penalty": "--repetition-penalty", "min_p": "--min-p",
+            "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty"}
 
 
 def _as_flags(message: str) -> str:
@@ -75,13 +78,14 @@ class _Group(click.Group):
 
 def _spec_options(f):
     for opt in reversed([
-        click.option("--method", type=click.Choice(["auto", "none", "ngram", "draft"]),
+        click.option("--method", type=click.Choice(["auto", "none", "ngram", "draft", "suffix"]),
                      default="auto", show_default=True,
                      help="Proposer: auto (prompt lookup with k chosen per bucket and step from "
-                     "measured cost), none (plain decoding), ngram, or draft (--draft-model)."),
+                     "measured cost), none (plain decoding), ngram, draft (--draft-model), or suffix "
+                     "(own text + outputs of the job's finished records)."),
         click.option("--draft-model", default=None, help="Draft model for --method draft "
                      "(or for auto to choose per row): registry name, .gguf path or HF folder "
-                     "sharing the target's tokenizer."),
+                     "sharing the target's tokenizer. Refused with ngram; none ignores it."),
         click.option("--k", "--num-speculative-tokens", "k", type=click.IntRange(0, 32),
                      default=5, show_default=True,
                      help="Draft tokens per verify step (with auto: the most it may choose)."),
@@ -101,6 +105,9 @@ def _model_options(f):
         click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float64"]),
                      default="bfloat16", show_default=True,
                      help="Weights and activations dtype (bfloat16 is fastest on AMX CPUs)."),
+        click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
+                     show_default=True,
+                     help="Where the model runs: auto picks cuda when a GPU is visible."),
         click.option("--max-batch-size", type=click.IntRange(1), default=16, show_default=True,
                      help="Rows decoded together (continuous batching)."),
         click.option("--max-model-len", type=click.IntRange(2), default=None,
@@ -127,25 +134,72 @@ def _input_options(f):
 
 def _sampling_options(f):
     for opt in reversed([
-        click.option("--max-tokens", type=click.IntRange(1), default=128, show_default=True),
-        click.option("--min-tokens", type=click.IntRange(0), default=0, show_default=True),
-        click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True),
+        click.option("--max-tokens", type=click.IntRange(1), default=128, show_default=True,
+                     help="Most output tokens per answer (each turn of a turns record has its own)."),
+        click.option("--min-tokens", type=click.IntRange(0), default=0, show_default=True,
+                     help="Least output tokens per answer: EOS and stops cannot end it sooner."),
+        click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True,
+                     help="Sampling temperature; 0 = greedy (argmax)."),
         click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0,
-                     show_default=True),
+                     show_default=True,
+                     help="Nucleus sampling: keep the fewest tokens whose probability adds up "
+                     "to P; 1 = off."),
         click.option("--top-k", type=click.IntRange(0), default=0, show_default=True,
-                     help="0 = off."),
+                     help="Sample from the K most likely tokens only; 0 = off."),
         click.option("--seed", type=click.IntRange(MIN_INT, MAX_INT), default=0,
                      show_default=True,
                      help="Run seed; a record's seed is derived from it and the record id."),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
         click.option("--stop-token-id", "stop_token_ids", type=int, multiple=True,
                      help="Stop token id (repeatable)."),
-        click.option("--ignore-eos", is_flag=True, default=False),
+        click.option("--ignore-eos", is_flag=True, default=False,
+                     help="Go on past EOS (up to --max-tokens); stop strings still end it."),
         click.option("--logprobs", type=click.IntRange(0, 20), default=None,
                      help="Return each token's logprob and the top-N alternatives."),
+        click.option("--n", "n", type=click.IntRange(1, 1024), default=1, show_default=True,
+                     help="Samples per prompt (output fields become lists when > 1)."),
+        click.option("--repetition-penalty", type=click.FloatRange(0, min_open=True),
+                     default=1.0, show_default=True, help="Divide (or, if negative, multiply) "
+                     "the logit of every token in the prompt or output by it; 1 = off."),
+        click.option("--presence-penalty", type=click.FloatRange(-2, 2), default=0.0,
+                     show_default=True, help="Subtracted once from the logit of every token "
+                     "already in the output."),
+        click.option("--frequency-penalty", type=click.FloatRange(-2, 2), default=0.0,
+                     show_default=True, help="Subtracted from a token's logit once per time it "
+                     "is already in the output."),
+        click.option("--min-p", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+                     help="Drop tokens less likely than min-p times the most likely one."),
+        click.option("--json-schema", "json_schema", type=click.Path(dir_okay=False),
+                     default=None, help="JSON schema FILE every output must follow (a "
+                     "record's response_format overrides it)."),
     ]):
         f = opt(f)
     return f
+
+
+def _more_sampling(extra: dict) -> dict:
+    """SamplingParams fields from the options added after the first ten (``_sampling_options``):
+    n, the penalties, min_p and ``--json-schema FILE`` (read and compiled here, so a bad schema
+    is a usage error before anything loads). Raises ``click.UsageError``."""
+    out = {k: extra[k] for k in ("n", "repetition_penalty", "presence_penalty",
+                                 "frequency_penalty", "min_p")}
+    path = extra.get("json_schema")
+    if path is not None:
+        import json
+
+        try:
+            schema = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise click.UsageError(f"--json-schema {path}: cannot read a JSON schema: {e}")
+        from specbatch.engine.grammar import check_schema
+
+        try:
+            check_schema(schema)
+        except ValueError as e:
+            raise click.UsageError(f"--json-schema {path}: {e}") from None
+        out["response_format"] = {"type": "json_schema",
+                                  "json_schema": {"name": Path(path).stem, "schema": schema}}
+    return out
 
 
 @click.group(cls=_Group)
@@ -207,10 +261,11 @@ def _given(ctx: click.Context, name: str) -> bool:
 @click.option("--plan-only", is_flag=True,
               help="With --method auto: print the plan (buckets, k, predicted speedup) and exit.")
 @click.pass_context
-def run(ctx, input_path, output, recipe, template, model, dtype, max_batch_size, max_model_len,
-        cache_dir, method, draft_model, k, prompt_lookup_min, prompt_lookup_max, max_tokens,
-        min_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, logprobs,
-        prompt_field, id_field, split, limit, on_error, resume, force, no_progress, plan_only):
+def run(ctx, input_path, output, recipe, template, model, dtype, device, max_batch_size,
+        max_model_len, cache_dir, method, draft_model, k, prompt_lookup_min, prompt_lookup_max,
+        max_tokens, min_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
+        ignore_eos, logprobs, prompt_field, id_field, split, limit, on_error, resume, force,
+        no_progress, plan_only, **more_sampling):
     """Generate an output for every record of INPUT (JSONL, JSON, Parquet, CSV or a saved
     dataset folder) and write them, with per-record acceptance stats, to OUT."""
     from specbatch.run import RunOptions, run_job
@@ -228,14 +283,16 @@ def run(ctx, input_path, output, recipe, template, model, dtype, max_batch_size,
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=None,
                                   max_tokens=max_tokens, min_tokens=min_tokens, stop=tuple(stop),
                                   stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
-                                  logprobs=logprobs)
+                                  logprobs=logprobs, **_more_sampling(more_sampling))
         spec = SpecConfig(method=method, num_speculative_tokens=k,
                           prompt_lookup_min=prompt_lookup_min,
                           prompt_lookup_max=prompt_lookup_max, draft_model=draft_model)
         engine = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_model_len,
-                              dtype=dtype)
+                              dtype=dtype, device=device)
     except ValueError as e:
         raise click.UsageError(_as_flags(str(e))) from None
+    if plan_only and method != "auto":  # before anything loads
+        raise click.UsageError(f"--plan-only needs --method auto (got --method {method})")
     out = output or f"{Path(input_path).name.split('.')[0]}.out.jsonl"
     opts = RunOptions(input_path=input_path, output_path=out, model=model, cache_dir=cache_dir,
                       sampling=sampling, spec=spec, engine=engine, run_seed=seed,
@@ -265,10 +322,10 @@ def run(ctx, input_path, output, recipe, template, model, dtype, max_batch_size,
 @click.option("--group", "groups", multiple=True, metavar="NAME=CAT,CAT",
               help="Also a table row for these categories together (repeatable), e.g. "
                    "copy-heavy=summarization,rag.")
-def bench(input_path, configs, draft_model, model, dtype, max_batch_size, max_model_len,
+def bench(input_path, configs, draft_model, model, dtype, device, max_batch_size, max_model_len,
           cache_dir, max_tokens, min_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
           ignore_eos, logprobs, prompt_field, id_field, split, limit, per_category, categories,
-          repeats, groups):
+          repeats, groups, **more_sampling):
     """Time several configurations on the same records, interleaved; print output tok/s and
     the ratio to none, overall and per category; check the outputs are identical."""
     from specbatch.bench import BenchOptions, parse_configs, parse_groups, run_bench
@@ -277,9 +334,9 @@ def bench(input_path, configs, draft_model, model, dtype, max_batch_size, max_mo
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
                                   max_tokens=max_tokens, min_tokens=min_tokens, stop=tuple(stop),
                                   stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
-                                  logprobs=logprobs)
+                                  logprobs=logprobs, **_more_sampling(more_sampling))
         engine = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_model_len,
-                              dtype=dtype)
+                              dtype=dtype, device=device)
         specs = parse_configs(configs, draft_model)
         named_groups = parse_groups(groups)
     except ValueError as e:
@@ -322,12 +379,18 @@ def analyze(paths, by, what_if, calibration, batch_size, compare, as_json, plot_
 @click.option("--output", "-o", default=None, type=click.Path(dir_okay=False),
               help="Also write the cost model here (JSON).")
 @click.option("--recalibrate", is_flag=True, help="Measure again even if cached.")
-def calibrate(model, dtype, max_batch_size, max_model_len, cache_dir, output, recalibrate):
+def calibrate(model, dtype, device, max_batch_size, max_model_len, cache_dir, output,
+              recalibrate):
     """Measure this machine's step cost for the model and dtype (used by --method auto and
     analyze --what-if); cached per (model, dtype, device, host)."""
+    from specbatch.config import resolve_device
     from specbatch.plan.calibrate_cmd import run_calibrate
 
-    sys.exit(run_calibrate(model, dtype, cache_dir, output, recalibrate))
+    try:
+        device = resolve_device(device)
+    except ValueError as e:
+        raise click.UsageError(_as_flags(str(e))) from None
+    sys.exit(run_calibrate(model, dtype, cache_dir, output, recalibrate, device=device))
 
 
 @main.command("predict-eval")
@@ -335,7 +398,9 @@ def calibrate(model, dtype, max_batch_size, max_model_len, cache_dir, output, re
 @click.option("--k", type=click.IntRange(1, 32), default=5, show_default=True,
               help="k of the predicted acceptance length.")
 @click.option("--model", default=None, help="Tokenizer's model (default: the run's model).")
-@click.option("--cache-dir", type=click.Path(file_okay=False), default=None)
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+              help="Where converted weights are cached (default: $SPECBATCH_CACHE or "
+              "~/.cache/specbatch).")
 @click.option("--refit", is_flag=True, help="Also fit the predictor's weights to these files "
               "and report their 2-fold out-of-sample rank correlation.")
 @click.option("--probe-tokens", type=click.IntRange(2, None), default=None,

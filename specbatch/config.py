@@ -6,9 +6,13 @@ naming the field and the value. Derived values are properties.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+import os
+import re
+import sys
+from dataclasses import dataclass, field, fields, replace
 
-METHODS = ("none", "ngram", "draft", "auto")
+METHODS = ("none", "ngram", "draft", "auto", "suffix")
+SUFFIX_CAP_FACTOR = 3  # suffix drafts may reach this many times k where a match is long
 DTYPES = ("float32", "bfloat16", "float64", "float16")
 # The integers a JSON file holds exactly (orjson reads and writes -2**63 .. 2**64 - 1; it reads
 # a longer integer as a float): the range of a seed, which the output's config saves.
@@ -31,6 +35,19 @@ class SamplingParams:
     stop_token_ids: token ids that end the output like EOS (kept in ``token_ids``).
     ignore_eos: keep generating past EOS (to ``max_tokens``).
     logprobs: ``None`` for none; N >= 0 for the chosen token's logprob plus the top-N.
+    n: samples generated per prompt; with n > 1 the output fields become lists, one entry per
+        sample, and sample s > 0 draws its noise from a seed derived from the record seed and s.
+    presence_penalty, frequency_penalty: in [-2, 2]; subtracted from the logit of every token
+        that occurs in the output so far, once (presence) or once per occurrence (frequency),
+        as vLLM and OpenAI define them.
+    repetition_penalty: > 0 (1 = off); the logit of every token in the prompt or the output so
+        far is divided by it if positive, multiplied if not (Keskar et al. 2019, as vLLM).
+    min_p: in [0, 1]; tokens whose probability is below ``min_p`` times the most likely one's
+        are dropped (after temperature, before top-k / top-p, as vLLM).
+    logit_bias: ``((token_id, bias), ...)`` sorted by id, bias in [-100, 100], added to the
+        logits before everything else (a record's ``{"id": bias}`` object is read into this).
+    response_format: ``None``, ``{"type": "json_object"}`` or ``{"type": "json_schema",
+        "json_schema": {"schema": {...}}}`` (OpenAI's field): output constrained by xgrammar.
     """
 
     temperature: float = 0.0
@@ -43,6 +60,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    response_format: dict | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         _check(isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
@@ -66,6 +90,42 @@ class SamplingParams:
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "true or false")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                "logprobs", self.logprobs, "an integer in [0, 20]")
+        _check(_is_int(self.n) and 1 <= self.n <= 1024, "n", self.n, "an integer in [1, 1024]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _check(_is_num(v) and -2.0 <= v <= 2.0, name, v, "a number in [-2, 2]")
+        _check(_is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty < float("inf"),
+               "repetition_penalty", self.repetition_penalty, "a number > 0 (1 = off)")
+        _check(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", self.min_p,
+               "a number in [0, 1]")
+        _check(isinstance(self.logit_bias, tuple) and all(
+            isinstance(p, tuple) and len(p) == 2 and _is_int(p[0]) and p[0] >= 0
+            and _is_num(p[1]) and -100.0 <= p[1] <= 100.0 for p in self.logit_bias),
+            "logit_bias", self.logit_bias,
+            'an object {"token id": bias} with ids >= 0 and biases in [-100, 100]')
+        _check(self.response_format is None or (
+            isinstance(self.response_format, dict)
+            and self.response_format.get("type") in ("json_object", "json_schema", "text")),
+            "response_format", self.response_format,
+            '{"type": "json_schema", "json_schema": {"schema": {...}}} or {"type": "json_object"}')
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any count-based penalty is on (these need the tokens generated so far)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def json_schema(self) -> dict | bool | None:
+        """The schema output must follow: a JSON schema, ``True`` for any JSON object
+        (``json_object``), ``None`` when unconstrained."""
+        rf = self.response_format
+        if rf is None or rf.get("type") == "text":
+            return None
+        if rf["type"] == "json_object":
+            return True
+        spec = rf.get("json_schema")
+        return spec.get("schema", True) if isinstance(spec, dict) else True
 
     @property
     def is_greedy(self) -> bool:
@@ -88,8 +148,12 @@ class SamplingParams:
                 v = (v,) if isinstance(v, str) else tuple(v) if isinstance(v, list) else v
             elif f.name == "stop_token_ids":
                 v = tuple(v) if isinstance(v, list) else v
-            elif f.name in ("temperature", "top_p") and _is_int(v):
+            elif f.name in _FLOAT_FIELDS and _is_int(v):
                 v = float(v)
+            elif f.name == "logit_bias":
+                v = _logit_bias(v)
+            elif f.name == "response_format":
+                v = _response_format(v)
             updates[f.name] = v
         return replace(base, **updates)
 
@@ -97,21 +161,81 @@ class SamplingParams:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        d["logit_bias"] = {str(t): b for t, b in self.logit_bias}
         return d
 
 
+_FLOAT_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "min_p")
+
+
+def _logit_bias(v):
+    """``{"50256": -100, ...}`` (OpenAI writes ids as strings) -> sorted ((id, bias), ...)."""
+    if not isinstance(v, dict):
+        return v  # __post_init__ names the field
+    pairs = []
+    for key, bias in v.items():
+        tok = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        if _is_int(bias):
+            bias = float(bias)
+        pairs.append((tok, bias))
+    try:
+        return tuple(sorted(pairs))
+    except TypeError:
+        return tuple(pairs)
+
+
+def _response_format(v):
+    """Check the shape of OpenAI's ``response_format``; the schema itself is compiled later."""
+    if not isinstance(v, dict):
+        return v
+    kind = v.get("type")
+    if kind == "json_schema":
+        spec = v.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+            raise ValueError(f"response_format={v!r}: expected json_schema to be an object "
+                             'with a "schema" object')
+    return v
+
+
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+
+# Generation parameters of vLLM's SamplingParams, the OpenAI chat/completions API (and a few of
+# transformers' generate(), often found in datasets) that specbatch does NOT apply: a record
+# carrying one is a bad record (``io.records``), since the user would believe it was applied.
+# Name -> what to use instead ("" if nothing). The ONE list: when a parameter becomes supported
+# (a SamplingParams field, or a record field the reader knows), remove it here; the reader skips
+# supported names anyway. Transport and metadata names (model, user, metadata, stream, store,
+# service_tier) are not listed: records may carry them as metadata.
+UNSUPPORTED_SAMPLING_FIELDS: dict[str, str] = {
+    "best_of": "", "allowed_token_ids": "", "bad_words": "", "prompt_logprobs": "",
+    "include_stop_str_in_output": "", "skip_special_tokens": "",
+    "spaces_between_special_tokens": "", "detokenize": "", "truncate_prompt_tokens": "",
+    "logits_processors": "", "extra_args": "", "guided_decoding": "", "structured_outputs": "",
+    "guided_json": "", "guided_regex": "", "guided_choice": "", "guided_grammar": "",
+    "use_beam_search": "", "length_penalty": "", "early_stopping": "", "tools": "",
+    "tool_choice": "", "functions": "", "function_call": "", "parallel_tool_calls": "",
+    "reasoning_effort": "", "chat_template_kwargs": "", "echo": "", "suffix": "",
+    "prediction": "", "max_completion_tokens": "max_tokens", "top_logprobs": "logprobs: N",
+    "stop_sequences": "stop", "max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
+    "do_sample": "temperature (0 is greedy)", "num_beams": "", "num_return_sequences": "n",
+    "typical_p": "", "no_repeat_ngram_size": "",
+}
 
 
 @dataclass(frozen=True)
 class SpecConfig:
     """Which proposer drafts tokens and how many.
 
-    method: ``none`` (plain decoding, k = 0), ``ngram`` (prompt lookup) or ``draft`` (a draft
-        model, ``draft_model``).
+    method: ``none`` (plain decoding, k = 0), ``ngram`` (prompt lookup), ``draft`` (a draft
+        model, ``draft_model``), ``suffix`` (own text + the job's finished outputs,
+        ``spec_decode.suffix``) or ``auto`` (chooses per row and step).
     num_speculative_tokens: k, draft tokens per verify step (the cap when k varies per row).
     prompt_lookup_min / prompt_lookup_max: n-gram sizes (tokens) the lookup tries, longest first.
-    draft_model: the draft model (registry name, .gguf or HF folder); required for ``draft``.
+    draft_model: the draft model (registry name, .gguf or HF folder); required for ``draft``,
+        optional for ``auto``, refused for ``ngram`` and ``suffix`` (it would go unused),
+        ignored by ``none``.
+    suffix_max_tokens: bound (output tokens) of the job-wide suffix index; oldest evicted first.
     """
 
     method: str = "none"
@@ -119,6 +243,7 @@ class SpecConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     draft_model: str | None = None
+    suffix_max_tokens: int = 1 << 20
 
     def __post_init__(self) -> None:
         _check(self.method in METHODS, "method", self.method, f"one of {', '.join(METHODS)}")
@@ -127,17 +252,33 @@ class SpecConfig:
                "draft_model", self.draft_model, "a model name or path")
         _check(self.method != "draft" or self.draft_model is not None, "draft_model",
                self.draft_model, "a draft model (--draft-model NAME) for method draft")
+        # ngram would leave it unused, and a user would believe it drafted; none drafts nothing,
+        # so a baseline may share the command line of the draft run it is compared with
+        _check(self.draft_model is None or self.method not in ("ngram", "suffix"), "draft_model",
+               self.draft_model, f"no draft model with method {self.method} "
+               f"({'prompt' if self.method == 'ngram' else 'suffix'} lookup drafts; use method "
+               "draft or auto to draft with a model)")
         _check(_is_int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= 32,
                "num_speculative_tokens", self.num_speculative_tokens, "an integer in [0, 32]")
         _check(_is_int(self.prompt_lookup_min) and self.prompt_lookup_min >= 1,
                "prompt_lookup_min", self.prompt_lookup_min, "an integer >= 1")
         _check(_is_int(self.prompt_lookup_max) and self.prompt_lookup_max >= self.prompt_lookup_min,
                "prompt_lookup_max", self.prompt_lookup_max, "an integer >= prompt_lookup_min")
+        _check(_is_int(self.suffix_max_tokens) and self.suffix_max_tokens >= 1,
+               "suffix_max_tokens", self.suffix_max_tokens, "an integer >= 1")
 
     @property
     def k(self) -> int:
         """Draft tokens per verify step; 0 for ``none``."""
         return 0 if self.method == "none" else self.num_speculative_tokens
+
+    @property
+    def draft_cap(self) -> int:
+        """The engine's per-row draft cap (tokens): k, except that ``suffix`` may draft a long,
+        frequent suffix match past k, up to ``SUFFIX_CAP_FACTOR * k`` (at most 32)."""
+        if self.method == "suffix":
+            return min(32, SUFFIX_CAP_FACTOR * self.k)
+        return self.k
 
 
 @dataclass(frozen=True)
@@ -148,6 +289,8 @@ class EngineConfig:
     prefill_chunk: prompt tokens per attention call of prefill (a prompt is cut at its
     multiples, whatever else runs). max_prefill_tokens: prompt tokens per prefill forward (several
     prompts packed); while rows are decoding, one such forward runs per step.
+    device: ``auto`` (cuda when available, else cpu), ``cpu``, ``cuda`` or ``cuda:N``; stored
+    resolved (``auto`` never remains). Raises ``ValueError`` for cuda without a usable GPU.
     """
 
     max_batch_size: int = 16
@@ -155,7 +298,7 @@ class EngineConfig:
     prefill_chunk: int = 1024
     max_prefill_tokens: int = 2048
     dtype: str = "float32"
-    device: str = "cpu"
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         _check(_is_int(self.max_batch_size) and self.max_batch_size >= 1, "max_batch_size",
@@ -168,10 +311,43 @@ class EngineConfig:
         _check(_is_int(self.max_prefill_tokens) and self.max_prefill_tokens >= 1,
                "max_prefill_tokens", self.max_prefill_tokens, "an integer >= 1")
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
+        object.__setattr__(self, "device", resolve_device(self.device))
+
+
+def resolve_device(name: str) -> str:
+    """``auto`` -> ``cuda`` if torch sees a GPU, else ``cpu``; ``cpu`` / ``cuda`` / ``cuda:N``
+    are checked (a GPU must be visible to torch). Raises ``ValueError`` naming the value.
+    ``cpu``, and ``auto`` on a Linux machine without GPU device files, do not import torch
+    (seconds), so that errors found before the model loads are shown at once."""
+    _check(isinstance(name, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", name) is not None,
+           "device", name, "auto, cpu, cuda or cuda:N")
+    if name == "cpu" or (name == "auto" and _surely_no_gpu()):
+        return "cpu"
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(name.partition(":")[2] or 0)
+        _check(index < count, "device", name,
+               f"a visible GPU (torch {torch.__version__} sees {count})")
+    return name
+
+
+def _surely_no_gpu() -> bool:
+    """Linux without the device files of an NVIDIA, ROCm or WSL GPU driver: torch cannot see a
+    GPU there."""
+    return sys.platform.startswith("linux") and not any(
+        os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg"))
 
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
 
 
 def _check(ok: bool, name: str, value, expected: str) -> None:
@@ -179,5 +355,5 @@ def _check(ok: bool, name: str, value, expected: str) -> None:
         raise ValueError(f"{name}={value!r}: expected {expected}")
 
 
-__all__ = ["SamplingParams", "SpecConfig", "EngineConfig", "SAMPLING_FIELDS", "METHODS", "DTYPES",
-           "MIN_INT", "MAX_INT"]
+__all__ = ["SamplingParams", "SpecConfig", "EngineConfig", "resolve_device", "SAMPLING_FIELDS", "METHODS", "DTYPES",
+           "MIN_INT", "MAX_INT", "UNSUPPORTED_SAMPLING_FIELDS"]

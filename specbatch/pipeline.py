@@ -25,8 +25,19 @@ from specbatch.spec_decode.stats import SpecStats
 @dataclass
 class _Pending:
     record: Any
-    completions: list[Completion] = field(default_factory=list)
-    messages: list[dict] | None = None
+    num_samples: int = 1
+    completions: dict[int, list[Completion]] = field(default_factory=dict)  # sample -> turns
+    messages: dict[int, list[dict] | None] = field(default_factory=dict)  # sample -> chat
+
+    def add(self, sample: int, c: Completion) -> None:
+        self.completions.setdefault(sample, []).append(c)
+
+    def is_done(self) -> bool:
+        """Every sample has all its turns, or stopped at an error."""
+        num_turns = len(self.record.turns) if self.record.turns is not None else 1
+        return len(self.completions) == self.num_samples and all(
+            len(cs) == num_turns or cs[-1].finish_reason == "error"
+            for cs in self.completions.values())
 
 
 class PromptRenderer:
@@ -70,6 +81,19 @@ def record_seed(record, run_seed: int) -> int:
     return sp.seed if sp.seed is not None else derive_seed(run_seed, record.id)
 
 
+def sample_seed(record, run_seed: int, sample: int) -> int:
+    """Seed of sample ``sample`` of ``n``: sample 0 is the record seed (what n = 1 samples),
+    sample s > 0 one derived from it and s, so samples never share noise."""
+    seed = record_seed(record, run_seed)
+    return seed if sample == 0 else derive_seed(seed, "sample", sample)
+
+
+def grammar_for(record, compiler):
+    """The compiled grammar of a record's ``response_format`` (None without one)."""
+    schema = record.sampling.json_schema
+    return None if schema is None else compiler.compile(schema)
+
+
 def generate_records(engine: Engine, renderer: PromptRenderer, records: Iterable,
                      run_seed: int = 0,
                      on_tokens: Callable[[int, SpecStats], None] | None = None,
@@ -85,12 +109,20 @@ def generate_records(engine: Engine, renderer: PromptRenderer, records: Iterable
     """
     pending: dict[int, _Pending] = {}
     requests = []
+    compiler = None  # xgrammar, built for the first record with a response_format
     for rec in records:
         ids, messages = renderer.first_prompt(rec)
-        pending[rec.index] = _Pending(rec, messages=messages)
-        seed = record_seed(rec, run_seed)
-        requests.append(Request((rec.index, 0), ids, rec.sampling,
-                                seed=derive_seed(seed, 0), tag=rec.index))
+        pending[rec.index] = _Pending(rec, rec.sampling.n)
+        if rec.sampling.json_schema is not None and compiler is None:
+            from specbatch.engine.grammar import GrammarCompiler
+
+            compiler = GrammarCompiler(renderer.tokenizer, engine.runner.forward.vocab_size)
+        grammar = grammar_for(rec, compiler)
+        for sample in range(rec.sampling.n):
+            pending[rec.index].messages[sample] = messages
+            seed = sample_seed(rec, run_seed, sample)
+            requests.append(Request((rec.index, 0, sample), ids, rec.sampling,
+                                    seed=derive_seed(seed, 0), tag=rec.index, grammar=grammar))
     if plan is not None:
         requests.sort(key=lambda r: plan.order_key(r.tag, len(r.prompt_ids)))
     else:
@@ -99,54 +131,70 @@ def generate_records(engine: Engine, renderer: PromptRenderer, records: Iterable
     def follow_up(c: Completion) -> Request | None:
         p = pending[c.request.tag]
         rec = p.record
-        turn = c.request.request_id[1]
+        _, turn, sample = c.request.request_id
         if rec.turns is None or turn + 1 >= len(rec.turns):
             return None
-        p.messages = p.messages + [{"role": "assistant", "content": c.text},
-                                   {"role": "user", "content": rec.turns[turn + 1]}]
-        seed = derive_seed(record_seed(rec, run_seed), turn + 1)
-        return Request((rec.index, turn + 1), renderer.encode_chat(p.messages), rec.sampling,
-                       seed=seed, tag=rec.index)
+        chat = p.messages[sample] + [{"role": "assistant", "content": c.text},
+                                     {"role": "user", "content": rec.turns[turn + 1]}]
+        p.messages[sample] = chat
+        seed = derive_seed(sample_seed(rec, run_seed, sample), turn + 1)
+        return Request((rec.index, turn + 1, sample), renderer.encode_chat(chat), rec.sampling,
+                       seed=seed, tag=rec.index, grammar=c.request.grammar)
 
     for c in engine.generate(requests, follow_up=follow_up):
         p = pending[c.request.tag]
-        p.completions.append(c)
+        p.add(c.request.request_id[2], c)
         if on_tokens is not None:
             on_tokens(len(c.output_ids), c.stats)
         rec = p.record
-        num_turns = len(rec.turns) if rec.turns is not None else 1
-        if c.finish_reason == "error" or len(p.completions) == num_turns:
+        if p.is_done():
             del pending[c.request.tag]
-            out = _output_fields(rec, p.completions)
+            out = _output_fields(rec, [p.completions[s] for s in range(p.num_samples)])
             if plan is not None:
                 out["spec"].update(plan.annotate(rec.index))
             yield rec, out
 
 
-def _output_fields(rec, completions: list[Completion]) -> dict:
+def _merged_stats(completions: list[Completion]) -> SpecStats:
     stats = SpecStats(proposer=completions[0].stats.proposer,
                       num_speculative_tokens=completions[0].stats.num_speculative_tokens)
     for c in completions:
         stats.merge(c.stats)
+    return stats
+
+
+def _output_fields(rec, samples: list[list[Completion]]) -> dict:
+    """The output fields of a record from its completions, ``samples[s][turn]``.
+
+    With n = 1 each field holds the sample's value (a list over turns for ``turns`` records);
+    with n > 1, ``output``, ``output_token_ids``, ``finish_reason``, ``stop_reason`` and
+    ``logprobs`` are lists with one such value per sample, ``spec`` sums all samples and
+    ``spec.per_sample`` lists each sample's own, and ``usage`` counts the prompt once (as
+    OpenAI does) and every sample's completion tokens."""
     is_turns = rec.turns is not None
+    is_multi = len(samples) > 1
 
-    def per_turn(values: list):
-        return values if is_turns else values[0]
+    def field_of(get):
+        per_sample = [[get(c) for c in cs] if is_turns else get(cs[0]) for cs in samples]
+        return per_sample if is_multi else per_sample[0]
 
+    everything = [c for cs in samples for c in cs]
     out = {
-        "output": per_turn([c.text for c in completions]),
-        "output_token_ids": per_turn([c.output_ids for c in completions]),
-        "finish_reason": per_turn([c.finish_reason for c in completions]),
-        "stop_reason": per_turn([c.stop_reason for c in completions]),
-        "usage": {"prompt_tokens": sum(len(c.prompt_ids) for c in completions),
-                  "completion_tokens": sum(len(c.output_ids) for c in completions)},
-        "spec": stats.to_dict(),
+        "output": field_of(lambda c: c.text),
+        "output_token_ids": field_of(lambda c: c.output_ids),
+        "finish_reason": field_of(lambda c: c.finish_reason),
+        "stop_reason": field_of(lambda c: c.stop_reason),
+        "usage": {"prompt_tokens": sum(len(c.prompt_ids) for c in samples[0] if c.prompt_fed),
+                  "completion_tokens": sum(len(c.output_ids) for c in everything)},
+        "spec": _merged_stats(everything).to_dict(),
     }
+    if is_multi:
+        out["spec"]["per_sample"] = [_merged_stats(cs).to_dict() for cs in samples]
     if rec.sampling.logprobs is not None:
-        out["logprobs"] = per_turn([[{"token_id": e.token_id, "logprob": e.logprob,
-                                      "top": [[t, lp] for t, lp in e.top]}
-                                     for e in (c.logprobs or [])] for c in completions])
-    errors = [c.error for c in completions if c.error]
+        out["logprobs"] = field_of(lambda c: [{"token_id": e.token_id, "logprob": e.logprob,
+                                               "top": [[t, lp] for t, lp in e.top]}
+                                              for e in (c.logprobs or [])])
+    errors = [c.error for c in everything if c.error]
     if errors:
         out["error"] = errors[0]
     return out
@@ -191,7 +239,7 @@ def build_engine(model, spec_config, engine_config, eos_ids: Iterable[int], max_
     stop_rules = StopRules(frozenset(eos_ids), max_model_len, detokenize)
     draft_forward = LlamaForward(draft_model) if draft_model is not None else None
     proposer = make_proposer(spec_config, draft_forward, engine_config.max_batch_size)
-    return Engine(runner, proposer, stop_rules, spec_config.k, detokenize)
+    return Engine(runner, proposer, stop_rules, spec_config.draft_cap, detokenize)
 
 
 def longest_row(records, renderer: PromptRenderer, max_model_len: int) -> int:
@@ -259,7 +307,7 @@ def fit_engine_config(engine_config, records, renderer: PromptRenderer, max_mode
     records = list(records)
     if not records:
         return engine_config
-    rows = min(engine_config.max_batch_size, len(records))
+    rows = min(engine_config.max_batch_size, sum(r.sampling.n for r in records))
     forwards = [LlamaForward(model)] + ([LlamaForward(draft_model)] if draft_model else [])
     rows, note = fit_batch_size(rows, longest_row(records, renderer, max_model_len), forwards)
     if note is not None:

@@ -8,10 +8,12 @@ optional except ``name`` and ``version``::
     version = 1               # bump it when a change must not resume an older run's work
     description = "..."
 
-    [model]        name, dtype, max_batch_size, max_model_len
+    [model]        name, dtype, device, max_batch_size, max_model_len
     [speculation]  method, k, prompt_lookup_min, prompt_lookup_max, draft_model
     [sampling]     temperature, top_p, top_k, seed (the run seed, --seed), max_tokens,
-                   min_tokens, stop, stop_token_ids, ignore_eos, logprobs
+                   min_tokens, stop, stop_token_ids, ignore_eos, logprobs, n,
+                   repetition_penalty, presence_penalty, frequency_penalty, min_p,
+                   json_schema (a schema file, as --json-schema)
     [input]        prompt_field, id_field, template (exclusive with prompt_field)
 
 Keys are the option names with ``_`` for ``-`` (``[model] name`` is ``--model``). Values get
@@ -36,11 +38,16 @@ else:  # pragma: no cover - Python 3.10
 
 # table -> {recipe key: ``specbatch run`` parameter name}
 SECTIONS = MappingProxyType({
-    "model": {"name": "model", "dtype": "dtype", "max_batch_size": "max_batch_size",
+    "model": {"name": "model", "dtype": "dtype", "device": "device",
+              "max_batch_size": "max_batch_size",
               "max_model_len": "max_model_len"},
     "speculation": {"method": "method", "k": "k", "prompt_lookup_min": "prompt_lookup_min",
                     "prompt_lookup_max": "prompt_lookup_max", "draft_model": "draft_model"},
-    "sampling": {name: name for name in SAMPLING_FIELDS},
+    # every sampling field with a flag (logit_bias and response_format are per record; a
+    # recipe's JSON schema is a file: json_schema = "schema.json")
+    "sampling": {**{name: name for name in SAMPLING_FIELDS
+                    if name not in ("logit_bias", "response_format")},
+                 "json_schema": "json_schema"},
     "input": {"prompt_field": "prompt_field", "id_field": "id_field", "template": "template"},
 })
 TOP_LEVEL = ("name", "version", "description")

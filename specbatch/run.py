@@ -135,11 +135,15 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         _report_errors(errors, "fail")
         return EXIT_BAD_INPUT
 
-    from specbatch.io.records import RecordError
+    from specbatch.io.records import RecordError, order_warning
+
+    if (warning := order_warning(records)) is not None:
+        _err(f"warning: {warning}")
     from specbatch.io.writer import OutputWriter, check_output_path
 
     try:  # before the model loads: a wrong output path should not cost a load
-        check_output_path(opts.output_path, opts.input_path)
+        check_output_path(opts.output_path, opts.input_path,
+                          force=None if opts.plan_only else opts.force)
     except ValueError as e:
         _err(f"error: {e}")
         return EXIT_BAD_INPUT
@@ -180,7 +184,7 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     from specbatch.io.records import check_lengths, check_token_ids
 
     model_errors = (check_lengths(records, renderer.count_tokens, max_model_len,
-                                  str(opts.input_path))
+                                  str(opts.input_path), tokenizer=loaded.tokenizer)
                     + check_token_ids(records, loaded.model.config.vocab_size,
                                       str(opts.input_path)))
     if model_errors and opts.on_error == "fail":
@@ -255,6 +259,10 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     engine = build_engine(loaded.model, opts.spec, engine_config, loaded.eos_token_ids,
                           max_model_len, renderer.detokenize,
                           draft_model=draft.model if draft is not None else None)
+    if done and hasattr(engine.proposer, "add_finished"):  # suffix: re-index finished outputs
+        from specbatch.spec_decode.suffix import finished_outputs
+
+        engine.proposer.add_finished(finished_outputs(writer.finished_records()))
     plan = None
     if opts.spec.method == "auto":
         from specbatch.plan.planner import prepare_auto
@@ -265,7 +273,8 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     tput = Throughput()
     by_category: dict[str, list] = defaultdict(list)
     failed = []  # records written with an ``error`` (a NaN, a later turn past the context)
-    bar = job.bar = _progress(len(records), len(done) + len(skip), opts.progress)
+    bar = job.bar = _progress(len(records), len(done) + len(skip), opts.progress,
+                              warmup=engine_config.max_batch_size)
 
     def on_tokens(n, stats):
         tput.add(n, stats)
@@ -292,14 +301,17 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
              f"{writer.work_path}; free the space and rerun the same command to resume.")
         return EXIT_FAILED
     elapsed = time.perf_counter() - tput.start
-    _err(f"wrote {n} records to {opts.output_path} ({tput.num_tokens} new output tokens in "
-         f"{elapsed:.1f} s, {tput.tokens_per_second:.1f} tok/s; model load {load_s:.1f} s)")
+    # the result goes to stdout (``specbatch run ... > log`` keeps it); progress and warnings
+    # stay on stderr
+    click.echo(f"wrote {n} records to {opts.output_path} ({tput.num_tokens} new output tokens "
+               f"in {elapsed:.1f} s, {tput.tokens_per_second:.1f} tok/s; model load "
+               f"{load_s:.1f} s)")
     if failed:  # written, with finish_reason "error", but the user must hear of them
         _report_errors(failed, "skip", level="warning")
         _err(f"{len(failed)} record(s) stopped with an error; their output so far is written "
              "with finish_reason \"error\" and an \"error\" field")
-    _err(summary_table(by_category))
-    _err(memory_summary(engine))
+    click.echo(summary_table(by_category))
+    click.echo(memory_summary(engine))
     return EXIT_OK
 
 
@@ -332,12 +344,25 @@ def _or_dash(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def _progress(total: int, initial: int, enabled: bool):
+def _progress(total: int, initial: int, enabled: bool, warmup: int = 1):
+    """A tqdm bar over records on stderr. The time left is shown only once ``warmup`` records
+    (a batch) finished in this run, and from the mean rate since the start: the first records
+    finish after the prefill of the whole batch, and extrapolating from them (tqdm's default)
+    once said 2:24:13 for a job that took 22 minutes."""
     if not enabled:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, unit="rec", file=sys.stderr, dynamic_ncols=True)
+    class _Bar(tqdm):
+        @property
+        def format_dict(self):
+            d = super().format_dict
+            if d["n"] - d["initial"] < min(warmup, d["total"] - d["initial"]):
+                d["bar_format"] = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<?{postfix}]"
+            return d
+
+    return _Bar(total=total, initial=initial, unit="rec", file=sys.stderr, dynamic_ncols=True,
+                smoothing=0)
 
 
 def _input_digest(path: str) -> str:

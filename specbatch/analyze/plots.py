@@ -1,8 +1,9 @@
 """PNG plots of an analyze document (matplotlib, Agg backend; ``pip install specbatch[plot]``).
 
     acceptance_length.png         per group: share of drafting steps by acceptance length
-    per_position_acceptance.png   per group: acceptance at each draft position (unconditional
-                                  and conditional)
+    per_position_acceptance.png   per group: acceptance at each draft position (unconditional,
+                                  and conditional where at least MIN_CONDITIONAL_SUPPORT
+                                  drafting steps reached the position)
     predicted_vs_measured.png     per record: ``spec.predicted_acceptance_length`` against the
                                   measured mean acceptance length (only when predictions exist)
     what_if.png                   per group: predicted speedup (with a cost model) or replayed
@@ -19,6 +20,34 @@ from specbatch.analyze.tables import ALL
 from specbatch.io.records import Record
 
 MAX_PANELS_PER_ROW = 4
+# A conditional acceptance (accepted at i / accepted at i - 1) from fewer drafting steps than
+# this is noise (3 of 3 plots as 1.0): such points are left out of the plot.
+MIN_CONDITIONAL_SUPPORT = 20
+
+
+def line_colors(n: int) -> list:
+    """``n`` distinct colours: tab10 up to 10 lines, tab20 (its 10 dark, then its 10 light
+    shades) up to 20, else evenly spaced over the ``turbo`` colormap. Matplotlib's default
+    cycle repeats after 10 (coding and summarization both came out blue)."""
+    from matplotlib import colormaps
+
+    if n <= 10:
+        return [colormaps["tab10"](i) for i in range(n)]
+    if n <= 20:
+        return [colormaps["tab20"](2 * i if i < 10 else 2 * (i - 10) + 1) for i in range(n)]
+    return [colormaps["turbo"](i / (n - 1)) for i in range(n)]
+
+
+def conditional_points(row: dict, min_support: int = MIN_CONDITIONAL_SUPPORT
+                       ) -> list[tuple[int, float, int]]:
+    """``(position i, conditional acceptance, drafting steps it is measured on)`` of an analyze
+    row, for the positions measured on at least ``min_support`` drafting steps (those that
+    accepted i - 1 drafts; all drafting steps for i = 1)."""
+    per_pos = row["num_accepted_tokens_per_pos"]
+    support = [row["num_drafts"]] + per_pos[:-1]
+    return [(i + 1, y, n) for i, (y, n) in
+            enumerate(zip(row["conditional_acceptance_per_pos"], support))
+            if y is not None and n >= min_support]
 
 
 def write_plots(doc: dict, records: list[tuple[str, Record]], out_dir: str | Path) -> list[Path]:
@@ -93,22 +122,31 @@ def _per_position(rows: list[dict], path: Path, grouping: str) -> Path:
     from matplotlib.ticker import MaxNLocator
 
     fig, (ax_u, ax_c) = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    colors = line_colors(sum(r["group"] != ALL for r in rows))
     for r in rows:
-        style = dict(color="black", linewidth=2.5) if r["group"] == ALL else {}
-        for ax, key in ((ax_u, "acceptance_per_pos"), (ax_c, "conditional_acceptance_per_pos")):
-            ys = r[key]
-            if any(y is not None for y in ys):
-                ax.plot(range(1, len(ys) + 1), [math.nan if y is None else y for y in ys],
-                        marker="o", label=r["group"], **style)
+        if r["group"] == ALL:
+            style = dict(color="black", linewidth=2.5)
+        else:
+            style = dict(color=colors.pop(0))
+        ys = r["acceptance_per_pos"]
+        if any(y is not None for y in ys):
+            ax_u.plot(range(1, len(ys) + 1), [math.nan if y is None else y for y in ys],
+                      marker="o", label=r["group"], **style)
+        points = conditional_points(r)
+        if points:  # labelled with the drafting steps behind its first and last point
+            ax_c.plot([i for i, _, _ in points], [y for _, y, _ in points], marker="o",
+                      label=f"{r['group']} (n {points[0][2]}..{points[-1][2]})", **style)
     ax_u.set_title("unconditional: accepted at position i / drafting steps")
-    ax_c.set_title("conditional: accepted at i / accepted at i - 1")
+    ax_c.set_title(f"conditional: accepted at i / accepted at i - 1\n(points measured on fewer "
+                   f"than {MIN_CONDITIONAL_SUPPORT} drafting steps are left out)", fontsize=10)
     for ax in (ax_u, ax_c):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("draft position i (1 = first draft token)")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
     ax_u.set_ylabel("acceptance (fraction of steps)")
-    ax_c.legend(title=grouping, fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    ax_c.legend(title=f"{grouping} (drafting steps)", fontsize=8, loc="center left",
+                bbox_to_anchor=(1.01, 0.5))
     fig.suptitle(f"Per-position acceptance, by {grouping}")
     return _save(fig, path)
 
@@ -118,9 +156,10 @@ def _predicted_vs_measured(pairs: list[tuple[str, float, float | None]], path: P
 
     fig, ax = plt.subplots(figsize=(7, 6))
     groups = sorted({g for g, _, _ in pairs})
-    for g in groups:
+    for g, color in zip(groups, line_colors(len(groups))):
         pts = [(p, m) for gg, p, m in pairs if gg == g and m is not None]
-        ax.scatter([p for p, _ in pts], [m for _, m in pts], s=14, alpha=0.7, label=g)
+        ax.scatter([p for p, _ in pts], [m for _, m in pts], s=14, alpha=0.7, label=g,
+                   color=color)
     values = [v for _, p, m in pairs for v in (p, m) if v is not None]
     lo, hi = min(values + [1.0]), max(values + [2.0])
     ax.plot([lo, hi], [lo, hi], color="gray", linestyle="--", label="predicted = measured")

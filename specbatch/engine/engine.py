@@ -22,14 +22,15 @@ from dataclasses import dataclass
 
 import torch
 
+from specbatch.engine import logits as logits_processing
 from specbatch.engine.runner import ModelRunner
 from specbatch.engine.scheduler import Scheduler
 from specbatch.engine.sequence import LogprobEntry, Request, Sequence, StopRules
-from specbatch.spec_decode import sampler
+from specbatch.engine.step_metadata import StepMetadata, fetch_step_results
 from specbatch.spec_decode.caps import draft_cap
 from specbatch.spec_decode.proposer import Proposer
 from specbatch.spec_decode.stats import SpecStats
-from specbatch.spec_decode.verify import count_accepted
+from specbatch.spec_decode.verify import sample_and_accept
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Completion:
     error: str | None
     stats: SpecStats
     logprobs: list[LogprobEntry] | None
+    prompt_fed: bool = True  # False when the prompt was refused before prefill (too long)
 
 
 class Engine:
@@ -83,15 +85,11 @@ class Engine:
         done = self._admit()
         running = [s for s in self.scheduler.running_sequences() if s.is_prefilled]
         if running:
-            ks = self._draft_caps(running)
-            proposed = [d[:k] for d, k in zip(self.proposer.propose(running, ks), ks)]
-            drafts = self.policy.select(running, proposed, ks) if self.policy else proposed
-            t0 = time.perf_counter()
-            logits = self.runner.verify(running, drafts)
-            observe_step = getattr(self.policy, "observe_step", None)
-            if observe_step is not None:  # the policy's cost model learns this machine's steps
-                observe_step(running, drafts, time.perf_counter() - t0)
-            done += self._commit_step(running, drafts, logits, proposed=proposed)
+            proposed, drafts = self._propose(running)
+            meta = StepMetadata.build(running, drafts, self.stop_rules, self.runner.device,
+                                      self.runner.query_len(drafts))
+            logits = self._verify(running, drafts, meta)
+            done += self._commit_step(running, drafts, logits, meta, proposed=proposed)
         return done
 
     # ---- stages -------------------------------------------------------------------------
@@ -115,10 +113,30 @@ class Engine:
                 return done
             ready, logits = self.runner.prefill_step(prefilling)  # [len(ready), V]
             if ready:
-                done += self._commit_step(ready, [[] for _ in ready], logits[:, None, :],
+                no_drafts = [[] for _ in ready]
+                meta = StepMetadata.build(ready, no_drafts, self.stop_rules, logits.device)
+                done += self._commit_step(ready, no_drafts, logits[:, None, :], meta,
                                           is_prefill=True)
             if any(s.is_prefilled and not s.is_finished for s in running):
                 return done  # rows are decoding: the rest of the prefill waits a step
+
+    def _propose(self, seqs: list[Sequence]) -> tuple[list[list[int]], list[list[int]]]:
+        """(proposed drafts, the drafts to verify: the policy may cut them)."""
+        ks = self._draft_caps(seqs)
+        proposed = [d[:k] for d, k in zip(self.proposer.propose(seqs, ks), ks)]
+        return proposed, self.policy.select(seqs, proposed, ks) if self.policy else proposed
+
+    def _verify(self, seqs: list[Sequence], drafts: list[list[int]],
+                meta: StepMetadata) -> torch.Tensor:
+        """The verify forward; timed (after a device sync) for the policy's cost model."""
+        observe_step = getattr(self.policy, "observe_step", None)
+        t0 = time.perf_counter()
+        logits = self.runner.verify(seqs, drafts, meta)
+        if observe_step is not None:  # the policy's cost model learns this machine's steps
+            if logits.device.type == "cuda":  # else it would time the kernel launches only
+                torch.cuda.synchronize(logits.device)
+            observe_step(seqs, drafts, time.perf_counter() - t0)
+        return logits
 
     def _draft_caps(self, seqs: list[Sequence]) -> list[int]:
         """Draft length per row: its k, capped so the step cannot pass ``max_tokens`` or the
@@ -128,40 +146,39 @@ class Engine:
                 for s in seqs]
 
     def _commit_step(self, seqs: list[Sequence], drafts: list[list[int]], logits: torch.Tensor,
-                     is_prefill: bool = False,
+                     meta: StepMetadata, is_prefill: bool = False,
                      proposed: list[list[int]] | None = None) -> list[Completion]:
         """Sample the target at every fed position, accept, commit, roll back.
 
         logits: ``[B, Q, vocab]``; row i uses its first ``len(drafts[i]) + 1`` queries.
+        Sampling and acceptance run on the logits' device; one copy brings the results back.
         proposed: the drafts before the policy cut them (what the policy learns from).
         """
-        num_fed = [len(d) + 1 for d in drafts]
-        target_ids, scaled = self._sample(seqs, logits, num_fed)
-        qlen = logits.shape[1]
-        target = torch.zeros((len(seqs), qlen), dtype=torch.int64)
-        offsets = [0]
-        for i, n in enumerate(num_fed):
-            target[i, :n] = target_ids[offsets[-1]:offsets[-1] + n]
-            offsets.append(offsets[-1] + n)
-        k_max = max(num_fed) - 1
-        draft_ids = torch.full((len(seqs), k_max), -1, dtype=torch.int64)
-        for i, d in enumerate(drafts):
-            draft_ids[i, :len(d)] = torch.tensor(d, dtype=torch.int64)
-        num_accepted = count_accepted(target, draft_ids, torch.tensor(num_fed) - 1).tolist()
-        bad_rows = torch.isnan(logits).flatten(1).any(dim=1).tolist()
+        process = None  # grammar masks, logit_bias, penalties (engine.logits), when any row has them
+        if logits_processing.needs_processing(seqs):
+            def process(flat):
+                return logits_processing.process_logits(flat, seqs, drafts)
+        target, num_accepted, scaled = sample_and_accept(logits, meta, process)
+        has_nan = torch.isnan(logits).flatten(1).any(dim=1)
+        res = fetch_step_results(num_accepted, has_nan, target)
+        if any(s.sampling.logprobs is not None for s in seqs):
+            scaled = scaled.cpu()
+        offsets = meta.cu_num_fed_host
 
         done = []
         for i, seq in enumerate(seqs):
-            if bad_rows[i]:
+            if res.has_nan[i]:
                 seq.finish_reason, seq.error = "error", "NaN in the target's logits"
                 self.runner.clear_row(seq.row)  # its NaN keys/values must not outlive it
                 done.append(self._finish(seq))
                 continue
-            emitted = target[i, :num_accepted[i] + 1].tolist()
+            num_acc = res.num_accepted[i]
+            emitted = res.target_ids[i][:num_acc + 1]
             num_before = seq.num_output_tokens
             num_committed = self.stop_rules.commit(seq, emitted)
+            logits_processing.commit(seq, emitted[:num_committed])
             if not is_prefill:
-                seq.stats.record_step(len(drafts[i]), min(num_accepted[i], num_committed))
+                seq.stats.record_step(len(drafts[i]), min(num_acc, num_committed))
             else:
                 seq.stats.num_steps += 1
             if seq.sampling.logprobs is not None:
@@ -178,38 +195,6 @@ class Engine:
                 done.append(self._finish(seq))
         return done
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor,
-                num_fed: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target tokens at the fed positions of every row, flattened row-major: ``[sum num_fed]``."""
-        rows = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(num_fed))
-        cols = torch.cat([torch.arange(n) for n in num_fed])
-        flat = logits[rows, cols].float() if logits.dtype != torch.float64 else logits[rows, cols]
-        temps, top_k, top_p, seeds, positions, bans = [], [], [], [], [], []
-        any_ban = False
-        for seq, n in zip(seqs, num_fed):
-            sp = seq.sampling
-            for j in range(n):
-                t = seq.num_output_tokens + j
-                temps.append(sp.temperature)
-                top_k.append(sp.top_k)
-                top_p.append(sp.top_p)
-                seeds.append(seq.request.seed)
-                positions.append(t)
-                ban = t < sp.min_tokens
-                any_ban |= ban
-                bans.append(self.stop_rules.stop_ids(sp) if ban else ())
-        banned = None
-        if any_ban:
-            banned = torch.zeros(flat.shape, dtype=torch.bool)
-            for r, ids in enumerate(bans):
-                if ids:
-                    banned[r, list(ids)] = True
-        return sampler.sample(flat, torch.tensor(temps, dtype=torch.float64),
-                              torch.tensor(top_k, dtype=torch.int64),
-                              torch.tensor(top_p, dtype=torch.float64),
-                              torch.tensor(seeds, dtype=torch.int64),
-                              torch.tensor(positions, dtype=torch.int64), banned)
-
     def _add_logprobs(self, seq: Sequence, scaled: torch.Tensor, ids: list[int]) -> None:
         """scaled: ``[n, V]`` logits / T (logits at T = 0) at the committed positions."""
         if not ids:
@@ -224,7 +209,12 @@ class Engine:
 
     def _make_sequence(self, request: Request) -> Sequence:
         k = self.k if request.max_k is None else min(self.k, request.max_k)
-        return Sequence(request, self.proposer.name, k)
+        seq = Sequence(request, self.proposer.name, k)
+        if request.grammar is not None:
+            from specbatch.engine.grammar import new_matcher
+
+            seq.matcher = new_matcher(request.grammar, self.stop_rules.stop_ids(request.sampling))
+        return seq
 
     def _finish(self, seq: Sequence) -> Completion:
         self.proposer.finish(seq)
@@ -240,14 +230,29 @@ class Engine:
             text = self.detokenize(text_ids)
             if seq.stop_text_end is not None:
                 text = text[:seq.stop_text_end]
+            text = hold_back_incomplete_char(text)
         c = Completion(seq.request, seq.token_ids[:seq.num_prompt_tokens], out, text,
                        seq.finish_reason, seq.stop_reason, seq.error, seq.stats,
-                       seq.logprobs if seq.sampling.logprobs is not None else None)
+                       seq.logprobs if seq.sampling.logprobs is not None else None,
+                       prompt_fed=seq.is_prefilled)
         if self.follow_up is not None and seq.finish_reason != "error":
             nxt = self.follow_up(c)
             if nxt is not None:
                 self.scheduler.add(nxt, front=True)
         return c
+
+
+def hold_back_incomplete_char(text: str) -> str:
+    """``text`` without the U+FFFD a detokenizer makes of an incomplete UTF-8 character at the
+    end (``max_tokens`` cut inside it): up to 3, one per byte for byte-fallback tokenizers.
+
+    Streaming detokenizers hold such a tail back until the character completes (vLLM's
+    ``detokenize_incrementally``: text ending in U+FFFD is not emitted); at the end of an output
+    it never completes. Like them, this cannot tell a genuine U+FFFD token at the very end
+    from an incomplete character, and drops it too. ``output_token_ids`` keep every token.
+    """
+    stripped = text.rstrip("\ufffd")
+    return text[:max(len(stripped), len(text) - 3)]
 
 
 def _finite(x: float) -> float | None:

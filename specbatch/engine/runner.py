@@ -10,6 +10,7 @@ import torch
 
 from specbatch.engine.kv_cache import KVCache
 from specbatch.engine.sequence import Sequence
+from specbatch.engine.step_metadata import StepMetadata
 from specbatch.models.llama import LlamaForward
 
 PAD_ID = 0  # placeholder fed in padded query slots; their outputs are never read
@@ -89,34 +90,41 @@ class ModelRunner:
                                               chunks, last)
         return done, logits
 
-    def verify(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor:
+    def query_len(self, drafts: list[list[int]]) -> int:
+        """Q, the padded queries per row of a verify step feeding ``drafts``.
+
+        Never a one-row matmul: on this CPU a [1, K] x [K, N] bfloat16 matmul with K = 1536
+        takes another kernel than 2+ rows and rounds differently, which would make a lone
+        plain-decode step disagree with a verify step (measured; see tests/unit/test_forward).
+        """
+        return max(1 + max(len(d) for d in drafts), 2 if len(drafts) == 1 else 1)
+
+    def verify(self, seqs: list[Sequence], drafts: list[list[int]],
+               meta: StepMetadata | None = None) -> torch.Tensor:
         """One verify step: row i feeds its last committed token then ``drafts[i]``.
 
-        Returns logits ``[B, Q, vocab]`` (model dtype), Q = 1 + max draft length; query j of row
+        meta: the step's packed metadata (``StepMetadata.build`` with ``query_len(drafts)``),
+        already on the device: the padded ids and positions are made there, without a copy.
+        Built here if not given.
+        Returns logits ``[B, Q, vocab]`` (model dtype), Q = ``meta.query_len``; query j of row
         i predicts the token after ``drafts[i][j-1]`` (j = 0: after the last committed token).
         Afterwards the rows' cache lengths count every fed token; the engine rolls back.
         """
-        bsz = len(seqs)
-        # Never a one-row matmul: on this CPU a [1, K] x [K, N] bfloat16 matmul with K = 1536
-        # takes another kernel than 2+ rows and rounds differently, which would make a lone
-        # plain-decode step disagree with a verify step (measured; see tests/unit/test_forward).
-        qlen = max(1 + max(len(d) for d in drafts), 2 if bsz == 1 else 1)
-        ids = torch.full((bsz, qlen), PAD_ID, dtype=torch.int64)
-        starts = torch.empty(bsz, dtype=torch.int64)
-        for i, (seq, draft) in enumerate(zip(seqs, drafts)):
-            feed = [seq.token_ids[-1], *draft]
-            ids[i, :len(feed)] = torch.tensor(feed)
-            starts[i] = len(seq.token_ids) - 1
-            assert self.cache.seq_lens[seq.row] == starts[i], "cache out of step with sequence"
-        positions = starts[:, None] + torch.arange(qlen)[None, :]
-        self.cache.ensure_capacity(int(positions.max()) + 1)
-        rows = torch.tensor([s.row for s in seqs])
+        if meta is None:
+            meta = StepMetadata.build(seqs, drafts, None, self.device, self.query_len(drafts))
+        bsz, qlen = meta.num_rows, meta.query_len
+        for seq in seqs:
+            assert self.cache.seq_lens[seq.row] == len(seq.token_ids) - 1, \
+                "cache out of step with sequence"
+        self.cache.ensure_capacity(meta.max_position + 1)
+        ids = torch.full((bsz * qlen,), PAD_ID, dtype=torch.int64, device=self.device)
+        ids[meta.token_index] = meta.input_ids
+        positions = meta.starts[:, None] + torch.arange(qlen, device=self.device)[None, :]
         # rows drafting fewer tokens than the longest: run the dense layers on real tokens only
-        fed = [1 + len(d) for d in drafts]
-        num_fed = (torch.tensor(fed, device=self.device)
-                   if self.pack and bsz >= 2 and min(fed) < qlen else None)
-        logits = self.forward.forward(ids.to(self.device), positions.to(self.device), self.cache,
-                                      rows.to(self.device), num_fed=num_fed)
+        num_fed = (meta.cu_num_fed.diff()
+                   if self.pack and bsz >= 2 and min(meta.num_fed) < qlen else None)
+        logits = self.forward.forward(ids.view(bsz, qlen), positions, self.cache, meta.rows,
+                                      num_fed=num_fed)
         for seq, draft in zip(seqs, drafts):
             self.cache.seq_lens[seq.row] = len(seq.token_ids) + len(draft)
         return logits

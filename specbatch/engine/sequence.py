@@ -23,7 +23,8 @@ class Request:
 
     prompt_ids: the full prompt (tokens). seed: the record seed for this answer (already
     derived per turn). max_k: cap on draft tokens per step for this request (None: the
-    engine's k). tag: anything the caller wants back with the result.
+    engine's k). tag: anything the caller wants back with the result. grammar: an
+    ``xgrammar.CompiledGrammar`` the output must follow (``response_format``), or None.
     """
 
     request_id: Any
@@ -32,6 +33,7 @@ class Request:
     seed: int = 0
     max_k: int | None = None
     tag: Any = None
+    grammar: Any = None
 
 
 @dataclass
@@ -65,7 +67,10 @@ class Sequence:
         self.error: str | None = None
         self.text: str | None = None  # final text, set at finish
         self.stop_text_end: int | None = None  # char offset the text is cut at (stop string)
+        # chars of the text of the first min_tokens output tokens: a stop string must end after
+        self.stop_search_floor = 0
         self.logprobs: list[LogprobEntry] = []
+        self.matcher = None  # xgrammar GrammarMatcher at the committed length (engine.grammar)
         self.stats = SpecStats(proposer=proposer_name, num_speculative_tokens=k)
 
     @property
@@ -113,6 +118,12 @@ class StopRules:
         one that completes earliest in the text wins; the text is cut before it); then the
         ``max_tokens`` cap and the context cap. Tokens after the first stop are dropped.
         Returns how many of ``new_ids`` were committed.
+
+        ``min_tokens`` holds stop strings back as vLLM v1's detokenizer does
+        (``vllm/v1/engine/detokenizer.py``, PR 22014): they are checked only once more than
+        ``min_tokens`` tokens are out, and only an occurrence that ends after the text of the
+        first ``min_tokens`` tokens counts (one inside that text never does; one straddling it
+        does, and the text is cut where it starts).
         """
         sp = seq.sampling
         stop_ids = self.stop_ids(sp)
@@ -122,7 +133,9 @@ class StopRules:
             if tok in stop_ids:
                 seq.finish_reason, seq.stop_reason = "stop", tok
                 return n
-            if sp.stop and self._check_stop_strings(seq):
+            if sp.stop and num_out == sp.min_tokens:
+                seq.stop_search_floor = len(self.detokenize(seq.output_ids))
+            if sp.stop and num_out > sp.min_tokens and self._check_stop_strings(seq):
                 return n
             if num_out >= sp.max_tokens or len(seq.token_ids) >= self.max_model_len:
                 seq.finish_reason = "length"
@@ -134,7 +147,7 @@ class StopRules:
         text = self.detokenize(seq.output_ids)
         best: tuple[int, int, str] | None = None  # (end, start, stop string)
         for s in seq.sampling.stop:
-            start = text.find(s)
+            start = text.find(s, max(0, seq.stop_search_floor - len(s) + 1))
             if start >= 0 and (best is None or (start + len(s), start) < best[:2]):
                 best = (start + len(s), start, s)
         if best is None:

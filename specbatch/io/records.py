@@ -23,6 +23,7 @@ is a per-record error naming the field.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import string
@@ -33,14 +34,18 @@ from pathlib import Path
 
 import orjson
 
-from specbatch.config import SAMPLING_FIELDS, SamplingParams
+from specbatch.config import SAMPLING_FIELDS, UNSUPPORTED_SAMPLING_FIELDS, SamplingParams
 
 PROMPT_FIELDS = ("prompt", "messages", "turns")
 ID_FIELDS = ("id", "question_id")
 ROLES = ("system", "user", "assistant")
 FORMATS = (".jsonl", ".json", ".parquet", ".csv")
 _BOM = b"\xef\xbb\xbf"
-INT_SAMPLING_FIELDS = ("top_k", "seed", "max_tokens", "min_tokens", "logprobs")
+INT_SAMPLING_FIELDS = ("top_k", "seed", "max_tokens", "min_tokens", "logprobs", "n")
+# A field within this difflib ratio of a known name (lower case, '-' and ' ' read as '_') is
+# taken for a typo of it: 0.9 catches "temprature", "max_token", "prompts"; it spares metadata
+# such as "speed" (0.89 to "seed"), "top" (0.86 to "stop"), "num_tokens" (0.8 to "min_tokens").
+NEAR_MISS_CUTOFF = 0.9
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,7 @@ class Record:
     Exactly one of ``prompt`` (plain text), ``messages`` (chat list of {role, content}) and
     ``turns`` (user turns, generated in order, each answer fed back) is set.
     sampling: the run defaults overridden by the record's own sampling fields.
+    id_from_line: the record has no id, so ``id`` is its line number.
     """
 
     index: int
@@ -64,6 +70,7 @@ class Record:
     messages: list[dict] | None
     turns: list[str] | None
     sampling: SamplingParams
+    id_from_line: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,7 @@ def read_records(path: str | os.PathLike, *, prompt_field: str | None = None,
     if not rows:
         return [], [RecordError(p, 0, None, "no records")]
     records, errors, first_line = [], [], {}
+    named = {prompt_field, id_field, *(template_fields(template) if template is not None else ())}
     for line, row in rows:
         if isinstance(row, _BadLine):
             errors.append(RecordError(p, line, None, row.reason))
@@ -121,6 +129,7 @@ def read_records(path: str | os.PathLike, *, prompt_field: str | None = None,
             if key in first_line:
                 raise ValueError(_duplicate(seen, first_line[key]))
             first_line[key] = seen
+            _check_fields(row, named)
             if template is not None:
                 prompt, messages, turns = None, [_render(template, row)], None
             else:
@@ -129,39 +138,119 @@ def read_records(path: str | os.PathLike, *, prompt_field: str | None = None,
         except ValueError as e:
             errors.append(RecordError(p, line, rec_id, str(e)))
             continue
-        records.append(Record(len(records), line, rec_id, row, prompt, messages, turns, sampling))
+        records.append(Record(len(records), line, rec_id, row, prompt, messages, turns, sampling,
+                              id_from_line=seen[2]))
     return records, errors
 
 
+def order_warning(records: Iterable[Record]) -> str | None:
+    """A one-line warning when records sample (temperature > 0) with neither an id nor a
+    seed: the id falls back to the line number and the seed derives from the id, so their
+    output changes when their place in the file changes. None when no record is affected."""
+    lines = [r.line for r in records
+             if r.id_from_line and r.sampling.seed is None and not r.sampling.is_greedy]
+    if not lines:
+        return None
+    where = ", ".join(map(str, lines[:3])) + (", ..." if len(lines) > 3 else "")
+    return (f"{len(lines)} record(s) sample at temperature > 0 with no id and no seed (line "
+            f"{where}): their seed derives from the line number, so their output changes if "
+            "their place in the file changes; give each an id or a seed")
+
+
 def check_lengths(records: Iterable[Record], count_tokens: Callable[[Record], int],
-                  max_model_len: int, path: str | os.PathLike) -> list[RecordError]:
+                  max_model_len: int, path: str | os.PathLike, *, tokenizer=None,
+                  ) -> list[RecordError]:
     """Errors for records whose prompt leaves no room for a completion token.
 
     count_tokens: prompt tokens of a record as the model will see it (chat template applied;
         for ``turns``, the first turn: later turns grow with the answers and are capped at run
         time). max_model_len: the model's context (tokens).
+    tokenizer: the model's transformers tokenizer. When given, a prompt is first measured in
+        bytes and refused without tokenising it (``count_tokens`` is not called) when it cannot
+        fit (``min_num_tokens``): tokenising a 50 MB line took 7.8 GB and 94 s. For ``turns``
+        this also refuses a record whose later turn alone cannot fit (it would fail mid-record,
+        after being tokenised in full to size the batch).
     """
     errors = []
+    max_bytes = max_token_bytes(tokenizer) if tokenizer is not None else 0
     for r in records:
-        n = count_tokens(r)
-        if n >= max_model_len:
-            errors.append(RecordError(str(path), r.line, r.id,
-                                      f"prompt is {n} tokens; the model's context is "
-                                      f"{max_model_len}"))
+        reason = None
+        if tokenizer is not None:
+            for what, text in _prompt_texts(r, tokenizer):
+                num_bytes, n = min_num_tokens(text, tokenizer, max_bytes)
+                if n >= max_model_len:
+                    reason = (f"{what} is {num_bytes} bytes, so at least {n} tokens (no token of "
+                              f"this model covers more than {max_bytes} bytes); the model's "
+                              f"context is {max_model_len}")
+                    break
+        if reason is None:
+            n = count_tokens(r)
+            if n >= max_model_len:
+                reason = f"prompt is {n} tokens; the model's context is {max_model_len}"
+        if reason is not None:
+            errors.append(RecordError(str(path), r.line, r.id, reason))
     return errors
+
+
+def max_token_bytes(tokenizer) -> int:
+    """An upper bound on the bytes of text one token of ``tokenizer`` covers: its longest
+    vocabulary entry, in UTF-8 bytes.
+
+    Byte-level BPE vocabularies (GPT-2, Llama 3, Qwen, SmolLM2) write each byte of text as one
+    character of 1-2 UTF-8 bytes ("Ġ" for a space), and sentencepiece ones write a space as "▁"
+    (3 bytes) and a byte as "<0xE4>": the entry is never shorter than the text it covers, so
+    the bound errs on the safe side (SmolLM2: 162, for 81 bytes of text).
+    """
+    return max(len(t.encode("utf-8")) for t in tokenizer.get_vocab())
+
+
+def min_num_tokens(text: str, tokenizer, max_bytes: int) -> tuple[int, int]:
+    """(bytes, a lower bound on the tokens ``tokenizer`` makes of ``text``), without tokenising.
+
+    The tokens of byte-level BPE and sentencepiece tokenizers (the Llama family's) cover every
+    byte of the normalized text, and none covers more than ``max_bytes`` (``max_token_bytes``),
+    so there are at least ceil(bytes / max_bytes). Bytes are counted after the tokenizer's
+    normalizer, if it has one (NFKC turns a 3-byte fullwidth letter into 1 byte). A tokenizer
+    whose pre-tokenizer drops text (BERT's whitespace split) would break the bound; no causal
+    LM's does.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    normalizer = getattr(backend, "normalizer", None)
+    if normalizer is not None:
+        text = normalizer.normalize_str(text)
+    num_bytes = len(text.encode("utf-8"))
+    return num_bytes, -(-num_bytes // max(max_bytes, 1))
+
+
+def _prompt_texts(record: Record, tokenizer) -> Iterator[tuple[str, str]]:
+    """(name, text) of each prompt the record feeds, as the tokenizer will see it: the plain
+    prompt, or the chat as the chat template renders it; for ``turns``, the first turn's chat,
+    then each later turn's own text (the later prompt holds it, and more)."""
+    if record.prompt is not None:
+        yield "prompt", record.prompt
+        return
+    messages = (record.messages if record.messages is not None
+                else [{"role": "user", "content": record.turns[0]}])
+    yield "prompt", tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=True)
+    for i, turn in enumerate((record.turns or [])[1:], start=2):
+        yield f"turn {i}", turn
 
 
 def check_token_ids(records: Iterable[Record], vocab_size: int,
                     path: str | os.PathLike) -> list[RecordError]:
-    """Errors for records whose ``stop_token_ids`` name an id outside the model's vocabulary
-    (``vocab_size`` token ids, 0 .. vocab_size - 1)."""
+    """Errors for records whose ``stop_token_ids`` or ``logit_bias`` name an id outside the
+    model's vocabulary (``vocab_size`` token ids, 0 .. vocab_size - 1)."""
     errors = []
     for r in records:
-        bad = [t for t in r.sampling.stop_token_ids if t >= vocab_size]
-        if bad:
-            errors.append(RecordError(str(path), r.line, r.id,
-                                      f"stop_token_ids {bad} are not token ids of this model "
-                                      f"(its vocabulary has ids 0..{vocab_size - 1})"))
+        for name, ids in (("stop_token_ids", r.sampling.stop_token_ids),
+                          ("logit_bias", [t for t, _ in r.sampling.logit_bias])):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                errors.append(RecordError(str(path), r.line, r.id,
+                                          f"{name} {bad} are not token ids of this model "
+                                          f"(its vocabulary has ids 0..{vocab_size - 1})"))
+                break
     return errors
 
 
@@ -179,12 +268,13 @@ class _WideInts:
     """A JSON object holding an integer beyond 64 bits, which orjson reads as a float.
 
     row: the object as orjson read it (what the output echoes). ints: top-level key -> the
-    integer as written, so that a checked field (the id, an integer sampling field) is reported
-    as the user wrote it, not as ``1.2345678901234568e+29``.
+    integer (or the list holding one, e.g. ``stop_token_ids``) as written, so that a checked
+    field (the id, an integer sampling field) is reported as the user wrote it, not as
+    ``1.2345678901234568e+29``.
     """
 
     row: dict
-    ints: dict[str, int]
+    ints: dict[str, int | list]
 
 
 def _rows(path: Path, split: str | None
@@ -269,7 +359,11 @@ def _json_rows(data: bytes, suffix: str
 
 
 def _jsonl_rows(data: bytes) -> Iterator[tuple[int, dict | _BadLine | _WideInts]]:
-    for n, raw in enumerate(data.split(b"\n"), start=1):
+    # a file with CR and no LF has classic Mac line endings (a raw CR cannot be inside a JSON
+    # string, so it can only end a line or be blank space); CRLF lines keep a CR that orjson
+    # reads as blank space
+    eol = b"\r" if b"\n" not in data and b"\r" in data else b"\n"
+    for n, raw in enumerate(data.split(eol), start=1):
         if not raw.strip():
             continue
         try:
@@ -289,9 +383,14 @@ def _jsonl_rows(data: bytes) -> Iterator[tuple[int, dict | _BadLine | _WideInts]
 
 
 def _may_be_wide(obj: dict) -> bool:
-    """Whether a top-level value may be an integer that orjson read as a float (beyond 64 bits);
-    ``_exact`` decides."""
-    return any(isinstance(v, float) and abs(v) >= 2**63 and v.is_integer() for v in obj.values())
+    """Whether a top-level value, or an element of a top-level list (``stop_token_ids``), may be
+    an integer that orjson read as a float (beyond 64 bits); ``_exact`` decides."""
+    return any(_wide_float(v) or (isinstance(v, list) and any(_wide_float(x) for x in v))
+               for v in obj.values())
+
+
+def _wide_float(v) -> bool:
+    return isinstance(v, float) and abs(v) >= 2**63 and v.is_integer()
 
 
 def _exact(source: str | bytes):
@@ -304,12 +403,22 @@ def _exact(source: str | bytes):
 
 def _with_wide_ints(row: dict, exact) -> dict | _WideInts:
     """``row``, or a ``_WideInts`` with the integers ``exact`` (the same object read exactly)
-    holds where ``row`` has floats."""
+    holds where ``row`` has floats: a top-level integer, or a whole list holding one."""
     if not isinstance(exact, dict):
         return row
-    ints = {k: v for k, v in exact.items() if isinstance(v, int) and not isinstance(v, bool)
-            and isinstance(row.get(k), float)}
+    ints = {}
+    for k, v in exact.items():
+        got = row.get(k)
+        if _is_int(v) and isinstance(got, float):
+            ints[k] = v
+        elif (isinstance(v, list) and isinstance(got, list)
+              and any(_is_int(x) and isinstance(y, float) for x, y in zip(v, got))):
+            ints[k] = v
     return _WideInts(row, ints) if ints else row
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _duplicate(this: tuple[int, str | int, bool], first: tuple[int, str | int, bool]) -> str:
@@ -334,7 +443,7 @@ def _record_id(row: dict, id_field: str | None, line: int, wide: dict[str, int])
         key = id_field
     else:
         key = next((k for k in ID_FIELDS if row.get(k) is not None), None)
-    if key in wide:
+    if key in wide and _is_int(wide[key]):
         raise ValueError(f"id {wide[key]} does not fit in 64 bits; write it as a string")
     value = line if key is None else row[key]
     if isinstance(value, bool) or not isinstance(value, (str, int)):
@@ -342,6 +451,55 @@ def _record_id(row: dict, id_field: str | None, line: int, wide: dict[str, int])
     if isinstance(value, str) and not value.strip():
         raise ValueError("id is an empty string")
     return value
+
+
+def unsupported_fields(row: dict) -> list[str]:
+    """The record's non-null fields that are sampling parameters specbatch does not apply
+    (``config.UNSUPPORTED_SAMPLING_FIELDS``, less any that are now ``SAMPLING_FIELDS``), in the
+    record's order."""
+    return [k for k, v in row.items() if v is not None and k in UNSUPPORTED_SAMPLING_FIELDS
+            and k not in SAMPLING_FIELDS]
+
+
+def _check_fields(row: dict, named: set) -> None:
+    """Raise ``ValueError`` for a field the user cannot mean as metadata: a sampling parameter
+    specbatch does not apply, or a near-miss of a field the reader knows ("temprature"). Other
+    fields are metadata and pass through. named: fields the run names (--prompt-field,
+    --id-field, template fields), never near-misses."""
+    bad = unsupported_fields(row)
+    if bad:
+        hints = {UNSUPPORTED_SAMPLING_FIELDS[k] for k in bad}
+        names = ", ".join(repr(k) for k in bad)
+        if len(bad) == 1 and hints != {""}:
+            raise ValueError(f"unsupported sampling parameter {names}: use {hints.pop()}")
+        raise ValueError(f"unsupported sampling parameter{'s' * (len(bad) > 1)} {names}: "
+                         f"specbatch does not apply {'them' if len(bad) > 1 else 'it'} (rename a "
+                         "field that is only metadata)")
+    for k in row:
+        meant = None if k in named else _near_miss(k)
+        if meant is not None:
+            raise ValueError(f"unknown field {k!r}: did you mean {meant!r}? (rename a field "
+                             "that is only metadata)")
+
+
+_KNOWN_FIELDS = (*SAMPLING_FIELDS, *PROMPT_FIELDS, *ID_FIELDS)
+
+
+def _near_miss(name: str) -> str | None:
+    """The known field ``name`` is probably a typo of, else None. A near-miss: the same name
+    but for case, '-', '_' and ' ' ("maxTokens", "top-p"); a plural or singular of a name of 4+
+    letters ("stops", "message"); or a difflib ratio >= ``NEAR_MISS_CUTOFF``."""
+    known = _KNOWN_FIELDS
+    if name in known or name in UNSUPPORTED_SAMPLING_FIELDS:
+        return None
+    norm = name.lower().replace("-", "_").replace(" ", "_")
+    for k in known:
+        if k.replace("_", "") == norm.replace("_", ""):
+            return k
+        if len(k) >= 4 and (norm == k + "s" or norm + "s" == k):
+            return k
+    match = difflib.get_close_matches(norm, known, n=1, cutoff=NEAR_MISS_CUTOFF)
+    return match[0] if match else None
 
 
 def _prompt(row: dict, prompt_field: str | None
@@ -352,7 +510,10 @@ def _prompt(row: dict, prompt_field: str | None
             raise ValueError(f"missing prompt field {prompt_field!r}")
         name = prompt_field
     else:
-        name = next((k for k in PROMPT_FIELDS if row.get(k) is not None), None)
+        given = [k for k in PROMPT_FIELDS if row.get(k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"both {' and '.join(given)} are given; keep one")
+        name = given[0] if given else None
         if name is None:
             name = next((k for k in PROMPT_FIELDS if k in row), None)
             if name is None:
@@ -445,13 +606,21 @@ def _sampling(row: dict, defaults: SamplingParams, wide: dict[str, int]) -> Samp
     if not own:
         return defaults
     for k in INT_SAMPLING_FIELDS:
-        if k in own and k in wide:
+        if k in own and k in wide and _is_int(wide[k]):
             raise ValueError(f"invalid sampling field: {k}={wide[k]}: expected an integer "
                              "that fits in 64 bits")
+    if "stop_token_ids" in own and "stop_token_ids" in wide:
+        raise ValueError(f"invalid sampling field: stop_token_ids={wide['stop_token_ids']}: "
+                         "expected token ids that fit in 64 bits")
     try:
-        return SamplingParams.from_dict(own, base=defaults)
+        sp = SamplingParams.from_dict(own, base=defaults)
     except (ValueError, TypeError) as e:
         raise ValueError(f"invalid sampling field: {e}") from e
+    if "response_format" in own and sp.json_schema is not None:
+        from specbatch.engine.grammar import check_schema
+
+        check_schema(sp.json_schema)  # ValueError: the record is bad, before the model loads
+    return sp
 
 
 def _parses(data: bytes) -> bool:
@@ -469,4 +638,5 @@ def _kind(value) -> str:
 
 
 __all__ = ["Record", "RecordError", "read_records", "check_lengths", "template_fields",
+           "order_warning", "unsupported_fields",
            "PROMPT_FIELDS", "ID_FIELDS"]

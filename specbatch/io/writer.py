@@ -39,12 +39,14 @@ OUTPUT_FORMATS = (".jsonl", ".parquet")
 
 
 def check_output_path(out_path: str | os.PathLike,
-                      input_path: str | os.PathLike | None = None) -> None:
+                      input_path: str | os.PathLike | None = None, *,
+                      force: bool | None = None) -> None:
     """Raise ``ValueError`` naming the problem if ``out_path`` cannot be written: the input
     file itself (never overwritten, not even with ``--force``), an extension other than
     ``OUTPUT_FORMATS``, a folder in its place, or a parent that cannot be created (a file in
-    the way) or written. Folders that do not exist yet are created when the run starts.
-    Cheap, so callers check before loading a model."""
+    the way) or written; and, when ``force`` is given and False, an ``OUT`` from a finished
+    run (no work file beside it), which ``OutputWriter`` would refuse. Folders that do not
+    exist yet are created when the run starts. Cheap, so callers check before loading a model."""
     path = Path(out_path)
     if input_path is not None and Path(input_path).resolve() == path.resolve():
         raise ValueError(f"output {str(out_path)!r} is the input file; choose another -o")
@@ -62,6 +64,8 @@ def check_output_path(out_path: str | os.PathLike,
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"cannot write the output {str(out_path)!r}: folder {parent} is not "
                          "writable")
+    if force is False and path.is_file() and not _beside(path, ".work.jsonl").exists():
+        raise ValueError(f"{path} exists from a finished run; --force to overwrite")
 
 
 class OutputWriter:
@@ -86,6 +90,7 @@ class OutputWriter:
         self.num_records = num_records
         self.fsync_every = fsync_every
         self._done: set[int] = set()
+        self._finished: dict[int, dict] = {}  # index -> record, from the work file
         self._num_unsynced = 0
         self._fh = None
 
@@ -103,7 +108,8 @@ class OutputWriter:
         elif self.out_path.exists() and not force:
             raise ValueError(f"{self.out_path} exists from a finished run; --force to overwrite")
         if self.work_path.exists():
-            self._done = set(self._load_work())
+            self._finished = self._load_work()
+            self._done = set(self._finished)
         self.out_path.parent.mkdir(parents=True, exist_ok=True)
         self._remove_stale_temp_files()
         _atomic_write(self.config_path, orjson.dumps(self.config, option=orjson.OPT_INDENT_2)
@@ -113,6 +119,11 @@ class OutputWriter:
     def done_indices(self) -> set[int]:
         """``Record.index`` values already finished (skip these)."""
         return set(self._done)
+
+    def finished_records(self) -> list[dict]:
+        """The output records of an earlier run's finished records, in the order they finished
+        (the work file's order): what a resumed ``--method suffix`` job re-indexes."""
+        return list(self._finished.values())
 
     def write(self, index: int, out: dict) -> bool:
         """Append one finished record; returns False (and writes nothing) if already done."""

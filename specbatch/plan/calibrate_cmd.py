@@ -10,13 +10,13 @@ import click
 
 
 def run_calibrate(model: str | None, dtype: str, cache_dir: str | None, output: str | None,
-                  recalibrate: bool) -> int:
+                  recalibrate: bool, device: str = "cpu") -> int:
     from specbatch.models.llama import LlamaForward
     from specbatch.models.loader import cache_root, load_model
     from specbatch.models.registry import DEFAULT_MODEL
     from specbatch.plan.costmodel import load_or_calibrate
 
-    loaded = load_model(model or DEFAULT_MODEL, dtype=dtype, cache_dir=cache_dir)
+    loaded = load_model(model or DEFAULT_MODEL, dtype=dtype, device=device, cache_dir=cache_dir)
     cost, path, measured = load_or_calibrate(LlamaForward(loaded.model), loaded.model_id, dtype,
                                              cache_root(cache_dir), recalibrate=recalibrate)
     click.echo(f"{'measured' if measured else 'cached'}: {path}")

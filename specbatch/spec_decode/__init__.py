@@ -23,6 +23,10 @@ def make_proposer(config: SpecConfig, draft_forward=None, num_rows: int = 1) -> 
             DraftProposer(draft_forward, num_rows))
     if config.method in ("ngram", "auto"):  # auto: lookup drafts, length chosen per step
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "suffix":
+        from specbatch.spec_decode.suffix import SuffixIndex, SuffixProposer
+
+        return SuffixProposer(SuffixIndex(config.suffix_max_tokens))
     if config.method == "draft":
         if draft_forward is None:
             raise ValueError("method 'draft' needs a draft model (--draft-model NAME)")

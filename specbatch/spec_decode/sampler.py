@@ -105,14 +105,29 @@ def mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
     return torch.empty_like(logits).scatter_(-1, order, masked_sorted)
 
 
+def mask_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Set logits whose probability is below ``min_p`` times the top token's to -inf.
+
+    logits: ``[N, V]`` float (already divided by temperature); min_p: ``[N]`` float (0 = off).
+    As vLLM's ``MinPLogitsProcessor`` (Nguyen et al. 2024, arXiv 2407.01082): applied before
+    top-k / top-p, and the most likely token is always kept.
+    """
+    probs = torch.softmax(logits, dim=-1)  # min_p = 0 rows: threshold 0, nothing dropped
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            top_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-           banned: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           banned: torch.Tensor | None = None,
+           min_p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose the token at each of N positions.
 
-    logits: ``[N, V]`` float32/float64 target logits; temperature, top_p: ``[N]`` float;
+    logits: ``[N, V]`` float32/float64 target logits (penalties, bias and grammar masks already
+    applied, ``engine.logits``); temperature, top_p: ``[N]`` float;
     top_k: ``[N]`` int64; seeds, positions: ``[N]`` int64 (record seed, output position);
-    banned: optional ``[N, V]`` bool, tokens that may not be chosen here (EOS before min_tokens).
+    banned: optional ``[N, V]`` bool, tokens that may not be chosen here (EOS before min_tokens);
+    min_p: optional ``[N]`` float (``mask_min_p``; greedy rows ignore it, their argmax is kept).
     Returns (token ids ``[N]`` int64, scaled logits ``[N, V]``: logits / T, or logits at T = 0,
     with bans applied, before top-k/p and noise; the logprob source).
     """
@@ -123,7 +138,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     scaled = logits / torch.where(is_greedy, torch.ones_like(temperature), temperature)[:, None]
     if bool(is_greedy.all()):
         return argmax_lowest(scaled), scaled
-    scores = mask_top_k_top_p(scaled, top_k, top_p)
+    scores = scaled if min_p is None else mask_min_p(scaled, min_p)
+    scores = mask_top_k_top_p(scores, top_k, top_p)
     random_rows = ~is_greedy
     noise = gumbel_noise(seeds[random_rows], positions[random_rows], logits.shape[-1])
     scores = scores.clone()

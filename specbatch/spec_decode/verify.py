@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from specbatch.spec_decode import sampler
+
 
 def count_accepted(target_ids: torch.Tensor, draft_ids: torch.Tensor,
                    num_draft: torch.Tensor) -> torch.Tensor:
@@ -29,7 +31,34 @@ def count_accepted(target_ids: torch.Tensor, draft_ids: torch.Tensor,
     """
     k = draft_ids.shape[1]
     if k == 0:
-        return torch.zeros(target_ids.shape[0], dtype=torch.int64)
-    valid = torch.arange(k)[None, :] < num_draft[:, None]
+        return torch.zeros(target_ids.shape[0], dtype=torch.int64, device=target_ids.device)
+    valid = torch.arange(k, device=draft_ids.device)[None, :] < num_draft[:, None]
     match = (draft_ids == target_ids[:, :k]) & valid
     return match.to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+
+def sample_and_accept(logits: torch.Tensor, meta, process=None,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sampling and acceptance of one step, on the logits' device, no host sync.
+
+    logits: ``[B, Q, V]`` float (the forward's padded output); meta: the step's
+    ``engine.step_metadata.StepMetadata`` (on the same device); process: optional
+    ``[T, V] -> [T, V]`` logits processing applied before sampling (``engine.logits``: grammar
+    masks, logit_bias, penalties).
+    Returns (target ids ``[B, Q]`` int64: the target's token at each fed position, padded
+    slots hold -1; accepted draft tokens ``[B]`` int64; scaled logits ``[T, V]`` float64:
+    logits / T, or logits at T = 0, with bans applied: the logprob source).
+    """
+    bsz, qlen, vocab = logits.shape
+    sm = meta.sampling
+    flat = logits.reshape(bsz * qlen, vocab).index_select(0, meta.token_index)  # [T, V]
+    if process is not None:
+        flat = process(flat)
+    banned = sm.banned_mask(flat.shape[0], vocab)
+    ids, scaled = sampler.sample(flat, sm.temperature, sm.top_k, sm.top_p, sm.seeds,
+                                 sm.output_positions, banned,
+                                 sm.min_p if sm.any_min_p else None)
+    target = torch.full((bsz * qlen,), -1, dtype=torch.int64, device=logits.device)
+    target[meta.token_index] = ids
+    target = target.view(bsz, qlen)
+    return target, count_accepted(target, meta.draft_ids, meta.num_draft), scaled

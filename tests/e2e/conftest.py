@@ -67,7 +67,8 @@ def specbatch_command() -> list[str]:
 
 def run_cli(*args: str, cwd: Path, timeout: float = 600) -> str:
     """Run ``specbatch ARGS`` in a subprocess; fail the test with its stderr unless it exits 0.
-    Returns stderr (the summary table). Prints the wall time (visible with ``pytest -s``)."""
+    Returns stdout (the summary table; progress and warnings go to stderr). Prints the wall
+    time (visible with ``pytest -s``)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
     proc = subprocess.run([*specbatch_command(), *args], cwd=cwd, env=env, capture_output=True,
@@ -76,7 +77,7 @@ def run_cli(*args: str, cwd: Path, timeout: float = 600) -> str:
           f"{time.perf_counter() - t0:.1f} s")
     assert proc.returncode == 0, (f"specbatch {' '.join(args)} exited {proc.returncode}\n"
                                   f"stderr:\n{proc.stderr[-4000:]}")
-    return proc.stderr
+    return proc.stdout
 
 
 def read_jsonl(path: Path) -> list[dict]:

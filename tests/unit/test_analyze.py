@@ -375,3 +375,29 @@ def test_what_if_does_not_self_check_auto_runs(runs, tmp_path):
     wi = _doc([out], by="category", what_if=True)[1]["what_if"]
     assert wi["num_replayed"] > 0
     assert wi["self_check"]["num_checked"] == 0
+
+
+def test_plot_colors_stay_distinct_past_ten_groups():
+    """Spec-Bench has 13 categories: matplotlib's default cycle gave coding and summarization
+    the same blue."""
+    pytest.importorskip("matplotlib")
+    from specbatch.analyze.plots import line_colors
+
+    for n in (1, 10, 13, 20, 21, 40):
+        colors = line_colors(n)
+        assert len(colors) == n and len(set(colors)) == n, n
+
+
+def test_conditional_points_leave_out_tiny_support():
+    """accepted at i / accepted at i - 1: 3 of 3 is 1.0 on nothing; such points are left out,
+    and each kept point carries the drafting steps it is measured on."""
+    from specbatch.analyze.plots import conditional_points
+
+    row = {"num_drafts": 100, "num_accepted_tokens_per_pos": [50, 3, 3, 0],
+           "conditional_acceptance_per_pos": [0.5, 0.06, 1.0, 0.0]}
+    assert conditional_points(row) == [(1, 0.5, 100), (2, 0.06, 50)]
+    assert conditional_points(row, min_support=3) == [(1, 0.5, 100), (2, 0.06, 50),
+                                                      (3, 1.0, 3), (4, 0.0, 3)]
+    nothing = {"num_drafts": 0, "num_accepted_tokens_per_pos": [],
+               "conditional_acceptance_per_pos": []}
+    assert conditional_points(nothing) == []

@@ -66,9 +66,9 @@ def run_auto(engine: Engine, prompts, sampling: SamplingParams, check_cache: boo
     model = engine.proposer.model
     verify = engine.runner.verify
 
-    def capped_verify(seqs, drafts):  # no row drafts past its k, max_tokens or the context
+    def capped_verify(seqs, drafts, meta=None):  # no row drafts past k, max_tokens, context
         assert all(len(d) <= cap for d, cap in zip(drafts, engine._draft_caps(seqs)))
-        return verify(seqs, drafts)
+        return verify(seqs, drafts, meta)
 
     engine.runner.verify = capped_verify
     outputs = {}

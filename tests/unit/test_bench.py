@@ -79,3 +79,41 @@ def test_bad_records_stop_bench_without_suggesting_run_flags(tmp_path):
     assert result.exit_code == 2, result.output
     assert "1 bad record(s); nothing was generated. Fix them." in result.output
     assert "--on-error" not in result.output
+
+
+def _table(labels, tps):
+    """A one-category table where config ``lb`` ran 100 tokens at ``tps[lb]`` tok/s."""
+    seconds = {(lb, "a"): 100 / tps[lb] for lb in labels}
+    tokens = {(lb, "a"): 100 for lb in labels}
+    stats = defaultdict(SpecStats)
+    opts = SimpleNamespace(groups=(), model=None, repeats=1,
+                           engine=SimpleNamespace(dtype="bfloat16", max_batch_size=16),
+                           sampling=SimpleNamespace(max_tokens=128, temperature=0.0))
+    return format_table(labels, {"a": 1}, seconds, tokens, stats, opts)
+
+
+def test_ratios_are_to_none_wherever_it_is():
+    tps = {"ngram:k=5": 30.0, "none": 10.0, "auto": 20.0}
+    table = _table(["ngram:k=5", "none", "auto"], tps)
+    head = [c.strip() for c in table.splitlines()[1].strip("|").split("|")]
+    assert head[5:7] == ["ngram:k=5 / none", "auto / none"], head
+    assert _row(table, "a")[5:7] == ["3.00x", "2.00x"]
+    assert head[7:] == ["ngram:k=5 acc.len", "auto acc.len"]  # none drafts nothing
+    assert table.splitlines()[0].endswith("; ratios to none")
+
+
+def test_without_none_the_table_says_what_ratios_are_to():
+    table = _table(["ngram:k=3", "ngram:k=5"], {"ngram:k=3": 10.0, "ngram:k=5": 15.0})
+    assert "ratios to ngram:k=3 (no none configuration" in table.splitlines()[0]
+    assert _row(table, "a")[4] == "1.50x"
+
+
+def test_configs_given_twice_are_refused():
+    for bad, message in [("auto:k=3:k=4", "'auto:k=3:k=4': k given twice"),
+                         ("ngram:k=5:min=1:min=2", "min given twice"),
+                         ("none,ngram:k=5,none", "config 'none' given twice"),
+                         ("auto:draft:draft", "draft given twice")]:
+        with pytest.raises(ValueError, match=message):
+            parse_configs(bad, draft_model="d")
+    with pytest.raises(ValueError, match="--draft-model is used by no configuration"):
+        parse_configs("none,ngram:k=5", draft_model="d")

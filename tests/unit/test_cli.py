@@ -8,34 +8,37 @@ from click.testing import CliRunner
 from specbatch.cli import main
 
 
+# message: our own text, exact; or a tuple of what we put into click's sentence (the flag, the
+# value, our range), since click's wording ("Invalid value for ...") may change between releases.
 @pytest.mark.parametrize("args, message, command", [
-    (["run", "in.jsonl", "--bogus"], "error: No such option '--bogus'.", "main run"),
-    (["run", "in.jsonl", "--k", "99"],
-     "error: Invalid value for '--k' / '--num-speculative-tokens': 99 is not in the range "
-     "0<=x<=32.", "main run"),
-    (["run"], "error: Missing argument 'INPUT'.", "main run"),
+    (["run", "in.jsonl", "--bogus"], ("--bogus",), "main run"),
+    (["run", "in.jsonl", "--k", "99"], ("'--k'", "99", "32"), "main run"),
+    (["run"], ("INPUT",), "main run"),
     (["run", "in.jsonl", "--template", "{x}", "--prompt-field", "p"],
      "error: --template and --prompt-field exclude each other", "main run"),
     (["run", "in.jsonl", "--seed", "123456789012345678901234567890"],
-     "error: Invalid value for '--seed': 123456789012345678901234567890 is not in the range "
-     "-9223372036854775808<=x<=18446744073709551615.", "main run"),
+     ("'--seed'", "123456789012345678901234567890", "18446744073709551615"), "main run"),
     (["run", "in.jsonl", "--prompt-lookup-min", "5", "--prompt-lookup-max", "2"],
      "error: --prompt-lookup-max=2: expected an integer >= --prompt-lookup-min", "main run"),
     (["bench", __file__, "--configs", "auto:draft"],  # checked before INPUT is read
      "error: config 'auto:draft' needs --draft-model", "main bench"),
-    (["frob"], "error: No such command 'frob'.", "main"),
-    (["analyze", "a.jsonl", "--batch-size", "0"],
-     "error: Invalid value for '--batch-size': 0 is not in the range x>=1.", "main analyze"),
+    (["frob"], ("frob",), "main"),
+    (["analyze", "a.jsonl", "--batch-size", "0"], ("'--batch-size'", "0"), "main analyze"),
 ])
 def test_usage_errors_are_one_line_and_a_hint(args, message, command):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2, result.output
-    assert result.output.splitlines() == [message, f"try '{command} --help'"], result.output
+    lines = result.output.splitlines()
+    assert len(lines) == 2 and lines[1] == f"try '{command} --help'", result.output
+    if isinstance(message, str):
+        assert lines[0] == message
+    else:
+        assert lines[0].startswith("error: ") and all(m in lines[0] for m in message), lines[0]
 
 
 def test_no_command_still_prints_the_help():
     result = CliRunner().invoke(main, [])
-    assert "Commands:" in result.output and "error:" not in result.output
+    assert "Offline batch text generation" in result.output and "error:" not in result.output
 
 
 def test_skipped_records_are_warnings_failing_ones_errors(tmp_path):
@@ -96,3 +99,147 @@ def test_records_that_stop_with_an_error_are_reported(tmp_path):
     assert f"warning: {src}:1: id='t': prompt is" in result.output, result.output
     assert "1 record(s) stopped with an error" in result.output
     assert "error" not in rows["ok"] and rows["ok"]["finish_reason"] == "length"
+    # usage counts the prompts actually fed: the first turn's, not the later one that was refused
+    usage = rows["t"]["usage"]
+    assert usage["completion_tokens"] == 8
+    assert usage["prompt_tokens"] + usage["completion_tokens"] <= 40, usage
+
+
+def test_result_goes_to_stdout_progress_and_warnings_to_stderr(tmp_path):
+    """``specbatch run ... > log`` keeps the result: the ``wrote`` line, the summary table and
+    the memory line; a skipped record's warning stays on stderr."""
+    from tests.unit.test_loader import write_tiny_gguf
+
+    model = tmp_path / "m.gguf"
+    write_tiny_gguf(model)
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": 1, "prompt": "hello", "category": "qa"}\n{"id": 2}\n')
+    out = tmp_path / "out.jsonl"
+    result = CliRunner().invoke(main, ["run", str(src), "-o", str(out), "--model", str(model),
+                                       "--cache-dir", str(tmp_path / "c"), "--method", "ngram",
+                                       "--max-tokens", "4", "--on-error", "skip"])
+    assert result.exit_code == 0, result.output
+    stdout = result.stdout.splitlines()
+    assert stdout[0].startswith(f"wrote 1 records to {out} ("), result.stdout
+    assert stdout[1].split()[:3] == ["category", "records", "out"], result.stdout
+    assert stdout[2].split()[:2] == ["qa", "1"] and stdout[3].startswith("memory: ")
+    assert len(stdout) == 4, result.stdout
+    assert f"warning: {src}:2: id=2: no prompt" in result.stderr
+    assert "warning" not in result.stdout and "wrote" not in result.stderr
+    assert "1/1" in result.stderr  # the progress bar
+
+
+def _fresh_cli(args: list[str], cwd) -> tuple[int, bool, str]:
+    """Run ``specbatch ARGS`` in a fresh interpreter: (exit status, whether torch got imported,
+    stderr)."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom specbatch.cli import main\ntry:\n    main(sys.argv[1:])\n"
+              "except SystemExit as e:\n    code = e.code\n"
+              "print(code, 'torch' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", script, *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=120)
+    code, torch_imported = proc.stdout.split()[-2:]
+    return int(code), torch_imported == "True", proc.stderr
+
+
+def test_errors_that_need_no_model_come_before_torch_is_imported(tmp_path):
+    """Importing torch and transformers takes 6-9 s: a wrong flag combination or a finished
+    output is reported before that (they came after loading the model)."""
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "hi"}\n')
+    done = tmp_path / "done.jsonl"
+    done.write_text('{"prompt": "hi", "output": "x"}\n')  # a finished run: no work file
+    cases = [
+        (["run", str(src), "--plan-only", "--method", "none"],
+         "error: --plan-only needs --method auto (got --method none)"),
+        (["run", str(src), "-o", str(done)],
+         f"error: {done} exists from a finished run; --force to overwrite"),
+        (["run", str(src), "--method", "ngram", "--draft-model", "smollm2-135m"],
+         "error: --draft-model='smollm2-135m': expected no draft model with method ngram "
+         "(prompt lookup drafts; use method draft or auto to draft with a model)"),
+        (["bench", str(src), "--configs", "none,auto:k=3:k=4"],
+         "error: config 'auto:k=3:k=4': k given twice"),
+        (["bench", str(src), "--configs", "none,ngram:k=5", "--draft-model", "x"],
+         "error: --draft-model is used by no configuration (draft:k=N or auto:draft)"),
+    ]
+    for args, message in cases:
+        code, torch_imported, stderr = _fresh_cli(args, tmp_path)
+        assert code == 2 and stderr.splitlines()[0] == message, (args, stderr)
+        assert not torch_imported, args
+    assert done.read_text() == '{"prompt": "hi", "output": "x"}\n'
+
+
+def test_every_option_has_a_help_text():
+    import click
+
+    missing = []
+
+    def walk(command, path):
+        for param in command.params:
+            if isinstance(param, click.Option) and not param.hidden and not param.help:
+                missing.append(f"{path} {param.opts[-1]}")
+        for name, sub in getattr(command, "commands", {}).items():
+            walk(sub, f"{path} {name}")
+
+    walk(main, "specbatch")
+    assert not missing, missing
+
+
+def test_auto_device_skips_importing_torch_only_where_torch_sees_no_gpu():
+    """``--device auto`` decides "cpu" from the absence of GPU device files, without importing
+    torch; where that shortcut is taken, torch must agree."""
+    import torch
+
+    from specbatch.config import _surely_no_gpu
+
+    if _surely_no_gpu():
+        assert not torch.cuda.is_available()
+    if torch.cuda.is_available():
+        assert not _surely_no_gpu()
+
+
+def test_progress_shows_time_left_only_after_a_batch_from_the_mean_rate():
+    """The first record finishes after the prefill of the whole batch: no time left is shown
+    until a batch (``warmup`` records) is done, then it comes from the mean rate."""
+    import re
+
+    from specbatch.run import _progress
+
+    bar = _progress(100, 0, True, warmup=4)
+    bar.update(1)
+    bar.start_t -= 10.0  # 10 s have passed
+    assert "<?" in str(bar), str(bar)
+    bar.update(2)
+    assert "<?" in str(bar), str(bar)
+    bar.update(1)  # 4 records in 10 s: 96 left at 0.4 rec/s = 4 minutes
+    assert re.search(r"\[00:1\d<0(3:5\d|4:00), ", str(bar)), str(bar)
+    bar.close()
+    resumed = _progress(10, 8, True, warmup=16)  # fewer left than a batch: wait for them all
+    resumed.update(1)
+    assert "<?" in str(resumed)
+    resumed.close()
+
+
+def test_sampled_records_without_id_or_seed_are_warned_about_once(tmp_path):
+    """Their seed derives from the line number: reordering the file changes their output."""
+    from tests.unit.test_loader import write_tiny_gguf
+
+    model = tmp_path / "m.gguf"
+    write_tiny_gguf(model)
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"id": 3, "prompt": "c"}\n'
+                   '{"prompt": "d", "seed": 4}\n{"prompt": "e", "temperature": 0}\n')
+    common = ["run", str(src), "--model", str(model), "--cache-dir", str(tmp_path / "c"),
+              "--method", "none", "--max-tokens", "2", "--no-progress"]
+    result = CliRunner().invoke(main, [*common, "-o", str(tmp_path / "t.jsonl"),
+                                       "--temperature", "0.7"])
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.output.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        "warning: 2 record(s) sample at temperature > 0 with no id and no seed (line 1, 2): "
+        "their seed derives from the line number, so their output changes if their place in "
+        "the file changes; give each an id or a seed"], result.output
+    greedy = CliRunner().invoke(main, [*common, "-o", str(tmp_path / "g.jsonl")])
+    assert greedy.exit_code == 0 and "warning:" not in greedy.output, greedy.output

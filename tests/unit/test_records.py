@@ -20,9 +20,15 @@ CASES = {
     "blank_lines.jsonl": (3, []),
     "bom.jsonl": (2, []),
     "crlf.jsonl": (2, []),
+    "cr_only.jsonl": (2, []),
+    "prompt_and_messages.jsonl": (2, [(2, "both prompt and messages are given; keep one"),
+                                      (3, "both prompt and turns are given; keep one")]),
+    "unknown_fields.jsonl": (2, [(2, "unsupported sampling parameters 'best_of', "
+                                     "'use_beam_search': specbatch does not apply them"),
+                                 (3, "unknown field 'temprature': did you mean 'temperature'?")]),
     "json_array.jsonl": (2, []),
     "invalid_utf8.jsonl": (2, [(2, "invalid UTF-8 at byte")]),
-    "truncated_json.jsonl": (2, [(3, "invalid JSON at column 32: unexpected end of data")]),
+    "truncated_json.jsonl": (2, [(3, "invalid JSON at column 32: ")]),  # then orjson's words
     "not_object.jsonl": (2, [(2, "line is a JSON array, not an object"),
                              (3, "line is a JSON string, not an object"),
                              (4, "line is a JSON number, not an object")]),
@@ -46,6 +52,7 @@ CASES = {
     "empty.jsonl": (0, [(0, "no records")]),
     "unknown_ext.txt": (0, [(0, "unknown input format '.txt'")]),
     "too_long.jsonl": (3, []),  # too long only once tokenised: see test_check_lengths
+    "huge_prompt.jsonl": (3, []),  # too long by its bytes: see test_over_long_prompts_...
 }
 
 
@@ -86,19 +93,23 @@ def test_record_error_str():
 
 def test_invalid_json_names_the_line_and_the_column_in_it(tmp_path):
     """The parser sees one line at a time: its "line 1" is no news; the column is, in
-    characters (not bytes) from 1."""
+    characters (not bytes) from 1. After the colon comes orjson's own wording, which changes
+    between releases ("unexpected character" in 3.8, "..., expected ',' or '}'" in 3.13): the
+    test checks only what specbatch adds (file, line, column) and that some reason follows."""
     path = tmp_path / "in.jsonl"
     path.write_text('{"id": 1, "prompt": "a"}\n\n{"id": 2, "prompt": "é" x}\n',
                     encoding="utf-8")
     _, errors = read_records(path)
-    assert [str(e) for e in errors] == [
-        f"{path}:3: invalid JSON at column 25: unexpected character"]
+    assert len(errors) == 1
+    head, _, why = str(errors[0]).partition("invalid JSON at column 25: ")
+    assert head == f"{path}:3: " and why.strip(), str(errors[0])
     assert '{"id": 2, "prompt": "é" x}'[25 - 1] == "x"
     path.write_text('[\n{"id": 1, "prompt": "a"},\n{"id": 2 "prompt": "b"}\n]\n')
     _, errors = read_records(path)  # a broken array: line and column in the file
-    assert [str(e) for e in errors] == [
-        f"{path}: looks like a JSON array but is not valid JSON: line 3, column 10: "
-        "unexpected character"]
+    assert len(errors) == 1
+    head, _, why = str(errors[0]).partition("line 3, column 10: ")
+    assert head == f"{path}: looks like a JSON array but is not valid JSON: " and why.strip(), \
+        str(errors[0])
 
 
 def test_integers_beyond_64_bits_are_reported_as_written(tmp_path):
@@ -308,3 +319,197 @@ def test_unreadable_columnar_files(tmp_path):
     (tmp_path / "not_a_dataset").mkdir()
     records, errors = read_records(tmp_path / "not_a_dataset")
     assert records == [] and "not a dataset folder" in errors[0].reason
+
+
+# ----- issue 16: fields the reader does not know, ambiguous prompts, CR files, wide ids -----
+
+def test_unsupported_sampling_fields_are_bad_records(tmp_path):
+    """A vLLM / OpenAI sampling parameter specbatch does not apply must not pass as metadata:
+    the user would believe it was applied. The issue's example (n, min_p, repetition_penalty)
+    stays a bad record until each becomes a SamplingParams field."""
+    from specbatch.config import SAMPLING_FIELDS
+
+    path = _write_jsonl(tmp_path / "in.jsonl", [
+        {"id": 1, "prompt": "Hello", "best_of": 3, "use_beam_search": True},
+        {"id": 2, "prompt": "Hello", "max_completion_tokens": 5},
+        {"id": 3, "prompt": "Hello", "best_of": None},  # null counts as absent
+        {"id": 4, "prompt": "Hello", "n": 3, "min_p": 0.1, "repetition_penalty": 1.2},
+    ])
+    records, errors = read_records(path)
+    assert [str(e) for e in errors[:2]] == [
+        f"{path}:1: id=1: unsupported sampling parameters 'best_of', 'use_beam_search': "
+        "specbatch does not apply them (rename a field that is only metadata)",
+        f"{path}:2: id=2: unsupported sampling parameter 'max_completion_tokens': use "
+        "max_tokens"]
+    unsupported = [k for k in ("n", "min_p", "repetition_penalty") if k not in SAMPLING_FIELDS]
+    if unsupported:
+        assert [r.id for r in records] == [3]
+        assert errors[2].line == 4
+        assert errors[2].reason.startswith(
+            f"unsupported sampling parameter{'s' * (len(unsupported) > 1)} "
+            + ", ".join(repr(k) for k in unsupported))
+    else:
+        assert [r.id for r in records] == [3, 4]
+
+
+def test_unsupported_list_names_sampling_parameters_only():
+    """Supported fields drop out of the check whatever the list says; metadata names a record
+    commonly carries are not on it."""
+    from specbatch.config import SAMPLING_FIELDS, UNSUPPORTED_SAMPLING_FIELDS
+    from specbatch.io.records import unsupported_fields
+
+    assert "min_p" in UNSUPPORTED_SAMPLING_FIELDS or "min_p" in SAMPLING_FIELDS
+    for name in ("model", "user", "metadata", "category", "stream"):
+        assert name not in UNSUPPORTED_SAMPLING_FIELDS
+    assert unsupported_fields({name: 1 for name in SAMPLING_FIELDS}) == []
+
+
+METADATA = ["category", "question_id", "reference", "source", "task", "label", "answer", "idx",
+            "index", "name", "type", "lang", "language", "meta", "metadata", "dataset", "split",
+            "text", "input", "output", "instruction", "context", "response", "title", "url",
+            "tags", "level", "subject", "difficulty", "step", "steps", "model", "user", "score",
+            "system", "question", "query", "document", "target", "tokens", "num_tokens", "topic",
+            "ids", "uid", "seq", "speed", "need", "shop", "turn_count", "prompt_id", "top"]
+
+
+def test_metadata_fields_pass_through(tmp_path):
+    row = {"id": 1, "prompt": "Hello", **{k: f"v-{k}" for k in METADATA if k != "question_id"}}
+    records, errors = read_records(_write_jsonl(tmp_path / "in.jsonl", [row]))
+    assert errors == [] and records[0].fields == row
+
+
+@pytest.mark.parametrize("field,meant", [("temprature", "temperature"), ("Temperature", "temperature"),
+                                         ("top-p", "top_p"), ("max_token", "max_tokens"),
+                                         ("maxTokens", "max_tokens"), ("stops", "stop"),
+                                         ("stop_tokens_ids", "stop_token_ids"), ("seeds", "seed"),
+                                         ("prompts", "prompt"), ("message", "messages"),
+                                         ("min_token", "min_tokens"), ("ignore-eos", "ignore_eos"),
+                                         ("questionid", "question_id")])
+def test_near_miss_of_a_field_name_is_a_bad_record(tmp_path, field, meant):
+    path = _write_jsonl(tmp_path / "in.jsonl",
+                        [{"id": 1, "prompt": "Hello", field: 0.7}, {"id": 2, "prompt": "Hi"}])
+    records, errors = read_records(path)
+    assert [r.id for r in records] == [2]
+    assert [str(e) for e in errors] == [
+        f"{path}:1: id=1: unknown field {field!r}: did you mean {meant!r}? (rename a field "
+        "that is only metadata)"]
+
+
+def test_fields_the_run_names_are_known(tmp_path):
+    """--prompt-field, --id-field and template fields are known: no did-you-mean for them."""
+    path = _write_jsonl(tmp_path / "in.jsonl", [{"prompts": "a", "ID": 4, "topp": "b"}])
+    records, errors = read_records(path, prompt_field="prompts", id_field="ID")
+    assert [e.reason for e in errors] == [
+        "unknown field 'topp': did you mean 'top_p'? (rename a field that is only metadata)"]
+    records, errors = read_records(path, id_field="ID", template="{prompts} {topp}")
+    assert errors == [] and records[0].id == 4
+    assert records[0].messages[0]["content"] == "a b"
+
+
+def test_prompt_and_messages_together_are_a_bad_record(tmp_path):
+    path = _write_jsonl(tmp_path / "in.jsonl", [
+        {"id": 1, "prompt": "a", "messages": [{"role": "user", "content": "b"}]},
+        {"id": 2, "prompt": "a", "turns": ["b"]},
+        {"id": 3, "prompt": "a", "messages": None},  # null counts as absent
+        {"id": 4, "q": "a", "prompt": "metadata"}])
+    records, errors = read_records(path)
+    assert [str(e) for e in errors] == [
+        f"{path}:1: id=1: both prompt and messages are given; keep one",
+        f"{path}:2: id=2: both prompt and turns are given; keep one"]
+    assert [r.id for r in records] == [3, 4]
+    records, errors = read_records(path, prompt_field="q")  # the chosen field wins, no clash
+    assert [(r.id, r.prompt) for r in records] == [(4, "a")] and len(errors) == 3
+
+
+def test_cr_only_line_endings_are_read(tmp_path):
+    """Old Mac line endings: every record is read, and errors name the right line."""
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"id": 1, "prompt": "a"}\r{"id": 2, "prompt": "b"}\r\r'
+                     b'{"id": 3, "prompt": ""}\r')
+    records, errors = read_records(path)
+    assert [(r.id, r.line, r.prompt) for r in records] == [(1, 1, "a"), (2, 2, "b")]
+    assert [str(e) for e in errors] == [f"{path}:4: id=3: prompt is empty"]
+
+
+def test_wide_stop_token_ids_are_reported_as_written(tmp_path):
+    big = 123456789012345678901234567890
+    for name, text in [("in.jsonl", f'{{"id": 1, "prompt": "a", "stop_token_ids": [7, {big}]}}\n'),
+                       ("in.json", f'[{{"id": 1, "prompt": "a", "stop_token_ids": [7, {big}]}}]')]:
+        path = tmp_path / name
+        path.write_text(text)
+        records, errors = read_records(path)
+        assert records == []
+        assert [str(e) for e in errors] == [
+            f"{path}:1: id=1: invalid sampling field: stop_token_ids=[7, {big}]: expected token "
+            "ids that fit in 64 bits"]
+
+
+class _CountingTokenizer:
+    """A tokenizer whose longest token is 4 bytes ("abcd"), one word a token, and which
+    fails the test if asked to tokenise a prompt the byte bound should have refused."""
+
+    max_encode_bytes = 10_000
+
+    def __init__(self, normalizer=None) -> None:
+        self.encoded = []
+        if normalizer is not None:
+            from types import SimpleNamespace
+
+            self.backend_tokenizer = SimpleNamespace(normalizer=normalizer)
+
+    def get_vocab(self) -> dict:
+        return {"a": 0, "ab": 1, "abcd": 2, "<s>": 3}
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        assert not tokenize
+        return "".join(f"<s>{m['role']}\n{m['content']}\n" for m in messages) + "<s>assistant\n"
+
+    def encode(self, text, add_special_tokens=True):
+        assert len(text.encode()) < self.max_encode_bytes, "tokenised an over-long prompt"
+        self.encoded.append(text)
+        return text.split()
+
+
+def test_over_long_prompts_are_refused_by_bytes_before_tokenising(tmp_path):
+    """A prompt of more UTF-8 bytes than the context's tokens can cover (no token covers more
+    than the longest vocabulary entry: 4 bytes here) is refused without tokenising it (a 50 MB
+    line took 7.8 GB and 94 s to tokenise); shorter ones are counted as before."""
+    path = _write_jsonl(tmp_path / "in.jsonl", [
+        {"id": 1, "prompt": "x " * 200_000},  # 400,000 bytes >= 100 tokens x 4 bytes
+        {"id": 2, "messages": [{"role": "user", "content": "é" * 300_000}]},
+        {"id": 3, "turns": ["short", "y" * 50_000]},  # a later turn alone cannot fit
+        {"id": 4, "prompt": "x " * 99},  # 99 tokens, 198 bytes: tokenised, fits
+        {"id": 5, "prompt": "x " * 100},  # 100 tokens by count: no room to generate
+        {"id": 6, "prompt": "xyzw" * 99},  # 396 bytes: maybe 99 tokens, tokenised (1 token)
+        {"id": 7, "prompt": "xyzw" * 99 + "x"}])  # 397 bytes: at least 99.25, so 100 tokens
+    records, errors = read_records(path)
+    assert errors == []
+    tok = _CountingTokenizer()
+    count = lambda r: len(tok.encode(r.prompt)) if r.prompt else 5  # noqa: E731
+    errors = check_lengths(records, count, 100, path, tokenizer=tok)
+    assert [(e.line, e.reason) for e in errors] == [
+        (1, "prompt is 400000 bytes, so at least 100000 tokens (no token of this model covers "
+            "more than 4 bytes); the model's context is 100"),
+        (2, "prompt is 600022 bytes, so at least 150006 tokens (no token of this model covers "
+            "more than 4 bytes); the model's context is 100"),
+        (3, "turn 2 is 50000 bytes, so at least 12500 tokens (no token of this model covers "
+            "more than 4 bytes); the model's context is 100"),
+        (5, "prompt is 100 tokens; the model's context is 100"),
+        (7, "prompt is 397 bytes, so at least 100 tokens (no token of this model covers more "
+            "than 4 bytes); the model's context is 100")]
+    assert tok.encoded == ["x " * 99, "x " * 100, "xyzw" * 99]
+
+
+def test_byte_bound_counts_the_text_the_tokenizer_sees(tmp_path):
+    """A normalizer may shrink the text (NFKC: a 3-byte fullwidth letter becomes 1 byte): the
+    bound counts the bytes after it."""
+    import unicodedata
+    from types import SimpleNamespace
+
+    nfkc = SimpleNamespace(normalize_str=lambda s: unicodedata.normalize("NFKC", s))
+    path = _write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "Ａ" * 3000}])
+    records, _ = read_records(path)  # 9000 bytes as written, 3000 once normalized
+    tok = _CountingTokenizer(normalizer=nfkc)
+    errors = check_lengths(records, lambda r: len(tok.encode(r.prompt)), 1000, path,
+                           tokenizer=tok)
+    assert errors == [] and len(tok.encoded) == 1

@@ -54,6 +54,14 @@ class ScriptedForward:
             logits = torch.gather(logits, 1, logits_index[:, :, None].expand(-1, -1, VOCAB))
         return logits
 
+    def forward_prefill(self, input_ids, cache, chunks, logits_at):
+        """Packed prompt chunks ``(row, start, length)`` (see ``LlamaForward.forward_prefill``)."""
+        last = max(start + n - 1 for _, start, n in chunks)
+        assert last < cache.capacity
+        self.max_real_position = max(self.max_real_position, last)
+        self.num_calls += 1
+        return self.table[input_ids[logits_at]]  # [len(logits_at), V]
+
 
 def detokenize(ids: list[int]) -> str:
     """Token t is two letters: 4 -> "Ee", 5 -> "Ff", so a stop string can span two tokens."""
@@ -61,6 +69,7 @@ def detokenize(ids: list[int]) -> str:
 
 
 PROMPT = list(range(1, VOCAB)) + [1, 2, 3]  # the whole cycle, then 1 2 3: output starts 4 5 6
+CYCLE = [succ(t) for t in range(3, 3 + 20)]  # the greedy output: 4 5 ... 15 1 2 3 4 5 ...
 
 
 @dataclass
@@ -116,6 +125,15 @@ CASES = [
          2, 3, eos_ids=(7,)),
     Case("min_tokens bans stop ids too", sp(min_tokens=4, max_tokens=5, stop_token_ids=(7,)),
          [4, 5, 6, 8, 9], "length", None, "EeFfGgIiJj", 3, 2),
+    # stop strings, as vLLM's detokenizer: one that completes within the first min_tokens
+    # tokens does not count, ever; the next occurrence (output tokens 16, 17: 4 5) does
+    Case("min_tokens holds stop strings back", sp(min_tokens=3, stop=("Ff",)),
+         CYCLE[:17], "stop", "Ff", detokenize(CYCLE[:16]), 4, 14),
+    # "fG" completes with the 3rd token: allowed after 2, not after 3 (it ends inside them)
+    Case("stop string completing after min_tokens", sp(min_tokens=2, stop=("fG",)), [4, 5, 6],
+         "stop", "fG", "EeF", 2, 2),
+    Case("stop string completing at min_tokens", sp(min_tokens=3, stop=("fG",)), CYCLE[:18],
+         "stop", "fG", detokenize(CYCLE[:16]) + "F", 4, 15),
 ]
 
 
@@ -218,3 +236,24 @@ def test_logprobs_equal_with_spec_on_and_off(temperature):
         assert abs(entry.logprob - ref[j, entry.token_id].item()) < 1e-9
         top = torch.topk(ref[j], 3)
         assert [t for t, _ in entry.top] == top.indices.tolist()
+
+
+# token -> UTF-8 bytes: 5 6 split "你" (e4 bd a0); 8 9 10 split "😀" (f0 9f 98 80)
+BYTES = {4: b"a", 5: b"\xe4\xbd", 6: b"\xa0", 7: b"b", 8: b"\xf0", 9: b"\x9f\x98", 10: b"\x80"}
+
+
+def byte_detokenize(ids: list[int]) -> str:
+    """A byte-level detokenizer: bytes joined, then decoded with U+FFFD for bad bytes."""
+    return b"".join(BYTES.get(t, b"?") for t in ids).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("max_tokens, text", [(1, "a"), (2, "a"), (3, "a你"), (4, "a你b"),
+                                              (5, "a你b"), (6, "a你b"), (7, "a你b😀")])
+def test_text_holds_back_an_incomplete_character(max_tokens, text):
+    """max_tokens cutting inside a multi-byte character: the text leaves the incomplete
+    character out (no U+FFFD), as a streaming detokenizer holds it back; the ids stay whole."""
+    for k in (5, 0):
+        out = run_engine(ScriptedForward(), [PROMPT], k, 1, sp(max_tokens=max_tokens),
+                         detokenize=byte_detokenize)[0]
+        assert out.output_ids == CYCLE[:max_tokens] and out.finish_reason == "length"
+        assert out.text == text, k

@@ -1,0 +1,98 @@
+"""Structured output with xgrammar: check a ``response_format`` schema, compile it for a
+tokenizer, and give each sequence a ``GrammarMatcher`` whose token masks ``engine.logits``
+applies at every verify position.
+
+xgrammar (Dong et al. 2024, arXiv 2411.15100) is imported only when a record asks for
+structured output: install it with ``pip install 'specbatch[json]'``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import torch
+
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+
+
+def _xgr():
+    try:
+        import xgrammar
+    except ImportError as e:  # an optional dependency
+        raise ValueError("response_format needs xgrammar: pip install 'specbatch[json]'") from e
+    return xgrammar
+
+
+def schema_text(schema: dict | bool) -> str | None:
+    """JSON text of a schema (``None`` for ``json_object``: any JSON object)."""
+    if schema is True:
+        return None
+    return json.dumps(schema, ensure_ascii=False)  # key order is property order
+
+
+def check_schema(schema: dict | bool) -> None:
+    """Raise ``ValueError`` with xgrammar's reason if ``schema`` cannot be turned into a grammar
+    (no tokenizer needed: records are checked before the model loads)."""
+    text = schema_text(schema)
+    if text is None:
+        return
+    xgr = _xgr()
+    try:
+        xgr.Grammar.from_json_schema(text, any_whitespace=False)
+    except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError with its reason
+        reason = _LOG_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else "")
+        raise ValueError(f"response_format: the JSON schema does not compile: "
+                         f"{reason or type(e).__name__}") from None
+
+
+class GrammarCompiler:
+    """Compiles schemas for one tokenizer, once per distinct schema.
+
+    Schemas compile with ``any_whitespace=False``: JSON on one line with ``", "`` and ``": "``
+    between items (vLLM's ``disable_any_whitespace``), since small models otherwise spend their
+    tokens on whitespace.
+
+    tokenizer: a transformers tokenizer, or an ``xgrammar.TokenizerInfo`` (tests use a raw
+    character vocabulary). vocab_size: the model's vocabulary (rows of lm_head), which may
+    exceed the tokenizer's.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        xgr = _xgr()
+        info = (tokenizer if isinstance(tokenizer, xgr.TokenizerInfo)
+                else xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size))
+        self.vocab_size = vocab_size
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self._compiled: dict[str | None, object] = {}
+
+    def compile(self, schema: dict | bool):
+        """An ``xgrammar.CompiledGrammar`` for ``schema`` (``True``: any JSON object, OpenAI's
+        ``json_object``; its properties are free, so it compiles without strict mode)."""
+        text = schema_text(schema)
+        if text not in self._compiled:
+            self._compiled[text] = self._compiler.compile_json_schema(
+                text or '{"type": "object"}', any_whitespace=False, strict_mode=text is not None)
+        return self._compiled[text]
+
+
+def new_matcher(compiled, stop_ids: frozenset[int]):
+    """A fresh ``xgrammar.GrammarMatcher``; ``stop_ids`` (EOS and ``stop_token_ids``) are the
+    tokens allowed once the JSON is complete."""
+    xgr = _xgr()
+    if stop_ids:
+        return xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_ids))
+    return xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def allowed_tokens(matcher, vocab_size: int) -> torch.Tensor:
+    """``[vocab_size]`` bool: the tokens ``matcher`` accepts next (its packed int32 bitmask,
+    bit ``i % 32`` of word ``i // 32``, unpacked)."""
+    xgr = _xgr()
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)] int32
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    bits = (bitmask[0, :, None] >> _BITS) & 1  # [W, 32]
+    return bits.flatten()[:vocab_size].bool()

@@ -1,0 +1,141 @@
+"""Logits processing before sampling: grammar masks, ``logit_bias`` and the count penalties,
+applied at every fed position of a verify step exactly as plain decoding would apply them there.
+
+A verify step feeds row i its last committed token and drafts ``d_0 .. d_{m-1}``; the logits at
+fed position j predict output position ``num_output_tokens + j``. Plain decoding would reach
+that position only after committing ``d_0 .. d_{j-1}``, so position j is processed as if they
+were committed:
+
+- penalties count the output so far plus ``d_0 .. d_{j-1}``;
+- the grammar mask is the matcher's after accepting ``d_0 .. d_{j-1}``.
+
+Where a draft does not fit the grammar, the target's masked token there cannot equal it, so the
+draft is rejected and no later position of the row is used: those positions are left unmasked.
+The matcher is rolled back to the committed length before this returns, and advanced through
+the committed tokens by ``commit`` (xgrammar ``GrammarMatcher.rollback``, as vLLM's structured
+output does for speculative decoding).
+
+Order, as vLLM v1's sampler: grammar mask, ``logit_bias``, then penalties (on the raw
+logits); temperature, ``min_p``, top-k / top-p follow in ``spec_decode.sampler.sample``.
+Penalty formulas are vLLM's ``apply_penalties`` (repetition: Keskar et al. 2019, arXiv
+1909.05858; presence / frequency: OpenAI's definition).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specbatch.engine.sequence import Sequence
+
+
+def needs_processing(seqs: list[Sequence]) -> bool:
+    """Whether any row has a grammar, a ``logit_bias`` or a penalty (else logits pass as is)."""
+    return any(s.matcher is not None or s.sampling.logit_bias or s.sampling.has_penalties
+               for s in seqs)
+
+
+def process_logits(logits: torch.Tensor, seqs: list[Sequence],
+                   drafts: list[list[int]]) -> torch.Tensor:
+    """The logits plain decoding would sample from, at every fed position.
+
+    logits: ``[T, V]`` float, the target's logits at the fed positions of every row, row-major
+        (row i has ``len(drafts[i]) + 1`` of them, T = sum of those).
+    seqs: the rows' sequences; drafts: each row's draft ids (as verified).
+    Returns a new ``[T, V]`` tensor of the same dtype; ``logits`` is not modified.
+    """
+    out = logits.clone()
+    vocab = logits.shape[-1]
+    start = 0
+    for seq, d in zip(seqs, drafts):
+        n = len(d) + 1
+        rows = out[start:start + n]  # a view: edits land in ``out``
+        start += n
+        sp = seq.sampling
+        if seq.matcher is not None:
+            allowed = grammar_masks(seq, d, vocab)  # [n, V] bool
+            rows.masked_fill_(~allowed.to(rows.device), float("-inf"))
+        if sp.logit_bias:
+            ids = torch.tensor([t for t, _ in sp.logit_bias if t < vocab], dtype=torch.int64)
+            bias = torch.tensor([b for t, b in sp.logit_bias if t < vocab], dtype=rows.dtype)
+            rows[:, ids.to(rows.device)] += bias.to(rows.device)
+        if sp.has_penalties:
+            _apply_penalties(rows, seq, d)
+    return out
+
+
+def _apply_penalties(rows: torch.Tensor, seq: Sequence, drafts: list[int]) -> None:
+    """In place on ``rows`` ``[n, V]``: row j counts the output so far plus ``drafts[:j]``."""
+    sp = seq.sampling
+    n, vocab = rows.shape
+    device = rows.device
+    output = torch.tensor(seq.output_ids, dtype=torch.int64)
+    counts = torch.bincount(output, minlength=vocab)[:vocab].to(rows.dtype)
+    counts = counts.expand(n, vocab).clone()  # [n, V]
+    if n > 1:  # row j also holds drafts 0 .. j-1
+        r = torch.tensor([j for j in range(1, n) for _ in range(j)], dtype=torch.int64)
+        c = torch.tensor([drafts[i] for j in range(1, n) for i in range(j)], dtype=torch.int64)
+        counts.index_put_((r, c), torch.ones(len(r), dtype=rows.dtype), accumulate=True)
+    counts = counts.to(device)
+    in_output = counts > 0
+    if sp.repetition_penalty != 1.0:
+        seen = in_output | _prompt_mask(seq, vocab).to(device)[None, :]
+        penalised = torch.where(rows > 0, rows / sp.repetition_penalty,
+                                rows * sp.repetition_penalty)
+        rows.copy_(torch.where(seen, penalised, rows))
+    if sp.frequency_penalty != 0.0:
+        rows -= sp.frequency_penalty * counts
+    if sp.presence_penalty != 0.0:
+        rows -= sp.presence_penalty * in_output.to(rows.dtype)
+
+
+def _prompt_mask(seq: Sequence, vocab: int) -> torch.Tensor:
+    """``[V]`` bool: the tokens of the request's prompt (computed once per sequence)."""
+    mask = getattr(seq, "_prompt_mask", None)
+    if mask is None:
+        mask = torch.zeros(vocab, dtype=torch.bool)
+        ids = torch.tensor(seq.token_ids[:seq.num_prompt_tokens], dtype=torch.int64)
+        mask[ids[ids < vocab]] = True
+        seq._prompt_mask = mask
+    return mask
+
+
+def grammar_masks(seq: Sequence, drafts: list[int], vocab: int) -> torch.Tensor:
+    """``[len(drafts) + 1, V]`` bool, the tokens the grammar allows at each fed position, with
+    the matcher advanced through the drafts before it; all True after a draft it refuses (that
+    draft is rejected, so later positions are unused). The matcher ends where it started."""
+    from specbatch.engine import grammar
+
+    matcher = seq.matcher
+    n = len(drafts) + 1
+    allowed = torch.ones((n, vocab), dtype=torch.bool)
+    num_accepted = 0
+    for j in range(n):
+        if matcher.is_terminated():
+            # finished JSON with nothing left to accept: only a stop id may follow, and
+            # xgrammar allows those in the mask of the position that finishes, not after
+            allowed[j] = False
+            allowed[j, [t for t in matcher.stop_token_ids if t < vocab]] = True
+        else:
+            allowed[j] = grammar.allowed_tokens(matcher, vocab)
+        if j == n - 1 or not matcher.accept_token(drafts[j]):
+            break
+        num_accepted += 1
+    if num_accepted:
+        matcher.rollback(num_accepted)
+    return allowed
+
+
+def commit(seq: Sequence, new_ids: list[int]) -> None:
+    """Advance the row's grammar matcher through the tokens just committed (no-op without one).
+    A committed token the grammar refuses (only possible when every token was masked) ends the
+    sequence with an error."""
+    matcher = seq.matcher
+    if matcher is None or not new_ids:
+        return
+    for tok in new_ids:
+        if matcher.is_terminated():
+            break
+        if not matcher.accept_token(tok):
+            seq.finish_reason = "error"
+            seq.error = f"token {tok} does not fit the response_format grammar"
+            return

@@ -1,0 +1,333 @@
+"""Suffix proposer (``--method suffix``): drafts from the record's own text and from the outputs
+of the records already finished in this job.
+
+Follows SuffixDecoding (Oliaro, Jia, Campos, Qiao; "SuffixDecoding: Extreme Speculative
+Decoding for Emerging AI Applications", arXiv 2411.04975; in vLLM as ``method="suffix"``, from
+Snowflake's Arctic Inference): a per-request index over the prompt and output so far and a
+global index over previous responses; the current suffix is matched in both, candidate
+continuations are scored by frequency, and the better-scoring source drafts. Differences from
+the paper: the indexes here are suffix automata (below), not suffix trees, and the draft is one
+path (the verifier checks a linear draft), not a speculation tree.
+
+Scoring, as in the paper. From the state of the longest matched suffix P (``match_len`` tokens),
+the draft is grown greedily: the next token is the continuation c of P with the most
+occurrences, its probability ``occ(P c) / occ(P)`` (an occurrence of P at the end of a document
+has no continuation and counts against every c), and the path probability is the product along
+the draft. Growth stops when the path probability drops below ``min_token_prob`` (0.1), at
+``max_spec_factor * match_len`` tokens (1.0: a long match earns a long draft; a 2-token match at
+most 2 drafts) and at the cap (the engine's per-row cap, see ``SpecConfig.draft_cap``, which for
+suffix is larger than k: long, frequent matches draft past k). The score of a draft is the sum of
+its path probabilities, the expected number of accepted tokens if the frequencies are right; the
+own-text draft and the job-wide draft compete on it (ties: own text). Ties between continuations
+of equal count go to the lowest token id.
+
+Why a suffix automaton. It is the smallest structure that answers "longest suffix of the row's
+text that occurs in the index" and "how often is each continuation seen" exactly, and it is
+built online in amortised O(1) per token (Blumer et al. 1985; the generalized form resets to the
+root at each document). The longest match of a row's last ``max_match`` tokens is found by
+walking them from the root with suffix links (O(max_match) dict lookups), so a propose call costs
+the same with 10 or 10,000 records indexed. Occurrence counts are kept online: appending a
+token adds one to every state on the new state's suffix-link path (the suffixes ending there),
+a path no longer than the document's length so far. A suffix array would answer counts as
+range sizes, but it cannot be extended a record at a time without rebuilding, and each lookup is
+a binary search of Python-level comparisons; a depth-bounded suffix trie (the paper's tree with
+``max_depth``) holds ``max_depth`` nodes per token (measured numbers: docs/benchmarks.md).
+
+Memory bound and eviction. The job-wide index holds at most ``max_tokens`` output tokens. When
+a finished record would pass it, the oldest documents are dropped (oldest first, until the rest
+fits in 3/4 of the bound with the new one) and the automaton is rebuilt from the documents left:
+automata cannot delete, and a rebuild costs ~5 us per token kept, once per ~1/4 bound of new
+tokens. A document longer than the bound is not indexed.
+
+Determinism. Drafts are a function of the row's committed tokens and of the index, that is of
+which answers finished before, in which order; outputs never depend on them (the verifier
+decides), but a record's acceptance stats depend on job order (docs/output.md).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specbatch.engine.sequence import Sequence
+
+MIN_TOKEN_PROB = 0.1  # SuffixDecoding's default min_token_prob
+MAX_SPEC_FACTOR = 1.0  # draft length <= factor * match length (SuffixDecoding max_spec_factor)
+MAX_MATCH = 32  # tokens of the row's tail matched against the job-wide index
+DEFAULT_MAX_TOKENS = 1 << 20  # job-wide index bound (output tokens), ~1M
+
+
+class SuffixAutomaton:
+    """Generalized suffix automaton over token-id documents, with occurrence counts.
+
+    State 0 is the root (the empty string). For state v: ``length[v]`` is its longest string's
+    length (tokens), ``link[v]`` its suffix link, ``nxt[v]`` its transitions (token id -> state),
+    ``occ[v]`` the number of (document, end position) pairs where its strings end.
+    """
+
+    def __init__(self) -> None:
+        self.nxt: list[dict[int, int]] = [{}]
+        self.link: list[int] = [-1]
+        self.length: list[int] = [0]
+        self.occ: list[int] = [0]
+        self.num_tokens = 0
+
+    @property
+    def num_states(self) -> int:
+        return len(self.length)
+
+    def add_document(self, ids: Iterable[int]) -> None:
+        """Index one document (a list of token ids) as a separate string."""
+        last = 0
+        for tok in ids:
+            last = self.extend(last, tok)
+
+    def extend(self, last: int, tok: int) -> int:
+        """Append ``tok`` to the document whose whole text so far is state ``last`` (0 for a
+        new document); returns the state of the extended text. Amortised O(1) plus the count
+        update along the suffix-link path."""
+        nxt, link, length, occ = self.nxt, self.link, self.length, self.occ
+        self.num_tokens += 1
+        q = nxt[last].get(tok)
+        if q is not None:  # the extended text already occurs (another document has it)
+            if length[last] + 1 == length[q]:
+                cur = q
+            else:
+                cur = self._clone(last, q, tok)
+        else:
+            cur = len(length)
+            nxt.append({})
+            link.append(0)
+            length.append(length[last] + 1)
+            occ.append(0)
+            p = last
+            while p != -1 and tok not in nxt[p]:
+                nxt[p][tok] = cur
+                p = link[p]
+            if p != -1:
+                q = nxt[p][tok]
+                link[cur] = q if length[p] + 1 == length[q] else self._clone(p, q, tok)
+        v = cur  # the suffixes of the text ending here each gain this end position
+        while v > 0:
+            occ[v] += 1
+            v = link[v]
+        return cur
+
+    def _clone(self, p: int, q: int, tok: int) -> int:
+        nxt, link, length = self.nxt, self.link, self.length
+        clone = len(length)
+        nxt.append(dict(nxt[q]))
+        link.append(link[q])
+        length.append(length[p] + 1)
+        self.occ.append(self.occ[q])
+        while p != -1 and nxt[p].get(tok) == q:
+            nxt[p][tok] = clone
+            p = link[p]
+        link[q] = clone
+        return clone
+
+    def match(self, tail: list[int]) -> tuple[int, int]:
+        """(state, length) of the longest suffix of ``tail`` that occurs in the index (root, 0
+        when none). O(len(tail)) amortised."""
+        nxt, link, length = self.nxt, self.link, self.length
+        v, n = 0, 0
+        for tok in tail:
+            while v and tok not in nxt[v]:
+                v = link[v]
+                n = length[v]
+            w = nxt[v].get(tok)
+            if w is None:
+                v, n = 0, 0
+            else:
+                v, n = w, n + 1
+        return v, n
+
+    def continuation(self, state: int, max_len: int, min_prob: float = MIN_TOKEN_PROB,
+                     open_end: bool = False) -> tuple[list[int], list[float]]:
+        """Greedy most-frequent continuation from ``state``: up to ``max_len`` ids and each
+        one's path probability (product of ``occ(child) / occ(parent)``), stopping below
+        ``min_prob``. Ties go to the lowest token id. open_end: ``state`` ends at the end of a
+        document still being written (a row's own text), an occurrence whose continuation is
+        what is being predicted, so it is left out of the first step's denominator."""
+        nxt, occ = self.nxt, self.occ
+        ids: list[int] = []
+        probs: list[float] = []
+        prob, v = 1.0, state
+        while len(ids) < max_len and nxt[v] and occ[v]:
+            tok, w = min(nxt[v].items(), key=lambda kv: (-occ[kv[1]], kv[0]))
+            prob *= occ[w] / (occ[v] - 1 if open_end and not ids else occ[v])
+            if prob < min_prob:
+                break
+            ids.append(tok)
+            probs.append(prob)
+            v = w
+        return ids, probs
+
+    def nbytes(self) -> int:
+        """Approximate Python heap bytes held (dicts, list slots, int objects)."""
+        dicts = sum(sys.getsizeof(d) for d in self.nxt)
+        return dicts + 4 * 8 * self.num_states + 32 * sum(len(d) for d in self.nxt)
+
+
+class SuffixIndex:
+    """The job-wide index: a ``SuffixAutomaton`` over finished outputs, at most ``max_tokens``
+    tokens, oldest documents evicted first (see the module docstring)."""
+
+    def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens={max_tokens}: expected an integer >= 1")
+        self.max_tokens = max_tokens
+        self.docs: deque[tuple[int, ...]] = deque()
+        self.num_tokens = 0
+        self.num_evicted = 0  # documents dropped so far
+        self.sam = SuffixAutomaton()
+
+    def add(self, ids: Iterable[int]) -> None:
+        """Index one finished answer's output ids (a document longer than the bound and an empty
+        one are skipped)."""
+        doc = tuple(ids)
+        if not doc or len(doc) > self.max_tokens:
+            return
+        if self.num_tokens + len(doc) > self.max_tokens:
+            keep = (3 * self.max_tokens) // 4 - len(doc)
+            while self.docs and self.num_tokens > keep:
+                self.num_tokens -= len(self.docs.popleft())
+                self.num_evicted += 1
+            self.sam = SuffixAutomaton()
+            for d in self.docs:
+                self.sam.add_document(d)
+        self.docs.append(doc)
+        self.num_tokens += len(doc)
+        self.sam.add_document(doc)
+
+
+@dataclass
+class Draft:
+    """One row's proposal: ids, each position's path probability, the matched suffix length
+    (tokens) and its source (``"self"``: the row's own text, ``"job"``: the job-wide index)."""
+
+    ids: list[int]
+    probs: list[float]
+    match_len: int
+    source: str
+
+    @property
+    def score(self) -> float:
+        return sum(self.probs)
+
+
+_EMPTY = Draft([], [], 0, "")
+
+
+def draft_from(sam: SuffixAutomaton, state: int, match_len: int, cap: int, source: str,
+               min_prob: float = MIN_TOKEN_PROB, factor: float = MAX_SPEC_FACTOR) -> Draft:
+    """The scored continuation of a match of ``match_len`` tokens at ``state`` (``source``
+    ``"self"``: the row's own automaton, whose current end is an open occurrence)."""
+    if match_len == 0 or cap <= 0:
+        return _EMPTY
+    max_len = min(cap, max(1, int(factor * match_len)))
+    ids, probs = sam.continuation(state, max_len, min_prob, open_end=source == "self")
+    return Draft(ids, probs, match_len, source)
+
+
+class _Row:
+    """The row's own text as one growing document of its own automaton."""
+
+    def __init__(self, seq: Sequence) -> None:
+        self.seq = seq
+        self.sam = SuffixAutomaton()
+        self.last = 0
+        self.num_indexed = 0
+        self.extend()
+
+    def extend(self) -> None:
+        toks = self.seq.token_ids
+        for i in range(self.num_indexed, len(toks)):
+            self.last = self.sam.extend(self.last, toks[i])
+        self.num_indexed = len(toks)
+
+    def draft(self, cap: int, min_prob: float, factor: float) -> Draft:
+        """Longest suffix of the row's text that also occurs earlier with a continuation: the
+        first state on the suffix-link path of the whole text that has transitions."""
+        sam, v = self.sam, self.last
+        while v and not sam.nxt[v]:
+            v = sam.link[v]
+        return draft_from(sam, v, sam.length[v], cap, "self", min_prob, factor)
+
+
+class SuffixProposer:
+    """``--method suffix``. index: the job-wide ``SuffixIndex`` (shared by the job's rows; a
+    fresh one per engine). Finished answers (not ``error`` ones) join it at ``finish``."""
+
+    name = "suffix"
+
+    def __init__(self, index: SuffixIndex | None = None, min_token_prob: float = MIN_TOKEN_PROB,
+                 max_spec_factor: float = MAX_SPEC_FACTOR, max_match: int = MAX_MATCH) -> None:
+        self.index = index if index is not None else SuffixIndex()
+        self.min_token_prob = min_token_prob
+        self.max_spec_factor = max_spec_factor
+        self.max_match = max_match
+        self.rows: dict[int, _Row] = {}
+        self.last: dict[int, Draft] = {}  # seq id -> its latest draft
+
+    def start(self, seq: Sequence) -> None:
+        self.rows[seq.seq_id] = _Row(seq)
+
+    def draft(self, seq: Sequence, cap: int) -> Draft:
+        """The better-scoring of the own-text and job-wide drafts, at most ``cap`` tokens."""
+        if cap <= 0:
+            return _EMPTY
+        own = self.rows[seq.seq_id].draft(cap, self.min_token_prob, self.max_spec_factor)
+        sam = self.index.sam
+        job = _EMPTY
+        if sam.num_tokens:
+            state, n = sam.match(seq.token_ids[-self.max_match:])
+            job = draft_from(sam, state, n, cap, "job", self.min_token_prob,
+                             self.max_spec_factor)
+        return job if job.score > own.score else own
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        out = []
+        for s, k in zip(seqs, ks):
+            d = self.last[s.seq_id] = self.draft(s, k)
+            out.append(d.ids)
+        return out
+
+    def last_draft(self, seq: Sequence) -> Draft:
+        """The row's latest ``Draft`` (probabilities, match length, source)."""
+        return self.last.get(seq.seq_id, _EMPTY)
+
+    def match_len(self, seq: Sequence) -> int:
+        return self.last_draft(seq).match_len
+
+    def on_commit(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.rows[seq.seq_id].extend()
+
+    def finish(self, seq: Sequence) -> None:
+        self.rows.pop(seq.seq_id, None)
+        self.last.pop(seq.seq_id, None)
+        if seq.finish_reason != "error":
+            self.index.add(seq.output_ids)
+
+    def add_finished(self, outputs: Iterable[list[int]]) -> None:
+        """Resume: index the output ids of answers finished in an earlier run, in the order
+        they finished (the work file's order)."""
+        for ids in outputs:
+            self.index.add(ids)
+
+
+def finished_outputs(records: Iterable[dict]) -> list[list[int]]:
+    """Output ids of finished output records (``turns`` records: one list per turn), in order,
+    leaving out answers that stopped with an ``error``: the documents ``SuffixProposer.finish``
+    would have indexed, for ``add_finished`` on resume."""
+    out = []
+    for r in records:
+        ids, reasons = r.get("output_token_ids") or [], r.get("finish_reason")
+        if not (ids and isinstance(ids[0], list)):
+            ids, reasons = [ids], [reasons]
+        out.extend(list(t) for t, why in zip(ids, reasons) if why != "error")
+    return out

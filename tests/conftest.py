@@ -1,0 +1,83 @@
+"""Every test session gets its own ``$SPECBATCH_CACHE``, an empty temp folder, removed at the end.
+
+Tests then never write into the user's cache, and never read a calibration that an earlier run
+measured (perhaps under load): a test that needs one measures it in this session. Only the
+converted weights are taken from the user's cache (``gguf-v1/<sha256>/``, hard links, else
+copies, and the ``hashes/`` memo that names them): converting SmolLM2-135M took 113 s on this
+2-core machine under load 4-7 (15 s when quiet), so re-making it every session is costly. A
+cache without them (a fresh machine) converts once, into the temp folder.
+
+Set ``SPECBATCH_TEST_CACHE=DIR`` to use DIR instead (kept afterwards, for a look).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+_CACHE_ENV = "SPECBATCH_CACHE"  # as specbatch.models.loader.CACHE_ENV; not imported: no torch yet
+_WEIGHTS_DIR = "gguf-v1"  # loader._GGUF_CACHE_DIR
+_MARKER = "specbatch-cache.json"  # loader._MARKER: the entry is complete
+
+
+def _user_cache() -> Path:
+    return Path(os.environ.get(_CACHE_ENV) or Path.home() / ".cache" / "specbatch").expanduser()
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another file system, or links not allowed
+        shutil.copy2(src, dst)
+
+
+def seed_converted_weights(user: Path, cache: Path) -> list[str]:
+    """Put ``user``'s complete converted-weight entries (and the hash memo) into ``cache``;
+    nothing else (no calibration, no assembled split GGUFs). Returns the entries' names."""
+    seeded = []
+    weights = user / _WEIGHTS_DIR
+    for entry in sorted(weights.iterdir()) if weights.is_dir() else []:
+        if entry.name.startswith(".") or not (entry / _MARKER).is_file():
+            continue  # a killed run's temp folder, or not ours
+        dst = cache / _WEIGHTS_DIR / entry.name
+        tmp = cache / _WEIGHTS_DIR / f".seed-{entry.name}"
+        tmp.mkdir(parents=True)
+        for f in entry.rglob("*"):
+            if f.is_dir():
+                (tmp / f.relative_to(entry)).mkdir(parents=True, exist_ok=True)
+            elif f.name != _MARKER:
+                _link_or_copy(f, tmp / f.relative_to(entry))
+        shutil.copy2(entry / _MARKER, tmp / _MARKER)  # last: the entry is whole when it is there
+        tmp.rename(dst)
+        seeded.append(entry.name)
+    if seeded and (user / "hashes").is_dir():
+        shutil.copytree(user / "hashes", cache / "hashes")
+    return seeded
+
+
+def pytest_configure(config) -> None:
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller's env is inherited
+        return
+    kept = os.environ.get("SPECBATCH_TEST_CACHE")
+    if kept:
+        cache = Path(kept)
+        cache.mkdir(parents=True, exist_ok=True)
+    else:
+        cache = Path(tempfile.mkdtemp(prefix="specbatch-test-cache-"))
+        config._specbatch_temp_cache = cache
+    user = _user_cache()
+    if user.resolve() != cache.resolve() and not (cache / _WEIGHTS_DIR).exists():
+        seed_converted_weights(user, cache)
+    os.environ[_CACHE_ENV] = str(cache)  # this process and every CLI subprocess a test starts
+
+
+def pytest_unconfigure(config) -> None:
+    cache = getattr(config, "_specbatch_temp_cache", None)
+    if cache is not None:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def pytest_report_header(config) -> str:
+    return f"SPECBATCH_CACHE={os.environ.get(_CACHE_ENV)} (this session's own; see tests/conftest.py)"

@@ -1,0 +1,133 @@
+"""Structured output (engine.grammar, engine.logits): on a tiny float64 model with a character
+vocabulary, every output under a JSON schema parses and validates, n-gram k = 5 at batch 8 gives
+exactly the tokens of plain decoding at batch 1, and the matcher ends each step at the committed
+length."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+xgr = pytest.importorskip("xgrammar")
+
+from specbatch.config import SamplingParams  # noqa: E402
+from specbatch.engine import logits as logits_processing  # noqa: E402
+from specbatch.engine.grammar import GrammarCompiler, check_schema  # noqa: E402
+from specbatch.engine.sequence import Request  # noqa: E402
+from tests.helpers import make_engine, tiny_llama, total  # noqa: E402
+
+VOCAB = [chr(c) for c in range(32, 127)] + ["</s>"]  # 96 tokens: printable ASCII, then EOS
+EOS = len(VOCAB) - 1
+SCHEMA = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 8},
+                         "ok": {"type": "boolean"},
+                         "kind": {"enum": ["aa", "bb", "cc"]},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 999}},
+          "required": ["name", "ok", "kind", "n"], "additionalProperties": False}
+EXAMPLE = '{"name": "abc", "ok": true, "kind": "aa", "n": 12} '
+
+
+def encode(text: str) -> list[int]:
+    return [VOCAB.index(c) for c in text]
+
+
+def detokenize(ids: list[int]) -> str:
+    return "".join(VOCAB[i] for i in ids if i != EOS)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    info = xgr.TokenizerInfo(VOCAB, vocab_type=xgr.VocabType.RAW, stop_token_ids=[EOS])
+    compiler = GrammarCompiler(info, len(VOCAB))
+    model = tiny_llama(len(VOCAB), seed=5)
+    # prompts that hold examples of the JSON, so n-gram drafts find matches
+    prompts = [encode(EXAMPLE * (1 + i % 3) + "x" * (i % 4)) for i in range(12)]
+    return model, compiler, prompts
+
+
+def generate(model, compiler, prompts, k, batch_size, temperature, schema=SCHEMA,
+             response_format=None):
+    rf = response_format or {"type": "json_schema", "json_schema": {"schema": schema}}
+    sp = SamplingParams(max_tokens=80, temperature=temperature, response_format=rf)
+    grammar = compiler.compile(sp.json_schema)
+    engine = make_engine(model, k, batch_size, eos_ids=(EOS,), detokenize=detokenize)
+    requests = [Request(i, p, sp, seed=i, grammar=grammar) for i, p in enumerate(prompts)]
+    return sorted(engine.generate(requests), key=lambda c: c.request.request_id)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_outputs_validate_and_spec_equals_plain(setup, temperature):
+    model, compiler, prompts = setup
+    base = generate(model, compiler, prompts, 0, 1, temperature)
+    out = generate(model, compiler, prompts, 5, 8, temperature)
+    assert [c.output_ids for c in out] == [c.output_ids for c in base]
+    for c in base:
+        assert c.finish_reason == "stop" and c.stop_reason == EOS
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+    assert total(out, "num_accepted_tokens") > 100  # drafts were accepted ...
+    assert total(out, "num_draft_tokens") > total(out, "num_accepted_tokens")  # ... and refused
+
+
+def test_json_object_gives_json_objects(setup):
+    model, compiler, prompts = setup
+    base = generate(model, compiler, prompts[:4], 0, 1, 0.8,
+                    response_format={"type": "json_object"})
+    out = generate(model, compiler, prompts[:4], 5, 4, 0.8,
+                   response_format={"type": "json_object"})
+    assert [c.output_ids for c in out] == [c.output_ids for c in base]
+    for c in base:
+        if c.finish_reason == "stop":  # json_object has no size bound: some hit max_tokens
+            assert isinstance(json.loads(c.text), dict)
+        assert c.text.startswith("{")
+
+
+def test_masks_follow_the_drafts_before_each_position(setup, monkeypatch):
+    """Masking every position with the committed state's mask (the matcher not advanced through
+    the drafts before it) changes the output: the equality test above would catch it."""
+    model, compiler, prompts = setup
+    base = generate(model, compiler, prompts, 0, 1, 0.0)
+    orig = logits_processing.grammar_masks
+
+    def stale(seq, drafts, vocab):
+        first = orig(seq, [], vocab)
+        return first.expand(len(drafts) + 1, vocab).clone()
+
+    monkeypatch.setattr(logits_processing, "grammar_masks", stale)
+    out = generate(model, compiler, prompts, 5, 8, 0.0)
+    assert [c.output_ids for c in out] != [c.output_ids for c in base]
+
+
+def test_matcher_is_at_the_committed_length_after_each_step(setup):
+    """After every step the matcher accepts exactly what a fresh matcher fed the committed
+    output accepts next."""
+    model, compiler, prompts = setup
+    sp = SamplingParams(max_tokens=80, response_format={"type": "json_schema",
+                                                         "json_schema": {"schema": SCHEMA}})
+    grammar = compiler.compile(SCHEMA)
+    engine = make_engine(model, 5, 4, eos_ids=(EOS,), detokenize=detokenize)
+    for i, p in enumerate(prompts[:4]):
+        engine.scheduler.add(Request(i, p, sp, seed=i, grammar=grammar))
+    from specbatch.engine.grammar import allowed_tokens, new_matcher
+
+    checked = 0
+    while engine.scheduler.has_work:
+        engine.step()
+        for seq in engine.scheduler.running_sequences():
+            fresh = new_matcher(grammar, frozenset({EOS}))
+            for tok in seq.output_ids:
+                assert fresh.accept_token(tok)
+            assert allowed_tokens(seq.matcher, len(VOCAB)).equal(
+                allowed_tokens(fresh, len(VOCAB)))
+            checked += 1
+    assert checked > 20
+
+
+def test_bad_schema_is_a_value_error():
+    with pytest.raises(ValueError, match="does not compile"):
+        check_schema({"type": "objectx"})
+    with pytest.raises(ValueError, match="properties must be an object"):
+        check_schema({"type": "object", "properties": 5})
+    check_schema(SCHEMA)
+    check_schema(True)

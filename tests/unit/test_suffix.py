@@ -1,0 +1,207 @@
+"""The suffix proposer (``spec_decode.suffix``): the automaton's longest match and counts against
+brute force, the documented continuation on hand-built cases, eviction under the bound, resume
+rebuilding the same index, and outputs equal to plain decoding on tiny float64 models."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specbatch.config import SamplingParams, SpecConfig
+from specbatch.engine.sequence import Request, Sequence
+from specbatch.spec_decode import make_proposer
+from specbatch.spec_decode.suffix import (SuffixAutomaton, SuffixIndex, SuffixProposer,
+                                          finished_outputs)
+from tests.helpers import make_engine, repeating_prompts, run_engine, tiny_llama, tiny_qwen2
+
+
+def _occurrences(docs: list[list[int]], pattern: list[int]) -> int:
+    n = len(pattern)
+    return sum(1 for d in docs for i in range(len(d) - n + 1) if d[i:i + n] == pattern)
+
+
+def _brute_longest(docs: list[list[int]], tail: list[int]) -> int:
+    for n in range(len(tail), 0, -1):
+        if _occurrences(docs, tail[len(tail) - n:]):
+            return n
+    return 0
+
+
+def _snapshot(sam: SuffixAutomaton) -> tuple:
+    return (sam.nxt, sam.link, sam.length, sam.occ, sam.num_tokens)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_match_and_counts_equal_brute_force(seed):
+    """Random small-alphabet documents: the longest matched suffix and every continuation's
+    count equal a brute-force scan of the documents."""
+    rng = random.Random(seed)
+    docs = [[rng.randrange(4) for _ in range(rng.randrange(1, 30))] for _ in range(12)]
+    sam = SuffixAutomaton()
+    for d in docs:
+        sam.add_document(d)
+    assert sam.num_tokens == sum(map(len, docs))
+    assert sam.num_states <= 2 * sam.num_tokens + 1
+    for _ in range(200):
+        tail = [rng.randrange(5) for _ in range(rng.randrange(1, 12))]  # 4: never indexed
+        state, n = sam.match(tail)
+        assert n == _brute_longest(docs, tail)
+        if n:
+            pattern = tail[len(tail) - n:]
+            assert sam.occ[state] == _occurrences(docs, pattern)
+            for tok, child in sam.nxt[state].items():
+                assert sam.occ[child] == _occurrences(docs, pattern + [tok])
+
+
+def test_continuation_follows_frequency_hand_built():
+    """After "1 2", 3 follows three times and 4 once: the draft takes 3 (p = 3/4) then, after
+    "1 2 3", 5 twice and 6 once (p = 3/4 * 2/3 = 1/2), then 7 (p = 1/2 * 1/2 = 1/4: "1 2 3 5"
+    ends one document and continues with 7 in the other)."""
+    docs = [[1, 2, 3, 5, 7], [1, 2, 3, 5], [1, 2, 3, 6], [1, 2, 4]]
+    sam = SuffixAutomaton()
+    for d in docs:
+        sam.add_document(d)
+    state, n = sam.match([9, 1, 2])
+    assert n == 2
+    ids, probs = sam.continuation(state, 10)
+    assert ids == [3, 5, 7]
+    assert probs == pytest.approx([3 / 4, 1 / 2, 1 / 4])
+    # the path stops once its probability falls below min_token_prob
+    assert sam.continuation(state, 10, min_prob=0.3)[0] == [3, 5]
+    assert sam.continuation(state, 1)[0] == [3]
+    # equal counts: the lowest token id wins
+    tie = SuffixAutomaton()
+    for d in ([8, 6], [8, 2], [8, 9]):
+        tie.add_document(d)
+    assert tie.continuation(tie.match([8])[0], 5, min_prob=0.0) == ([2], [pytest.approx(1 / 3)])
+
+
+def _seq(tokens: list[int], num_prompt: int, k: int = 15) -> Sequence:
+    seq = Sequence(Request(0, tokens[:num_prompt], SamplingParams()), "suffix", k)
+    seq.token_ids.extend(tokens[num_prompt:])
+    return seq
+
+
+def test_proposer_prefers_job_index_when_it_scores_higher():
+    """A row whose own text has no repeat drafts from the finished outputs; the draft is at most
+    max_spec_factor * match length long, and its own text wins when it scores higher."""
+    job = SuffixIndex()
+    for _ in range(3):
+        job.add([40, 41, 42, 43, 44, 45, 46, 47])
+    prop = SuffixProposer(job)
+    seq = _seq([1, 2, 3, 40, 41, 42], 3)
+    prop.start(seq)
+    assert prop.propose([seq], [15]) == [[43, 44, 45]]  # match "40 41 42": 3 tokens -> 3
+    d = prop.last_draft(seq)
+    assert (d.source, d.match_len, d.probs) == ("job", 3, [1.0, 1.0, 1.0])
+    seq.token_ids.extend([43, 44, 45, 46])
+    prop.on_commit(seq, 4)
+    assert prop.propose([seq], [2]) == [[47]]  # the documents end after 47
+    # own text: "5 6 7 8" repeated twice in the prompt -> "5 6 7" drafts 8 5 6 (p = 1 each)
+    own = _seq([5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], 8)
+    prop.start(own)
+    assert prop.propose([own], [3]) == [[8, 5, 6]]
+    # the occurrence at the row's end has no continuation yet and does not count against it
+    assert (prop.last_draft(own).source, prop.last_draft(own).probs) == ("self", [1.0] * 3)
+    prop.finish(own)
+    assert len(job.docs) == 4 and job.docs[-1] == (5, 6, 7)  # the finished answer joined
+
+
+def test_eviction_keeps_index_under_bound():
+    """Documents beyond the bound evict the oldest first; the automaton then holds exactly the
+    documents kept (rebuilt), and a document's own text stops matching once it is evicted."""
+    bound = 500
+    job = SuffixIndex(max_tokens=bound)
+    rng = random.Random(0)
+    added = []
+    for i in range(200):
+        doc = [1000 + i] + [rng.randrange(50) for _ in range(rng.randrange(1, 40))]
+        job.add(doc)
+        added.append(doc)
+        assert job.num_tokens <= bound
+        assert job.sam.num_tokens == job.num_tokens == sum(map(len, job.docs))
+        assert job.sam.num_states <= 2 * bound + 1
+    assert job.num_evicted > 0
+    assert [list(d) for d in job.docs] == added[len(added) - len(job.docs):]
+    assert job.sam.match([1000])[1] == 0  # the first document's marker is gone
+    assert job.sam.match([1000 + 199])[1] == 1
+    fresh = SuffixAutomaton()
+    for d in job.docs:
+        fresh.add_document(d)
+    assert _snapshot(fresh) == _snapshot(job.sam)
+    job.add(list(range(bound + 1)))  # longer than the bound: not indexed
+    assert job.num_tokens <= bound
+
+
+VOCAB = 96
+GREEDY = SamplingParams(max_tokens=24)
+
+
+def _suffix_engine(model, batch_size: int, k: int = 5):
+    engine = make_engine(model, k, batch_size)
+    engine.proposer = make_proposer(SpecConfig(method="suffix", num_speculative_tokens=k))
+    engine.k = SpecConfig(method="suffix", num_speculative_tokens=k).draft_cap
+    return engine
+
+
+@pytest.mark.parametrize("make_model", [lambda: tiny_llama(VOCAB, seed=5),
+                                        lambda: tiny_qwen2(VOCAB, seed=6)])
+def test_suffix_outputs_equal_plain_decoding(make_model):
+    """Suffix speculation (own text + finished outputs) at batch 1 and 4 gives the tokens of
+    plain decoding; drafts were accepted, some from the job-wide index, some past k."""
+    model = make_model()
+    prompts = repeating_prompts(VOCAB, 10, seed=7)
+    prompts += [p[:6] for p in prompts]  # later records repeat earlier ones' beginnings
+    base = run_engine(model, prompts, 0, 1, GREEDY)
+    for batch_size in (1, 4):
+        engine = _suffix_engine(model, batch_size)
+        reqs = [Request(i, p, GREEDY, seed=i) for i, p in enumerate(prompts)]
+        seen_job = []
+        propose = engine.proposer.propose
+
+        def spy(seqs, ks):
+            out = propose(seqs, ks)
+            seen_job.extend(engine.proposer.last_draft(s).source == "job" and bool(d)
+                            for s, d in zip(seqs, out))
+            return out
+
+        engine.proposer.propose = spy
+        out = sorted(engine.generate(reqs), key=lambda c: c.request.request_id)
+        assert [c.output_ids for c in out] == [b.output_ids for b in base]
+        assert sum(c.stats.num_accepted_tokens for c in out) >= 20
+        assert any(seen_job)
+        assert max(max(c.stats.k_histogram) for c in out) > 5  # a draft longer than k
+        assert len(engine.proposer.index.docs) == len(prompts)
+
+
+def test_resume_rebuilds_the_same_index(tmp_path):
+    """The index a job builds live equals the one rebuilt from its work file (OutputWriter,
+    resumed), turns records and records that stopped with an error included."""
+    from specbatch.io.writer import OutputWriter
+
+    model = tiny_llama(VOCAB, seed=5)
+    prompts = repeating_prompts(VOCAB, 8, seed=3)
+    engine = _suffix_engine(model, 3)
+    writer = OutputWriter(tmp_path / "out.jsonl", {"method": "suffix"}, resume=False,
+                          force=False, num_records=len(prompts) + 2)
+    for c in engine.generate([Request(i, p, GREEDY, seed=i) for i, p in enumerate(prompts)]):
+        writer.write(c.request.request_id, {"output_token_ids": c.output_ids,
+                                            "finish_reason": c.finish_reason})
+    live = engine.proposer.index
+    # a two-turn record and an errored one, as the pipeline writes them
+    turns = [[5, 6, 7, 8], [9, 10, 11]]
+    for t in turns:
+        live.add(t)
+    writer.write(len(prompts), {"output_token_ids": turns, "finish_reason": ["stop", "length"]})
+    writer.write(len(prompts) + 1, {"output_token_ids": [1, 2], "finish_reason": "error",
+                                    "error": "NaN in the target's logits"})
+    writer.close()
+
+    resumed = OutputWriter(tmp_path / "out.jsonl", {"method": "suffix"}, resume=True,
+                           force=False, num_records=len(prompts) + 2)
+    prop = SuffixProposer()
+    prop.add_finished(finished_outputs(resumed.finished_records()))
+    resumed.close()
+    assert [list(d) for d in prop.index.docs] == [list(d) for d in live.docs]
+    assert _snapshot(prop.index.sam) == _snapshot(live.sam)
