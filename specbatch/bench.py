@@ -99,15 +99,14 @@ def parse_groups(items) -> tuple[tuple[str, tuple[str, ...]], ...]:
 
 
 def run_bench(opts: BenchOptions) -> int:
-    from specbatch.models.loader import load_model
-    from specbatch.models.registry import DEFAULT_MODEL
-    from specbatch.pipeline import (PromptRenderer, build_engine, fit_engine_config,
-                                    generate_records)
-    from specbatch.run import EXIT_BAD_INPUT, _report_errors, load_records
+    from specbatch.io.records import error_lines
+    from specbatch.llm import LLM, ModelLoadError
+    from specbatch.run import EXIT_BAD_INPUT, load_records
 
     records, errors = load_records(opts)
     if errors:
-        _report_errors(errors, "fail", can_skip=False)
+        for line in error_lines(errors, "fail", can_skip=False):
+            click.echo(line, err=True)
         return EXIT_BAD_INPUT
     groups: dict[str, list] = defaultdict(list)
     for r in records:
@@ -119,41 +118,23 @@ def run_bench(opts: BenchOptions) -> int:
     if not groups:
         click.echo("error: no records left after --categories / --per-category", err=True)
         return EXIT_BAD_INPUT
-    loaded = load_model(opts.model or DEFAULT_MODEL, dtype=opts.engine.dtype,
-                        device=opts.engine.device, cache_dir=opts.cache_dir)
-    renderer = PromptRenderer(loaded.tokenizer)
-    draft = None
-    if any(spec.draft_model is not None for _, spec in opts.specs):
-        from specbatch.spec_decode.draft import load_draft_model
-
-        try:
-            draft = load_draft_model(opts.draft_model, loaded, opts.engine.dtype,
-                                     opts.engine.device, opts.cache_dir)
-        except ValueError as e:
-            click.echo(f"error: {e}" if str(e).startswith("draft model ")
-                       else f"error: draft model {opts.draft_model!r}: {e}", err=True)
-            return EXIT_BAD_INPUT
+    # one load for every configuration; the draft model only when a configuration drafts with it
+    spec = next((s for _, s in opts.specs if s.draft_model is not None), opts.specs[0][1])
+    try:
+        llm = LLM.from_config(opts.model, spec, opts.engine, cache_dir=opts.cache_dir,
+                              seed=opts.run_seed, echo=lambda line: click.echo(line, err=True))
+    except ModelLoadError as e:
+        click.echo(f"error: {e}", err=True)
+        return EXIT_BAD_INPUT
 
     # the memory check of ``run``, once for every configuration (batch size from the table)
-    engine_config = fit_engine_config(
-        opts.engine, [r for recs in groups.values() for r in recs], renderer, loaded.max_model_len,
-        loaded.model, draft.model if draft is not None else None,
-        echo=lambda line: click.echo(line, err=True))
+    engine_config = llm.fit_engine_config([r for recs in groups.values() for r in recs])
 
     def run_once(spec: SpecConfig, recs: list) -> tuple[float, dict]:
-        engine = build_engine(loaded.model, spec, engine_config, loaded.eos_token_ids,
-                              loaded.max_model_len, renderer.detokenize,
-                              draft_model=draft.model if spec.draft_model is not None else None)
+        # planning is part of the timed run (calibration is cached)
         t0 = time.perf_counter()
-        plan = None
-        if spec.method == "auto":  # planning is part of the timed run (calibration is cached)
-            from specbatch.plan.planner import prepare_auto
-
-            plan = prepare_auto(engine, recs, renderer, spec, engine_config, loaded.model_id,
-                                opts.cache_dir, echo=lambda line: None,
-                                draft_model_id=draft.model_id if spec.draft_model else "")
-        outs = {rec.index: out for rec, out in generate_records(engine, renderer, recs,
-                                                                 opts.run_seed, plan=plan)}
+        prepared = llm.prepare(recs, spec, engine_config, echo=lambda line: None)
+        outs = {rec.index: out for rec, out in prepared.run(opts.run_seed)}
         return time.perf_counter() - t0, outs
 
     warm = [replace_sampling(next(iter(groups.values()))[0], max_tokens=8)]
@@ -175,11 +156,7 @@ def run_bench(opts: BenchOptions) -> int:
                 for idx, out in outs.items():
                     tokens[label, cat] += out["usage"]["completion_tokens"]
                     outputs[label][idx] = out["output_token_ids"]
-                    d = out["spec"]
-                    stats[label, cat].merge(SpecStats(
-                        num_steps=d["num_steps"], num_drafts=d["num_drafts"],
-                        num_draft_tokens=d["num_draft_tokens"],
-                        num_accepted_tokens=d["num_accepted_tokens"]))
+                    stats[label, cat].merge(SpecStats.from_dict(out["spec"]))
                 click.echo(f"  {cat:<14} {label:<22} {tokens[label, cat] / seconds[label, cat]:7.1f}"
                            f" tok/s (round {rnd + 1})", err=True)
     click.echo(format_table(labels, {c: len(r) for c, r in groups.items()}, seconds, tokens, stats, opts))

@@ -260,12 +260,20 @@ def _given(ctx: click.Context, name: str) -> bool:
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.option("--plan-only", is_flag=True,
               help="With --method auto: print the plan (buckets, k, predicted speedup) and exit.")
+@click.option("--ray", "use_ray", is_flag=True,
+              help="Spread the job over Ray Data replicas (pip install 'specbatch[ray]').")
+@click.option("--ray-address", default=None, metavar="ADDR",
+              help="With --ray: the cluster to join ('auto': the one `ray start` runs here); "
+              "default: start a local Ray.")
+@click.option("--replicas", type=click.IntRange(1), default=1, show_default=True,
+              help="With --ray: engine replicas (each holds the model; a GPU each on CUDA, "
+              "else the CPUs divided among them).")
 @click.pass_context
 def run(ctx, input_path, output, recipe, template, model, dtype, device, max_batch_size,
         max_model_len, cache_dir, method, draft_model, k, prompt_lookup_min, prompt_lookup_max,
         max_tokens, min_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
         ignore_eos, logprobs, prompt_field, id_field, split, limit, on_error, resume, force,
-        no_progress, plan_only, **more_sampling):
+        no_progress, plan_only, use_ray, ray_address, replicas, **more_sampling):
     """Generate an output for every record of INPUT (JSONL, JSON, Parquet, CSV or a saved
     dataset folder) and write them, with per-record acceptance stats, to OUT."""
     from specbatch.run import RunOptions, run_job
@@ -293,12 +301,15 @@ def run(ctx, input_path, output, recipe, template, model, dtype, device, max_bat
         raise click.UsageError(_as_flags(str(e))) from None
     if plan_only and method != "auto":  # before anything loads
         raise click.UsageError(f"--plan-only needs --method auto (got --method {method})")
+    if (ray_address is not None or _given(ctx, "replicas")) and not use_ray:
+        raise click.UsageError("--ray-address and --replicas need --ray")
     out = output or f"{Path(input_path).name.split('.')[0]}.out.jsonl"
     opts = RunOptions(input_path=input_path, output_path=out, model=model, cache_dir=cache_dir,
                       sampling=sampling, spec=spec, engine=engine, run_seed=seed,
                       prompt_field=prompt_field, id_field=id_field, split=split, limit=limit,
                       on_error=on_error, resume=resume, force=force, progress=not no_progress,
-                      plan_only=plan_only,
+                      plan_only=plan_only, ray=use_ray, ray_address=ray_address,
+                      replicas=replicas,
                       template=template, recipe=recipe.identity if recipe else None)
     _exit_from_signals()
     sys.exit(run_job(opts))

@@ -1,10 +1,10 @@
-"""From validated records to output records: prompts -> requests -> engine -> output dicts.
+"""The middle of the data flow: prompts -> requests -> engine -> completions -> output fields.
 
-A record's prompt is ``prompt`` (plain text, tokenised as is), ``messages`` (a chat list,
-rendered with the tokenizer's chat template) or ``turns`` (user turns answered in order, each
-with the earlier turns and answers in context, as Spec-Bench does). Requests are sorted by
-prompt length (longest first) so rows in a batch have similar lengths; outputs are matched
-back to records by index, and the writer restores input order.
+records (``io.records``) -> prompts (``prompts.PromptRenderer``) -> requests (here) -> engine
+(built by ``llm.LLM``, the one place that assembles one) -> completions -> output fields
+(``outputs``) -> writer (``io.writer``). Requests are sorted by prompt length (longest first)
+so rows in a batch have similar lengths; outputs are matched back to records by index, and the
+writer restores input order.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import torch
 
 from specbatch.engine.engine import Completion, Engine
 from specbatch.engine.sequence import Request
+from specbatch.outputs import output_fields
+from specbatch.prompts import PromptRenderer
 from specbatch.spec_decode.sampler import derive_seed
 from specbatch.spec_decode.stats import SpecStats
 
@@ -38,40 +40,6 @@ class _Pending:
         return len(self.completions) == self.num_samples and all(
             len(cs) == num_turns or cs[-1].finish_reason == "error"
             for cs in self.completions.values())
-
-
-class PromptRenderer:
-    """Tokenises a record's prompt for each turn. ``tokenizer``: a transformers tokenizer."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self._first: dict[int, tuple[list[int], list[dict] | None]] = {}  # record index -> ...
-
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def first_prompt(self, record) -> tuple[list[int], list[dict] | None]:
-        """Prompt ids of the first (or only) answer, and the chat so far (None for ``prompt``).
-        Remembered per record index: length checks, the planner and generation tokenise once."""
-        if record.index not in self._first:
-            self._first[record.index] = self._render_first(record)
-        ids, messages = self._first[record.index]
-        return ids, (list(messages) if messages is not None else None)
-
-    def _render_first(self, record) -> tuple[list[int], list[dict] | None]:
-        if record.prompt is not None:
-            return self.tokenizer.encode(record.prompt), None
-        messages = (list(record.messages) if record.messages is not None
-                    else [{"role": "user", "content": record.turns[0]}])
-        return self.encode_chat(messages), messages
-
-    def count_tokens(self, record) -> int:
-        return len(self.first_prompt(record)[0])
-
-    def detokenize(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def record_seed(record, run_seed: int) -> int:
@@ -100,10 +68,7 @@ def generate_records(engine: Engine, renderer: PromptRenderer, records: Iterable
                      plan=None) -> Iterator[tuple[Any, dict]]:
     """Run records through the engine; yield ``(record, output_fields)`` as records finish.
 
-    output_fields: ``output``, ``output_token_ids``, ``finish_reason``, ``stop_reason``,
-    ``usage``, ``spec`` and, when asked, ``logprobs`` / ``error``. For ``turns`` records,
-    ``output``, ``output_token_ids``, ``finish_reason`` and ``stop_reason`` are lists, one per
-    turn. on_tokens(num_new_completion_tokens, stats) is called per finished answer.
+    output_fields: see ``outputs.output_fields``. on_tokens(num_new_completion_tokens, stats) is called per finished answer.
     plan: a ``plan.planner.Plan`` (``--method auto``): orders records by bucket then length, and
     adds its per-record fields to ``spec``; without one, records run longest prompt first.
     """
@@ -149,55 +114,10 @@ def generate_records(engine: Engine, renderer: PromptRenderer, records: Iterable
         rec = p.record
         if p.is_done():
             del pending[c.request.tag]
-            out = _output_fields(rec, [p.completions[s] for s in range(p.num_samples)])
+            out = output_fields(rec, [p.completions[s] for s in range(p.num_samples)])
             if plan is not None:
                 out["spec"].update(plan.annotate(rec.index))
             yield rec, out
-
-
-def _merged_stats(completions: list[Completion]) -> SpecStats:
-    stats = SpecStats(proposer=completions[0].stats.proposer,
-                      num_speculative_tokens=completions[0].stats.num_speculative_tokens)
-    for c in completions:
-        stats.merge(c.stats)
-    return stats
-
-
-def _output_fields(rec, samples: list[list[Completion]]) -> dict:
-    """The output fields of a record from its completions, ``samples[s][turn]``.
-
-    With n = 1 each field holds the sample's value (a list over turns for ``turns`` records);
-    with n > 1, ``output``, ``output_token_ids``, ``finish_reason``, ``stop_reason`` and
-    ``logprobs`` are lists with one such value per sample, ``spec`` sums all samples and
-    ``spec.per_sample`` lists each sample's own, and ``usage`` counts the prompt once (as
-    OpenAI does) and every sample's completion tokens."""
-    is_turns = rec.turns is not None
-    is_multi = len(samples) > 1
-
-    def field_of(get):
-        per_sample = [[get(c) for c in cs] if is_turns else get(cs[0]) for cs in samples]
-        return per_sample if is_multi else per_sample[0]
-
-    everything = [c for cs in samples for c in cs]
-    out = {
-        "output": field_of(lambda c: c.text),
-        "output_token_ids": field_of(lambda c: c.output_ids),
-        "finish_reason": field_of(lambda c: c.finish_reason),
-        "stop_reason": field_of(lambda c: c.stop_reason),
-        "usage": {"prompt_tokens": sum(len(c.prompt_ids) for c in samples[0] if c.prompt_fed),
-                  "completion_tokens": sum(len(c.output_ids) for c in everything)},
-        "spec": _merged_stats(everything).to_dict(),
-    }
-    if is_multi:
-        out["spec"]["per_sample"] = [_merged_stats(cs).to_dict() for cs in samples]
-    if rec.sampling.logprobs is not None:
-        out["logprobs"] = field_of(lambda c: [{"token_id": e.token_id, "logprob": e.logprob,
-                                               "top": [[t, lp] for t, lp in e.top]}
-                                              for e in (c.logprobs or [])])
-    errors = [c.error for c in everything if c.error]
-    if errors:
-        out["error"] = errors[0]
-    return out
 
 
 class Throughput:
@@ -215,31 +135,6 @@ class Throughput:
     @property
     def tokens_per_second(self) -> float:
         return self.num_tokens / max(time.perf_counter() - self.start, 1e-9)
-
-
-def build_engine(model, spec_config, engine_config, eos_ids: Iterable[int], max_model_len: int,
-                 detokenize: Callable[[list[int]], str] | None, draft_model=None) -> Engine:
-    """Wire a transformers model into an ``Engine``.
-
-    model: a Llama-family transformers model (already in the wanted dtype and device).
-    max_model_len: context cap (tokens), lowered to ``engine_config.max_model_len`` if set.
-    draft_model: the draft transformers model for ``method = draft``, or for ``auto`` to choose
-    from (vocabulary checked by the caller, ``spec_decode.draft.load_draft_model``).
-    """
-    from specbatch.engine.runner import ModelRunner
-    from specbatch.engine.sequence import StopRules
-    from specbatch.models.llama import LlamaForward
-    from specbatch.spec_decode import make_proposer
-
-    if engine_config.max_model_len is not None:
-        max_model_len = min(max_model_len, engine_config.max_model_len)
-    runner = ModelRunner(LlamaForward(model), engine_config.max_batch_size, max_model_len,
-                         prefill_chunk=engine_config.prefill_chunk,
-                         max_prefill_tokens=engine_config.max_prefill_tokens)
-    stop_rules = StopRules(frozenset(eos_ids), max_model_len, detokenize)
-    draft_forward = LlamaForward(draft_model) if draft_model is not None else None
-    proposer = make_proposer(spec_config, draft_forward, engine_config.max_batch_size)
-    return Engine(runner, proposer, stop_rules, spec_config.draft_cap, detokenize)
 
 
 def longest_row(records, renderer: PromptRenderer, max_model_len: int) -> int:

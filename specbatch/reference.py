@@ -1,7 +1,7 @@
 """Compare a ``specbatch run`` output file with transformers' greedy ``generate``.
 
 For every answer in ``OUT.jsonl`` this re-renders the prompt exactly as
-``pipeline.PromptRenderer`` does, runs transformers' ``generate`` (greedy, batch 1, the same
+``prompts.PromptRenderer`` does, runs transformers' ``generate`` (greedy, batch 1, the same
 model, dtype and EOS ids, ``max_new_tokens`` = the record's ``max_tokens``) and reports the first
 output position where the token ids differ. There it gives the logit margins that show whether
 the difference sits at a near-tie:
@@ -92,11 +92,8 @@ def _check_greedy(rec) -> None:
 class _Replayer:
     """Our runner on one row, replaying recorded tokens (k = 0) to get our logits."""
 
-    def __init__(self, model, max_model_len: int) -> None:
-        from specbatch.engine.runner import ModelRunner
-        from specbatch.models.llama import LlamaForward
-
-        self.runner = ModelRunner(LlamaForward(model), 1, max_model_len)
+    def __init__(self, llm, max_model_len: int) -> None:
+        self.runner = llm.new_runner(1, max_model_len)  # ``llm.LLM``: the one builder
         self.max_model_len = max_model_len
 
     def logits_at(self, prompt_ids: list[int], output_ids: list[int],
@@ -186,10 +183,9 @@ def compare_outputs(out_path: str | Path, limit: int | None = None, model: str |
     progress: print one line per answer (with its time) to stderr.
     Raises ``ValueError`` for a non-greedy record or an output that does not fit the input.
     """
-    from specbatch.config import SamplingParams
+    from specbatch.config import EngineConfig, SamplingParams, SpecConfig
     from specbatch.io.records import read_records
-    from specbatch.models.loader import load_model
-    from specbatch.pipeline import PromptRenderer
+    from specbatch.llm import LLM
 
     out_path = Path(out_path)
     cfg = _load_config(out_path)
@@ -203,11 +199,12 @@ def compare_outputs(out_path: str | Path, limit: int | None = None, model: str |
     pairs = _match_records(records, rows)
     for rec, _ in pairs:
         _check_greedy(rec)
-    loaded = load_model(model or cfg["model"].split("@sha256:")[0], dtype=cfg["dtype"],
-                        cache_dir=cache_dir)
-    renderer = PromptRenderer(loaded.tokenizer)
-    max_model_len = min(loaded.max_model_len, cfg.get("max_model_len") or loaded.max_model_len)
-    replayer = _Replayer(loaded.model, max_model_len)
+    llm = LLM.from_config(model or cfg["model"].split("@sha256:")[0], SpecConfig(method="none"),
+                          EngineConfig(dtype=cfg["dtype"],
+                                       max_model_len=cfg.get("max_model_len")),
+                          cache_dir=cache_dir)
+    loaded, renderer, max_model_len = llm.loaded, llm.renderer, llm.max_model_len
+    replayer = _Replayer(llm, max_model_len)
     result = []
     for rec, row in pairs:
         if rec.turns is None:

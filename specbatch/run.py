@@ -21,7 +21,6 @@ import click
 from specbatch.config import EngineConfig, SamplingParams, SpecConfig
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
-MAX_ERRORS_SHOWN = 20
 
 
 @dataclass(frozen=True)
@@ -45,6 +44,9 @@ class RunOptions:
     template: str | None = None  # renders the user message from record fields
     recipe: dict | None = None  # {"name", "version"} of the recipe the options came from
     plan_only: bool = False  # --method auto: print the plan and exit
+    ray: bool = False  # spread the job over Ray Data replicas (``specbatch.ray``)
+    ray_address: str | None = None  # None: start a local Ray
+    replicas: int = 1
 
 
 def _err(msg: str) -> None:
@@ -52,22 +54,17 @@ def _err(msg: str) -> None:
 
 
 def _report_errors(errors, on_error: str, level: str = "error", can_skip: bool = True) -> None:
-    """One line per bad record (the first ``MAX_ERRORS_SHOWN``). level: ``error`` when they stop
-    the run, ``warning`` when ``--on-error skip`` leaves them out and the run goes on.
-    can_skip: whether the command has ``--on-error skip`` to suggest (``bench`` has not)."""
-    for e in errors[:MAX_ERRORS_SHOWN]:
-        _err(f"{level}: {e}")
-    if len(errors) > MAX_ERRORS_SHOWN:
-        _err(f"... and {len(errors) - MAX_ERRORS_SHOWN} more")
-    if on_error == "fail":
-        _err(f"{len(errors)} bad record(s); nothing was generated. Fix them"
-             + (", or pass --on-error skip to run the others." if can_skip else "."))
+    """Print ``io.records.error_lines`` to stderr."""
+    from specbatch.io.records import error_lines
+
+    for line in error_lines(errors, on_error, level, can_skip):
+        _err(line)
 
 
 def _os_error(e: OSError) -> str:
-    """``[Errno 2] No such file ...: '/x'`` -> ``/x: No such file or directory``."""
-    where = e.filename if e.filename is not None else ""
-    return f"{where}: {e.strerror}" if where and e.strerror else str(e)
+    from specbatch.llm import os_error_text
+
+    return os_error_text(e)
 
 
 @dataclass
@@ -113,6 +110,7 @@ def _interrupted(job: _Job) -> int:
     if job.writer is None:
         _err("\ninterrupted before generation started; nothing was written.")
         return EXIT_INTERRUPTED
+    job.writer.absorb_shards()  # what Ray replicas finished (none in a local run)
     job.writer.close()  # fsync what is finished
     num_done = len(job.writer.done_indices())
     _err(f"\ninterrupted: {num_done} of {job.num_records} records are saved in "
@@ -148,45 +146,29 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         _err(f"error: {e}")
         return EXIT_BAD_INPUT
 
-    from specbatch.models.loader import load_model
-    from specbatch.models.registry import DEFAULT_MODEL
-    from specbatch.pipeline import (PromptRenderer, Throughput, build_engine, fit_engine_config,
-                                    generate_records, memory_summary)
-
-    t0 = time.perf_counter()
-    try:
-        loaded = load_model(opts.model or DEFAULT_MODEL, dtype=opts.engine.dtype,
-                            device=opts.engine.device, cache_dir=opts.cache_dir)
-    except ValueError as e:
-        _err(f"error: {e}")
-        return EXIT_BAD_INPUT
-    except OSError as e:
-        _err(f"error: cannot load model {opts.model or DEFAULT_MODEL!r}: {_os_error(e)}")
-        return EXIT_BAD_INPUT
-    draft = None
-    if opts.spec.method in ("draft", "auto") and opts.spec.draft_model is not None:
-        from specbatch.spec_decode.draft import load_draft_model
+    if opts.ray:  # before the model loads: without Ray, say how to install it
+        from specbatch.ray import RayUnavailable, import_ray
 
         try:
-            draft = load_draft_model(opts.spec.draft_model, loaded, opts.engine.dtype,
-                                     opts.engine.device, opts.cache_dir)
-        except (ValueError, OSError) as e:
-            why = e if isinstance(e, ValueError) else _os_error(e)
-            _err(f"error: {why}" if str(why).startswith("draft model ")
-                 else f"error: draft model {opts.spec.draft_model!r}: {why}")
+            import_ray()
+        except RayUnavailable as e:
+            _err(f"error: {e}")
             return EXIT_BAD_INPUT
-    load_s = time.perf_counter() - t0
-    renderer = PromptRenderer(loaded.tokenizer)
-    max_model_len = loaded.max_model_len
-    if opts.engine.max_model_len is not None:
-        max_model_len = min(max_model_len, opts.engine.max_model_len)
 
-    from specbatch.io.records import check_lengths, check_token_ids
+    from specbatch.llm import LLM, ModelLoadError
+    from specbatch.pipeline import Throughput
+    from specbatch.ray import ReplicaFailed  # no Ray import: the error class only
 
-    model_errors = (check_lengths(records, renderer.count_tokens, max_model_len,
-                                  str(opts.input_path), tokenizer=loaded.tokenizer)
-                    + check_token_ids(records, loaded.model.config.vocab_size,
-                                      str(opts.input_path)))
+    # with --ray the driver loads the model only to check the records (on its CPU: it may have
+    # no GPU); the replicas generate
+    engine = replace(opts.engine, device="cpu") if opts.ray else opts.engine
+    try:
+        llm = LLM.from_config(opts.model, opts.spec, engine, cache_dir=opts.cache_dir,
+                              seed=opts.run_seed, echo=_err)
+    except ModelLoadError as e:
+        _err(f"error: {e}")
+        return EXIT_BAD_INPUT
+    model_errors = llm.check_records(records, str(opts.input_path))
     if model_errors and opts.on_error == "fail":
         _report_errors(errors + model_errors, "fail")
         return EXIT_BAD_INPUT
@@ -197,13 +179,13 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     config = {
         "input": str(Path(opts.input_path).resolve()),
         "input_sha256": _input_digest(opts.input_path),
-        "model": loaded.model_id,
+        "model": llm.model_id,
         "dtype": opts.engine.dtype,
         "method": opts.spec.method,
         "k": opts.spec.k,
         "prompt_lookup_min": opts.spec.prompt_lookup_min,
         "prompt_lookup_max": opts.spec.prompt_lookup_max,
-        **({"draft_model": draft.model_id} if draft is not None else {}),
+        **({"draft_model": llm.draft_model_id} if llm.draft is not None else {}),
         "sampling": opts.sampling.to_dict(),
         "seed": opts.run_seed,
         "prompt_field": opts.prompt_field,
@@ -211,7 +193,7 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         "id_field": opts.id_field,
         "split": opts.split,
         "limit": opts.limit,
-        "max_model_len": max_model_len,
+        "max_model_len": llm.max_model_len,
         "recipe": opts.recipe,
     }
     job.num_records = len(records)
@@ -219,19 +201,8 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         if opts.spec.method != "auto":
             _err("error: --plan-only needs --method auto")
             return EXIT_BAD_INPUT
-        from specbatch.plan.planner import prepare_auto
-
         skip = set(skipped)
-        todo = [r for r in records if r.index not in skip]
-        engine_config = fit_engine_config(opts.engine, todo, renderer, max_model_len,
-                                          loaded.model,
-                                          draft.model if draft is not None else None, echo=_err)
-        engine = build_engine(loaded.model, opts.spec, engine_config, loaded.eos_token_ids,
-                              max_model_len, renderer.detokenize,
-                              draft_model=draft.model if draft is not None else None)
-        prepare_auto(engine, todo, renderer, opts.spec,
-                     engine_config, loaded.model_id, opts.cache_dir, echo=_err,
-                     draft_model_id=draft.model_id if draft is not None else "")
+        llm.prepare([r for r in records if r.index not in skip])  # prints the plan
         return EXIT_OK
     try:
         writer = OutputWriter(opts.output_path, config, resume=opts.resume, force=opts.force,
@@ -254,34 +225,34 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         _err(f"resuming: {len(done)} of {len(records)} records already done in "
              f"{writer.work_path}")
 
-    engine_config = fit_engine_config(opts.engine, todo, renderer, max_model_len, loaded.model,
-                                      draft.model if draft is not None else None, echo=_err)
-    engine = build_engine(loaded.model, opts.spec, engine_config, loaded.eos_token_ids,
-                          max_model_len, renderer.detokenize,
-                          draft_model=draft.model if draft is not None else None)
-    if done and hasattr(engine.proposer, "add_finished"):  # suffix: re-index finished outputs
-        from specbatch.spec_decode.suffix import finished_outputs
+    def on_tokens(n, stats):
+        tput.add(n, stats)
 
-        engine.proposer.add_finished(finished_outputs(writer.finished_records()))
-    plan = None
-    if opts.spec.method == "auto":
-        from specbatch.plan.planner import prepare_auto
+    if opts.ray:
+        from specbatch.ray import generate_on_ray
 
-        plan = prepare_auto(engine, todo, renderer, opts.spec, engine_config, loaded.model_id,
-                            opts.cache_dir, echo=_err,
-                            draft_model_id=draft.model_id if draft is not None else "")
+        results = generate_on_ray(todo, model=opts.model, spec=opts.spec, engine=opts.engine,
+                                  replicas=opts.replicas, address=opts.ray_address,
+                                  cache_dir=opts.cache_dir, seed=opts.run_seed,
+                                  out_path=str(opts.output_path), num_records=len(records),
+                                  on_tokens=on_tokens)
+        warmup = min(opts.engine.max_batch_size, sum(r.sampling.n for r in todo))
+    else:  # with --method auto: calibrates, plans, prints the plan
+        prepared = llm.prepare(todo)
+        proposer = prepared.engine.proposer
+        if done and hasattr(proposer, "add_finished"):  # suffix: re-index finished outputs
+            from specbatch.spec_decode.suffix import finished_outputs
+
+            proposer.add_finished(finished_outputs(writer.finished_records()))
+        results = prepared.run(opts.run_seed, on_tokens)
+        warmup = prepared.engine_config.max_batch_size
     tput = Throughput()
     by_category: dict[str, list] = defaultdict(list)
     failed = []  # records written with an ``error`` (a NaN, a later turn past the context)
     bar = job.bar = _progress(len(records), len(done) + len(skip), opts.progress,
-                              warmup=engine_config.max_batch_size)
-
-    def on_tokens(n, stats):
-        tput.add(n, stats)
-
+                              warmup=warmup)
     try:
-        for rec, out in generate_records(engine, renderer, todo, opts.run_seed, on_tokens,
-                                         plan=plan):
+        for rec, out in results:
             writer.write(rec.index, {**rec.fields, **out})
             by_category[str(rec.fields.get("category", ""))].append(out)
             if "error" in out:
@@ -293,7 +264,17 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
                 bar.update(1)
         if bar is not None:
             bar.close()
+        writer.absorb_shards()  # Ray replicas' own work files (none in a local run)
         n = writer.finish(skipped=skipped)
+    except ReplicaFailed as e:  # --ray: a replica died and Ray gave up on it
+        if bar is not None:
+            bar.close()
+        writer.absorb_shards()
+        writer.close()
+        _err(f"error: the job on Ray stopped: {e}. {len(writer.done_indices())} of "
+             f"{len(records)} records are saved in {writer.work_path}; rerun the same command "
+             "to resume.")
+        return EXIT_FAILED
     except OSError as e:  # disk full, folder removed under us: what is finished is kept
         if bar is not None:
             bar.close()
@@ -305,13 +286,14 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     # stay on stderr
     click.echo(f"wrote {n} records to {opts.output_path} ({tput.num_tokens} new output tokens "
                f"in {elapsed:.1f} s, {tput.tokens_per_second:.1f} tok/s; model load "
-               f"{load_s:.1f} s)")
+               f"{llm.load_seconds:.1f} s)")
     if failed:  # written, with finish_reason "error", but the user must hear of them
         _report_errors(failed, "skip", level="warning")
         _err(f"{len(failed)} record(s) stopped with an error; their output so far is written "
              "with finish_reason \"error\" and an \"error\" field")
     click.echo(summary_table(by_category))
-    click.echo(memory_summary(engine))
+    if llm.engine is not None:  # with --ray the engines live in the replicas
+        click.echo(llm.memory_summary())
     return EXIT_OK
 
 
@@ -327,10 +309,7 @@ def summary_table(by_category: dict[str, list[dict]]) -> str:
     for cat, outs in groups.items():
         s = SpecStats()
         for o in outs:
-            d = o["spec"]
-            s.merge(SpecStats(num_steps=d["num_steps"], num_drafts=d["num_drafts"],
-                              num_draft_tokens=d["num_draft_tokens"],
-                              num_accepted_tokens=d["num_accepted_tokens"]))
+            s.merge(SpecStats.from_dict(o["spec"]))
         tokens = sum(o["usage"]["completion_tokens"] for o in outs)
         mal, rate = s.mean_acceptance_length, s.acceptance_rate
         lines.append(f"{cat or '-':<16}{len(outs):>8}{tokens:>9}{s.num_steps:>8}"

@@ -76,16 +76,7 @@ def load_run(path: str | Path) -> RunFile:
 
 def spec_stats(fields: dict) -> SpecStats:
     """A record's ``spec`` field as ``SpecStats`` (the counters, not the derived ratios)."""
-    d = fields["spec"]
-    return SpecStats(proposer=d.get("proposer", "none"),
-                     num_speculative_tokens=d.get("num_speculative_tokens", 0),
-                     num_steps=d["num_steps"], num_drafts=d["num_drafts"],
-                     num_draft_tokens=d["num_draft_tokens"],
-                     num_accepted_tokens=d["num_accepted_tokens"],
-                     num_accepted_tokens_per_pos=list(d.get("num_accepted_tokens_per_pos", [])),
-                     # parquet stores the histogram as a struct: absent keys read back as null
-                     k_histogram={int(k): v for k, v in (d.get("k_histogram") or {}).items()
-                                  if v is not None})
+    return SpecStats.from_dict(fields["spec"])
 
 
 def answers(fields: dict, key: str) -> list:

@@ -114,7 +114,7 @@ def skip_reason(f: RunFile, rec: Record) -> str | None:
 def prompt_ids_per_answer(rec: Record, renderer) -> list[list[int]]:
     """The prompt ids of each recorded answer, as ``pipeline.generate_records`` built them.
 
-    renderer: a ``pipeline.PromptRenderer`` over the run's tokenizer.
+    renderer: a ``prompts.PromptRenderer`` over the run's tokenizer.
     """
     first, messages = renderer.first_prompt(rec)
     ids = [first]
@@ -188,7 +188,7 @@ def what_if(files: list[RunFile], grouping: str, tokenizer_for: Callable[[str], 
     tokenizer_for: model id (``OUT.config.json`` ``model``) -> that model's tokenizer.
     Returns the ``what_if`` section of the analyze document (see docs/analyze.md).
     """
-    from specbatch.pipeline import PromptRenderer
+    from specbatch.prompts import PromptRenderer
 
     settings = settings_for(files, ks, lookups)
     groups: dict[str, _GroupAcc] = {}

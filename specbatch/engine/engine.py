@@ -58,7 +58,7 @@ class Engine:
     """
 
     def __init__(self, runner: ModelRunner, proposer: Proposer, stop_rules: StopRules, k: int,
-                 detokenize: Callable[[list[int]], str] | None = None) -> None:
+                 detokenize: Callable[[list[int]], str] | None = None, policy=None) -> None:
         self.runner = runner
         self.proposer = proposer
         self.stop_rules = stop_rules
@@ -69,7 +69,7 @@ class Engine:
         # planner hook (``plan.policy.AdaptivePolicy``): select(seqs, drafts, caps) cuts the
         # proposed drafts (caps: the most each row may draft this step); observe_step(seqs, drafts, seconds), optional, times the verify step;
         # observe(seq, proposed, emitted) learns acceptance; finish(seq) forgets
-        self.policy = None
+        self.policy = policy
 
     # ---- public -------------------------------------------------------------------------
     def generate(self, requests: Iterable[Request],
@@ -158,10 +158,11 @@ class Engine:
         if logits_processing.needs_processing(seqs):
             def process(flat):
                 return logits_processing.process_logits(flat, seqs, drafts)
-        target, num_accepted, scaled = sample_and_accept(logits, meta, process)
+        want_logprobs = any(s.sampling.logprobs is not None for s in seqs)
+        target, num_accepted, scaled = sample_and_accept(logits, meta, process, want_logprobs)
         has_nan = torch.isnan(logits).flatten(1).any(dim=1)
         res = fetch_step_results(num_accepted, has_nan, target)
-        if any(s.sampling.logprobs is not None for s in seqs):
+        if want_logprobs:
             scaled = scaled.cpu()
         offsets = meta.cu_num_fed_host
 

@@ -112,6 +112,36 @@ def read_records(path: str | os.PathLike, *, prompt_field: str | None = None,
         return [], [RecordError(p, 0, None, str(e))]
     if not rows:
         return [], [RecordError(p, 0, None, "no records")]
+    return _validate(p, rows, prompt_field, id_field, defaults, template)
+
+
+def records_from_rows(rows: Iterable[dict], *, prompt_field: str | None = None,
+                      id_field: str | None = None,
+                      defaults: SamplingParams | list[SamplingParams] = SamplingParams(),
+                      template: str | None = None, source: str = "<records>",
+                      ) -> tuple[list[Record], list[RecordError]]:
+    """Validate in-memory rows (dicts in the input format) as ``read_records`` validates a
+    file's; row i is "line" i + 1 of ``source``. defaults: the sampling defaults, or one per
+    row. Raises ``ValueError`` only for a bad call (a malformed template, both template and
+    prompt_field, or a ``defaults`` list of another length)."""
+    rows = list(rows)
+    if template is not None:
+        template_fields(template)
+        if prompt_field is not None:
+            raise ValueError("give a prompt field or a template, not both")
+    if isinstance(defaults, list) and len(defaults) != len(rows):
+        raise ValueError(f"{len(defaults)} sampling params for {len(rows)} prompts")
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ValueError(f"prompt {i + 1}: expected a string or a dict, got {_kind(row)}")
+    return _validate(source, list(enumerate(rows, 1)), prompt_field, id_field, defaults,
+                     template)
+
+
+def _validate(p: str, rows: list, prompt_field: str | None, id_field: str | None,
+              defaults: SamplingParams | list[SamplingParams], template: str | None,
+              ) -> tuple[list[Record], list[RecordError]]:
+    """Records and errors of ``rows`` (``(line, row)`` pairs); see ``read_records``."""
     records, errors, first_line = [], [], {}
     named = {prompt_field, id_field, *(template_fields(template) if template is not None else ())}
     for line, row in rows:
@@ -134,7 +164,8 @@ def read_records(path: str | os.PathLike, *, prompt_field: str | None = None,
                 prompt, messages, turns = None, [_render(template, row)], None
             else:
                 prompt, messages, turns = _prompt(row, prompt_field)
-            sampling = _sampling(row, defaults, wide)
+            sampling = _sampling(row, defaults[line - 1] if isinstance(
+                defaults, list) else defaults, wide)
         except ValueError as e:
             errors.append(RecordError(p, line, rec_id, str(e)))
             continue
@@ -253,6 +284,24 @@ def check_token_ids(records: Iterable[Record], vocab_size: int,
                 break
     return errors
 
+
+
+MAX_ERRORS_SHOWN = 20
+
+
+def error_lines(errors: list[RecordError], on_error: str, level: str = "error",
+                can_skip: bool = True) -> list[str]:
+    """One line per bad record (the first ``MAX_ERRORS_SHOWN``), as the commands print them.
+    level: ``error`` when they stop the run, ``warning`` when ``--on-error skip`` leaves them
+    out and the run goes on. can_skip: whether the command has ``--on-error skip`` to suggest
+    (``bench`` has not)."""
+    lines = [f"{level}: {e}" for e in errors[:MAX_ERRORS_SHOWN]]
+    if len(errors) > MAX_ERRORS_SHOWN:
+        lines.append(f"... and {len(errors) - MAX_ERRORS_SHOWN} more")
+    if on_error == "fail":
+        lines.append(f"{len(errors)} bad record(s); nothing was generated. Fix them"
+                     + (", or pass --on-error skip to run the others." if can_skip else "."))
+    return lines
 
 class _FileError(Exception):
     """A problem with the whole file; its text is the reason shown to the user."""
@@ -374,7 +423,9 @@ def _jsonl_rows(data: bytes) -> Iterator[tuple[int, dict | _BadLine | _WideInts]
         try:
             value = orjson.loads(text)
         except orjson.JSONDecodeError as e:  # its "line 1" is this line: give the column only
-            yield n, _BadLine(f"invalid JSON at column {e.colno}: {e.msg}")
+            mixed = (" (a CR ends a record inside this line: the file mixes CR-only and LF line "
+                     "endings)" if b"}\r" in raw.rstrip() else "")
+            yield n, _BadLine(f"invalid JSON at column {e.colno}: {e.msg}{mixed}")
             continue
         if not isinstance(value, dict):
             yield n, _BadLine(f"line is a JSON {_kind(value)}, not an object")
@@ -478,8 +529,11 @@ def _check_fields(row: dict, named: set) -> None:
     for k in row:
         meant = None if k in named else _near_miss(k)
         if meant is not None:
-            raise ValueError(f"unknown field {k!r}: did you mean {meant!r}? (rename a field "
-                             "that is only metadata)")
+            flag = ("--id-field" if meant in ID_FIELDS
+                    else "--prompt-field" if meant in PROMPT_FIELDS else None)
+            also = f"pass {flag} {k}, or " if flag else ""
+            raise ValueError(f"unknown field {k!r}: did you mean {meant!r}? ({also}rename a "
+                             "field that is only metadata)")
 
 
 _KNOWN_FIELDS = (*SAMPLING_FIELDS, *PROMPT_FIELDS, *ID_FIELDS)

@@ -5,6 +5,9 @@ Next to the output ``OUT`` live:
                       records finish (flushed every write, fsynced every ``fsync_every``).
     OUT.config.json   the effective config of the run (kept after the run, for ``analyze``).
     OUT.errors.jsonl  the skipped records, ``{"line", "id", "reason"}`` (``--on-error skip``).
+    OUT.work.NAME.jsonl  a replica's own work file (``WorkShard``, ``specbatch run --ray``), in
+                      the work file's format; opening ``OutputWriter`` (and ``absorb_shards``)
+                      moves its records into the work file, so a resumed run skips them.
 
 ``finish()`` writes ``OUT`` in index order to a temporary file in the same folder, fsyncs it,
 renames it over ``OUT`` (atomic) and removes the work file. The final file is always built from
@@ -96,7 +99,7 @@ class OutputWriter:
 
         if force and not resume:
             self._discard_work()
-        elif self.work_path.exists():
+        elif self.work_path.exists() or self._shard_paths():
             saved = self._saved_config()
             if saved is None and not resume:
                 self._refuse_or_discard(force, f"{self.config_path} is missing or unreadable; "
@@ -115,6 +118,23 @@ class OutputWriter:
         _atomic_write(self.config_path, orjson.dumps(self.config, option=orjson.OPT_INDENT_2)
                       + b"\n")
         self._fh = open(self.work_path, "ab")
+        self.absorb_shards()
+
+    def absorb_shards(self) -> int:
+        """Move the records of the replicas' work files (``WorkShard``) into the work file (an
+        index already done keeps its first record) and remove those files; returns the records
+        added. Call it when no replica is writing any more. A last line cut short by a kill is
+        dropped; a corrupt line elsewhere raises ``ValueError``."""
+        added = 0
+        for path in self._shard_paths():
+            for index, record in _read_shard(path, self.num_records):
+                added += self.write(index, record)
+            self._sync()
+            path.unlink(missing_ok=True)
+        return added
+
+    def _shard_paths(self) -> list[Path]:
+        return sorted(self.out_path.parent.glob(f"{glob_escape(self.out_path.name)}.work.*.jsonl"))
 
     def done_indices(self) -> set[int]:
         """``Record.index`` values already finished (skip these)."""
@@ -217,6 +237,8 @@ class OutputWriter:
 
     def _discard_work(self) -> None:
         self.work_path.unlink(missing_ok=True)
+        for path in self._shard_paths():
+            path.unlink(missing_ok=True)
 
     def _load_work(self) -> dict[int, dict]:
         """index -> record from the work file; the first line of an index wins.
@@ -250,6 +272,65 @@ class OutputWriter:
             with open(self.work_path, "ab") as f:
                 f.write(b"\n")
         return records
+
+
+class WorkShard:
+    """One replica's work file, ``OUT.work.NAME.jsonl``: finished records appended as they
+    finish (flushed every write, fsynced every ``fsync_every``), in the work file's format, so
+    a killed job loses at most the replica's unfinished records. The driver's ``OutputWriter``
+    absorbs it (``absorb_shards``). name: unique per replica (host, pid)."""
+
+    def __init__(self, out_path: str | os.PathLike, name: str, num_records: int,
+                 fsync_every: int = 8) -> None:
+        if not name or "/" in name:
+            raise ValueError(f"shard name {name!r}: expected a non-empty file-name part")
+        self.path = _beside(Path(out_path), f".work.{name}.jsonl")
+        self.num_records = num_records
+        self.fsync_every = fsync_every
+        self._num_unsynced = 0
+        self._fh = open(self.path, "ab")
+
+    def write(self, index: int, record: dict) -> None:
+        if not 0 <= index < self.num_records:
+            raise ValueError(f"index={index}: expected 0 <= index < {self.num_records}")
+        self._fh.write(orjson.dumps({"index": index, "record": record}, option=JSON_OPTIONS)
+                       + b"\n")
+        self._fh.flush()
+        self._num_unsynced += 1
+        if self._num_unsynced >= self.fsync_every:
+            os.fsync(self._fh.fileno())
+            self._num_unsynced = 0
+
+    def sync(self) -> None:
+        """fsync what is written."""
+        if not self._fh.closed:
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+            self._num_unsynced = 0
+
+    def close(self) -> None:
+        self.sync()
+        self._fh.close()
+
+
+def _read_shard(path: Path, num_records: int) -> list[tuple[int, dict]]:
+    """``(index, record)`` of a replica's work file; its last line, if cut short by a kill, is
+    dropped. Raises ``ValueError`` for a corrupt line elsewhere."""
+    lines = [raw for raw in path.read_bytes().split(b"\n") if raw.strip()]
+    items = []
+    for n, raw in enumerate(lines):
+        try:
+            item = orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            if n == len(lines) - 1:
+                break
+            raise ValueError(f"{path}: line {n + 1} is corrupt ({e}); --force to start "
+                             "over") from e
+        try:
+            items.append(_check_item(item, num_records))
+        except ValueError as e:
+            raise ValueError(f"{path}: line {n + 1}: {e}; --force to start over") from e
+    return items
 
 
 def _check_item(item, num_records: int) -> tuple[int, dict]:
@@ -317,4 +398,4 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-__all__ = ["OutputWriter", "check_output_path", "JSON_OPTIONS", "OUTPUT_FORMATS"]
+__all__ = ["OutputWriter", "WorkShard", "check_output_path", "JSON_OPTIONS", "OUTPUT_FORMATS"]

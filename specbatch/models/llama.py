@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from specbatch.engine.kv_cache import KV_BLOCK, KVCache, KVSegment, plan_segments
+from specbatch.models.llama_kernels import can_use_kernels, forward_with_kernels
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -52,6 +53,8 @@ class LlamaForward:
         self.dtype = self.embed.dtype
         self.device = self.embed.device
         self.max_exact_rows = 256  # query rows (heads x tokens) up to which _attention is exact
+        # decode/verify with the Triton kernels (CUDA; see models/llama_kernels.py)
+        self.use_kernels = can_use_kernels(self)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -282,6 +285,8 @@ class LlamaForward:
         row count, see ``_attention``), so speculation cannot change greedy output.
         A query at position p attends to keys at positions ``0 .. p`` of its row.
         """
+        if self.use_kernels and logits_index is None:
+            return forward_with_kernels(self, input_ids, positions, cache, rows)
         bsz, qlen = input_ids.shape
         group = self.num_heads // self.num_kv_heads
         exact = qlen * group <= self.max_exact_rows

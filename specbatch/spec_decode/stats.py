@@ -76,6 +76,20 @@ class SpecStats:
         steps = sum(self.k_histogram.values())
         return sum(k * c for k, c in self.k_histogram.items()) / steps if steps else None
 
+    @classmethod
+    def from_dict(cls, d: dict) -> SpecStats:
+        """The counters of a record's ``spec`` field (``to_dict``'s output, as written to the
+        output file); the derived ratios are recomputed, not read."""
+        return cls(proposer=d.get("proposer", "none"),
+                   num_speculative_tokens=d.get("num_speculative_tokens", 0),
+                   num_steps=d["num_steps"], num_drafts=d["num_drafts"],
+                   num_draft_tokens=d["num_draft_tokens"],
+                   num_accepted_tokens=d["num_accepted_tokens"],
+                   num_accepted_tokens_per_pos=list(d.get("num_accepted_tokens_per_pos") or []),
+                   # parquet stores the histogram as a struct: absent keys read back as null
+                   k_histogram={int(k): v for k, v in (d.get("k_histogram") or {}).items()
+                                if v is not None})
+
     def to_dict(self) -> dict:
         k = self.num_speculative_tokens
         per_pos = (self.num_accepted_tokens_per_pos + [0] * k)[:max(k, len(

@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SPEC_BENCH = REPO.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
+# a git worktree elsewhere (e.g. /work/wt/NAME) points here at the shared copy
+SPEC_BENCH = Path(os.environ.get("SPECBATCH_SPEC_BENCH")
+                  or REPO.parent / "shared" / "data" / "spec_bench" / "question.jsonl")
 
 
 def _require_spec_bench() -> Path:

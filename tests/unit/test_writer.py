@@ -279,3 +279,39 @@ def test_output_may_not_be_the_input(tmp_path):
         with pytest.raises(ValueError, match="is the input file"):
             check_output_path(out, inp)
     check_output_path(tmp_path / "out.jsonl", inp)
+
+
+def test_replica_work_files_are_absorbed_on_open(tmp_path):
+    """Ray replicas append to ``OUT.work.NAME.jsonl``; the driver's writer takes their records
+    (a replica killed mid-line loses only that line), removes the files, and the final file is
+    byte-identical to one process's; ``force`` discards them with the work file."""
+    from specbatch.io.writer import WorkShard
+
+    reference = _uninterrupted(tmp_path / "ref.jsonl")
+    out = tmp_path / "out.jsonl"
+    w = OutputWriter(out, CONFIG, resume=False, force=False, num_records=N)
+    w.write(2, _out(2))
+    a, b = WorkShard(out, "host-11", N), WorkShard(out, "host-12", N)
+    for i in (5, 2, 0):  # 2 is also in the driver's work file: its first record is kept
+        a.write(i, _out(i))
+    b.write(9, _out(9))
+    b.sync()
+    b._fh.write(orjson.dumps({"index": 3, "record": _out(3)})[:20])  # killed mid-line
+    b._fh.flush()
+    del w, a, b  # the whole job killed
+    assert sorted(p.name for p in tmp_path.glob("out.jsonl.work.*.jsonl")) == [
+        "out.jsonl.work.host-11.jsonl", "out.jsonl.work.host-12.jsonl"]
+    w = OutputWriter(out, CONFIG, resume=True, force=False, num_records=N)
+    assert w.done_indices() == {0, 2, 5, 9}
+    assert list(tmp_path.glob("out.jsonl.work.*.jsonl")) == []
+    for i in range(N):
+        if i not in w.done_indices():
+            w.write(i, _out(i))
+    w.finish()
+    assert out.read_bytes() == reference
+    with pytest.raises(ValueError, match="index=10"):
+        WorkShard(out, "host-13", N).write(N, _out(0))
+    (tmp_path / "out.jsonl.work.host-13.jsonl").unlink()
+    WorkShard(tmp_path / "new.jsonl", "host-14", N).write(1, _out(1))
+    w = OutputWriter(tmp_path / "new.jsonl", CONFIG, resume=False, force=True, num_records=N)
+    assert w.done_indices() == set() and not list(tmp_path.glob("new.jsonl.work.*.jsonl"))

@@ -1,0 +1,317 @@
+"""``specbatch.LLM``: the one place that loads a model and builds an engine and a plan.
+
+    from specbatch import LLM, SamplingParams
+
+    llm = LLM(model="smollm2-135m", method="ngram", k=5)
+    outs = llm.generate(["Repeat: a b c a b c", {"turns": ["Hi", "And then?"]}],
+                        SamplingParams(max_tokens=64))
+    outs[0].text, outs[0].token_ids, outs[0].finish_reason, outs[0].spec["mean_acceptance_length"]
+
+``specbatch run``, ``bench``, ``calibrate``, ``reference`` and the Ray replicas
+(``specbatch.ray``) all build on it; no other module assembles a ``ModelRunner`` or an
+``Engine``. The data flow runs one way:
+
+    records -> prompts -> requests -> engine -> completions -> output fields -> writer
+
+(``io.records`` -> ``prompts`` -> ``pipeline`` -> ``engine`` -> ``outputs`` -> ``io.writer``).
+A build is per batch of records: the batch size is fitted to the records and to free memory
+(``pipeline.fit_engine_config``) and, with ``method="auto"``, the records are planned and the
+adaptive policy is handed to the engine as it is built (``plan.planner.plan_auto``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from specbatch.config import EngineConfig, SamplingParams, SpecConfig
+from specbatch.outputs import RequestOutput
+from specbatch.prompts import PromptRenderer
+
+_log = logging.getLogger("specbatch")
+
+
+class ModelLoadError(ValueError):
+    """The model or the draft model cannot be found or loaded; the message is one line that
+    names it (what ``specbatch run`` prints after ``error:``)."""
+
+
+def os_error_text(e: OSError) -> str:
+    """``[Errno 2] No such file ...: '/x'`` -> ``/x: No such file or directory``."""
+    where = e.filename if e.filename is not None else ""
+    return f"{where}: {e.strerror}" if where and e.strerror else str(e)
+
+
+@dataclass
+class Prepared:
+    """An engine built for a batch of records, and its plan (``method="auto"``; else None).
+    ``run`` generates them: yields ``(record, output_fields)`` as records finish."""
+
+    llm: LLM
+    engine: Any  # engine.engine.Engine
+    plan: Any  # plan.planner.Plan | None
+    records: list
+    engine_config: EngineConfig  # as fitted: max_batch_size is the engine's rows
+
+    def run(self, seed: int | None = None,
+            on_tokens: Callable[[int, Any], None] | None = None) -> Iterator[tuple[Any, dict]]:
+        from specbatch.pipeline import generate_records
+
+        return generate_records(self.engine, self.llm.renderer, self.records,
+                                self.llm.seed if seed is None else seed, on_tokens,
+                                plan=self.plan)
+
+
+class LLM:
+    """A loaded model (and draft model) that generates for records, prompts or chats.
+
+    model: registry name, ``.gguf`` path or Hugging Face folder (default: the packaged
+        SmolLM2-135M). method: ``auto`` | ``none`` | ``ngram`` | ``draft``; k: draft tokens per
+        verify step (the cap for ``auto``). dtype: ``bfloat16`` (as the CLI) | ``float32`` |
+        ``float64`` | ``float16``; device: a torch device string. max_batch_size: rows decoded
+        together (lowered to the records and to free memory per build). max_model_len: cap on
+        prompt + output tokens. draft_model: for ``draft`` (or for ``auto`` to choose per row).
+        seed: the run seed a record's seed is derived from (with its id), as ``--seed``.
+        echo: gets the human-readable notes (calibration, plan table, a lowered batch size);
+        default: the ``specbatch`` logger at INFO.
+
+    Raises ``ValueError`` for a bad option (naming it) and ``ModelLoadError`` (a
+    ``ValueError``) when a model cannot be loaded.
+    """
+
+    def __init__(self, model: str | None = None, method: str = "auto", k: int = 5, *,
+                 dtype: str = "bfloat16", device: str = "cpu", max_batch_size: int = 16,
+                 max_model_len: int | None = None, prompt_lookup_min: int = 2,
+                 prompt_lookup_max: int = 4, draft_model: str | None = None,
+                 cache_dir: str | None = None, seed: int = 0,
+                 echo: Callable[[str], None] | None = None) -> None:
+        spec = SpecConfig(method=method, num_speculative_tokens=k,
+                          prompt_lookup_min=prompt_lookup_min,
+                          prompt_lookup_max=prompt_lookup_max, draft_model=draft_model)
+        engine = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_model_len,
+                              dtype=dtype, device=device)
+        self._load(model, spec, engine, cache_dir, seed, echo)
+
+    @classmethod
+    def from_config(cls, model: str | None, spec: SpecConfig, engine: EngineConfig, *,
+                    cache_dir: str | None = None, seed: int = 0,
+                    echo: Callable[[str], None] | None = None) -> LLM:
+        """The CLI's way in: configs already built (and checked) from flags."""
+        llm = cls.__new__(cls)
+        llm._load(model, spec, engine, cache_dir, seed, echo)
+        return llm
+
+    def _load(self, model, spec: SpecConfig, engine: EngineConfig, cache_dir, seed,
+              echo) -> None:
+        from specbatch.models.loader import load_model
+        from specbatch.models.registry import DEFAULT_MODEL
+
+        self.spec_config, self.engine_config = spec, engine
+        self.cache_dir, self.seed = cache_dir, seed
+        self.echo = echo or _log.info
+        name = model or DEFAULT_MODEL
+        t0 = time.perf_counter()
+        try:
+            if echo is not None:  # someone reads: say what the wait is for (after the name is
+                from specbatch.models.loader import resolve_model  # known to be good)
+
+                resolve_model(name, cache_dir)
+                echo(f"loading {name} ({engine.dtype}) ...")
+            self.loaded = load_model(name, dtype=engine.dtype, device=engine.device,
+                                     cache_dir=cache_dir)
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from None
+        except OSError as e:
+            raise ModelLoadError(f"cannot load model {name!r}: {os_error_text(e)}") from None
+        self.draft = None
+        if spec.method in ("draft", "auto") and spec.draft_model is not None:
+            from specbatch.spec_decode.draft import load_draft_model
+
+            try:
+                self.draft = load_draft_model(spec.draft_model, self.loaded, engine.dtype,
+                                              engine.device, cache_dir)
+            except (ValueError, OSError) as e:
+                why = str(e) if isinstance(e, ValueError) else os_error_text(e)
+                raise ModelLoadError(why if why.startswith("draft model ")
+                                     else f"draft model {spec.draft_model!r}: {why}") from None
+        self.load_seconds = time.perf_counter() - t0
+        self.renderer = PromptRenderer(self.loaded.tokenizer)
+        self.max_model_len = min(self.loaded.max_model_len,
+                                 engine.max_model_len or self.loaded.max_model_len)
+        self.engine = None  # the last engine built (its memory is what ``memory_summary`` shows)
+
+    # ---- identity ------------------------------------------------------------------------
+    @property
+    def model_id(self) -> str:
+        return self.loaded.model_id
+
+    @property
+    def draft_model_id(self) -> str | None:
+        return self.draft.model_id if self.draft is not None else None
+
+    @property
+    def tokenizer(self):
+        return self.loaded.tokenizer
+
+    # ---- records -------------------------------------------------------------------------
+    def check_records(self, records: Iterable, path: str = "<prompts>") -> list:
+        """``RecordError``s of the records this model cannot run: a prompt that leaves no room
+        in the context, a prompt token id outside the vocabulary."""
+        from specbatch.io.records import check_lengths, check_token_ids
+
+        records = list(records)
+        return (check_lengths(records, self.renderer.count_tokens, self.max_model_len, path,
+                              tokenizer=self.tokenizer)
+                + check_token_ids(records, self.loaded.model.config.vocab_size, path))
+
+    def to_records(self, prompts: Iterable, sampling_params=None) -> list:
+        """Validated ``Record``s of strings (a plain prompt each), dicts (records in the input
+        format: ``prompt`` / ``messages`` / ``turns``, optional ``id`` and sampling fields) or
+        ``Record``s (kept as they are). sampling_params: the defaults, one ``SamplingParams``
+        or a list with one per prompt. Raises ``ValueError`` listing the bad ones."""
+        from specbatch.io.records import Record, records_from_rows
+
+        prompts = list(prompts)
+        if prompts and all(isinstance(p, Record) for p in prompts):
+            return prompts
+        defaults = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                    else sampling_params or SamplingParams())
+        rows = [{"prompt": p} if isinstance(p, str) else p for p in prompts]
+        records, errors = records_from_rows(rows, defaults=defaults)
+        errors += self.check_records(records)
+        if errors:
+            raise ValueError("; ".join(str(e) for e in errors[:5])
+                             + (f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""))
+        return records
+
+    # ---- building ------------------------------------------------------------------------
+    def fit_engine_config(self, records: Iterable, engine: EngineConfig | None = None,
+                          echo: Callable[[str], None] | None = None) -> EngineConfig:
+        """``engine`` (default: this LLM's) with ``max_batch_size`` at most the number of
+        records and lowered, with a note to ``echo``, if the KV rows would not fit in memory."""
+        from specbatch.pipeline import fit_engine_config
+
+        return fit_engine_config(engine or self.engine_config, records, self.renderer,
+                                 self.max_model_len, self.loaded.model,
+                                 self.draft.model if self.draft is not None else None,
+                                 echo=echo or self.echo)
+
+    def new_runner(self, num_rows: int, max_model_len: int | None = None, **kwargs):
+        """A ``ModelRunner`` of the target with its own KV cache of ``num_rows`` rows."""
+        from specbatch.engine.runner import ModelRunner
+        from specbatch.models.llama import LlamaForward
+
+        return ModelRunner(LlamaForward(self.loaded.model), num_rows,
+                           max_model_len or self.max_model_len, **kwargs)
+
+    def calibrate(self, recalibrate: bool = False, forward=None, model_id: str | None = None,
+                  echo: Callable[[str], None] | None = None):
+        """The step-cost model of this machine (``plan.costmodel``): ``(cost, path, measured)``,
+        loaded from the cache shared by every run (and replica) unless ``recalibrate`` (or the
+        cached fit fails its checks). forward, model_id: another forward to calibrate (the
+        draft model's) and its id. echo: gets what it is doing and why a fit is not cached
+        (default: this LLM's echo); a progress bar goes to stderr while it measures."""
+        from specbatch.models.llama import LlamaForward
+        from specbatch.models.loader import cache_root
+        from specbatch.plan.costmodel import load_or_calibrate
+
+        return load_or_calibrate(forward or LlamaForward(self.loaded.model),
+                                 model_id or self.model_id, self.engine_config.dtype,
+                                 cache_root(self.cache_dir), recalibrate=recalibrate,
+                                 echo=echo or self.echo)
+
+    def prepare(self, records: Iterable, spec: SpecConfig | None = None,
+                engine: EngineConfig | None = None,
+                echo: Callable[[str], None] | None = None) -> Prepared:
+        """Build an engine for ``records`` (a list of ``Record``): spec (default: this LLM's),
+        engine: an already fitted ``EngineConfig`` (default: fitted to the records here).
+        With ``method="auto"``: calibrate (or read the cache), plan, and build the engine with
+        the adaptive policy. ``echo`` gets the notes and the plan table."""
+        from specbatch.engine.engine import Engine
+        from specbatch.engine.sequence import StopRules
+        from specbatch.models.llama import LlamaForward
+        from specbatch.spec_decode import make_proposer
+
+        records = list(records)
+        spec = spec or self.spec_config
+        echo = echo or self.echo
+        engine_config = engine or self.fit_engine_config(records, echo=echo)
+        rows = engine_config.max_batch_size
+        max_model_len = min(self.loaded.max_model_len,
+                            engine_config.max_model_len or self.loaded.max_model_len)
+        runner = self.new_runner(rows, max_model_len, prefill_chunk=engine_config.prefill_chunk,
+                                 max_prefill_tokens=engine_config.max_prefill_tokens)
+        stop_rules = StopRules(frozenset(self.loaded.eos_token_ids), max_model_len,
+                               self.renderer.detokenize)
+        use_draft = (self.draft is not None and spec.method in ("draft", "auto")
+                     and spec.draft_model is not None)
+        draft_forward = LlamaForward(self.draft.model) if use_draft else None
+        proposer = make_proposer(spec, draft_forward, rows)
+        plan = policy = None
+        if spec.method == "auto":
+            from specbatch.plan.planner import plan_auto
+
+            cost, path, measured = self.calibrate(forward=runner.forward, echo=echo)
+            if measured:
+                echo(f"calibrated the step-cost model for this machine: {_where(cost, path)}")
+            model_cost = None
+            if hasattr(proposer, "propose_with_model"):  # the draft forward: its own costs
+                model_cost, path, measured = self.calibrate(
+                    forward=proposer.model.forward, model_id=self.draft_model_id or "draft",
+                    echo=echo)
+                if measured:
+                    echo(f"calibrated the draft model's step cost for this machine: "
+                         f"{_where(model_cost, path)}")
+            plan, policy = plan_auto(records, self.renderer, spec, rows, max_model_len, cost,
+                                     proposer, model_cost, echo=echo, model_id=self.model_id)
+        self.engine = Engine(runner, proposer, stop_rules, spec.k, self.renderer.detokenize,
+                             policy=policy)
+        return Prepared(self, self.engine, plan, records, engine_config)
+
+    def memory_summary(self) -> str:
+        """One line: weights and KV bytes of the last engine built (see
+        ``pipeline.memory_summary``)."""
+        from specbatch.pipeline import memory_summary
+
+        return memory_summary(self.engine)
+
+    # ---- generating ----------------------------------------------------------------------
+    def generate_records(self, records: Iterable, *, seed: int | None = None,
+                         on_tokens: Callable[[int, Any], None] | None = None,
+                         spec: SpecConfig | None = None, engine: EngineConfig | None = None,
+                         echo: Callable[[str], None] | None = None,
+                         ) -> Iterator[tuple[Any, dict]]:
+        """``prepare(records, ...).run(seed, on_tokens)``: yields ``(record, output_fields)``
+        in the order records finish (``outputs.output_fields``)."""
+        yield from self.prepare(records, spec, engine, echo).run(seed, on_tokens)
+
+    def generate(self, prompts: Iterable, sampling_params=None, *,
+                 seed: int | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (see ``to_records``); one ``RequestOutput`` per prompt, in
+        input order, with the output fields ``specbatch run`` writes for the same record and
+        flags (the same token ids and ``spec`` stats). Raises ``ValueError`` for bad prompts
+        before generating anything."""
+        records = self.to_records(prompts, sampling_params)
+        if not records:
+            return []
+        outs = {rec.index: RequestOutput.from_fields(rec, out)
+                for rec, out in self.generate_records(records, seed=seed)}
+        return [outs[r.index] for r in records]
+
+    def chat(self, messages_list: Iterable[list[dict]], sampling_params=None, *,
+             seed: int | None = None) -> list[RequestOutput]:
+        """``generate`` for chats: each item a list of ``{"role", "content"}`` messages,
+        rendered with the tokenizer's chat template."""
+        return self.generate([{"messages": list(m)} for m in messages_list], sampling_params,
+                             seed=seed)
+
+
+def _where(cost, path) -> str:
+    """Where a fresh calibration went: its cache file, or nowhere when it was too noisy."""
+    return str(path) if cost.problem() is None else "not cached (too noisy: see the warning)"
+
+
+__all__ = ["LLM", "ModelLoadError", "Prepared", "RequestOutput", "SamplingParams"]

@@ -1,0 +1,98 @@
+"""How the package is put together (issue 12, "Done when" 3): the engine is assembled in one
+module (``specbatch.llm``), ``analyze`` on an output file imports no torch, the torch-free
+stages stay torch-free, and ``SpecStats`` round-trips through the ``spec`` field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from specbatch.spec_decode.stats import SpecStats
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "specbatch"
+
+
+def test_engine_and_runner_are_built_in_llm_only():
+    """No module but ``specbatch/llm.py`` calls ``ModelRunner(`` or ``Engine(`` (tests may)."""
+    build = re.compile(r"(?<![\w.])(ModelRunner|Engine)\(")
+    builders = sorted(str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py")
+                      if any(build.search(line) and not line.lstrip().startswith(("class ", "#"))
+                             for line in p.read_text().splitlines()))
+    assert builders == ["specbatch/llm.py"], builders
+
+
+def _spec(num_steps: int, accepted: int) -> dict:
+    s = SpecStats(proposer="ngram", num_speculative_tokens=3)
+    s.record_step(0, 0)
+    for _ in range(num_steps - 1):
+        s.record_step(3, accepted)
+    return s.to_dict()
+
+
+def _write_run(tmp_path: Path) -> Path:
+    """An output file and its config as ``specbatch run`` writes them (no model needed)."""
+    out = tmp_path / "out.jsonl"
+    rows = [{"id": i, "category": cat, "prompt": f"p{i}", "output": "x y",
+             "output_token_ids": [5, 6, 7], "finish_reason": "length", "stop_reason": None,
+             "usage": {"prompt_tokens": 4, "completion_tokens": 3}, "spec": _spec(3, i % 3)}
+            for i, cat in enumerate(["a", "b", "a"])]
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = {"model": "m@sha256:0", "method": "ngram", "k": 3, "prompt_lookup_min": 2,
+              "prompt_lookup_max": 4, "sampling": {"max_tokens": 3}, "max_model_len": 2048}
+    (tmp_path / "out.jsonl.config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_analyze_imports_no_torch(tmp_path):
+    """``specbatch analyze OUT --by category --json`` in a fresh interpreter: the document is
+    right (3 records, their drafted tokens) and ``torch`` never entered ``sys.modules``."""
+    out = _write_run(tmp_path)
+    script = (
+        "import sys\n"
+        "from specbatch.cli import main\n"
+        "try:\n"
+        f"    main(['analyze', {str(out)!r}, '--by', 'category', '--json'])\n"
+        "except SystemExit as e:\n"
+        "    assert e.code in (0, None), e.code\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', file=sys.stderr)\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "NO-TORCH"
+    doc = json.loads(proc.stdout)
+    (total,) = [row for row in doc["tables"]["category"] if row["group"] == "(all)"]
+    assert (total["num_records"], total["num_draft_tokens"]) == (3, 18)  # 2 steps x 3 drafts
+    assert total["num_accepted_tokens"] == 0 + 2 + 4  # records accept 0, 1, 2 per step
+    a = [row for row in doc["tables"]["category"] if row["group"] == "a"]
+    assert [row["num_records"] for row in a] == [2]
+
+
+def test_torch_free_stages():
+    """The API's import, records, prompts, outputs and the writer load no model code."""
+    script = ("import sys\n"
+              "import specbatch, specbatch.prompts, specbatch.outputs, specbatch.io.writer\n"
+              "import specbatch.io.records, specbatch.run, specbatch.bench, specbatch.llm\n"
+              "from specbatch import LLM, SamplingParams\n"
+              "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_spec_stats_round_trip():
+    d = _spec(5, 2)
+    d["k_histogram"]["7"] = None  # parquet's struct: an absent key reads back as null
+    s = SpecStats.from_dict(d)
+    assert s.k_histogram == {0: 1, 3: 4}
+    assert s.num_accepted_tokens_per_pos == [4, 4, 0]
+    del d["k_histogram"]["7"]
+    assert s.to_dict() == d
