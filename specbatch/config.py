@@ -274,9 +274,10 @@ class SpecConfig:
 
     @property
     def draft_cap(self) -> int:
-        """The engine's per-row draft cap (tokens): k, except that ``suffix`` may draft a long,
-        frequent suffix match past k, up to ``SUFFIX_CAP_FACTOR * k`` (at most 32)."""
-        if self.method == "suffix":
+        """The engine's per-row draft cap (tokens): k, except that ``suffix`` (and ``auto``'s
+        suffix drafts) may draft a long, frequent match past k, up to ``SUFFIX_CAP_FACTOR * k``
+        (at most 32); ``auto`` cuts lookup and draft-model drafts to k."""
+        if self.method in ("suffix", "auto"):
             return min(32, SUFFIX_CAP_FACTOR * self.k)
         return self.k
 

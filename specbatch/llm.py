@@ -267,8 +267,8 @@ class LLM:
                          f"{_where(model_cost, path)}")
             plan, policy = plan_auto(records, self.renderer, spec, rows, max_model_len, cost,
                                      proposer, model_cost, echo=echo, model_id=self.model_id)
-        self.engine = Engine(runner, proposer, stop_rules, spec.k, self.renderer.detokenize,
-                             policy=policy)
+        self.engine = Engine(runner, proposer, stop_rules, spec.draft_cap,
+                             self.renderer.detokenize, policy=policy)
         return Prepared(self, self.engine, plan, records, engine_config)
 
     def memory_summary(self) -> str:

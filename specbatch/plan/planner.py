@@ -102,12 +102,12 @@ class Plan:
 
     def make_policy(self, cost: CostModel, probe: Probe | None = None, proposer=None,
                     model_cost: CostModel | None = None,
-                    match_len_of=None) -> AdaptivePolicy:
+                    match_len_of=None, suffix=None) -> AdaptivePolicy:
         """proposer, model_cost: a ``LookupAndDraftProposer`` and its draft forward's cost
         model, when a draft model is given; match_len_of: ``NgramProposer.match_len``."""
         self.policy = AdaptivePolicy(cost, self.k_max, lambda seq: self.prior(seq.request.tag),
                                      probe=probe, proposer=proposer, model_cost=model_cost,
-                                     match_len_of=match_len_of)
+                                     match_len_of=match_len_of, suffix=suffix)
         return self.policy
 
     def table(self) -> str:
@@ -233,6 +233,7 @@ def plan_auto(records, renderer, spec_config, batch_size: int, max_model_len: in
                                           spec_config.prompt_lookup_max, max_model_len),
                               proposer=draft_proposer,
                               model_cost=model_cost if draft_proposer is not None else None,
-                              match_len_of=getattr(proposer, "match_len", None))
+                              match_len_of=getattr(proposer, "match_len", None),
+                              suffix=proposer if hasattr(proposer, "propose_suffix") else None)
     echo(plan.table())
     return plan, policy
