@@ -245,6 +245,10 @@ def _given(ctx: click.Context, name: str) -> bool:
 @click.option("--recipe", type=click.Path(dir_okay=False), default=None, is_eager=True,
               callback=_recipe_defaults,
               help="Job definition (recipes/*.toml); flags given here override its values.")
+@click.option("--input-format", type=click.Choice(["auto", "records", "openai-batch"]),
+              default="auto", show_default=True,
+              help="openai-batch: lines are OpenAI batch requests (custom_id, url, body), "
+              "answered in the OpenAI batch output format; auto: detected per line.")
 @click.option("--template", default=None,
               help="Build each prompt (the user message of a chat) from record fields: "
               "'{field}' is replaced by the record's value. Recipes hold multi-line ones.")
@@ -273,7 +277,8 @@ def run(ctx, input_path, output, recipe, template, model, dtype, device, max_bat
         max_model_len, cache_dir, method, draft_model, k, prompt_lookup_min, prompt_lookup_max,
         max_tokens, min_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
         ignore_eos, logprobs, prompt_field, id_field, split, limit, on_error, resume, force,
-        no_progress, plan_only, use_ray, ray_address, replicas, **more_sampling):
+        no_progress, plan_only, use_ray, ray_address, replicas, input_format,
+        **more_sampling):
     """Generate an output for every record of INPUT (JSONL, JSON, Parquet, CSV or a saved
     dataset folder) and write them, with per-record acceptance stats, to OUT."""
     from specbatch.run import RunOptions, run_job
@@ -309,7 +314,7 @@ def run(ctx, input_path, output, recipe, template, model, dtype, device, max_bat
                       prompt_field=prompt_field, id_field=id_field, split=split, limit=limit,
                       on_error=on_error, resume=resume, force=force, progress=not no_progress,
                       plan_only=plan_only, ray=use_ray, ray_address=ray_address,
-                      replicas=replicas,
+                      replicas=replicas, input_format=input_format,
                       template=template, recipe=recipe.identity if recipe else None)
     _exit_from_signals()
     sys.exit(run_job(opts))
