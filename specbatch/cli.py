@@ -245,6 +245,10 @@ def _given(ctx: click.Context, name: str) -> bool:
 @click.option("--recipe", type=click.Path(dir_okay=False), default=None, is_eager=True,
               callback=_recipe_defaults,
               help="Job definition (recipes/*.toml); flags given here override its values.")
+@click.option("--input-format", type=click.Choice(["auto", "records", "openai-batch"]),
+              default="auto", show_default=True,
+              help="openai-batch: lines are OpenAI batch requests (custom_id, url, body), "
+              "answered in the OpenAI batch output format; auto: detected per line.")
 @click.option("--template", default=None,
               help="Build each prompt (the user message of a chat) from record fields: "
               "'{field}' is replaced by the record's value. Recipes hold multi-line ones.")
@@ -273,7 +277,8 @@ def run(ctx, input_path, output, recipe, template, model, dtype, device, max_bat
         max_model_len, cache_dir, method, draft_model, k, prompt_lookup_min, prompt_lookup_max,
         max_tokens, min_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
         ignore_eos, logprobs, prompt_field, id_field, split, limit, on_error, resume, force,
-        no_progress, plan_only, use_ray, ray_address, replicas, **more_sampling):
+        no_progress, plan_only, use_ray, ray_address, replicas, input_format,
+        **more_sampling):
     """Generate an output for every record of INPUT (JSONL, JSON, Parquet, CSV or a saved
     dataset folder) and write them, with per-record acceptance stats, to OUT."""
     from specbatch.run import RunOptions, run_job
@@ -309,7 +314,7 @@ def run(ctx, input_path, output, recipe, template, model, dtype, device, max_bat
                       prompt_field=prompt_field, id_field=id_field, split=split, limit=limit,
                       on_error=on_error, resume=resume, force=force, progress=not no_progress,
                       plan_only=plan_only, ray=use_ray, ray_address=ray_address,
-                      replicas=replicas,
+                      replicas=replicas, input_format=input_format,
                       template=template, recipe=recipe.identity if recipe else None)
     _exit_from_signals()
     sys.exit(run_job(opts))
@@ -319,7 +324,9 @@ def run(ctx, input_path, output, recipe, template, model, dtype, device, max_bat
 @click.argument("input_path", metavar="INPUT", type=click.Path(exists=True))
 @click.option("--configs", default="none,ngram:k=5", show_default=True,
               help="Comma-separated configurations: none, ngram:k=N[:min=A:max=B], draft:k=N, "
-                   "auto[:k=CAP][:draft] (auto:draft may also draft with --draft-model).")
+                   "suffix[:k=N], auto[:k=CAP][:draft] (auto:draft may also draft with "
+                   "--draft-model). Each configuration runs a category's records with a fresh "
+                   "engine, so suffix indexes only that run's finished records.")
 @click.option("--draft-model", default=None,
               help="Draft model of the draft:k=N and auto:draft configurations.")
 @_model_options
@@ -333,10 +340,13 @@ def run(ctx, input_path, output, recipe, template, model, dtype, device, max_bat
 @click.option("--group", "groups", multiple=True, metavar="NAME=CAT,CAT",
               help="Also a table row for these categories together (repeatable), e.g. "
                    "copy-heavy=summarization,rag.")
+@click.option("--template", default=None,
+              help="Render the user message from record fields, as `run --template` (e.g. a "
+                   "recipe's [input] template).")
 def bench(input_path, configs, draft_model, model, dtype, device, max_batch_size, max_model_len,
           cache_dir, max_tokens, min_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
           ignore_eos, logprobs, prompt_field, id_field, split, limit, per_category, categories,
-          repeats, groups, **more_sampling):
+          repeats, groups, template, **more_sampling):
     """Time several configurations on the same records, interleaved; print output tok/s and
     the ratio to none, overall and per category; check the outputs are identical."""
     from specbatch.bench import BenchOptions, parse_configs, parse_groups, run_bench
@@ -357,7 +367,7 @@ def bench(input_path, configs, draft_model, model, dtype, device, max_batch_size
         sampling=sampling, specs=specs, engine=engine, run_seed=seed, prompt_field=prompt_field,
         id_field=id_field, split=split, limit=limit, per_category=per_category,
         categories=tuple(categories.split(",")) if categories else None, repeats=repeats,
-        groups=named_groups)))
+        groups=named_groups, template=template)))
 
 
 

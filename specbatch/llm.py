@@ -115,6 +115,11 @@ class LLM:
         name = model or DEFAULT_MODEL
         t0 = time.perf_counter()
         try:
+            if echo is not None:  # someone reads: say what the wait is for (after the name is
+                from specbatch.models.loader import resolve_model  # known to be good)
+
+                resolve_model(name, cache_dir)
+                echo(f"loading {name} ({engine.dtype}) ...")
             self.loaded = load_model(name, dtype=engine.dtype, device=engine.device,
                                      cache_dir=cache_dir)
         except ValueError as e:
@@ -202,17 +207,21 @@ class LLM:
         return ModelRunner(LlamaForward(self.loaded.model), num_rows,
                            max_model_len or self.max_model_len, **kwargs)
 
-    def calibrate(self, recalibrate: bool = False, forward=None, model_id: str | None = None):
+    def calibrate(self, recalibrate: bool = False, forward=None, model_id: str | None = None,
+                  echo: Callable[[str], None] | None = None):
         """The step-cost model of this machine (``plan.costmodel``): ``(cost, path, measured)``,
-        loaded from the cache shared by every run (and replica) unless ``recalibrate``.
-        forward, model_id: another forward to calibrate (the draft model's) and its id."""
+        loaded from the cache shared by every run (and replica) unless ``recalibrate`` (or the
+        cached fit fails its checks). forward, model_id: another forward to calibrate (the
+        draft model's) and its id. echo: gets what it is doing and why a fit is not cached
+        (default: this LLM's echo); a progress bar goes to stderr while it measures."""
         from specbatch.models.llama import LlamaForward
         from specbatch.models.loader import cache_root
         from specbatch.plan.costmodel import load_or_calibrate
 
         return load_or_calibrate(forward or LlamaForward(self.loaded.model),
                                  model_id or self.model_id, self.engine_config.dtype,
-                                 cache_root(self.cache_dir), recalibrate=recalibrate)
+                                 cache_root(self.cache_dir), recalibrate=recalibrate,
+                                 echo=echo or self.echo)
 
     def prepare(self, records: Iterable, spec: SpecConfig | None = None,
                 engine: EngineConfig | None = None,
@@ -233,7 +242,8 @@ class LLM:
         rows = engine_config.max_batch_size
         max_model_len = min(self.loaded.max_model_len,
                             engine_config.max_model_len or self.loaded.max_model_len)
-        runner = self.new_runner(rows, max_model_len, prefill_chunk=engine_config.prefill_chunk)
+        runner = self.new_runner(rows, max_model_len, prefill_chunk=engine_config.prefill_chunk,
+                                 max_prefill_tokens=engine_config.max_prefill_tokens)
         stop_rules = StopRules(frozenset(self.loaded.eos_token_ids), max_model_len,
                                self.renderer.detokenize)
         use_draft = (self.draft is not None and spec.method in ("draft", "auto")
@@ -244,19 +254,21 @@ class LLM:
         if spec.method == "auto":
             from specbatch.plan.planner import plan_auto
 
-            cost, path, measured = self.calibrate(forward=runner.forward)
+            cost, path, measured = self.calibrate(forward=runner.forward, echo=echo)
             if measured:
-                echo(f"calibrated the step-cost model for this machine: {path}")
+                echo(f"calibrated the step-cost model for this machine: {_where(cost, path)}")
             model_cost = None
             if hasattr(proposer, "propose_with_model"):  # the draft forward: its own costs
                 model_cost, path, measured = self.calibrate(
-                    forward=proposer.model.forward, model_id=self.draft_model_id or "draft")
+                    forward=proposer.model.forward, model_id=self.draft_model_id or "draft",
+                    echo=echo)
                 if measured:
-                    echo(f"calibrated the draft model's step cost for this machine: {path}")
+                    echo(f"calibrated the draft model's step cost for this machine: "
+                         f"{_where(model_cost, path)}")
             plan, policy = plan_auto(records, self.renderer, spec, rows, max_model_len, cost,
-                                     proposer, model_cost, echo=echo)
-        self.engine = Engine(runner, proposer, stop_rules, spec.k, self.renderer.detokenize,
-                             policy=policy)
+                                     proposer, model_cost, echo=echo, model_id=self.model_id)
+        self.engine = Engine(runner, proposer, stop_rules, spec.draft_cap,
+                             self.renderer.detokenize, policy=policy)
         return Prepared(self, self.engine, plan, records, engine_config)
 
     def memory_summary(self) -> str:
@@ -295,6 +307,11 @@ class LLM:
         rendered with the tokenizer's chat template."""
         return self.generate([{"messages": list(m)} for m in messages_list], sampling_params,
                              seed=seed)
+
+
+def _where(cost, path) -> str:
+    """Where a fresh calibration went: its cache file, or nowhere when it was too noisy."""
+    return str(path) if cost.problem() is None else "not cached (too noisy: see the warning)"
 
 
 __all__ = ["LLM", "ModelLoadError", "Prepared", "RequestOutput", "SamplingParams"]

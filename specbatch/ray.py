@@ -107,11 +107,13 @@ class Replica:
         import numpy as np
         import orjson
 
+        from specbatch.io.openai_batch import output_line
+
         if "record" in batch:  # from the driver: validated records
             records = [pickle.loads(b) for b in batch["record"]]
             for rec, out in self.llm.generate_records(records):
                 if self.shard is not None:
-                    self.shard.write(rec.index, {**rec.fields, **out})
+                    self.shard.write(rec.index, output_line(rec, out, self.llm.model_id))
                 yield {"index": np.array([rec.index]),
                        "out": np.array([orjson.dumps(out)], dtype=object)}
             if self.shard is not None:

@@ -47,6 +47,7 @@ class RunOptions:
     ray: bool = False  # spread the job over Ray Data replicas (``specbatch.ray``)
     ray_address: str | None = None  # None: start a local Ray
     replicas: int = 1
+    input_format: str = "auto"  # records | openai-batch | auto (detected per line)
 
 
 def _err(msg: str) -> None:
@@ -83,7 +84,8 @@ def load_records(opts) -> tuple[list, list]:
 
     records, errors = read_records(opts.input_path, prompt_field=opts.prompt_field,
                                    id_field=opts.id_field, split=opts.split,
-                                   defaults=opts.sampling, template=opts.template)
+                                   defaults=opts.sampling, template=opts.template,
+                                   input_format=getattr(opts, "input_format", "auto"))
     if opts.limit is not None:
         records = records[:opts.limit]
         errors = [e for e in errors if e.line == 0 or not records or e.line <= records[-1].line]
@@ -155,6 +157,7 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
             _err(f"error: {e}")
             return EXIT_BAD_INPUT
 
+    from specbatch.io.openai_batch import output_line
     from specbatch.llm import LLM, ModelLoadError
     from specbatch.pipeline import Throughput
     from specbatch.ray import ReplicaFailed  # no Ray import: the error class only
@@ -253,7 +256,7 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
                               warmup=warmup)
     try:
         for rec, out in results:
-            writer.write(rec.index, {**rec.fields, **out})
+            writer.write(rec.index, output_line(rec, out, llm.model_id))
             by_category[str(rec.fields.get("category", ""))].append(out)
             if "error" in out:
                 failed.append(RecordError(str(opts.input_path), rec.line, rec.id, out["error"]))

@@ -177,6 +177,7 @@ def _what_if_text(wi: dict) -> list[str]:
     lines = [f"== what-if by {wi['grouping']}: {wi['num_replayed']} records replayed at T = 0"
              + (f" ({wi['num_skipped']} skipped: {skipped})" if wi["num_skipped"] else "")
              + " =="]
+    lines += [f"note: {n}" for n in wi.get("notes", [])]
     sc = wi["self_check"]
     if sc["num_checked"]:
         lines.append(f"self-check: the replay of the run's own setting equals the recorded "

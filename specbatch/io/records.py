@@ -35,6 +35,8 @@ from pathlib import Path
 import orjson
 
 from specbatch.config import SAMPLING_FIELDS, UNSUPPORTED_SAMPLING_FIELDS, SamplingParams
+from specbatch.io.openai_batch import is_batch_request
+from specbatch.io.openai_batch import to_record as openai_batch_record
 
 PROMPT_FIELDS = ("prompt", "messages", "turns")
 ID_FIELDS = ("id", "question_id")
@@ -91,13 +93,17 @@ class RecordError:
 def read_records(path: str | os.PathLike, *, prompt_field: str | None = None,
                  id_field: str | None = None, split: str | None = None,
                  defaults: SamplingParams = SamplingParams(), template: str | None = None,
+                 input_format: str = "auto",
                  ) -> tuple[list[Record], list[RecordError]]:
     """Read ``path`` and validate every record; never raises for bad input.
 
     Returns the valid records (``index`` 0..n-1 in input order) and the errors, in line order.
     A duplicate id (compared as text, so 7 and "7" clash) is an error on every record after the
     first, naming the first one's line. ``template`` (exclusive with ``prompt_field``) renders
-    each record's user message from its fields; see the module docstring.
+    each record's user message from its fields; see the module docstring. input_format:
+    ``openai-batch`` reads every line as an OpenAI batch request (``io.openai_batch``; the
+    record's ``fields`` keep the request as read), ``records`` never does, ``auto`` does for
+    lines with ``custom_id`` and ``body``.
     Raises ``ValueError`` only for a bad call: a malformed template, or both template and
     prompt_field.
     """
@@ -112,7 +118,7 @@ def read_records(path: str | os.PathLike, *, prompt_field: str | None = None,
         return [], [RecordError(p, 0, None, str(e))]
     if not rows:
         return [], [RecordError(p, 0, None, "no records")]
-    return _validate(p, rows, prompt_field, id_field, defaults, template)
+    return _validate(p, rows, prompt_field, id_field, defaults, template, input_format)
 
 
 def records_from_rows(rows: Iterable[dict], *, prompt_field: str | None = None,
@@ -140,7 +146,7 @@ def records_from_rows(rows: Iterable[dict], *, prompt_field: str | None = None,
 
 def _validate(p: str, rows: list, prompt_field: str | None, id_field: str | None,
               defaults: SamplingParams | list[SamplingParams], template: str | None,
-              ) -> tuple[list[Record], list[RecordError]]:
+              input_format: str = "auto") -> tuple[list[Record], list[RecordError]]:
     """Records and errors of ``rows`` (``(line, row)`` pairs); see ``read_records``."""
     records, errors, first_line = [], [], {}
     named = {prompt_field, id_field, *(template_fields(template) if template is not None else ())}
@@ -151,8 +157,12 @@ def _validate(p: str, rows: list, prompt_field: str | None, id_field: str | None
         wide: dict[str, int] = {}
         if isinstance(row, _WideInts):
             row, wide = row.row, row.ints
-        rec_id = None
+        rec_id, source = None, row
         try:
+            if input_format == "openai-batch" or (input_format == "auto"
+                                                  and is_batch_request(row)):
+                rec_id = row.get("custom_id")
+                row = openai_batch_record(row)  # ValueError names unsupported body fields
             rec_id = _record_id(row, id_field, line, wide)
             seen = (line, rec_id, id_field is None and all(row.get(k) is None for k in ID_FIELDS))
             key = str(rec_id)
@@ -169,8 +179,8 @@ def _validate(p: str, rows: list, prompt_field: str | None, id_field: str | None
         except ValueError as e:
             errors.append(RecordError(p, line, rec_id, str(e)))
             continue
-        records.append(Record(len(records), line, rec_id, row, prompt, messages, turns, sampling,
-                              id_from_line=seen[2]))
+        records.append(Record(len(records), line, rec_id, source, prompt, messages, turns,
+                              sampling, id_from_line=seen[2]))
     return records, errors
 
 
@@ -423,7 +433,9 @@ def _jsonl_rows(data: bytes) -> Iterator[tuple[int, dict | _BadLine | _WideInts]
         try:
             value = orjson.loads(text)
         except orjson.JSONDecodeError as e:  # its "line 1" is this line: give the column only
-            yield n, _BadLine(f"invalid JSON at column {e.colno}: {e.msg}")
+            mixed = (" (a CR ends a record inside this line: the file mixes CR-only and LF line "
+                     "endings)" if b"}\r" in raw.rstrip() else "")
+            yield n, _BadLine(f"invalid JSON at column {e.colno}: {e.msg}{mixed}")
             continue
         if not isinstance(value, dict):
             yield n, _BadLine(f"line is a JSON {_kind(value)}, not an object")
@@ -527,8 +539,11 @@ def _check_fields(row: dict, named: set) -> None:
     for k in row:
         meant = None if k in named else _near_miss(k)
         if meant is not None:
-            raise ValueError(f"unknown field {k!r}: did you mean {meant!r}? (rename a field "
-                             "that is only metadata)")
+            flag = ("--id-field" if meant in ID_FIELDS
+                    else "--prompt-field" if meant in PROMPT_FIELDS else None)
+            also = f"pass {flag} {k}, or " if flag else ""
+            raise ValueError(f"unknown field {k!r}: did you mean {meant!r}? ({also}rename a "
+                             "field that is only metadata)")
 
 
 _KNOWN_FIELDS = (*SAMPLING_FIELDS, *PROMPT_FIELDS, *ID_FIELDS)

@@ -14,17 +14,29 @@ def run_calibrate(model: str | None, dtype: str, cache_dir: str | None, output: 
     from specbatch.config import EngineConfig, SpecConfig
     from specbatch.llm import LLM, ModelLoadError
 
+    def err(line: str) -> None:
+        click.echo(line, err=True)
+
     try:
         llm = LLM.from_config(model, SpecConfig(method="none"), EngineConfig(dtype=dtype, device=device),
-                              cache_dir=cache_dir)
+                              cache_dir=cache_dir, echo=err)
     except ModelLoadError as e:
         click.echo(f"error: {e}", err=True)
         return 2
-    cost, path, measured = llm.calibrate(recalibrate=recalibrate)
-    click.echo(f"{'measured' if measured else 'cached'}: {path}")
+    cost, path, measured = llm.calibrate(recalibrate=recalibrate, echo=err)
+    status = "cached" if not measured else "measured" if cost.problem() is None else "not cached"
+    click.echo(f"{status}: {path}")
     click.echo(f"{'rows':>5}{'q':>4}{'ctx':>6}{'measured ms':>13}{'fit ms':>9}")
-    for r, q, c, sec in cost.samples:
-        click.echo(f"{r:>5}{q:>4}{c:>6}{sec * 1e3:>13.1f}{cost.step_time(r, q, c) * 1e3:>9.1f}")
+    rows = [(s, "") for s in cost.samples] + [(s, "  outlier, left out") for s in cost.rejected]
+    for (r, q, c, sec), note in rows:
+        click.echo(f"{r:>5}{q:>4}{c:>6}{sec * 1e3:>13.1f}{cost.step_time(r, q, c) * 1e3:>9.1f}"
+                   f"{note}")
+    c0, c1, c2, c3 = cost.coef
+    click.echo(f"fit: {c0 * 1e3:.2f} ms + {c1 * 1e3:.3f} ms per token + {c2 * 1e6:.3f} us per "
+               f"row x context + {c3 * 1e9:.3f} ns per token x context; median deviation "
+               f"{cost.median_residual:.1%}"
+               + (f"; load average {cost.load_average:.1f}" if cost.load_average is not None
+                  else ""))
     if output:
         cost.save(output)
         click.echo(f"wrote {output}")

@@ -1,22 +1,26 @@
 """Step-cost model: seconds per target forward as a function of batch shape, measured here.
 
 ``calibrate`` times decode/verify steps of the loaded model on this machine (dtype, device) for
-a grid of rows in the batch, query tokens per row (k + 1) and context length, with warm-up and
-repeats (fastest), and fits
+a grid of rows in the batch, query tokens per row (k + 1) and context length, in interleaved
+sweeps (fastest of each shape), and fits
 
     step_time(rows, q, ctx) = c0 + c1 * rows * q + c2 * rows * ctx + c3 * rows * q * ctx
 
-by least squares: weight matmuls grow with the tokens in the batch (rows * q), attention with
-the keys read (rows * ctx) and scored (rows * q * ctx). The fit is cached as JSON per
+by non-negative least squares: weight matmuls grow with the tokens in the batch (rows * q),
+attention with the keys read (rows * ctx) and scored (rows * q * ctx). Timings far above the
+fit (another process took the CPU) are taken again, then left out; a fit that is still noisy
+is used for the run but not cached (``CostModel.problem``). A sound fit is cached as JSON per
 (model, dtype, device, host) under the cache directory; ``run --method auto`` calibrates on
-first use (a few seconds).
+first use (~10-20 s for SmolLM2-135M on a quiet 2-core CPU).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -26,6 +30,12 @@ import torch
 ROWS = (1, 4, 16)
 QUERY_LENS = (1, 2, 4, 6, 9)
 CONTEXTS = (256, 1024)
+CALIBRATION_VERSION = 2  # 1: plain least squares, no outlier check (not reused)
+OUTLIER_RESIDUAL = 0.25  # a timing this far above its fit is taken again, then left out
+OUTLIER_ROUNDS = 2  # times an outlier is timed again before it is left out
+MIN_SAMPLES = 12  # never leave out samples below this many (4 coefficients to fit)
+NOISY_RESIDUAL = 0.08  # median |measured / fit - 1| above this: too noisy to cache
+NOISY_REJECTED_SHARE = 0.2  # more timings than this share left out: too noisy to cache
 
 
 @dataclass(frozen=True)
@@ -41,6 +51,28 @@ class CostModel:
     device: str = ""
     host: str = ""
     samples: tuple[tuple[int, int, int, float], ...] = ()
+    version: int = CALIBRATION_VERSION
+    rejected: tuple[tuple[int, int, int, float], ...] = ()  # outliers left out of the fit
+    median_residual: float = 0.0  # median |measured / fitted - 1| over ``samples``
+    load_average: float | None = None  # the 1-minute load average while measuring
+
+    def problem(self) -> str | None:
+        """Why this calibration should not be cached or reused, or None if it is sound: a
+        negative or non-finite coefficient, an older format (fitted without these checks),
+        timings scattered more than ``NOISY_RESIDUAL`` around the fit, or more than
+        ``NOISY_REJECTED_SHARE`` of them left out as outliers."""
+        if not all(math.isfinite(c) for c in self.coef) or any(c < 0 for c in self.coef):
+            return f"a negative coefficient in the fit {tuple(round(c, 9) for c in self.coef)}"
+        if self.version < CALIBRATION_VERSION:
+            return "written by an older specbatch, without outlier rejection"
+        if self.median_residual > NOISY_RESIDUAL:
+            return (f"timings are {self.median_residual:.0%} off the fit at the median "
+                    f"(at most {NOISY_RESIDUAL:.0%} is kept)")
+        total = len(self.samples) + len(self.rejected)
+        if total and len(self.rejected) > NOISY_REJECTED_SHARE * total:
+            return (f"{len(self.rejected)} of {total} timings were outliers, slowed by "
+                    "other processes")
+        return None
 
     def step_time(self, num_rows: int, query_len: int, context_len: int,
                   num_tokens: int | None = None) -> float:
@@ -106,11 +138,9 @@ class OnlineCost:
         self._add(num_rows, query_len, context_len, num_tokens, seconds)
         self.num_observed += 1
         if self.num_observed % self.refit_every == 0:
-            try:
-                coef = tuple(float(v) for v in torch.linalg.solve(self._a, self._b))
+            coef = solve_nonnegative(self._a, self._b)  # never a negative coefficient
+            if any(coef):  # all zero: nothing fits yet (no calibration samples); keep the last
                 self.model = replace(self.model, coef=coef)
-            except RuntimeError:  # singular (no calibration samples): keep the last fit
-                pass
 
     def step_time(self, num_rows: int, query_len: int, context_len: int,
                   num_tokens: int | None = None) -> float:
@@ -127,28 +157,71 @@ def load(path: str | os.PathLike) -> CostModel:
         return CostModel(coef=tuple(d["coef"]), model_id=d.get("model_id", ""),
                          dtype=d.get("dtype", ""), device=d.get("device", ""),
                          host=d.get("host", ""),
-                         samples=tuple(tuple(s) for s in d.get("samples", ())))
-    except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
+                         samples=tuple(tuple(s) for s in d.get("samples", ())),
+                         version=int(d.get("version", 1)),
+                         rejected=tuple(tuple(s) for s in d.get("rejected", ())),
+                         median_residual=float(d.get("median_residual", 0.0)),
+                         load_average=d.get("load_average"))
+    except (OSError, KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: not a specbatch calibration file ({e})") from None
 
 
+def _features(rows: int, q: int, ctx: int, tokens: int | None = None) -> list[float]:
+    return [1.0, float(rows * q if tokens is None else tokens), float(rows * ctx),
+            float(rows * q * ctx)]
+
+
+def solve_nonnegative(a: torch.Tensor, b: torch.Tensor) -> tuple[float, ...]:
+    """Minimise ``x^T a x - 2 b^T x`` subject to ``x >= 0`` (the least-squares problem given by
+    its normal equations ``a = X^T X``, ``b = X^T y``), by trying every set of free
+    coefficients (4 coefficients: 16 small solves) and keeping the best feasible one (exact
+    non-negative least squares; Lawson & Hanson 1974 give the same optimum iteratively).
+
+    a: ``[n, n]`` float64; b: ``[n]`` float64. Returns n floats >= 0 (all zero if nothing
+    fits)."""
+    n = b.shape[0]
+    # scale to a unit diagonal: the features span ~6 orders of magnitude (1 .. rows*q*ctx)
+    diag = torch.diagonal(a)
+    scale = torch.where(diag > 0, diag.clamp(min=1e-300).rsqrt(), torch.ones_like(diag))
+    a, b = a * scale[:, None] * scale[None, :], b * scale
+    best, best_obj = torch.zeros(n, dtype=torch.float64), 0.0
+    for mask in range(1, 1 << n):
+        idx = [i for i in range(n) if mask >> i & 1]
+        try:
+            sub = torch.linalg.solve(a[idx][:, idx], b[idx])
+        except RuntimeError:  # singular: this set is not identifiable
+            continue
+        if not bool(torch.isfinite(sub).all()) or bool((sub < 0).any()):
+            continue
+        x = torch.zeros(n, dtype=torch.float64)
+        x[idx] = sub
+        obj = float(x @ a @ x - 2 * b @ x)
+        if obj < best_obj:
+            best, best_obj = x, obj
+    return tuple(float(v) for v in best * scale)
+
+
 def fit(samples: list[tuple[int, int, int, float]]) -> tuple[float, float, float, float]:
-    """Least-squares fit of the four coefficients, relative error weighted (each sample's row
-    divided by its time) so small steps count as much as large ones."""
-    feats = torch.tensor([[1.0, r * q, r * c, r * q * c] for r, q, c, _ in samples],
-                         dtype=torch.float64)
+    """Non-negative least-squares fit of the four coefficients, relative error weighted (each
+    sample's row divided by its time) so small steps count as much as large ones. A step
+    cannot get cheaper with more tokens or context, so no coefficient is negative (an
+    unconstrained fit of noisy timings can make one so, and then mispredicts every shape far
+    from the samples)."""
+    feats = torch.tensor([_features(r, q, c) for r, q, c, _ in samples], dtype=torch.float64)
     t = torch.tensor([s[3] for s in samples], dtype=torch.float64)
-    w = 1.0 / t
-    sol = torch.linalg.lstsq(feats * w[:, None], (t * w)[:, None]).solution[:, 0]
-    return tuple(float(x) for x in sol)
+    x = feats / t[:, None]  # relative error: target t / t = 1
+    return solve_nonnegative(x.T @ x, x.sum(0))
 
 
-def measure(forward, rows: int, query_len: int, context_len: int, repeats: int = 3) -> float:
+def measure(forward, rows: int, query_len: int, context_len: int, repeats: int = 3,
+            cache=None, warmup: bool = True) -> float:
     """Fastest of ``repeats`` timings of one decode/verify forward of this shape, after one
-    warm-up (the minimum, not the median: other processes only ever add time)."""
-    from specbatch.engine.kv_cache import KVCache  # noqa: F401  (cache type for readers)
-
-    cache = forward.new_cache(rows, context_len + query_len + 1)
+    warm-up unless ``warmup`` is False (the minimum, not the median: other processes only
+    ever add time).
+    cache: a ``KVCache`` of at least ``rows`` rows and ``context_len + query_len + 1``
+    positions to reuse (default: a new one)."""
+    if cache is None:
+        cache = forward.new_cache(rows, context_len + query_len + 1)
     for r in range(rows):
         cache.seq_lens[r] = context_len
     gen = torch.Generator().manual_seed(0)
@@ -158,24 +231,101 @@ def measure(forward, rows: int, query_len: int, context_len: int, repeats: int =
     positions = (context_len + torch.arange(qlen))[None, :].expand(rows, -1).to(forward.device)
     row_ids = torch.arange(rows, device=forward.device)
     times = []
-    for i in range(repeats + 1):
+    for i in range(repeats + int(warmup)):
         t0 = time.perf_counter()
         forward.forward(ids, positions, cache, row_ids)
         if forward.device.type == "cuda":
             torch.cuda.synchronize()
-        if i:
+        if i or not warmup:
             times.append(time.perf_counter() - t0)
     return min(times)
 
 
+def load_average() -> float | None:
+    """The 1-minute load average (runnable processes), or None where the OS has none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
 def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
-              rows_grid=ROWS, query_grid=QUERY_LENS, context_grid=CONTEXTS) -> CostModel:
-    """Measure the grid and fit. ``forward``: a ``LlamaForward``. Takes ~5-15 s on a 2-core CPU
-    for SmolLM2-135M."""
-    samples = [(r, q, c, measure(forward, r, q, c, repeats))
-               for c in context_grid for r in rows_grid for q in query_grid]
-    return CostModel(fit(samples), model_id=model_id, dtype=dtype, device=str(forward.device),
-                     host=host_id(), samples=tuple(samples))
+              rows_grid=ROWS, query_grid=QUERY_LENS, context_grid=CONTEXTS,
+              progress: bool = False, time_fn=None) -> CostModel:
+    """Measure the grid and fit, rejecting timings that other processes inflated.
+
+    ``forward``: a ``LlamaForward``. Every shape is timed once (after a warm-up), then the
+    grid is swept again ``repeats - 1`` times, interleaved, keeping each shape's fastest time
+    (a burst of load then hits different shapes in different sweeps; the minimum is the
+    estimate because load only ever adds time). The fit is non-negative least squares on
+    relative error (``fit``). A sample more than ``OUTLIER_RESIDUAL`` above its fit is timed
+    again (up to ``OUTLIER_ROUNDS`` times) and, if still out, left out of the fit and kept in
+    ``rejected``. ``CostModel.problem`` then says whether the result is fit to cache.
+    progress: show a tqdm bar on stderr. time_fn(rows, q, ctx) -> seconds replaces the
+    measurement (tests). Takes ~10-20 s on a 2-core CPU for SmolLM2-135M (quiet machine).
+    """
+    shapes = [(r, q, c) for c in context_grid for r in rows_grid for q in query_grid]
+    caches: dict[tuple[int, int], object] = {}
+    max_q = max(max(query_grid), 2)
+
+    def one(r: int, q: int, c: int, warm: bool) -> float:
+        if time_fn is not None:
+            return time_fn(r, q, c)
+        if (r, c) not in caches:  # one cache per (rows, ctx), reused for every q
+            caches.clear()
+            caches[(r, c)] = forward.new_cache(r, c + max_q + 1)
+        return measure(forward, r, q, c, repeats=1, cache=caches[(r, c)], warmup=warm)
+
+    load_before = load_average()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(shapes) * repeats, unit="step", file=sys.stderr, leave=False,
+                   desc=f"calibrating {model_id or 'the model'} ({dtype or 'model dtype'})",
+                   dynamic_ncols=True)
+    best: dict[tuple[int, int, int], float] = {}
+    for sweep in range(max(repeats, 1)):
+        for shape in shapes:
+            t = one(*shape, warm=sweep == 0)
+            best[shape] = min(best.get(shape, t), t)
+            if bar is not None:
+                bar.update(1)
+    kept, rejected = _reject_outliers(best)
+    for _ in range(OUTLIER_ROUNDS):
+        if not rejected:
+            break
+        for s in rejected:  # time it again: load comes and goes
+            rejected[s] = min(rejected[s], one(*s, warm=False))
+        kept, rejected = _reject_outliers({**kept, **rejected})
+    coef = fit([(*s, t) for s, t in kept.items()])
+    if bar is not None:
+        bar.close()
+    model = CostModel(coef)
+    residuals = sorted(abs(t / model.step_time(*s) - 1) for s, t in kept.items())
+    loads = [x for x in (load_before, load_average()) if x is not None]
+    return CostModel(coef, model_id=model_id, dtype=dtype, device=str(forward.device),
+                     host=host_id(), samples=tuple((*s, t) for s, t in kept.items()),
+                     version=CALIBRATION_VERSION,
+                     rejected=tuple((*s, t) for s, t in rejected.items()),
+                     median_residual=residuals[len(residuals) // 2] if residuals else 0.0,
+                     load_average=max(loads) if loads else None)
+
+
+def _reject_outliers(timings: dict[tuple[int, int, int], float],
+                     ) -> tuple[dict[tuple[int, int, int], float], dict[tuple[int, int, int], float]]:
+    """Split ``{(rows, q, ctx): seconds}`` into (kept, outliers): fit, drop the timing furthest
+    above its fit if it is more than ``OUTLIER_RESIDUAL`` above, refit, repeat (one at a time,
+    so a large outlier cannot drag the fit toward itself and hide behind it); at least
+    ``MIN_SAMPLES`` are kept. Only slow timings are outliers: load never makes a step faster."""
+    kept, out = dict(timings), {}
+    while len(kept) > MIN_SAMPLES:
+        model = CostModel(fit([(*s, t) for s, t in kept.items()]))
+        worst = max(kept, key=lambda s: kept[s] / model.step_time(*s))
+        if kept[worst] <= model.step_time(*worst) * (1 + OUTLIER_RESIDUAL):
+            break
+        out[worst] = kept.pop(worst)
+    return kept, out
 
 
 def host_id() -> str:
@@ -189,15 +339,41 @@ def cache_path(cache_root: Path, model_id: str, dtype: str, device: str) -> Path
 
 
 def load_or_calibrate(forward, model_id: str, dtype: str, cache_root: Path,
-                      recalibrate: bool = False) -> tuple[CostModel, Path, bool]:
-    """The cached cost model for this (model, dtype, device, host), measured if absent.
+                      recalibrate: bool = False, echo=None, progress: bool = True,
+                      time_fn=None) -> tuple[CostModel, Path, bool]:
+    """The cached cost model for this (model, dtype, device, host), measured if absent, stale
+    (an older format, or a fit that fails ``CostModel.problem``: such files were written
+    before the checks existed) or ``recalibrate``. A new fit is cached only if it passes
+    ``problem``; otherwise it is used for this run only and ``echo`` gets a warning: line
+    saying why (a busy machine). echo: a callable for the lines a person should see
+    (``None``: silent); progress: a tqdm bar while measuring; time_fn: as ``calibrate``.
     Returns (model, path, was_measured_now)."""
+    say = echo or (lambda _line: None)
     path = cache_path(cache_root, model_id, dtype, str(forward.device))
     if path.exists() and not recalibrate:
         try:
-            return load(path), path, False
-        except ValueError:
-            pass
-    model = calibrate(forward, model_id=model_id, dtype=dtype)
-    model.save(path)
+            cached = load(path)
+        except ValueError as e:
+            say(f"warning: {e}; calibrating again")
+        else:
+            why = cached.problem()
+            if why is None:
+                return cached, path, False
+            say(f"warning: the cached calibration {path} is not used ({why}); calibrating "
+                "again")
+    load_now = load_average()
+    cpus = os.cpu_count() or 1
+    say(f"calibrating the step cost of {model_id or 'the model'} ({dtype}) on this machine, "
+        "once; cached for later runs"
+        + (f" (load average {load_now:.1f} on {cpus} CPUs: other processes will slow it)"
+           if load_now is not None and load_now > cpus else ""))
+    model = calibrate(forward, model_id=model_id, dtype=dtype, progress=progress,
+                      time_fn=time_fn)
+    why = model.problem()
+    if why is None:
+        model.save(path)
+    else:
+        say(f"warning: this machine is too noisy to calibrate ({why}); the fit is used for "
+            "this run only (auto refits it to the run's own steps) and not cached; run "
+            "`specbatch calibrate --recalibrate` when the machine is quieter")
     return model, path, True

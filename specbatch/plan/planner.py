@@ -2,14 +2,21 @@
 
 Plan, before any generation:
 1. predict each record's conditional acceptance ``alpha`` from its prompt (``predict``);
-2. bucket: ``copy-heavy`` / ``mixed`` / ``novel`` by predicted acceptance length at k_max,
-   and order records by bucket, then prompt length (longest first), so rows that run together
-   have alike acceptance and length;
+2. bucket: ``copy-heavy`` / ``mixed`` / ``novel`` are the top, middle and bottom thirds of
+   this job by predicted acceptance length at k_max (``job_cutoffs``; equal predictions share a
+   bucket), and order records by bucket, then prompt length (longest first), so rows that run
+   together have alike acceptance and length. The cutoffs are relative because the predictor
+   ranks records better than it scales them: its weights are SmolLM2-135M's (Spearman 0.41
+   out of sample), and fixed cutoffs put nearly every record of a job in one bucket (on
+   SmolLM2 every Spec-Bench category predicts and measures an acceptance length above 2.2;
+   on another model's tokenizer the scale moves again);
 3. per bucket choose the proposer (prompt lookup, or the draft model when one is given) and
-   the k in 0..k_max that maximise predicted output tokens per second at the batch size, from
-   the measured step costs (``costmodel``; a draft model's k forwards are counted): that is the
-   bucket's starting choice and its predicted speedup over none. The draft model's acceptance
-   is not predicted per record: it starts at ``policy.MODEL_PRIOR`` and is learned online.
+   the k in 0..k_max that maximise predicted output tokens per second, every bucket at the
+   job's batch size (the rows that run together, whatever bucket they come from), from the
+   measured step costs (``costmodel``; a draft model's k forwards are counted): that is the
+   bucket's starting choice and its predicted speedup over none, so a bucket predicted to copy
+   more never gets a smaller k or speedup. The draft model's acceptance is not predicted per
+   record: it starts at ``policy.MODEL_PRIOR`` and is learned online.
 
 While generating, ``policy.AdaptivePolicy`` re-chooses the proposer and draft length of every
 row every step from the same cost models and each row's observed acceptance (the bucket's
@@ -23,11 +30,10 @@ from dataclasses import dataclass, field
 
 from specbatch.plan.costmodel import CostModel
 from specbatch.plan.policy import MODEL_PRIOR, AdaptivePolicy, Probe
-from specbatch.plan.predict import Prediction, instruction_text, predict
+from specbatch.plan.predict import (FITTED_ON, Prediction, fitted_for,
+                                    instruction_text, predict)
 
 BUCKETS = ("copy-heavy", "mixed", "novel")
-COPY_HEAVY_MIN = 2.2  # predicted acceptance length at k_max (tokens per drafting step)
-NOVEL_MAX = 1.5
 PRIOR_STRENGTH = 4.0  # pseudo-observations behind the predicted alpha
 PROBE_TOKENS = 16  # committed tokens after which prompt lookup is replayed (policy.Probe)
 
@@ -53,6 +59,15 @@ class Plan:
     bucket_of: dict[int, str]
     buckets: dict[str, BucketPlan]
     policy: AdaptivePolicy | None = None
+    # acceptance lengths at k_max (see ``job_cutoffs``): below ``novel_below`` novel, from
+    # ``copy_heavy_from`` copy-heavy
+    novel_below: float = float("-inf")
+    copy_heavy_from: float = float("inf")
+    model_note: str = ""  # a line under the table (e.g. the predictor was fitted elsewhere)
+
+    def bucket(self, acceptance_length: float) -> str:
+        """Bucket of a (predicted or probed) acceptance length at k_max, by this job's cutoffs."""
+        return bucket_for(acceptance_length, self.novel_below, self.copy_heavy_from)
 
     def order_key(self, record_index: int, prompt_tokens: int) -> tuple:
         return (BUCKETS.index(self.bucket_of[record_index]), -prompt_tokens)
@@ -74,7 +89,7 @@ class Plan:
             length, tokens = result
             out["probe"] = {"tokens": tokens,
                             "acceptance_length": None if length is None else round(length, 4),
-                            "bucket": bucket_for(1.0 if length is None else length)}
+                            "bucket": self.bucket(1.0 if length is None else length)}
         return out
 
     def prior(self, record_index: int) -> list[tuple[float, float]]:
@@ -87,30 +102,51 @@ class Plan:
 
     def make_policy(self, cost: CostModel, probe: Probe | None = None, proposer=None,
                     model_cost: CostModel | None = None,
-                    match_len_of=None) -> AdaptivePolicy:
+                    match_len_of=None, suffix=None) -> AdaptivePolicy:
         """proposer, model_cost: a ``LookupAndDraftProposer`` and its draft forward's cost
         model, when a draft model is given; match_len_of: ``NgramProposer.match_len``."""
         self.policy = AdaptivePolicy(cost, self.k_max, lambda seq: self.prior(seq.request.tag),
                                      probe=probe, proposer=proposer, model_cost=model_cost,
-                                     match_len_of=match_len_of)
+                                     match_len_of=match_len_of, suffix=suffix)
         return self.policy
 
     def table(self) -> str:
-        lines = [f"plan: k_max {self.k_max}, batch size {self.batch_size}",
+        lines = [f"plan: k_max {self.k_max}, batch size {self.batch_size}; buckets are the "
+                 f"thirds of this job by predicted acceptance length (copy-heavy >= "
+                 f"{self.copy_heavy_from:.2f}, novel < {self.novel_below:.2f})",
                  f"{'bucket':<12}{'records':>8}{'prompt tok':>11}{'pred acc len':>13}"
-                 f"{'proposer':>9}{'k':>4}{'pred speedup':>14}"]
+                 f"{'range':>12}{'proposer':>9}{'k':>4}{'pred speedup':>14}"]
         for b in self.buckets.values():
             if b.indices:
+                lengths = [self.predictions[i].acceptance_length(self.k_max) for i in b.indices]
+                span = f"{min(lengths):.2f}-{max(lengths):.2f}"
                 lines.append(f"{b.name:<12}{len(b.indices):>8}{b.mean_prompt_tokens:>11.0f}"
-                             f"{b.predicted_acceptance_length:>13.2f}{b.proposer:>9}{b.k:>4}"
-                             f"{b.predicted_speedup:>13.2f}x")
+                             f"{b.predicted_acceptance_length:>13.2f}{span:>12}{b.proposer:>9}"
+                             f"{b.k:>4}{b.predicted_speedup:>13.2f}x")
+        if self.model_note:
+            lines.append(self.model_note)
         return "\n".join(lines)
 
 
-def bucket_for(acceptance_length: float) -> str:
-    """Bucket of a (predicted or probed) acceptance length at k_max."""
-    return ("copy-heavy" if acceptance_length >= COPY_HEAVY_MIN
-            else "novel" if acceptance_length < NOVEL_MAX else "mixed")
+def bucket_for(acceptance_length: float, novel_below: float, copy_heavy_from: float) -> str:
+    """Bucket of an acceptance length at k_max, given the cutoffs (``job_cutoffs``)."""
+    return ("copy-heavy" if acceptance_length >= copy_heavy_from
+            else "novel" if acceptance_length < novel_below else "mixed")
+
+
+def job_cutoffs(lengths: list[float]) -> tuple[float, float]:
+    """``(novel_below, copy_heavy_from)``: the job's thirds of predicted acceptance length.
+
+    With ``n`` records sorted by prediction, the lowest ``n // 3`` are novel and the highest
+    ``n // 3`` copy-heavy, except that equal predictions share a bucket (a tie at a cutoff goes
+    up). Fewer than 3 records (or all equal) are all mixed. Example: predictions 2.1, 2.3, 2.3,
+    2.5, 2.6, 3.0 give cutoffs (2.3, 2.6): novel 2.1; mixed 2.3, 2.3, 2.5; copy-heavy 2.6, 3.0.
+    """
+    ordered = sorted(lengths)
+    third = len(ordered) // 3
+    if third == 0:
+        return float("-inf"), float("inf")
+    return ordered[third], ordered[len(ordered) - third]
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -141,9 +177,13 @@ def make_plan(records, prompt_ids: dict[int, list[int]], k_max: int, batch_size:
     model_cost: the draft model's step cost, when one is given (the bucket may choose it)."""
     preds = {r.index: predict(prompt_ids[r.index], instruction_text(r), r.sampling.temperature,
                               prompt_lookup_min) for r in records}
-    bucket_of = {}
-    for r in records:
-        bucket_of[r.index] = bucket_for(preds[r.index].acceptance_length(k_max))
+    novel_below, copy_heavy_from = job_cutoffs([p.acceptance_length(k_max)
+                                                for p in preds.values()])
+    bucket_of = {r.index: bucket_for(preds[r.index].acceptance_length(k_max), novel_below,
+                                     copy_heavy_from) for r in records}
+    # every bucket is planned at the rows that run together: buckets are admitted one after
+    # another into the same batch, so a small bucket does not run alone
+    job_rows = max(1, min(batch_size, len(preds)))
     buckets = {name: BucketPlan(name) for name in BUCKETS}
     for r in records:
         buckets[bucket_of[r.index]].indices.append(r.index)
@@ -155,7 +195,7 @@ def make_plan(records, prompt_ids: dict[int, list[int]], k_max: int, batch_size:
         b.mean_prompt_tokens = sum(lengths) / len(lengths)
         b.predicted_acceptance_length = sum(expected_tokens(a, k_max) for a in alphas) / len(
             alphas)
-        rows = min(batch_size, len(b.indices))
+        rows = job_rows
         ctx = int(b.mean_prompt_tokens + expected_output_tokens / 2)
         b.k, b.predicted_speedup = best_k(cost, alphas, k_max, rows, ctx)
         if model_cost is not None:
@@ -164,29 +204,36 @@ def make_plan(records, prompt_ids: dict[int, list[int]], k_max: int, batch_size:
                 b.proposer, b.k, b.predicted_speedup = "draft", k, speedup
         if b.k == 0:
             b.proposer = "none"
-    return Plan(k_max, batch_size, preds, bucket_of, buckets)
+    return Plan(k_max, batch_size, preds, bucket_of, buckets, novel_below=novel_below,
+                copy_heavy_from=copy_heavy_from)
 
 
 def plan_auto(records, renderer, spec_config, batch_size: int, max_model_len: int,
               cost: CostModel, proposer, model_cost: CostModel | None = None,
-              echo=print) -> tuple[Plan, AdaptivePolicy]:
+              echo=print, model_id: str = "") -> tuple[Plan, AdaptivePolicy]:
     """Plan ``records`` and make the adaptive policy the engine is built with (``llm.LLM``
     builds it; nothing reaches into an engine from outside).
 
     cost: the target's step-cost model (``costmodel.load_or_calibrate``); proposer: the engine's
     proposer (a ``LookupAndDraftProposer`` when a draft model is given; ``model_cost`` is then
     its draft forward's cost model); batch_size: the engine's rows; max_model_len: its context.
-    ``echo`` gets the plan table."""
+    ``echo`` gets the plan table; model_id: the target's (``LoadedModel.model_id``), for a note
+    when the acceptance predictor was fitted on another model."""
     draft_proposer = proposer if hasattr(proposer, "propose_with_model") else None
     prompt_ids = {r.index: renderer.first_prompt(r)[0] for r in records}
     max_tokens = max((r.sampling.max_tokens for r in records), default=1)
     plan = make_plan(records, prompt_ids, spec_config.num_speculative_tokens, batch_size, cost,
                      spec_config.prompt_lookup_min, max_tokens,
                      model_cost if draft_proposer is not None else None)
+    if model_id and not fitted_for(model_id):
+        plan.model_note = (f"note: the acceptance predictor was fitted on {FITTED_ON}; for "
+                           f"{model_id.split('@')[0]} its scale may be off: the buckets use only "
+                           "its ranking, and each record's acceptance is learned as it runs")
     policy = plan.make_policy(cost, Probe(PROBE_TOKENS, spec_config.prompt_lookup_min,
                                           spec_config.prompt_lookup_max, max_model_len),
                               proposer=draft_proposer,
                               model_cost=model_cost if draft_proposer is not None else None,
-                              match_len_of=getattr(proposer, "match_len", None))
+                              match_len_of=getattr(proposer, "match_len", None),
+                              suffix=proposer if hasattr(proposer, "propose_suffix") else None)
     echo(plan.table())
     return plan, policy

@@ -37,6 +37,18 @@ the model when its drafts are worth more than its lookup drafts at the step's to
 the step uses the model at all only if the verify step plus the draft forwards it adds still
 give more tokens per second than lookup alone. So each row, each step, drafts with lookup, the
 model or nothing; ``steps_by_proposer`` counts which, per record.
+
+Suffix drafts (``spec_decode.suffix``, routed by ``spec_decode.composite.WithSuffix``): every
+step the policy also asks the suffix proposer for each row's draft (up to the engine's cap,
+which for auto is ``SUFFIX_CAP_FACTOR * k``) with each position's frequency-based path
+probability. A position's chance of acceptance is its conditional frequency (the path
+probability over the previous position's) calibrated by acceptance pooled over all rows per
+frequency bucket (``SUFFIX_BUCKETS``, a Beta prior of ``SUFFIX_PRIOR_STRENGTH`` pseudo-trials at
+the frequency itself); like lookup drafts, suffix drafts are checked against the emitted tokens
+every step, verified or not. A row takes its suffix draft when it is worth more than its lookup
+draft at the step's token value, and the step uses suffix drafts only if its predicted rate
+beats lookup alone. The lookup's own time is measured every step (``suffix_seconds``, an
+exponential mean) and counted in that comparison.
 """
 
 from __future__ import annotations
@@ -54,6 +66,8 @@ from specbatch.spec_decode.stats import SpecStats
 MODEL_PRIOR = 0.7  # a draft model's conditional acceptance before it has drafted anything
 MODEL_PRIOR_STRENGTH = 4.0  # pseudo-trials behind the pooled acceptance in a row's estimate
 POOL_DECAY = 0.995  # per observed row-step, for acceptance pooled over all rows
+SUFFIX_BUCKETS = (0.2, 0.4, 0.6, 0.8, 0.95)  # edges: a suffix draft position's frequency
+SUFFIX_PRIOR_STRENGTH = 2.0  # pseudo-trials at the frequency itself, per bucket
 
 
 @dataclass(frozen=True)
@@ -122,6 +136,11 @@ def _logit_shift(p: float, p_group: float, p_all: float) -> float:
     return odds / (1.0 + odds)
 
 
+def _bucket(freq: float) -> int:
+    """Index of the ``SUFFIX_BUCKETS`` interval holding a conditional frequency."""
+    return sum(1 for edge in SUFFIX_BUCKETS if freq >= edge)
+
+
 def _online(cost: CostModel) -> CostModel | OnlineCost:
     """A calibrated model keeps fitting to the run's steps; a synthetic one (no samples) stays."""
     return cost if isinstance(cost, OnlineCost) or not cost.samples else OnlineCost(cost)
@@ -142,8 +161,15 @@ class AdaptivePolicy:
     def __init__(self, cost: CostModel, k_max: int, prior_for, decay: float = 0.9,
                  switch_margin: float = 0.03, probe: Probe | None = None,
                  proposer=None, model_cost: CostModel | None = None,
-                 model_prior: float = MODEL_PRIOR, match_len_of=None) -> None:
+                 model_prior: float = MODEL_PRIOR, match_len_of=None, suffix=None) -> None:
         self.cost = _online(cost)
+        # suffix drafts (``spec_decode.composite.WithSuffix``): per frequency bucket, decayed
+        # [trials, hits] of a draft position given the ones before it were accepted
+        self.suffix = suffix
+        self.suffix_pool = [[0.0, 0.0] for _ in range(len(SUFFIX_BUCKETS) + 1)]
+        self._suffix_drafts: dict = {}  # seq id -> this step's suffix Draft
+        self._suffix_used: set[int] = set()  # seq ids verified with their suffix draft
+        self.suffix_seconds: float | None = None  # measured suffix lookup time per step
         # match_len_of(seq) -> n-gram size behind the row's lookup draft this step (0: none)
         self.match_len_of = match_len_of
         self._match: dict[int, int] = {}  # seq id -> this step's match length
@@ -239,11 +265,15 @@ class AdaptivePolicy:
             self._match = {s.seq_id: self.match_len_of(s) for s, d in zip(seqs, drafts) if d}
         cuts, rate = self._select_lookup(seqs, drafts)
         chosen = [d[:c] for d, c in zip(drafts, cuts)]
+        caps = caps if caps is not None else [self.k_max] * len(seqs)
         if self.proposer is not None:
-            chosen = self._select_model(seqs, chosen, rate,
-                                        caps if caps is not None else [self.k_max] * len(seqs))
+            chosen = self._select_model(seqs, chosen, rate, caps)
+        self._suffix_used = set()
+        if self.suffix is not None:
+            chosen = self._select_suffix(seqs, chosen, rate, caps)
         for s, d in zip(seqs, chosen):
-            source = "draft" if s.seq_id in self._model_drafts else "ngram" if d else "none"
+            source = ("draft" if s.seq_id in self._model_drafts else
+                      "suffix" if s.seq_id in self._suffix_used else "ngram" if d else "none")
             self.steps_by_proposer.setdefault(s.request.tag, Counter())[source] += 1
         return chosen
 
@@ -338,6 +368,70 @@ class AdaptivePolicy:
             self._model_drafts[seqs[i].seq_id] = d
         return out
 
+    def _suffix_reach(self, draft) -> list[float]:
+        """Per position of a suffix ``Draft``: the chance it and the ones before it are all
+        accepted (product of calibrated conditional frequencies)."""
+        run, prev, out = 1.0, 1.0, []
+        for q in draft.probs:
+            freq = q / prev
+            prev = q
+            trials, hits = self.suffix_pool[_bucket(freq)]
+            run *= (hits + SUFFIX_PRIOR_STRENGTH * freq) / (trials + SUFFIX_PRIOR_STRENGTH)
+            out.append(run)
+        return out
+
+    def _select_suffix(self, seqs, chosen: list[list[int]], lookup_rate: float,
+                       caps: list[int]) -> list[list[int]]:
+        """Rows (not drafting with the model) whose suffix draft, cut where a position stops
+        being worth a packed token at the step's value, gains more than their current draft;
+        kept if the step's predicted rate, suffix lookup time included, beats it without."""
+        t0 = time.perf_counter()
+        drafts = self.suffix.propose_suffix(seqs, caps)
+        seconds = time.perf_counter() - t0
+        self.suffix_seconds = (seconds if self.suffix_seconds is None
+                               else 0.8 * self.suffix_seconds + 0.2 * seconds)
+        self._suffix_drafts = {s.seq_id: d for s, d in zip(seqs, drafts) if d.ids}
+        if not self._suffix_drafts:
+            return chosen
+        value = lookup_rate * self.cost.token_cost()
+        reach = self._reach(seqs, [len(d) for d in chosen])
+        out, use = list(chosen), set()
+        for i, (s, d) in enumerate(zip(seqs, drafts)):
+            if not d.ids or s.seq_id in self._model_drafts:
+                continue
+            r = self._suffix_reach(d)
+            n = sum(1 for _ in takewhile(lambda x: x >= value, r))
+            if n and sum(r[:n]) - n * value > sum(reach[i]) - len(chosen[i]) * value:
+                out[i], reach[i] = d.ids[:n], r[:n]
+                use.add(s.seq_id)
+        if not use:
+            return chosen
+        ctx = max(len(s.token_ids) for s in seqs)
+        fed = [len(d) for d in out]
+        step = self.cost.step_time(len(seqs), 1 + max(fed), ctx, num_tokens=len(seqs) + sum(fed))
+        rate = (len(seqs) + sum(sum(r) for r in reach)) / (step + self.suffix_seconds)
+        if rate <= lookup_rate:
+            return chosen
+        self._suffix_used = use
+        return out
+
+    def _observe_suffix(self, seq, emitted: list[int]) -> None:
+        """Check this step's suffix draft against the emitted tokens (verified or not)."""
+        draft = self._suffix_drafts.pop(seq.seq_id, None)
+        if draft is None:
+            return
+        for cell in self.suffix_pool:
+            cell[0] *= POOL_DECAY
+            cell[1] *= POOL_DECAY
+        prev = 1.0
+        for j in range(min(len(draft.ids), len(emitted))):
+            cell = self.suffix_pool[_bucket(draft.probs[j] / prev)]
+            prev = draft.probs[j]
+            cell[0] += 1.0
+            if draft.ids[j] != emitted[j]:
+                break
+            cell[1] += 1.0
+
     def _entry_seconds(self, seq, reach: list[float]) -> float:
         """Seconds of prefilling the row's context into the draft cache, per remaining step
         (remaining output tokens over the tokens a model-drafted step is expected to emit)."""
@@ -361,6 +455,7 @@ class AdaptivePolicy:
             self.by_match_len.setdefault(n, RowAcceptance([(1.0, 1.0)])).observe(
                 draft, emitted, POOL_DECAY)
             self.lookup_pool.observe(draft, emitted, POOL_DECAY)
+        self._observe_suffix(seq, emitted)
         model_draft = self._model_drafts.pop(seq.seq_id, None)
         if model_draft is not None:
             row = self.model_rows.setdefault(seq.seq_id, RowAcceptance([(1.0, 1.0)]))
@@ -389,4 +484,5 @@ class AdaptivePolicy:
     def finish(self, seq) -> None:
         self.rows.pop(seq.seq_id, None)
         self.model_rows.pop(seq.seq_id, None)
+        self._suffix_drafts.pop(seq.seq_id, None)
         self.probed.discard(seq.seq_id)

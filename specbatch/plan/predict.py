@@ -45,6 +45,7 @@ FEATURES = ("bias", "repeat_share", "log_prompt_tokens", *CUES, "temperature")
 # one per FEATURES entry: `predict-eval --refit` on the 480-record ngram k5 run (T = 0,
 # max_tokens 128, bfloat16; 2-fold out-of-sample Spearman 0.41). The temperature weight is
 # not fitted (every Spec-Bench run was at T = 0): a hand-set guess that sampling lowers alpha.
+FITTED_ON = "SmolLM2-135M"  # the model WEIGHTS were fitted on (``fitted_for``)
 WEIGHTS = (-0.291, -0.166, 0.178, 1.603, -0.416, 0.476, -0.040, 0.075, -0.074, 0.235, 0.106,
            -1.2)
 
@@ -92,6 +93,12 @@ def predict(prompt_ids: list[int], instruction: str, temperature: float,
     values = feature_values(prompt_ids, instruction, temperature, prompt_lookup_min)
     z = sum(w * f for w, f in zip(weights, values, strict=True))
     return Prediction(values, alpha=1.0 / (1.0 + math.exp(-z)))
+
+
+def fitted_for(model_id: str) -> bool:
+    """Whether ``WEIGHTS`` were fitted on this model (``LoadedModel.model_id``: a registry
+    name or a file name, then ``@sha256:...``)."""
+    return FITTED_ON.lower() in model_id.lower()
 
 
 def instruction_text(record) -> str:

@@ -10,19 +10,24 @@ from specbatch.spec_decode.proposer import NoProposer, Proposer
 def make_proposer(config: SpecConfig, draft_forward=None, num_rows: int = 1) -> Proposer:
     """The proposer for ``config.method``; raises ``ValueError`` for an unknown method, or for
     ``draft`` without ``draft_forward`` (the draft model's ``LlamaForward``; its KV cache gets
-    ``num_rows`` rows, the target's row count). ``auto`` with a draft model may draft with
-    either, row by row (``spec_decode.composite``)."""
+    ``num_rows`` rows, the target's row count). ``auto`` drafts by prompt lookup and may verify
+    suffix drafts (and, with a draft model, the model's) instead, row by row
+    (``spec_decode.composite``)."""
     if config.method == "none":
         return NoProposer()
-    if config.method == "auto" and draft_forward is not None:  # lookup or the model, per row
-        from specbatch.spec_decode.composite import LookupAndDraftProposer
-        from specbatch.spec_decode.draft import DraftProposer
+    lookup = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "ngram":
+        return lookup
+    if config.method == "auto":  # lookup, the draft model or suffix drafts, chosen per row
+        from specbatch.spec_decode.composite import LookupAndDraftProposer, WithSuffix
+        from specbatch.spec_decode.suffix import SuffixIndex, SuffixProposer
 
-        return LookupAndDraftProposer(
-            NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max),
-            DraftProposer(draft_forward, num_rows))
-    if config.method in ("ngram", "auto"):  # auto: lookup drafts, length chosen per step
-        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        inner = lookup
+        if draft_forward is not None:
+            from specbatch.spec_decode.draft import DraftProposer
+
+            inner = LookupAndDraftProposer(lookup, DraftProposer(draft_forward, num_rows))
+        return WithSuffix(inner, SuffixProposer(SuffixIndex(config.suffix_max_tokens)))
     if config.method == "suffix":
         from specbatch.spec_decode.suffix import SuffixIndex, SuffixProposer
 

@@ -69,3 +69,43 @@ class LookupAndDraftProposer:
     def finish(self, seq: Sequence) -> None:
         self.lookup.finish(seq)
         self.model.finish(seq)
+
+
+class WithSuffix:
+    """``--method auto``: the lookup (or lookup + draft model) proposer ``inner``, plus a
+    ``SuffixProposer`` whose drafts the auto policy may verify instead, row by row and step by
+    step (``plan.policy.AdaptivePolicy._select_suffix``). ``propose`` returns ``inner``'s
+    drafts; every other attribute (``match_len``, ``propose_with_model``...) is ``inner``'s."""
+
+    name = "auto"
+
+    def __init__(self, inner, suffix) -> None:
+        self.inner = inner
+        self.suffix = suffix
+
+    def __getattr__(self, attr: str):
+        if attr in ("inner", "suffix"):  # not set yet (copy, unpickle): no recursion
+            raise AttributeError(attr)
+        return getattr(self.inner, attr)
+
+    def start(self, seq: Sequence) -> None:
+        self.inner.start(seq)
+        self.suffix.start(seq)
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        return self.inner.propose(seqs, ks)
+
+    def propose_suffix(self, seqs: list[Sequence], ks: list[int]) -> list:
+        """The suffix proposer's scored ``Draft`` per row, at most ``ks[i]`` tokens."""
+        return [self.suffix.draft(s, k) for s, k in zip(seqs, ks)]
+
+    def add_finished(self, outputs) -> None:
+        self.suffix.add_finished(outputs)
+
+    def on_commit(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.inner.on_commit(seq, num_new_tokens)
+        self.suffix.on_commit(seq, num_new_tokens)
+
+    def finish(self, seq: Sequence) -> None:
+        self.inner.finish(seq)
+        self.suffix.finish(seq)

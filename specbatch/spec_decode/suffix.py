@@ -31,13 +31,15 @@ token adds one to every state on the new state's suffix-link path (the suffixes 
 a path no longer than the document's length so far. A suffix array would answer counts as
 range sizes, but it cannot be extended a record at a time without rebuilding, and each lookup is
 a binary search of Python-level comparisons; a depth-bounded suffix trie (the paper's tree with
-``max_depth``) holds ``max_depth`` nodes per token (measured numbers: docs/benchmarks.md).
+``max_depth`` 24, without path compression) needs 14.4 nodes per token on the extraction job's
+outputs against the automaton's 1.07 states (``benchmarks/suffix_lookup.py``; docs/benchmarks.md).
 
 Memory bound and eviction. The job-wide index holds at most ``max_tokens`` output tokens. When
 a finished record would pass it, the oldest documents are dropped (oldest first, until the rest
 fits in 3/4 of the bound with the new one) and the automaton is rebuilt from the documents left:
-automata cannot delete, and a rebuild costs ~5 us per token kept, once per ~1/4 bound of new
-tokens. A document longer than the bound is not indexed.
+automata cannot delete, and a rebuild costs ~40 us per token kept (measured at load 20 on the
+2-core machine), once per ~1/4 bound of new tokens. A document longer than the bound is not
+indexed.
 
 Determinism. Drafts are a function of the row's committed tokens and of the index, that is of
 which answers finished before, in which order; outputs never depend on them (the verifier

@@ -37,28 +37,57 @@ def count_accepted(target_ids: torch.Tensor, draft_ids: torch.Tensor,
     return match.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
-def sample_and_accept(logits: torch.Tensor, meta, process=None,
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sampling and acceptance of one step, on the logits' device, no host sync.
+def sample_and_accept(logits: torch.Tensor, meta, process=None, want_scaled: bool = False,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Sampling and acceptance of one step, on the logits' device, without a host sync.
 
     logits: ``[B, Q, V]`` float (the forward's padded output); meta: the step's
     ``engine.step_metadata.StepMetadata`` (on the same device); process: optional
     ``[T, V] -> [T, V]`` logits processing applied before sampling (``engine.logits``: grammar
-    masks, logit_bias, penalties).
+    masks, logit_bias, penalties). On CUDA with Triton, and with neither ``process`` nor
+    min_p, this is one fused kernel (``kernels.sample_accept``, same ids); else
+    ``sampler.sample`` and ``count_accepted`` in torch.
     Returns (target ids ``[B, Q]`` int64: the target's token at each fed position, padded
-    slots hold -1; accepted draft tokens ``[B]`` int64; scaled logits ``[T, V]`` float64:
-    logits / T, or logits at T = 0, with bans applied: the logprob source).
+    slots hold -1; accepted draft tokens ``[B]`` int64; with ``want_scaled``, the scaled
+    logits ``[T, V]`` float64 (logits / T, or logits at T = 0, bans applied: the logprob
+    source), else None).
     """
     bsz, qlen, vocab = logits.shape
     sm = meta.sampling
+    banned = sm.banned_mask(meta.num_tokens, vocab)
+    if process is None and not sm.any_min_p and _use_kernel(logits):
+        from kernels.sample_accept import sample_accept
+
+        target, accepted = sample_accept(
+            logits, meta.cu_num_fed, meta.draft_ids, meta.num_draft, sm.temperature, sm.top_k,
+            sm.top_p, sm.seeds, sm.output_positions, banned, any_top_k_p=sm.any_top_k_p)
+        scaled = None
+        if want_scaled:
+            flat = logits.reshape(bsz * qlen, vocab).index_select(0, meta.token_index).double()
+            if banned is not None:
+                flat = flat.masked_fill(banned, float("-inf"))
+            greedy = sm.temperature == 0
+            scaled = flat / torch.where(greedy, torch.ones_like(sm.temperature),
+                                        sm.temperature)[:, None]
+        return target, accepted, scaled
     flat = logits.reshape(bsz * qlen, vocab).index_select(0, meta.token_index)  # [T, V]
     if process is not None:
         flat = process(flat)
-    banned = sm.banned_mask(flat.shape[0], vocab)
     ids, scaled = sampler.sample(flat, sm.temperature, sm.top_k, sm.top_p, sm.seeds,
                                  sm.output_positions, banned,
                                  sm.min_p if sm.any_min_p else None)
     target = torch.full((bsz * qlen,), -1, dtype=torch.int64, device=logits.device)
     target[meta.token_index] = ids
     target = target.view(bsz, qlen)
-    return target, count_accepted(target, meta.draft_ids, meta.num_draft), scaled
+    return (target, count_accepted(target, meta.draft_ids, meta.num_draft),
+            scaled if want_scaled else None)
+
+
+def _use_kernel(logits: torch.Tensor) -> bool:
+    if logits.dtype not in (torch.float32, torch.float64):
+        return False
+    try:
+        import kernels
+    except ImportError:
+        return False
+    return kernels.enabled(logits.device)

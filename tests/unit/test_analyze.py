@@ -241,6 +241,25 @@ def test_self_check_reports_a_record_that_does_not_replay(runs, tmp_path):
     assert f"differs: tampered.jsonl id='{victim['id']}'" in format_text(doc)
 
 
+def test_what_if_says_suffix_runs_are_not_replayed_exactly(runs, tmp_path):
+    """A suffix run's drafts depend on job order: what-if says so, self-checks none of it."""
+    src = [json.loads(line) for line in runs["ngram"].read_text().splitlines()]
+    for r in src:
+        r["spec"]["proposer"] = "suffix"
+    path = tmp_path / "suffix.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in src))
+    config = json.loads(config_path(runs["ngram"]).read_text())
+    config_path(path).write_text(json.dumps({**config, "method": "suffix"}))
+    _, doc = _doc([path], what_if=True)
+    assert doc["what_if"]["self_check"]["num_checked"] == 0
+    assert doc["what_if"]["num_replayed"] > 0  # n-gram settings still replay its outputs
+    text = format_text(doc)
+    assert "note: suffix.jsonl: method suffix: suffix drafts depend on the records" in text
+    assert "self-check:" not in text  # no claim that its own stats replay
+    _, plain = _doc([runs["ngram"]], what_if=True)
+    assert plain["what_if"]["notes"] == []
+
+
 def test_what_if_from_plain_run_predicts_the_ngram_run(runs):
     """Replaying the plain-decoding run for ngram k4 1-3 gives what the ngram run measured
     (same outputs at T = 0), per group."""

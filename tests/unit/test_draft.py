@@ -398,7 +398,7 @@ def test_cli_run_draft_equals_none(tmp_path):
     assert " proposer " in result.output  # the plan table names each bucket's proposer
     for r in outputs["auto"]:
         steps = r["spec"]["proposer_steps"]  # present on every auto record
-        assert set(steps) <= {"draft", "ngram", "none"}
+        assert set(steps) <= {"draft", "ngram", "suffix", "none"}
         assert sum(steps.values()) == r["spec"]["num_steps"] - 1  # all but the prefill step
     assert all(r["spec"]["proposer"] == "draft" and r["spec"]["num_draft_tokens"] > 0
                for r in outputs["draft"])

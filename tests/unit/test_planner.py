@@ -201,13 +201,20 @@ def test_predictor_features_and_buckets():
                             messages=None, turns=None, sampling=SamplingParams())]
     plan = make_plan(recs, {0: [5, 6, 7, 8] * 200, 1: list(range(12))}, k_max=5, batch_size=4,
                      cost=MEMORY_BOUND, prompt_lookup_min=2, expected_output_tokens=64)
-    assert plan.bucket_of == {i: bucket_for(plan.predictions[i].acceptance_length(5))
+    assert plan.bucket_of == {i: plan.bucket(plan.predictions[i].acceptance_length(5))
                               for i in (0, 1)}
-    assert plan.bucket_of[1] == "copy-heavy"
-    assert bucket_for(1.2) == "novel" and bucket_for(1.8) == "mixed"
+    assert plan.bucket_of == {0: "mixed", 1: "mixed"}  # two records: no thirds to split
+    assert bucket_for(1.2, 1.5, 2.2) == "novel" and bucket_for(1.8, 1.5, 2.2) == "mixed"
+    assert bucket_for(2.2, 1.5, 2.2) == "copy-heavy"
+    recs.append(SimpleNamespace(index=2, prompt="Write a poem about the sea.", messages=None,
+                                turns=None, sampling=SamplingParams()))
+    plan = make_plan(recs, {0: [5, 6, 7, 8] * 200, 1: list(range(12)), 2: list(range(8))},
+                     k_max=5, batch_size=4, cost=MEMORY_BOUND, prompt_lookup_min=2,
+                     expected_output_tokens=64)
+    assert plan.bucket_of[1] == "copy-heavy" and plan.bucket_of[0] != "copy-heavy"
     # admitted bucket by bucket (copy-heavy first), then longest prompt first
-    key = {i: plan.order_key(i, n) for i, n in ((0, 800), (1, 12))}
-    assert sorted(key, key=key.get) == ([0, 1] if plan.bucket_of[0] == "copy-heavy" else [1, 0])
+    key = {i: plan.order_key(i, n) for i, n in ((0, 800), (1, 12), (2, 8))}
+    assert sorted(key, key=key.get)[0] == 1
     assert "copy-heavy" in plan.table()
 
 
@@ -277,4 +284,4 @@ def test_auto_stats_fields_through_generate_records():
         replay = NgramReplay(prompts[i], out["output_token_ids"][:probe["tokens"]], 2, 4, 5)
         want = replay.stats(5, 24, 1 << 30).mean_acceptance_length
         assert probe["acceptance_length"] == (None if want is None else round(want, 4))
-        assert probe["bucket"] == bucket_for(probe["acceptance_length"] or 1.0)
+        assert probe["bucket"] == plan.bucket(probe["acceptance_length"] or 1.0)

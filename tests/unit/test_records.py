@@ -378,21 +378,25 @@ def test_metadata_fields_pass_through(tmp_path):
     assert errors == [] and records[0].fields == row
 
 
-@pytest.mark.parametrize("field,meant", [("temprature", "temperature"), ("Temperature", "temperature"),
+@pytest.mark.parametrize("field,meant", [("temprature", "temperature"),
+                                         ("Temperature", "temperature"),
                                          ("top-p", "top_p"), ("max_token", "max_tokens"),
                                          ("maxTokens", "max_tokens"), ("stops", "stop"),
                                          ("stop_tokens_ids", "stop_token_ids"), ("seeds", "seed"),
                                          ("prompts", "prompt"), ("message", "messages"),
                                          ("min_token", "min_tokens"), ("ignore-eos", "ignore_eos"),
-                                         ("questionid", "question_id")])
+                                         ("questionid", "question_id"), ("ID", "id")])
 def test_near_miss_of_a_field_name_is_a_bad_record(tmp_path, field, meant):
     path = _write_jsonl(tmp_path / "in.jsonl",
                         [{"id": 1, "prompt": "Hello", field: 0.7}, {"id": 2, "prompt": "Hi"}])
     records, errors = read_records(path)
     assert [r.id for r in records] == [2]
+    flag = {"prompt": "--prompt-field", "messages": "--prompt-field",
+            "question_id": "--id-field", "id": "--id-field"}.get(meant)
+    also = f"pass {flag} {field}, or " if flag else ""  # it may be the prompt or the id
     assert [str(e) for e in errors] == [
-        f"{path}:1: id=1: unknown field {field!r}: did you mean {meant!r}? (rename a field "
-        "that is only metadata)"]
+        f"{path}:1: id=1: unknown field {field!r}: did you mean {meant!r}? ({also}rename a "
+        "field that is only metadata)"]
 
 
 def test_fields_the_run_names_are_known(tmp_path):
@@ -429,6 +433,18 @@ def test_cr_only_line_endings_are_read(tmp_path):
     records, errors = read_records(path)
     assert [(r.id, r.line, r.prompt) for r in records] == [(1, 1, "a"), (2, 2, "b")]
     assert [str(e) for e in errors] == [f"{path}:4: id=3: prompt is empty"]
+
+
+def test_cr_inside_a_line_of_an_lf_file_is_named(tmp_path):
+    """A file mixing LF lines and CR-only line ends: the broken line says why."""
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"id": 1, "prompt": "a"}\n'
+                     b'{"id": 2, "prompt": "b"}\r{"id": 3, "prompt": "c"}\n')
+    records, errors = read_records(path)
+    assert [r.id for r in records] == [1] and [e.line for e in errors] == [2]
+    assert errors[0].reason.startswith("invalid JSON at column 26: ")
+    assert errors[0].reason.endswith(" (a CR ends a record inside this line: the file mixes "
+                                     "CR-only and LF line endings)")
 
 
 def test_wide_stop_token_ids_are_reported_as_written(tmp_path):

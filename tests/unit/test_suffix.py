@@ -205,3 +205,56 @@ def test_resume_rebuilds_the_same_index(tmp_path):
     resumed.close()
     assert [list(d) for d in prop.index.docs] == [list(d) for d in live.docs]
     assert _snapshot(prop.index.sam) == _snapshot(live.sam)
+
+
+def test_auto_routes_suffix_drafts_per_row_and_keeps_outputs():
+    """``auto`` (lookup + suffix behind ``WithSuffix``) with a cost model where verifying is
+    nearly free: rows verify suffix drafts on some steps, some longer than k, the suffix pools
+    learn, and outputs equal plain decoding."""
+    from specbatch.plan.costmodel import CostModel
+    from specbatch.plan.policy import AdaptivePolicy
+
+    model = tiny_llama(VOCAB, seed=5)
+    prompts = repeating_prompts(VOCAB, 10, seed=7)
+    prompts += [p[:6] for p in prompts]
+    base = run_engine(model, prompts, 0, 1, GREEDY)
+    config = SpecConfig(method="auto", num_speculative_tokens=4)
+    engine = make_engine(model, 4, 4)
+    engine.proposer = make_proposer(config)
+    engine.k = config.draft_cap
+    engine.policy = AdaptivePolicy(CostModel((0.040, 0.0005, 0.0, 0.0)), 4,
+                                   prior_for=lambda s: [(2.0, 2.0)] * 4,
+                                   match_len_of=engine.proposer.match_len,
+                                   suffix=engine.proposer)
+    reqs = [Request(i, p, GREEDY, seed=i, tag=i) for i, p in enumerate(prompts)]
+    out = sorted(engine.generate(reqs), key=lambda c: c.request.request_id)
+    assert [c.output_ids for c in out] == [b.output_ids for b in base]
+    steps = {}
+    for counts in engine.policy.steps_by_proposer.values():
+        for source, n in counts.items():
+            steps[source] = steps.get(source, 0) + n
+    assert steps.get("suffix", 0) > 0 and steps.get("ngram", 0) > 0, steps
+    assert max(max(c.stats.k_histogram) for c in out) > 4  # a suffix draft past k
+    assert sum(t for t, _ in engine.policy.suffix_pool) > 0
+    assert engine.policy.suffix_seconds is not None
+
+
+def test_json_extraction_recipe_and_example_input():
+    """The templated job: a suffix recipe whose template renders every one of 100+ example
+    records (Spec-Bench rag / summarization articles) with one fixed instruction."""
+    from pathlib import Path
+
+    from specbatch.io.records import read_records, template_fields
+    from specbatch.recipe import load_recipe
+
+    recipes = Path(__file__).resolve().parents[2] / "recipes"
+    recipe = load_recipe(recipes / "json_extraction.toml")
+    assert (recipe.name, recipe.options["method"], recipe.options["max_tokens"]) == \
+        ("json_extraction", "suffix", 128)
+    assert template_fields(recipe.options["template"]) == ["article"]
+    records, errors = read_records(recipes / "prompts" / "json_extraction.jsonl",
+                                   template=recipe.options["template"])
+    assert errors == [] and len(records) >= 100
+    instructions = {r.messages[0]["content"].split("Article:")[0] for r in records}
+    assert len(instructions) == 1 and '"title"' in next(iter(instructions))
+    assert {r.fields["source_category"] for r in records} == {"rag", "summarization"}

@@ -1,0 +1,42 @@
+"""Triton kernels of the engine's hot ops, each file with its launcher and a plain-torch reference.
+
+- ``sample_accept``: position-keyed Gumbel-max sampling fused with draft acceptance.
+- ``attention``: decode/verify attention over the KV cache in place, batch-invariant.
+- ``kv_write``: a step's keys and values into their cache rows and positions.
+
+The engine uses a kernel when ``enabled(device)``: the device is CUDA and Triton imports (or
+``SPECBATCH_KERNELS=1`` forces them, e.g. on CPU tensors under ``TRITON_INTERPRET=1`` in the
+tests; ``SPECBATCH_KERNELS=0`` turns them off). Otherwise it runs the torch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.cache
+def have_triton() -> bool:
+    """Whether ``triton`` imports (the ``gpu`` extra)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # ImportError, or a broken install raising something else at import
+        return False
+    return True
+
+
+def enabled(device: torch.device | str) -> bool:
+    """Whether the engine should run the Triton kernels for tensors on ``device``."""
+    flag = os.environ.get("SPECBATCH_KERNELS", "")
+    if flag == "0" or (flag != "1" and torch.device(device).type != "cuda"):
+        return False  # decided without importing triton (slow to import)
+    return have_triton()
+
+
+def check(cond: bool, what: str) -> None:
+    """Launcher argument check: raises ``ValueError(what)`` (kept under ``python -O``)."""
+    if not cond:
+        raise ValueError(what)

@@ -1,0 +1,129 @@
+"""Calibration under load (issue 16): outliers re-timed or left out, no negative coefficient,
+a noisy fit is not cached, a bad cached fit is not reused."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specbatch.plan import costmodel
+from specbatch.plan.costmodel import (CostModel, OnlineCost, calibrate, fit, load,
+                                      load_or_calibrate)
+
+TRUE = CostModel((0.035, 0.0012, 2e-7, 1e-8))  # SmolLM2-135M-like, seconds
+FORWARD = SimpleNamespace(device=torch.device("cpu"))  # calibrate only reads .device with time_fn
+
+
+def _timer(inflate: dict | None = None):
+    """time_fn: the true step time; ``inflate[(rows, q, ctx)]``: factors for its successive
+    timings (then 1.0), as if another process took the CPU during them."""
+    calls: dict = {}
+
+    def time_fn(r, q, c):
+        n = calls[(r, q, c)] = calls.get((r, q, c), 0) + 1
+        factors = (inflate or {}).get((r, q, c), ())
+        return TRUE.step_time(r, q, c) * (factors[n - 1] if n <= len(factors) else 1.0)
+    time_fn.calls = calls
+    return time_fn
+
+
+def test_fit_has_no_negative_coefficient():
+    """Timings from a loaded machine: the 1-row shapes at the long context slowed 1.6x. Plain
+    least squares answers with a negative coefficient (it did for the cached 1.5B fit); the
+    fit does not."""
+    samples = [(r, q, c, TRUE.step_time(r, q, c) * (1.6 if r == 1 and c == 1024 else 1.0))
+               for c in (256, 1024) for r in (1, 4, 16) for q in (1, 2, 4, 6, 9)]
+    feats = torch.tensor([[1.0, r * q, r * c, r * q * c] for r, q, c, _ in samples],
+                         dtype=torch.float64)
+    t = torch.tensor([s[3] for s in samples], dtype=torch.float64)
+    plain = torch.linalg.lstsq(feats / t[:, None], torch.ones(len(t), 1,
+                                                              dtype=torch.float64)).solution
+    assert (plain < 0).any()  # what the old fit cached
+    coef = fit(samples)
+    assert all(c >= 0 for c in coef), coef
+    assert CostModel(coef).problem() is None or "negative" not in CostModel(coef).problem()
+    # and an exact linear model is still recovered exactly
+    exact = [(r, q, c, TRUE.step_time(r, q, c)) for r, q, c, _ in samples]
+    assert fit(exact) == pytest.approx(TRUE.coef, rel=1e-6)
+
+
+def test_an_inflated_timing_is_timed_again():
+    """A shape timed 4.4x slow in every sweep (a 0.5B sample sat 4.4x above its fit) is timed
+    again and, quiet then, kept with its true time: the fit is exact and cacheable."""
+    timer = _timer({(4, 6, 1024): (4.4, 4.4, 4.4)})
+    cost = calibrate(FORWARD, time_fn=timer)
+    assert timer.calls[(4, 6, 1024)] == 4  # three sweeps, then once more
+    assert cost.rejected == ()
+    assert dict(((r, q, c), t) for r, q, c, t in cost.samples)[(4, 6, 1024)] == pytest.approx(
+        TRUE.step_time(4, 6, 1024))
+    assert cost.coef == pytest.approx(TRUE.coef, rel=1e-6)
+    assert cost.problem() is None
+
+
+def test_a_timing_that_stays_slow_is_left_out():
+    timer = _timer({(16, 9, 256): (4.4,) * 10})
+    cost = calibrate(FORWARD, time_fn=timer)
+    assert [s[:3] for s in cost.rejected] == [(16, 9, 256)]
+    assert (16, 9, 256) not in [s[:3] for s in cost.samples]
+    assert cost.coef == pytest.approx(TRUE.coef, rel=1e-6)  # the fit ignores it
+    assert cost.problem() is None  # one outlier of 30 is not a noisy machine
+
+
+def test_a_noisy_machine_is_not_cached(tmp_path):
+    """Half the shapes slowed 1.5-3x in every timing: the fit is used for the run, the user
+    hears why, and nothing is cached (the next run calibrates again)."""
+    shapes = [(r, q, c) for c in (256, 1024) for r in (1, 4, 16) for q in (1, 2, 4, 6, 9)]
+    slow = {s: (1.5 + (i % 4) * 0.5,) * 10 for i, s in enumerate(shapes) if i % 2}
+    lines = []
+    cost, path, measured = load_or_calibrate(FORWARD, "m", "bfloat16", tmp_path,
+                                             echo=lines.append, progress=False,
+                                             time_fn=_timer(slow))
+    assert measured and cost.problem() is not None
+    assert all(c >= 0 for c in cost.coef)
+    assert not path.exists()
+    assert any(line.startswith("warning: this machine is too noisy to calibrate")
+               for line in lines), lines
+    assert lines[0].startswith("calibrating the step cost of m (bfloat16)")
+    # a quiet machine: calibrated, cached, then reused without measuring
+    cost, path, measured = load_or_calibrate(FORWARD, "m", "bfloat16", tmp_path,
+                                             progress=False, time_fn=_timer())
+    assert measured and path.exists() and cost.problem() is None
+    timer = _timer()
+    again, _, measured = load_or_calibrate(FORWARD, "m", "bfloat16", tmp_path, progress=False,
+                                           time_fn=timer)
+    assert not measured and not timer.calls and again.coef == pytest.approx(cost.coef)
+
+
+def test_a_cached_bad_fit_is_not_reused(tmp_path):
+    """A calibration cached by an older specbatch (plain least squares, no checks) with a
+    negative coefficient is measured again, with a warning naming the file."""
+    path = costmodel.cache_path(tmp_path, "m", "bfloat16", "cpu")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"coef": [0.05, -0.001, 3e-7, 1e-8], "model_id": "m",
+                                "samples": [[1, 1, 256, 0.05]]}))
+    assert "negative" in load(path).problem()
+    lines = []
+    cost, _, measured = load_or_calibrate(FORWARD, "m", "bfloat16", tmp_path,
+                                          echo=lines.append, progress=False, time_fn=_timer())
+    assert measured and cost.coef == pytest.approx(TRUE.coef, rel=1e-6)
+    assert any("is not used (a negative coefficient" in line for line in lines), lines
+    assert load(path).problem() is None  # replaced by the sound fit
+    # an old-format file with sane coefficients is still re-measured (no outlier check then)
+    path.write_text(json.dumps({"coef": list(TRUE.coef), "samples": [[1, 1, 256, 0.05]]}))
+    assert "older specbatch" in load(path).problem()
+
+
+def test_online_refit_never_goes_negative():
+    """Steps timed on a machine whose load comes and goes: the online refit keeps every
+    coefficient >= 0 (a negative one once made big batches look free)."""
+    samples = tuple((r, q, c, TRUE.step_time(r, q, c)) for r in (1, 4, 16) for q in (1, 4, 9)
+                    for c in (256, 1024))
+    online = OnlineCost(CostModel(TRUE.coef, samples=samples))
+    for i in range(64):
+        rows, q = 1 + i % 16, 1 + i % 5
+        slow = 3.0 if rows < 4 else 1.0  # small steps hit by load, large ones not
+        online.observe(rows, q, 300, rows * q, TRUE.step_time(rows, q, 300) * slow)
+    assert all(c >= 0 for c in online.model.coef), online.model.coef
