@@ -287,7 +287,9 @@ class EngineConfig:
     """Engine resources. max_batch_size: rows decoded together (continuous batching).
 
     max_model_len: cap on prompt + completion tokens per row; ``None`` takes the model's context.
-    prefill_chunk: prompt tokens per prefill forward (bounds activation memory).
+    prefill_chunk: prompt tokens per attention call of prefill (a prompt is cut at its
+    multiples, whatever else runs). max_prefill_tokens: prompt tokens per prefill forward (several
+    prompts packed); while rows are decoding, one such forward runs per step.
     device: ``auto`` (cuda when available, else cpu), ``cpu``, ``cuda`` or ``cuda:N``; stored
     resolved (``auto`` never remains). Raises ``ValueError`` for cuda without a usable GPU.
     """
@@ -295,6 +297,7 @@ class EngineConfig:
     max_batch_size: int = 16
     max_model_len: int | None = None
     prefill_chunk: int = 1024
+    max_prefill_tokens: int = 2048
     dtype: str = "float32"
     device: str = "auto"
 
@@ -306,6 +309,8 @@ class EngineConfig:
                "max_model_len", self.max_model_len, "an integer >= 2")
         _check(_is_int(self.prefill_chunk) and self.prefill_chunk >= 16, "prefill_chunk",
                self.prefill_chunk, "an integer >= 16")
+        _check(_is_int(self.max_prefill_tokens) and self.max_prefill_tokens >= 1,
+               "max_prefill_tokens", self.max_prefill_tokens, "an integer >= 1")
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
         object.__setattr__(self, "device", resolve_device(self.device))
 

@@ -242,7 +242,8 @@ class LLM:
         rows = engine_config.max_batch_size
         max_model_len = min(self.loaded.max_model_len,
                             engine_config.max_model_len or self.loaded.max_model_len)
-        runner = self.new_runner(rows, max_model_len, prefill_chunk=engine_config.prefill_chunk)
+        runner = self.new_runner(rows, max_model_len, prefill_chunk=engine_config.prefill_chunk,
+                                 max_prefill_tokens=engine_config.max_prefill_tokens)
         stop_rules = StopRules(frozenset(self.loaded.eos_token_ids), max_model_len,
                                self.renderer.detokenize)
         use_draft = (self.draft is not None and spec.method in ("draft", "auto")

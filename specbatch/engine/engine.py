@@ -83,7 +83,7 @@ class Engine:
 
     def step(self) -> list[Completion]:
         done = self._admit()
-        running = self.scheduler.running_sequences()
+        running = [s for s in self.scheduler.running_sequences() if s.is_prefilled]
         if running:
             proposed, drafts = self._propose(running)
             meta = StepMetadata.build(running, drafts, self.stop_rules, self.runner.device,
@@ -94,28 +94,31 @@ class Engine:
 
     # ---- stages -------------------------------------------------------------------------
     def _admit(self) -> list[Completion]:
-        """Prefill waiting requests into free rows; a prompt that cannot fit the context fails
-        its record here, and a row freed at once (e.g. max_tokens = 1) is refilled."""
+        """Admit waiting requests into free rows and prefill: one packed forward of prompt
+        chunks per step while other rows are decoding (a long prompt cannot stall them for
+        long), as many as needed while none is. A prompt that cannot fit the context fails its
+        record here, and a row freed at once (e.g. max_tokens = 1) is refilled."""
         done = []
-        while self.scheduler.waiting and self.scheduler.free_rows:
-            fits = []
-            for seq in self.scheduler.admit(self._make_sequence):
-                if seq.num_prompt_tokens >= self.runner.max_model_len:
-                    seq.finish_reason = "error"
-                    seq.error = (f"prompt is {seq.num_prompt_tokens} tokens; the model's context "
-                                 f"is {self.runner.max_model_len}")
-                    done.append(self._finish(seq))
-                else:
-                    fits.append(seq)
-            if fits:
-                logits = self.runner.prefill(fits)  # [B, V]
-                for seq in fits:
-                    seq.is_prefilled = True
-                no_drafts = [[] for _ in fits]
-                meta = StepMetadata.build(fits, no_drafts, self.stop_rules, logits.device)
-                done += self._commit_step(fits, no_drafts, logits[:, None, :], meta,
+        while True:
+            while self.scheduler.waiting and self.scheduler.free_rows:
+                for seq in self.scheduler.admit(self._make_sequence):
+                    if seq.num_prompt_tokens >= self.runner.max_model_len:
+                        seq.finish_reason = "error"
+                        seq.error = (f"prompt is {seq.num_prompt_tokens} tokens; the model's "
+                                     f"context is {self.runner.max_model_len}")
+                        done.append(self._finish(seq))
+            running = self.scheduler.running_sequences()
+            prefilling = [s for s in running if not s.is_prefilled]
+            if not prefilling:
+                return done
+            ready, logits = self.runner.prefill_step(prefilling)  # [len(ready), V]
+            if ready:
+                no_drafts = [[] for _ in ready]
+                meta = StepMetadata.build(ready, no_drafts, self.stop_rules, logits.device)
+                done += self._commit_step(ready, no_drafts, logits[:, None, :], meta,
                                           is_prefill=True)
-        return done
+            if any(s.is_prefilled and not s.is_finished for s in running):
+                return done  # rows are decoding: the rest of the prefill waits a step
 
     def _propose(self, seqs: list[Sequence]) -> tuple[list[list[int]], list[list[int]]]:
         """(proposed drafts, the drafts to verify: the policy may cut them)."""

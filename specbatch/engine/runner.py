@@ -26,11 +26,14 @@ class ModelRunner:
 
     def __init__(self, forward: LlamaForward, num_rows: int, max_model_len: int,
                  prefill_chunk: int = 1024, initial_capacity: int = 512,
-                 pack: bool = True) -> None:
+                 pack: bool = True, max_prefill_tokens: int = 2048) -> None:
         self.forward = forward
         self.pack = pack  # verify: dense layers on real tokens only (LlamaForward num_fed)
         self.max_model_len = max_model_len
+        # attention granule of prefill: a prompt is cut at multiples of prefill_chunk, whatever
+        # else runs, so its numerics never depend on the batch (see prefill_step)
         self.prefill_chunk = prefill_chunk
+        self.max_prefill_tokens = max_prefill_tokens  # prompt tokens per prefill forward
         self.cache: KVCache = forward.new_cache(num_rows, initial_capacity)
         self.device = forward.device
 
@@ -39,25 +42,53 @@ class ModelRunner:
         return self.forward.vocab_size
 
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Write each sequence's tokens into its cache row, in chunks of ``prefill_chunk``.
-
-        Returns logits ``[len(seqs), vocab]`` (model dtype) at each sequence's last token.
-        """
-        out = []
+        """Write every prompt whole into its cache row (as many packed forwards as the token
+        budget needs). Returns logits ``[len(seqs), vocab]`` at each sequence's last token."""
         for seq in seqs:
-            ids = seq.token_ids
-            self.cache.ensure_capacity(len(ids))
-            rows = torch.tensor([seq.row], device=self.device)
-            logits = None
-            for start in range(0, len(ids), self.prefill_chunk):
-                chunk = ids[start:start + self.prefill_chunk]
-                inp = torch.tensor([chunk], device=self.device)
-                pos = torch.arange(start, start + len(chunk), device=self.device)[None]
-                last = torch.tensor([[len(chunk) - 1]], device=self.device)
-                logits = self.forward.forward(inp, pos, self.cache, rows, logits_index=last)
-            self.cache.seq_lens[seq.row] = len(ids)
-            out.append(logits[0, 0])
-        return torch.stack(out)
+            seq.num_prefilled = 0
+        logits: dict[int, torch.Tensor] = {}
+        pending = list(seqs)
+        while pending:
+            done, out = self.prefill_step(pending)
+            logits.update({s.seq_id: row for s, row in zip(done, out)})
+            pending = [s for s in pending if s.num_prefilled < len(s.token_ids)]
+        return torch.stack([logits[s.seq_id] for s in seqs])
+
+    def prefill_step(self, seqs: list[Sequence],
+                     max_tokens: int | None = None) -> tuple[list[Sequence], torch.Tensor]:
+        """One packed prefill forward: the next prompt chunks of ``seqs``, in order, while they
+        fit in ``max_tokens`` (default ``max_prefill_tokens``; the first chunk always runs).
+
+        A chunk runs from ``seq.num_prefilled`` to the next multiple of ``prefill_chunk`` (or
+        the prompt's end), so where a prompt is cut never depends on the budget or on the other
+        prompts: a record's keys, values and first-token logits are the same in every batch
+        (``LlamaForward.forward_prefill``). Advances ``num_prefilled`` and the rows' cache
+        lengths. Returns the sequences whose prompt is now complete and their logits ``[n,
+        vocab]`` at the prompt's last token.
+        """
+        budget = self.max_prefill_tokens if max_tokens is None else max_tokens
+        chunks, ids, done, last = [], [], [], []
+        for seq in seqs:
+            start = seq.num_prefilled
+            prompt = seq.token_ids
+            while start < len(prompt):
+                end = min(len(prompt), (start // self.prefill_chunk + 1) * self.prefill_chunk)
+                if chunks and len(ids) + end - start > budget:
+                    break
+                chunks.append((seq.row, start, end - start))
+                ids.extend(prompt[start:end])
+                start = end
+            if start == seq.num_prefilled:
+                break  # over budget: later prompts wait for the next step
+            self.cache.ensure_capacity(start)
+            seq.num_prefilled = start
+            self.cache.seq_lens[seq.row] = start
+            if start == len(prompt):
+                done.append(seq)
+                last.append(len(ids) - 1)
+        logits = self.forward.forward_prefill(torch.tensor(ids, device=self.device), self.cache,
+                                              chunks, last)
+        return done, logits
 
     def query_len(self, drafts: list[list[int]]) -> int:
         """Q, the padded queries per row of a verify step feeding ``drafts``.

@@ -61,7 +61,7 @@ class Sequence:
         self.num_prompt_tokens = len(request.prompt_ids)
         self.k = k  # current draft cap; the planner may change it per step
         self.row: int | None = None
-        self.is_prefilled = False  # whether the prompt was fed (a too-long one never is)
+        self.num_prefilled = 0  # prompt tokens written to the cache so far (chunked prefill)
         self.finish_reason: str | None = None  # "stop" | "length" | "error"
         self.stop_reason: int | str | None = None
         self.error: str | None = None
@@ -80,6 +80,11 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_prefilled(self) -> bool:
+        """The whole prompt is in the cache (and the first token has been sampled)."""
+        return self.num_prefilled >= self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specbatch.engine.kv_cache import KV_BLOCK, KVCache
+from specbatch.engine.kv_cache import KV_BLOCK, KVCache, KVSegment, plan_segments
 from specbatch.models.llama_kernels import can_use_kernels, forward_with_kernels
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -79,17 +79,23 @@ class LlamaForward:
 
     def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                    mask: torch.Tensor, exact: bool) -> torch.Tensor:
-        """q: ``[B, Hkv, rows, D]``; keys, values: ``[B, Hkv, kv_len, D]``; mask: ``[B, 1, rows,
-        kv_len]`` bool. Returns ``[B, Hkv, rows, D]``.
+        """q: ``[B, Hkv, rows, D]``; keys, values: ``[B, Hkv, kv_len, D]`` (views into the cache;
+        kv_len a multiple of ``KV_BLOCK`` when ``exact``); mask: ``[B, 1, rows, kv_len]`` bool.
+        Returns ``[B, Hkv, rows, D]``.
 
-        Prefill (many rows; the same whatever the speculation config) uses the fused SDPA kernel.
-        Decode and verify steps use a batch-invariant form, so that a token's result does not
-        depend on how many tokens or rows share the step, nor on how many masked keys pad it
-        (measured on this CPU, the fused kernel and a single ``probs @ values`` matmul both
-        round differently as kv_len changes, by ~1 bfloat16 ulp, enough to flip greedy ties):
-        scores by matmul over head_dim, softmax in float32, then ``probs @ values`` in blocks of
-        ``KV_BLOCK`` keys (kv_len is padded to a multiple of it; fully masked blocks add exact
-        zeros), summed block by block in a fixed order in float32.
+        Prefill chunks of more than ``max_exact_rows`` query rows use the fused SDPA kernel
+        (each chunk alone, the same whatever the speculation config or batch). Decode and verify
+        steps use a batch-invariant form, so that a token's result does not depend on how many
+        tokens or rows share the step, nor on how many masked keys pad it (measured on AMX and
+        AVX2 CPUs, the fused kernel and a single ``probs @ values`` matmul both round
+        differently as kv_len changes, by ~1 bfloat16 ulp, enough to flip greedy ties): scores
+        by matmul over head_dim, softmax in float32, then ``probs @ values`` in blocks of
+        ``KV_BLOCK`` keys (fully masked blocks give exact zeros), and the blocks' partial sums
+        added in float32 by one ``sum`` over the block axis. That reduction adds the blocks in
+        index order whatever their number (torch's CPU sum over a non-innermost axis
+        accumulates sequentially per output element, and its cascade for 16+ blocks only adds
+        trailing zeros later), so extra masked blocks add exact zeros at the end
+        (``tests/unit/test_forward.py::test_attention_is_invariant_to_padding_and_batch``).
         """
         scale = self.head_dim ** -0.5
         bsz, hkv, rows, dim = q.shape
@@ -100,14 +106,151 @@ class LlamaForward:
                                    mask.expand(-1, -1, 2, -1), exact)[:, :, :1]
         acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         scores = torch.matmul(q, keys.transpose(-1, -2)).to(acc_dtype) * scale
-        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
+        probs = torch.softmax(torch.where(mask, scores, float("-inf")), dim=-1).to(q.dtype)
         num_blocks = keys.shape[2] // KV_BLOCK
         probs = probs.view(bsz, hkv, rows, num_blocks, KV_BLOCK).transpose(2, 3)
-        partial = torch.matmul(probs, values.view(bsz, hkv, num_blocks, KV_BLOCK, dim))
-        out = partial[:, :, 0].to(acc_dtype)
-        for i in range(1, num_blocks):
-            out += partial[:, :, i]
-        return out.to(q.dtype)
+        # [B, Hkv, num_blocks, rows, D]: one matmul per block of KV_BLOCK keys (K fixed)
+        partial = torch.matmul(probs, values.unflatten(2, (num_blocks, KV_BLOCK)))
+        return partial.sum(dim=2, dtype=acc_dtype).to(q.dtype)
+
+    def _plan_reads(self, rows: torch.Tensor, positions: torch.Tensor, group: int,
+                    exact: bool) -> list[tuple]:
+        """Which cache views each layer's attention reads, planned once per forward.
+
+        Returns ``(segment, mask, take, src, dst)`` per ``KVSegment``: mask ``[n, 1, group * Q,
+        kv_len]`` bool; take ``[n]`` int64 batch rows whose queries the segment's rows get
+        (None: the slice ``segment.first_batch_row`` onwards); src / dst ``[m]`` int64: the
+        segment rows whose outputs are kept and the batch rows they go to (None with take).
+        Exact steps read views of consecutive rows padded to whole KV blocks
+        (``plan_segments``); SDPA chunks read each row alone up to its own last key, as a
+        record prefilled alone would.
+        """
+        qlen = positions.shape[1]
+        row_list = rows.tolist()
+        kv_lens = (positions.max(dim=1).values + 1).tolist()
+        if exact:
+            segments = plan_segments(row_list, kv_lens)
+        else:
+            segments = [KVSegment(r, r + 1, n, (b,))
+                        for b, (r, n) in enumerate(zip(row_list, kv_lens))]
+        plans = []
+        for seg in segments:
+            b0, n = seg.first_batch_row, seg.hi - seg.lo
+            if b0 is not None:
+                seg_pos, take, src, dst = positions[b0:b0 + n], None, None, None
+            else:
+                served = [i for i, b in enumerate(seg.batch_rows) if b >= 0]
+                filler = seg.batch_rows[served[0]]  # idle rows borrow a real row's queries
+                take = torch.tensor([b if b >= 0 else filler for b in seg.batch_rows],
+                                    device=positions.device)
+                seg_pos = positions[take]
+                idle = torch.tensor([b < 0 for b in seg.batch_rows], device=positions.device)
+                seg_pos = seg_pos.masked_fill(idle[:, None], 0)  # idle rows see key 0 only
+                src = torch.tensor(served, device=positions.device)
+                dst = torch.tensor([seg.batch_rows[i] for i in served], device=positions.device)
+            key_pos = torch.arange(seg.kv_len, device=positions.device)
+            mask = key_pos[None, None, :] <= seg_pos[:, :, None]  # [n, Q, kv_len]
+            mask = mask[:, None, None].expand(n, 1, group, qlen, seg.kv_len).reshape(
+                n, 1, group * qlen, seg.kv_len)
+            plans.append((seg, mask, take, src, dst))
+        return plans
+
+    def _attend(self, layer: int, q: torch.Tensor, cache: KVCache, plans: list[tuple],
+                exact: bool) -> torch.Tensor:
+        """Attention of one layer for the whole batch, reading every row's keys and values
+        where they sit (``KVCache.view``): q ``[B, Hkv, group * Q, D]`` -> same shape."""
+        outs = []
+        for seg, mask, take, _, _ in plans:
+            keys, values = cache.view(layer, seg)  # [n, Hkv, kv_len, D], no copy
+            b0 = seg.first_batch_row
+            q_seg = q[b0:b0 + seg.hi - seg.lo] if take is None else q[take]
+            outs.append(self._attention(q_seg, keys, values, mask, exact))
+        if len(plans) == 1 and plans[0][2] is None and outs[0].shape[0] == q.shape[0]:
+            return outs[0]
+        o = torch.empty_like(q)
+        for (seg, _, take, src, dst), out in zip(plans, outs):
+            if take is None:
+                b0 = seg.first_batch_row
+                o[b0:b0 + seg.hi - seg.lo] = out
+            else:
+                o[dst] = out[src]
+        return o
+
+    @torch.inference_mode()
+    def forward_prefill(self, input_ids: torch.Tensor, cache: KVCache,
+                        chunks: list[tuple[int, int, int]], logits_at: list[int]) -> torch.Tensor:
+        """Prompt chunks of several rows in one forward, packed without padding.
+
+        input_ids: ``[T]`` int64, the chunks' tokens back to back (chunk j is
+            ``input_ids[cu_j : cu_j + length_j]``).
+        chunks: ``(row, start, length)`` per chunk: cache row, position of its first token, and
+            its token count. A row's keys before ``start`` must already be in the cache or come
+            from an earlier chunk of the same call (keys/values are written before attention
+            in every layer). Each chunk attends alone, over its own row's cache view
+            ``0 .. start + length - 1``, exactly as a forward of that chunk alone would
+            (``forward`` with one row), so a record's keys, values and logits do not depend on
+            which other chunks share the call. The dense layers see ``[T, hidden]``; bfloat16
+            matmuls do not depend on the row count on this CPU, and a one-token call is run as
+            two rows (see ``runner.verify``).
+        logits_at: indices into ``[T]`` whose logits are wanted (e.g. each finished prompt's
+            last token).
+        Returns logits ``[len(logits_at), vocab]``, float32 (float64 for a float64 model).
+        """
+        group = self.num_heads // self.num_kv_heads
+        num_tokens = input_ids.shape[0]
+        dev = input_ids.device
+        positions = torch.cat([torch.arange(start, start + n, device=dev)
+                               for _, start, n in chunks])
+        cache_rows = torch.cat([torch.full((n,), row, device=dev, dtype=torch.int64)
+                                for row, _, n in chunks])
+        cu = [0]
+        for _, _, n in chunks:
+            cu.append(cu[-1] + n)
+        # per chunk: the same plan a one-row forward of it would make
+        plans = []
+        for (row, start, n), c0 in zip(chunks, cu):
+            exact = n * group <= self.max_exact_rows
+            plans.append((c0, n, exact, self._plan_reads(
+                torch.tensor([row]), positions[c0:c0 + n][None], group, exact)))
+        cos, sin = self._rope(positions[None])
+        cos, sin = cos[0], sin[0]  # [T, 1, D]
+        ids = input_ids if num_tokens >= 2 else input_ids.expand(2)  # no one-row matmuls
+        h = F.embedding(ids, self.embed)  # [T, hidden]
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = self._rms_norm(h, layer.input_layernorm.weight)
+            q = F.linear(x, attn.q_proj.weight, attn.q_proj.bias)[:num_tokens].view(
+                num_tokens, self.num_heads, self.head_dim)
+            k = F.linear(x, attn.k_proj.weight, attn.k_proj.bias)[:num_tokens].view(
+                num_tokens, self.num_kv_heads, self.head_dim)
+            v = F.linear(x, attn.v_proj.weight, attn.v_proj.bias)[:num_tokens].view(
+                num_tokens, self.num_kv_heads, self.head_dim)
+            q = self._rotate(q, cos, sin)
+            k = self._rotate(k, cos, sin)
+            cache.write_tokens(i, cache_rows, positions, k, v)
+            o = torch.empty(num_tokens, self.num_heads * self.head_dim, dtype=q.dtype,
+                            device=dev)
+            for c0, n, exact, plan in plans:
+                # [1, Hkv, group * n, D], as forward lays out one row
+                qc = q[c0:c0 + n].view(1, n, self.num_kv_heads, group, self.head_dim).permute(
+                    0, 2, 3, 1, 4).reshape(1, self.num_kv_heads, group * n, self.head_dim)
+                oc = self._attend(i, qc, cache, plan, exact)
+                o[c0:c0 + n] = oc.view(self.num_kv_heads, group, n, self.head_dim).permute(
+                    2, 0, 1, 3).reshape(n, self.num_heads * self.head_dim)
+            if num_tokens < 2:
+                o = o.expand(2, -1)
+            h = h + F.linear(o, attn.o_proj.weight, attn.o_proj.bias)
+            mlp = layer.mlp
+            x = self._rms_norm(h, layer.post_attention_layernorm.weight)
+            gated = F.silu(F.linear(x, mlp.gate_proj.weight)) * F.linear(x, mlp.up_proj.weight)
+            h = h + F.linear(gated, mlp.down_proj.weight)
+        if not logits_at:
+            return h.new_zeros(0, self.vocab_size,
+                               dtype=torch.float64 if h.dtype == torch.float64 else torch.float32)
+        h = h[torch.tensor(logits_at, dtype=torch.int64, device=dev)]
+        h = self._rms_norm(h, self.norm.weight)
+        logits = F.linear(h if h.shape[0] >= 2 else h.expand(2, -1), self.lm_head)[:len(logits_at)]
+        return logits if logits.dtype == torch.float64 else logits.float()
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -145,18 +288,9 @@ class LlamaForward:
         if self.use_kernels and logits_index is None:
             return forward_with_kernels(self, input_ids, positions, cache, rows)
         bsz, qlen = input_ids.shape
-        kv_len = int(positions.max()) + 1
-        exact = qlen * (self.num_heads // self.num_kv_heads) <= self.max_exact_rows
-        if exact:  # pad to whole key blocks (masked); see _attention
-            kv_len = -(-kv_len // KV_BLOCK) * KV_BLOCK
-        rows_are_all = bsz == cache.num_rows and bool(
-            (rows == torch.arange(bsz, device=rows.device)).all())
         group = self.num_heads // self.num_kv_heads
-        # [B, 1, group * Q, kv_len]: query (g, q) sees key j iff j <= positions[b, q]
-        key_pos = torch.arange(kv_len, device=positions.device)
-        mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, Q, kv_len]
-        mask = mask[:, None, None].expand(bsz, 1, group, qlen, kv_len).reshape(
-            bsz, 1, group * qlen, kv_len)
+        exact = qlen * group <= self.max_exact_rows
+        plans = self._plan_reads(rows, positions, group, exact)
         cos, sin = self._rope(positions)
         # packed: token t of the flat [T] layout is (row, query) = real.nonzero()[t]
         real = None
@@ -187,11 +321,10 @@ class LlamaForward:
                 padded = q.new_zeros(bsz, qlen, self.num_heads, self.head_dim)
                 padded[real] = q
                 q = padded
-            keys, values = cache.read(i, rows, kv_len, rows_are_all)  # [B, Hkv, kv_len, D]
             # group query heads per kv head instead of repeating keys: [B, Hkv, group * Q, D]
             q = q.view(bsz, qlen, self.num_kv_heads, group, self.head_dim).permute(
                 0, 2, 3, 1, 4).reshape(bsz, self.num_kv_heads, group * qlen, self.head_dim)
-            o = self._attention(q, keys, values, mask, exact)
+            o = self._attend(i, q, cache, plans, exact)
             o = o.view(bsz, self.num_kv_heads, group, qlen, self.head_dim).permute(
                 0, 3, 1, 2, 4).reshape(bsz, qlen, self.num_heads * self.head_dim)
             if real is not None:

@@ -37,16 +37,20 @@ class PoisonedForward:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
+    def forward_prefill(self, input_ids, cache, chunks, logits_at):
+        """Packed prompt chunks: track which row holds the poisoned prompt."""
+        c0 = 0
+        for row, start, n in chunks:
+            if start == 0:
+                self.poisoned_rows.pop(row, None)
+            if (input_ids[c0:c0 + n] == POISON_ID).any():
+                self.poisoned_rows[row] = 0
+            c0 += n
+        return self.inner.forward_prefill(input_ids, cache, chunks, logits_at)
+
     @torch.inference_mode()
     def forward(self, input_ids, positions, cache, rows, logits_index=None, num_fed=None):
         logits = self.inner.forward(input_ids, positions, cache, rows, logits_index, num_fed)
-        if logits_index is not None:  # a prefill chunk of one row: track which row is poisoned
-            row = int(rows[0])
-            if positions[0, 0] == 0:
-                self.poisoned_rows.pop(row, None)
-            if (input_ids == POISON_ID).any():
-                self.poisoned_rows[row] = 0
-            return logits
         for b, row in enumerate(rows.tolist()):
             if row not in self.poisoned_rows:
                 continue

@@ -54,6 +54,14 @@ class ScriptedForward:
             logits = torch.gather(logits, 1, logits_index[:, :, None].expand(-1, -1, VOCAB))
         return logits
 
+    def forward_prefill(self, input_ids, cache, chunks, logits_at):
+        """Packed prompt chunks ``(row, start, length)`` (see ``LlamaForward.forward_prefill``)."""
+        last = max(start + n - 1 for _, start, n in chunks)
+        assert last < cache.capacity
+        self.max_real_position = max(self.max_real_position, last)
+        self.num_calls += 1
+        return self.table[input_ids[logits_at]]  # [len(logits_at), V]
+
 
 def detokenize(ids: list[int]) -> str:
     """Token t is two letters: 4 -> "Ee", 5 -> "Ff", so a stop string can span two tokens."""

@@ -1,0 +1,48 @@
+"""What the three engine workers share (standard library only: each worker runs in its own venv).
+
+Protocol: the driver (``run.py``) starts a worker, which loads its engine and prints one JSON
+line ``{"event": "ready", ...}`` on its protocol channel; then for each JSON command line on
+stdin (``{"cmd": "run", "limit": N, "max_tokens": M}`` or ``{"cmd": "quit"}``) it runs the first
+N prompts of ``prompts.json`` as one batch job and answers ``{"event": "result", "seconds": s,
+"outputs": [[token ids], ...]}`` (outputs in prompt order; a final EOS id is kept, as specbatch
+keeps it). The protocol channel is the process's original stdout; everything an engine prints
+to stdout goes to stderr instead, so library logging cannot corrupt it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+
+
+def protocol_channel():
+    """Keep the real stdout for protocol lines and send fd 1 (engine prints) to stderr."""
+    channel = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return channel
+
+
+def serve(channel, ready: dict, run: Callable[[int, int], list[list[int]]],
+          num_prompts: int) -> None:
+    """Answer run commands until ``quit`` or EOF. ``run(n, max_tokens)`` generates the first n
+    prompts as one batch job and returns the output ids per prompt."""
+    channel.write(json.dumps({"event": "ready", **ready}) + "\n")
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "quit":
+            break
+        t0 = time.perf_counter()
+        outputs = run(min(cmd.get("limit") or num_prompts, num_prompts), cmd["max_tokens"])
+        seconds = time.perf_counter() - t0
+        channel.write(json.dumps({"event": "result", "seconds": seconds,
+                                  "outputs": outputs}) + "\n")
+
+
+def load_prompts(path: str) -> list[dict]:
+    """``prompts.json``: ``[{"question_id", "category", "prompt_ids"}, ...]``."""
+    with open(path) as fh:
+        return json.load(fh)

@@ -1,0 +1,101 @@
+"""Where a specbatch run's wall time goes: forward (prefill / verify, attention inside them),
+proposer, sampler + acceptance, and the rest (Python bookkeeping: scheduling, stop rules,
+stats, building step metadata).
+
+    OMP_NUM_THREADS=2 python benchmarks/peers/profile_steps.py benchmarks/peers/records16.jsonl \
+        --method ngram --k 5 --batch 16
+
+Wraps the stage functions with wall-clock timers (no profiler overhead on the rest) and prints
+one table row per stage: seconds, share of the run, calls. Load once, one untimed warm-up of 2
+records and 8 tokens, then the timed run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from collections import defaultdict
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("records")
+    ap.add_argument("--method", default="none")
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    import specbatch.engine.engine as engine_mod
+    from specbatch import LLM
+    from specbatch.config import EngineConfig, SamplingParams, SpecConfig
+    from specbatch.io.records import read_records
+    from specbatch.models.llama import LlamaForward
+
+    spent: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+
+    def timed(name, fn):
+        @functools.wraps(fn)
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[name] += time.perf_counter() - t0
+                calls[name] += 1
+        return wrapper
+
+    LlamaForward.forward = timed("forward: decode/verify", LlamaForward.forward)
+    LlamaForward.forward_prefill = timed("forward: prefill", LlamaForward.forward_prefill)
+    LlamaForward._attend = timed("  of which attention (both)", LlamaForward._attend)
+    LlamaForward._plan_reads = timed("  of which read planning", LlamaForward._plan_reads)
+    engine_mod.sample_and_accept = timed("sampler + acceptance", engine_mod.sample_and_accept)
+    engine_mod.fetch_step_results = timed("sampler + acceptance", engine_mod.fetch_step_results)
+    engine_mod.Engine._propose = timed("proposer (+ policy)", engine_mod.Engine._propose)
+
+    spec = (SpecConfig(method="none") if args.method == "none"
+            else SpecConfig(method=args.method, num_speculative_tokens=args.k))
+    llm = LLM.from_config(None, spec, EngineConfig(max_batch_size=args.batch, dtype=args.dtype,
+                                                   device="cpu"), echo=lambda line: None)
+    records, errors = read_records(args.records,
+                                   defaults=SamplingParams(max_tokens=args.max_tokens))
+    assert not errors, errors
+    from dataclasses import replace
+
+    warm = [replace(r, sampling=replace(r.sampling, max_tokens=8)) for r in records[:2]]
+    list(llm.generate_records(warm, seed=0))
+    spent.clear()
+    calls.clear()
+    t0 = time.perf_counter()
+    tokens = sum(sum(len(t) for t in out["output_token_ids"]) if r.turns
+                 else len(out["output_token_ids"])
+                 for r, out in llm.generate_records(records, seed=0))
+    wall = time.perf_counter() - t0
+    fwd = spent["forward: decode/verify"] + spent["forward: prefill"]
+    sampler = spent["sampler + acceptance"]
+    rest = wall - fwd - spent["proposer (+ policy)"] - sampler
+    rows = [(name, spent[name], calls[name]) for name in
+            ("forward: prefill", "forward: decode/verify", "  of which attention (both)",
+             "  of which read planning", "proposer (+ policy)", "sampler + acceptance")]
+    rows.append(("Python bookkeeping (the rest)", rest, 0))
+    import os
+
+    print(f"{args.method} k={args.k} batch {args.batch} {args.dtype}, {len(records)} records, "
+          f"{tokens} output tokens in {wall:.1f} s ({tokens / wall:.1f} tok/s), threads "
+          f"{args.threads}, load average {os.getloadavg()[0]:.2f}")
+    print("| stage | seconds | share | calls |\n|---|---|---|---|")
+    for name, s, n in rows:
+        print(f"| {name.strip()} | {s:.2f} | {100 * s / wall:.1f}% | {n or '-'} |")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

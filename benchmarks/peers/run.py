@@ -1,0 +1,194 @@
+"""Run specbatch, vLLM and llama.cpp on the same prompts, interleaved, and print the table.
+
+Each arm (engine, method, batch size) is a worker process in its engine's own venv (see
+README.md), started once and warmed up (two prompts, 16 tokens); then every round runs each
+arm on all prompts, one arm at a time, the arm order rotating from round to round so drift of
+a shared machine spreads over all arms. Output tok/s = output tokens (a final EOS counted, as
+every engine emits it) / wall seconds of the batch job, summed over rounds. The load average
+is read before every run and reported.
+
+    python benchmarks/peers/run.py --work /work/peer-run --rounds 2 \
+        --arms specbatch:none:16,specbatch:ngram:16,vllm:none:16,vllm:ngram:16
+
+Standard library only; the workers import the engines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+PYTHONS = {"specbatch": os.environ.get("SPECBATCH_PYTHON", sys.executable),
+           "vllm": os.environ.get("VLLM_PYTHON", "/work/peer-venvs/vllm/bin/python"),
+           "llamacpp": os.environ.get("LLAMACPP_PYTHON", "/work/peer-venvs/llamacpp/bin/python")}
+LABELS = {"specbatch": "specbatch", "vllm": "vLLM", "llamacpp": "llama.cpp"}
+
+
+def worker_command(engine: str, method: str, batch: int, args) -> tuple[list[str], dict]:
+    work = Path(args.work)
+    prompts = str(work / "prompts.json")
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
+    common = ["--method", method, "--k", str(args.k), "--threads", str(args.threads)]
+    if engine == "specbatch":
+        env["PYTHONPATH"] = str(REPO)
+        return ([PYTHONS[engine], str(HERE / "worker_specbatch.py"), args.records, prompts,
+                 "--batch", str(batch), *common], env)
+    if engine == "vllm":
+        env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND":
+                    f"0-{args.threads - 1}", "VLLM_NO_USAGE_STATS": "1",
+                    "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+        return ([PYTHONS[engine], str(HERE / "worker_vllm.py"), prompts,
+                 str(work / "hf-model"), "--batch", str(batch), *common], env)
+    if engine == "llamacpp":
+        if batch != 1:
+            raise SystemExit("llamacpp arms run batch 1 only (see worker_llamacpp.py)")
+        gguf = (work / "gguf-path.txt").read_text().strip()
+        return [PYTHONS[engine], str(HERE / "worker_llamacpp.py"), prompts, gguf, *common], env
+    raise SystemExit(f"unknown engine {engine!r}")
+
+
+class Worker:
+    def __init__(self, arm: tuple[str, str, int], args, log_dir: Path) -> None:
+        self.arm = arm
+        cmd, env = worker_command(*arm, args)
+        self.log = open(log_dir / ("%s-%s-b%d.log" % arm), "w")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, env=env, text=True, cwd=str(REPO))
+        self.t0 = time.perf_counter()
+        self.info: dict = {}
+
+    def wait_ready(self) -> None:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"worker {self.arm} died at start-up: see {self.log.name}")
+        self.info = json.loads(line)
+        self.info["startup_s"] = time.perf_counter() - self.t0
+
+    def run(self, limit: int | None, max_tokens: int) -> dict:
+        self.proc.stdin.write(json.dumps({"cmd": "run", "limit": limit,
+                                          "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"worker {self.arm} died: see {self.log.name}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=60)
+        except Exception:  # noqa: BLE001 - a stuck engine must not keep the driver alive
+            self.proc.kill()
+
+
+def parse_arms(text: str) -> list[tuple[str, str, int]]:
+    arms = []
+    for item in text.split(","):
+        engine, method, batch = item.strip().split(":")
+        arms.append((engine, method, int(batch)))
+    return arms
+
+
+def identical_share(a: list[list[int]], b: list[list[int]]) -> str:
+    return f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"
+
+
+def table(arms, results, outputs) -> str:
+    """Markdown: per arm tok/s, ratios to each peer's best arm at the same batch size, and the
+    share of outputs identical to the same engine's ``none`` at that batch and to the same
+    method at the other batch size."""
+    tps = {arm: sum(r["tokens"] for r in results[arm]) / sum(r["seconds"] for r in results[arm])
+           for arm in arms}
+    batches = sorted({b for _, _, b in arms})
+    head = ["engine", "method", "batch", "output tok/s", "tokens", "seconds"]
+    peers = [e for e in ("vllm", "llamacpp") if any(a[0] == e for a in arms)]
+    head += [f"/ best {LABELS[p]} arm" for p in peers]
+    head += ["identical to none (same engine, batch)", "identical across batch 1 / 16"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for arm in arms:
+        engine, method, batch = arm
+        tokens = sum(r["tokens"] for r in results[arm])
+        seconds = sum(r["seconds"] for r in results[arm])
+        row = [LABELS[engine], method, str(batch), f"{tps[arm]:.1f}", str(tokens),
+               f"{seconds:.1f}"]
+        for p in peers:
+            best = max((tps[a] for a in arms if a[0] == p and a[2] == batch), default=None)
+            row.append(f"{tps[arm] / best:.2f}x" if best else "-")
+        base = (engine, "none", batch)
+        row.append(identical_share(outputs[arm], outputs[base])
+                   if base in outputs and method != "none" else "-")
+        other = [a for a in arms if a[:2] == arm[:2] and a[2] != batch]
+        row.append(identical_share(outputs[arm], outputs[other[0]]) if other else "-")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", required=True, help="folder prepare.py wrote")
+    ap.add_argument("--records", default=str(HERE / "records16.jsonl"))
+    ap.add_argument("--arms", required=True, help="engine:method:batch,... (engine: specbatch, "
+                    "vllm, llamacpp; method: none, ngram, auto (specbatch))")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    ap.add_argument("--out", default=None, help="results JSON (default WORK/results-<time>.json)")
+    args = ap.parse_args()
+
+    arms = parse_arms(args.arms)
+    log_dir = Path(args.work) / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    workers = {arm: Worker(arm, args, log_dir) for arm in arms}
+    try:
+        for w in workers.values():
+            w.wait_ready()
+            print(f"ready {w.arm}: {w.info}", file=sys.stderr)
+        for arm, w in workers.items():  # warm-up, untimed
+            w.run(2, 16)
+        results = {arm: [] for arm in arms}
+        outputs: dict = {}
+        for rnd in range(args.rounds):
+            order = arms[rnd % len(arms):] + arms[:rnd % len(arms)]
+            for arm in order:
+                load = os.getloadavg()[0]
+                res = workers[arm].run(args.limit, args.max_tokens)
+                tokens = sum(len(o) for o in res["outputs"])
+                results[arm].append({"round": rnd, "seconds": res["seconds"], "tokens": tokens,
+                                     "load_before": load})
+                if arm in outputs and outputs[arm] != res["outputs"]:
+                    print(f"note: {arm} outputs changed between rounds", file=sys.stderr)
+                outputs.setdefault(arm, res["outputs"])
+                print(f"round {rnd + 1} {arm}: {tokens / res['seconds']:.1f} tok/s "
+                      f"({tokens} tokens, {res['seconds']:.1f} s, load {load:.2f})",
+                      file=sys.stderr)
+    finally:
+        for w in workers.values():
+            w.close()
+    loads = [r["load_before"] for rs in results.values() for r in rs]
+    md = table(arms, results, outputs)
+    summary = (f"{len(outputs[arms[0]])} prompts, max_tokens {args.max_tokens}, greedy, "
+               f"{args.rounds} rounds, threads {args.threads}; load average (1 min) before runs "
+               f"{min(loads):.2f}-{max(loads):.2f}")
+    print(summary)
+    print(md)
+    out = Path(args.out or Path(args.work) / f"results-{time.strftime('%H%M%S')}.json")
+    out.write_text(json.dumps({"args": vars(args), "summary": summary, "table": md,
+                               "workers": {"%s:%s:%d" % a: w.info for a, w in workers.items()},
+                               "results": {"%s:%s:%d" % a: r for a, r in results.items()},
+                               "outputs": {"%s:%s:%d" % a: o for a, o in outputs.items()}},
+                              indent=1))
+    print(f"wrote {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""llama.cpp worker for ``run.py`` (run with the llama-cpp-python venv's python).
+
+    /work/peer-venvs/llamacpp/bin/python worker_llamacpp.py PROMPTS_JSON MODEL.gguf \
+        --method ngram --k 5 --threads 2
+
+The packaged GGUF (Q4_1) run directly, one sequence at a time (the Python binding's
+``Llama.generate`` decodes a single sequence: batch 1 only). Greedy (``temp=0``: llama.cpp's
+greedy sampler; no repeat penalty). ngram: ``LlamaPromptLookupDecoding(num_pred_tokens=k,
+max_ngram_size=4)``. The KV cache is reset before each prompt, so no prompt prefix is reused.
+Output ids end at the first end-of-generation token (kept, as specbatch keeps EOS) or at
+max_tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import load_prompts, protocol_channel, serve  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("prompts")
+    ap.add_argument("model")
+    ap.add_argument("--method", default="none", choices=["none", "ngram"])
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--n-ctx", type=int, default=4096)
+    args = ap.parse_args()
+    channel = protocol_channel()
+
+    import llama_cpp
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    prompts = [p["prompt_ids"] for p in load_prompts(args.prompts)]
+    draft = (LlamaPromptLookupDecoding(num_pred_tokens=args.k, max_ngram_size=4)
+             if args.method == "ngram" else None)
+    llm = Llama(model_path=args.model, n_ctx=args.n_ctx, n_threads=args.threads,
+                n_threads_batch=args.threads, n_batch=512, seed=0, verbose=False,
+                draft_model=draft)
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+
+    def run(n: int, max_tokens: int) -> list[list[int]]:
+        outs = []
+        for ids in prompts[:n]:
+            llm.reset()  # no prefix reuse from the previous prompt
+            out = []
+            for tok in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0,
+                                    repeat_penalty=1.0, reset=True):
+                out.append(int(tok))
+                if llama_cpp.llama_vocab_is_eog(vocab, tok) or len(out) >= max_tokens:
+                    break
+            outs.append(out)
+        return outs
+
+    serve(channel, {"engine": "llama.cpp", "version": llama_cpp.__version__,
+                    "threads": args.threads}, run, len(prompts))
+
+
+if __name__ == "__main__":
+    main()
