@@ -340,10 +340,13 @@ def run(ctx, input_path, output, recipe, template, model, dtype, device, max_bat
 @click.option("--group", "groups", multiple=True, metavar="NAME=CAT,CAT",
               help="Also a table row for these categories together (repeatable), e.g. "
                    "copy-heavy=summarization,rag.")
+@click.option("--template", default=None,
+              help="Render the user message from record fields, as `run --template` (e.g. a "
+                   "recipe's [input] template).")
 def bench(input_path, configs, draft_model, model, dtype, device, max_batch_size, max_model_len,
           cache_dir, max_tokens, min_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
           ignore_eos, logprobs, prompt_field, id_field, split, limit, per_category, categories,
-          repeats, groups, **more_sampling):
+          repeats, groups, template, **more_sampling):
     """Time several configurations on the same records, interleaved; print output tok/s and
     the ratio to none, overall and per category; check the outputs are identical."""
     from specbatch.bench import BenchOptions, parse_configs, parse_groups, run_bench
@@ -364,7 +367,7 @@ def bench(input_path, configs, draft_model, model, dtype, device, max_batch_size
         sampling=sampling, specs=specs, engine=engine, run_seed=seed, prompt_field=prompt_field,
         id_field=id_field, split=split, limit=limit, per_category=per_category,
         categories=tuple(categories.split(",")) if categories else None, repeats=repeats,
-        groups=named_groups)))
+        groups=named_groups, template=template)))
 
 
 
