@@ -153,27 +153,40 @@ def longest_row(records, renderer: PromptRenderer, max_model_len: int) -> int:
 
 def fit_batch_size(batch_size: int, tokens_per_row: int, forwards,
                    free_bytes: int | None = None, reserve: float = 0.1,
-                   initial_capacity: int = 512) -> tuple[int, str | None]:
+                   initial_capacity: int = 512,
+                   available_bytes: int | None = None) -> tuple[int, str | None]:
     """The largest batch size <= ``batch_size`` whose KV rows fit in memory.
 
     Every row may grow to ``tokens_per_row`` tokens (longest prompt + largest max_tokens, at
     most the context) in each model's cache (``forwards``: the target's ``LlamaForward`` and,
     with a draft model, the draft's). A cache allocates all its rows at the capacity it has
     grown to: ``initial_capacity`` positions, doubled until the longest row fits
-    (``KVCache.ensure_capacity``). free_bytes: memory available now, with the weights already
-    loaded (default: ``psutil``'s available memory, or the device's free memory on CUDA);
-    ``reserve`` of it is left for activations. Returns (batch size, a one-line note when it had
-    to be lowered, else None); never below 1.
+    (``KVCache.ensure_capacity``). free_bytes: memory the KV rows may take (default: the
+    machine's total memory, or the device's on CUDA, less the loaded weights); ``reserve`` of
+    it is left for activations. The default is a property of the machine and the job, never of
+    what else runs: the batch size decides which rows share a step, and a batch size that
+    followed the memory free at the moment made the output of a run follow the machine's load
+    on a CPU whose kernels are not batch-invariant (issue 16). available_bytes: memory
+    available now (default: ``psutil``'s, or the device's free memory); when the rows need
+    more, the note warns and the batch size stays. Returns (batch size, a one-line note when it
+    was lowered or memory is short now, else None); never below 1.
     """
+    from specbatch.spec_decode.draft import weight_bytes
+
     forwards = list(forwards)
-    if free_bytes is None:
-        device = forwards[0].device
+    device = forwards[0].device
+    if free_bytes is None or available_bytes is None:
         if device.type == "cuda":
-            free_bytes = torch.cuda.mem_get_info(device)[0]
+            free_now, total = torch.cuda.mem_get_info(device)
         else:
             import psutil
 
-            free_bytes = psutil.virtual_memory().available
+            mem = psutil.virtual_memory()
+            free_now, total = mem.available, mem.total
+        if free_bytes is None:
+            free_bytes = max(0, total - sum(weight_bytes(f.hf_model) for f in forwards))
+        if available_bytes is None:
+            available_bytes = free_now
     from specbatch.engine.kv_cache import round_capacity
 
     capacity = round_capacity(initial_capacity)
@@ -181,12 +194,19 @@ def fit_batch_size(batch_size: int, tokens_per_row: int, forwards,
         capacity *= 2
     per_row = capacity * sum(f.kv_bytes_per_token for f in forwards)
     fits = max(1, int(free_bytes * (1 - reserve)) // max(per_row, 1))
-    if fits >= batch_size:
-        return batch_size, None
     models = "target + draft" if len(forwards) > 1 else "target"
-    return fits, (f"memory: a row of {capacity} KV positions takes {per_row / 2**20:.1f} MiB "
-                  f"({models}) and {_gib(free_bytes)} is available: batch size lowered from "
-                  f"{batch_size} to {fits}")
+    if fits < batch_size:
+        return fits, (f"memory: a row of {capacity} KV positions takes {per_row / 2**20:.1f} MiB "
+                      f"({models}) and {_gib(free_bytes)} is there for them: batch size lowered "
+                      f"from {batch_size} to {fits}")
+    need = batch_size * per_row
+    if need > available_bytes * (1 - reserve):
+        return batch_size, (f"warning: memory: {batch_size} rows of {capacity} KV positions "
+                            f"({models}) may take {_gib(need)} and {_gib(available_bytes)} is "
+                            f"available now (other processes hold the rest); the batch size "
+                            f"stays {batch_size}, so that the output does not depend on what "
+                            f"else runs; pass --max-batch-size to use less")
+    return batch_size, None
 
 
 def fit_engine_config(engine_config, records, renderer: PromptRenderer, max_model_len: int,

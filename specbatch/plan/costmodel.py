@@ -264,7 +264,10 @@ def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
     progress: show a tqdm bar on stderr. time_fn(rows, q, ctx) -> seconds replaces the
     measurement (tests). Takes ~10-20 s on a 2-core CPU for SmolLM2-135M (quiet machine).
     """
-    shapes = [(r, q, c) for c in context_grid for r in rows_grid for q in query_grid]
+    # a 1-row step feeds at least 2 query tokens (runner.verify: no one-row matmuls), so the
+    # 1-row, 1-token shape is timed and fitted as what runs: 2 tokens
+    shapes = list(dict.fromkeys((r, max(q, 2) if r == 1 else q, c) for c in context_grid
+                                for r in rows_grid for q in query_grid))
     caches: dict[tuple[int, int], object] = {}
     max_q = max(max(query_grid), 2)
 
@@ -357,6 +360,11 @@ def load_or_calibrate(forward, model_id: str, dtype: str, cache_root: Path,
             say(f"warning: {e}; calibrating again")
         else:
             why = cached.problem()
+            now, cpus = load_average(), os.cpu_count() or 1
+            if (why is None and cached.load_average is not None and cached.load_average > cpus
+                    and now is not None and now < cpus):
+                why = (f"measured under load, {cached.load_average:.1f} on {cpus} CPUs; the "
+                       f"machine is quieter now ({now:.1f})")
             if why is None:
                 return cached, path, False
             say(f"warning: the cached calibration {path} is not used ({why}); calibrating "

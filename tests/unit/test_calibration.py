@@ -127,3 +127,34 @@ def test_online_refit_never_goes_negative():
         slow = 3.0 if rows < 4 else 1.0  # small steps hit by load, large ones not
         online.observe(rows, q, 300, rows * q, TRUE.step_time(rows, q, 300) * slow)
     assert all(c >= 0 for c in online.model.coef), online.model.coef
+
+
+def test_a_fit_measured_under_load_is_measured_again_when_quiet(tmp_path, monkeypatch):
+    """Cached while the machine was busy (load above its CPUs): reused while it stays busy,
+    measured again once it is quiet."""
+    import os
+
+    cpus = os.cpu_count() or 1
+    monkeypatch.setattr(costmodel, "load_average", lambda: 3.0 * cpus)
+    busy, path, measured = load_or_calibrate(FORWARD, "m", "bfloat16", tmp_path,
+                                             progress=False, time_fn=_timer())
+    assert measured and path.exists() and busy.load_average == 3.0 * cpus
+    timer = _timer()
+    _, _, measured = load_or_calibrate(FORWARD, "m", "bfloat16", tmp_path, progress=False,
+                                       time_fn=timer)
+    assert not measured and not timer.calls  # still busy: the busy fit is the right one
+    monkeypatch.setattr(costmodel, "load_average", lambda: 0.1)
+    lines = []
+    quiet, _, measured = load_or_calibrate(FORWARD, "m", "bfloat16", tmp_path,
+                                           echo=lines.append, progress=False, time_fn=_timer())
+    assert measured and quiet.load_average == 0.1
+    assert any("measured under load" in line for line in lines), lines
+
+
+def test_the_one_row_shape_is_timed_as_it_runs():
+    """A 1-row step feeds 2 tokens (no one-row matmuls), so calibration times (1, 2, ctx) once,
+    not a (1, 1, ctx) that costs the same and looks like an outlier of the fit."""
+    timer = _timer()
+    cost = calibrate(FORWARD, time_fn=timer)
+    assert (1, 1, 256) not in timer.calls and (1, 2, 256) in timer.calls
+    assert [s[:3] for s in cost.samples].count((1, 2, 256)) == 1
