@@ -31,11 +31,14 @@ PYTHONS = {"specbatch": os.environ.get("SPECBATCH_PYTHON", sys.executable),
 LABELS = {"specbatch": "specbatch", "vllm": "vLLM", "llamacpp": "llama.cpp"}
 
 
-def worker_command(engine: str, method: str, batch: int, args) -> tuple[list[str], dict]:
+def worker_command(engine: str, method: str, batch: int, dtype: str,
+                   args) -> tuple[list[str], dict]:
     work = Path(args.work)
     prompts = str(work / "prompts.json")
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
     common = ["--method", method, "--k", str(args.k), "--threads", str(args.threads)]
+    if engine != "llamacpp":
+        common += ["--dtype", dtype]
     if engine == "specbatch":
         env["PYTHONPATH"] = str(REPO)
         return ([PYTHONS[engine], str(HERE / "worker_specbatch.py"), args.records, prompts,
@@ -55,10 +58,10 @@ def worker_command(engine: str, method: str, batch: int, args) -> tuple[list[str
 
 
 class Worker:
-    def __init__(self, arm: tuple[str, str, int], args, log_dir: Path) -> None:
+    def __init__(self, arm: tuple[str, str, int, str], args, log_dir: Path) -> None:
         self.arm = arm
         cmd, env = worker_command(*arm, args)
-        self.log = open(log_dir / ("%s-%s-b%d.log" % arm), "w")
+        self.log = open(log_dir / ("%s-%s-b%d-%s.log" % arm), "w")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, env=env, text=True, cwd=str(REPO))
         self.t0 = time.perf_counter()
@@ -89,11 +92,13 @@ class Worker:
             self.proc.kill()
 
 
-def parse_arms(text: str) -> list[tuple[str, str, int]]:
+def parse_arms(text: str) -> list[tuple[str, str, int, str]]:
+    """``engine:method:batch[:dtype]`` items (dtype default bfloat16; llama.cpp: its GGUF's)."""
     arms = []
     for item in text.split(","):
-        engine, method, batch = item.strip().split(":")
-        arms.append((engine, method, int(batch)))
+        engine, method, batch, *dtype = item.strip().split(":")
+        dtype = dtype[0] if dtype else ("q4_1" if engine == "llamacpp" else "bfloat16")
+        arms.append((engine, method, int(batch), dtype))
     return arms
 
 
@@ -108,24 +113,24 @@ def table(arms, results, outputs) -> str:
     tps = {arm: sum(r["tokens"] for r in results[arm]) / sum(r["seconds"] for r in results[arm])
            for arm in arms}
     batches = sorted({b for _, _, b in arms})
-    head = ["engine", "method", "batch", "output tok/s", "tokens", "seconds"]
+    head = ["engine", "method", "batch", "dtype", "output tok/s", "tokens", "seconds"]
     peers = [e for e in ("vllm", "llamacpp") if any(a[0] == e for a in arms)]
     head += [f"/ best {LABELS[p]} arm" for p in peers]
     head += ["identical to none (same engine, batch)", "identical across batch 1 / 16"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm in arms:
-        engine, method, batch = arm
+        engine, method, batch, dtype = arm
         tokens = sum(r["tokens"] for r in results[arm])
         seconds = sum(r["seconds"] for r in results[arm])
-        row = [LABELS[engine], method, str(batch), f"{tps[arm]:.1f}", str(tokens),
+        row = [LABELS[engine], method, str(batch), dtype, f"{tps[arm]:.1f}", str(tokens),
                f"{seconds:.1f}"]
         for p in peers:
             best = max((tps[a] for a in arms if a[0] == p and a[2] == batch), default=None)
             row.append(f"{tps[arm] / best:.2f}x" if best else "-")
-        base = (engine, "none", batch)
+        base = (engine, "none", batch, dtype)
         row.append(identical_share(outputs[arm], outputs[base])
                    if base in outputs and method != "none" else "-")
-        other = [a for a in arms if a[:2] == arm[:2] and a[2] != batch]
+        other = [a for a in arms if a[:2] == arm[:2] and a[3] == dtype and a[2] != batch]
         row.append(identical_share(outputs[arm], outputs[other[0]]) if other else "-")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
@@ -135,8 +140,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", required=True, help="folder prepare.py wrote")
     ap.add_argument("--records", default=str(HERE / "records16.jsonl"))
-    ap.add_argument("--arms", required=True, help="engine:method:batch,... (engine: specbatch, "
-                    "vllm, llamacpp; method: none, ngram, auto (specbatch))")
+    ap.add_argument("--arms", required=True, help="engine:method:batch[:dtype],... (engine: "
+                    "specbatch, vllm, llamacpp; method: none, ngram, auto (specbatch); dtype: "
+                    "bfloat16 (default) or float32)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=5)
@@ -183,9 +189,10 @@ def main() -> None:
     print(md)
     out = Path(args.out or Path(args.work) / f"results-{time.strftime('%H%M%S')}.json")
     out.write_text(json.dumps({"args": vars(args), "summary": summary, "table": md,
-                               "workers": {"%s:%s:%d" % a: w.info for a, w in workers.items()},
-                               "results": {"%s:%s:%d" % a: r for a, r in results.items()},
-                               "outputs": {"%s:%s:%d" % a: o for a, o in outputs.items()}},
+                               "workers": {"%s:%s:%d:%s" % a: w.info
+                                           for a, w in workers.items()},
+                               "results": {"%s:%s:%d:%s" % a: r for a, r in results.items()},
+                               "outputs": {"%s:%s:%d:%s" % a: o for a, o in outputs.items()}},
                               indent=1))
     print(f"wrote {out}", file=sys.stderr)
 
