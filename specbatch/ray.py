@@ -182,6 +182,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
     # Ray's own notes (auth token, deprecations, executor progress) would bury the run's lines;
     # failures still raise in the driver
     os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
+    # errors inside Ray's own actors (its stats actor's KeyError) printed tracebacks on runs
+    # that succeeded; an error of ours still raises in the driver
+    os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     for name in ("ray", "ray.data"):
         logging.getLogger(name).setLevel(logging.ERROR)
     kwargs: dict[str, Any] = {"logging_level": logging.ERROR, "log_to_driver": False,
