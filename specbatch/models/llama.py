@@ -211,7 +211,7 @@ class LlamaForward:
         for (row, start, n), c0 in zip(chunks, cu):
             exact = n * group <= self.max_exact_rows
             plans.append((c0, n, exact, self._plan_reads(
-                torch.tensor([row]), positions[c0:c0 + n][None], group, exact)))
+                torch.tensor([row], device=dev), positions[c0:c0 + n][None], group, exact)))
         cos, sin = self._rope(positions[None])
         cos, sin = cos[0], sin[0]  # [T, 1, D]
         ids = input_ids if num_tokens >= 2 else input_ids.expand(2)  # no one-row matmuls
