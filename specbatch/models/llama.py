@@ -13,11 +13,16 @@ from the model's own rotary embedding module). Numerics follow transformers' eag
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from specbatch.engine.kv_cache import KV_BLOCK, KVCache, KVSegment, plan_segments
+from specbatch.models.dense import linear_for, min_attention_rows, row_invariant
 from specbatch.models.llama_kernels import can_use_kernels, forward_with_kernels
+
+_log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -53,6 +58,20 @@ class LlamaForward:
         self.dtype = self.embed.dtype
         self.device = self.embed.device
         self.max_exact_rows = 256  # query rows (heads x tokens) up to which _attention is exact
+        # row-count-invariant dense matmuls (oneDNN for float32 on CPU) and the query rows the
+        # attention matmuls are padded to (see models/dense.py)
+        self.linear = linear_for(self.dtype, self.device)
+        self.min_attention_rows = min_attention_rows(self.dtype)
+        if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
+            inter = self.layers[0].mlp.up_proj.weight.shape[0]
+            hidden = self.embed.shape[1]
+            shapes = ((hidden, self.num_heads * self.head_dim), (hidden, inter), (inter, hidden),
+                      (hidden, min(self.vocab_size, 8192)))
+            if not row_invariant(self.dtype, shapes, self.head_dim):
+                _log.warning("%s matmuls on this CPU round a row differently with the number "
+                             "of rows beside it: speculation or batch size may change greedy "
+                             "ties (see docs/design.md; bfloat16 is invariant on AVX2 and AMX "
+                             "CPUs)", str(self.dtype).removeprefix("torch."))
         # decode/verify with the Triton kernels (CUDA; see models/llama_kernels.py)
         self.use_kernels = can_use_kernels(self)
 
@@ -101,9 +120,11 @@ class LlamaForward:
         bsz, hkv, rows, dim = q.shape
         if not exact:
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-        if rows == 1:  # a one-row matmul takes another kernel (see runner.verify)
-            return self._attention(q.expand(-1, -1, 2, -1), keys, values,
-                                   mask.expand(-1, -1, 2, -1), exact)[:, :, :1]
+        if rows < self.min_attention_rows:  # few-row matmuls take other kernels (dense.py)
+            pad = self.min_attention_rows - rows
+            q = torch.cat([q, q[:, :, -1:].expand(-1, -1, pad, -1)], dim=2)
+            mask = torch.cat([mask, mask[:, :, -1:].expand(-1, -1, pad, -1)], dim=2)
+            return self._attention(q, keys, values, mask, exact)[:, :, :rows]
         acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         scores = torch.matmul(q, keys.transpose(-1, -2)).to(acc_dtype) * scale
         probs = torch.softmax(torch.where(mask, scores, float("-inf")), dim=-1).to(q.dtype)
@@ -219,11 +240,11 @@ class LlamaForward:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = self._rms_norm(h, layer.input_layernorm.weight)
-            q = F.linear(x, attn.q_proj.weight, attn.q_proj.bias)[:num_tokens].view(
+            q = self.linear(x, attn.q_proj.weight, attn.q_proj.bias)[:num_tokens].view(
                 num_tokens, self.num_heads, self.head_dim)
-            k = F.linear(x, attn.k_proj.weight, attn.k_proj.bias)[:num_tokens].view(
+            k = self.linear(x, attn.k_proj.weight, attn.k_proj.bias)[:num_tokens].view(
                 num_tokens, self.num_kv_heads, self.head_dim)
-            v = F.linear(x, attn.v_proj.weight, attn.v_proj.bias)[:num_tokens].view(
+            v = self.linear(x, attn.v_proj.weight, attn.v_proj.bias)[:num_tokens].view(
                 num_tokens, self.num_kv_heads, self.head_dim)
             q = self._rotate(q, cos, sin)
             k = self._rotate(k, cos, sin)
@@ -239,17 +260,19 @@ class LlamaForward:
                     2, 0, 1, 3).reshape(n, self.num_heads * self.head_dim)
             if num_tokens < 2:
                 o = o.expand(2, -1)
-            h = h + F.linear(o, attn.o_proj.weight, attn.o_proj.bias)
+            h = h + self.linear(o, attn.o_proj.weight, attn.o_proj.bias)
             mlp = layer.mlp
             x = self._rms_norm(h, layer.post_attention_layernorm.weight)
-            gated = F.silu(F.linear(x, mlp.gate_proj.weight)) * F.linear(x, mlp.up_proj.weight)
-            h = h + F.linear(gated, mlp.down_proj.weight)
+            gated = (F.silu(self.linear(x, mlp.gate_proj.weight))
+                     * self.linear(x, mlp.up_proj.weight))
+            h = h + self.linear(gated, mlp.down_proj.weight)
         if not logits_at:
             return h.new_zeros(0, self.vocab_size,
                                dtype=torch.float64 if h.dtype == torch.float64 else torch.float32)
         h = h[torch.tensor(logits_at, dtype=torch.int64, device=dev)]
         h = self._rms_norm(h, self.norm.weight)
-        logits = F.linear(h if h.shape[0] >= 2 else h.expand(2, -1), self.lm_head)[:len(logits_at)]
+        logits = self.linear(h if h.shape[0] >= 2 else h.expand(2, -1),
+                             self.lm_head)[:len(logits_at)]
         return logits if logits.dtype == torch.float64 else logits.float()
 
     @staticmethod
@@ -306,11 +329,11 @@ class LlamaForward:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = self._rms_norm(h, layer.input_layernorm.weight)
-            q = F.linear(x, attn.q_proj.weight, attn.q_proj.bias).view(
+            q = self.linear(x, attn.q_proj.weight, attn.q_proj.bias).view(
                 *lead, self.num_heads, self.head_dim)
-            k = F.linear(x, attn.k_proj.weight, attn.k_proj.bias).view(
+            k = self.linear(x, attn.k_proj.weight, attn.k_proj.bias).view(
                 *lead, self.num_kv_heads, self.head_dim)
-            v = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(
+            v = self.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(
                 *lead, self.num_kv_heads, self.head_dim)
             q = self._rotate(q, cos, sin)
             k = self._rotate(k, cos, sin)
@@ -329,15 +352,16 @@ class LlamaForward:
                 0, 3, 1, 2, 4).reshape(bsz, qlen, self.num_heads * self.head_dim)
             if real is not None:
                 o = o[real]  # [T, hidden]
-            h = h + F.linear(o, attn.o_proj.weight, attn.o_proj.bias)
+            h = h + self.linear(o, attn.o_proj.weight, attn.o_proj.bias)
             mlp = layer.mlp
             x = self._rms_norm(h, layer.post_attention_layernorm.weight)
-            gated = F.silu(F.linear(x, mlp.gate_proj.weight)) * F.linear(x, mlp.up_proj.weight)
-            h = h + F.linear(gated, mlp.down_proj.weight)
+            gated = (F.silu(self.linear(x, mlp.gate_proj.weight))
+                     * self.linear(x, mlp.up_proj.weight))
+            h = h + self.linear(gated, mlp.down_proj.weight)
         if logits_index is not None:
             h = torch.gather(h, 1, logits_index[:, :, None].expand(-1, -1, h.shape[-1]))
         h = self._rms_norm(h, self.norm.weight)
-        logits = F.linear(h, self.lm_head)
+        logits = self.linear(h, self.lm_head)
         logits = logits if logits.dtype == torch.float64 else logits.float()
         if real is not None:
             out = logits.new_zeros(bsz, qlen, logits.shape[-1])

@@ -16,6 +16,7 @@ from specbatch.models.llama import LlamaForward
 from tests.helpers import LLAMA3_ROPE, tiny_llama, tiny_qwen2
 
 TOL = 1e-8
+DTYPE_ID = lambda d: str(d).removeprefix("torch.")  # noqa: E731
 VOCAB = 96
 YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
              "original_max_position_embeddings": 64}
@@ -48,7 +49,8 @@ def feed(fwd: LlamaForward, cache, rows: list[int], starts: list[int],
     """One forward where row ``rows[b]`` feeds ``new_ids[b]`` at positions ``starts[b]...``,
     right-padded (``packed``: dense layers on the real tokens only); returns logits
     ``[B, Q, vocab]``."""
-    qlen = max(len(x) for x in new_ids)
+    # as runner.query_len: never a one-token forward (a one-row matmul takes another kernel)
+    qlen = max(max(len(x) for x in new_ids), 2 if len(rows) == 1 else 1)
     ids = torch.full((len(rows), qlen), pad_id, dtype=torch.int64)
     for b, x in enumerate(new_ids):
         ids[b, :len(x)] = torch.tensor(x)
@@ -119,11 +121,12 @@ def test_ragged_rows_in_one_forward(model):
         assert (logits[b, :num_new[r]] - ref).abs().max().item() < TOL
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float32], ids=DTYPE_ID)
 def test_packed_rows_equal_padded_rows(model, dtype):
     """Rows feeding 3, 1, 5 and 2 tokens: with ``num_fed`` the dense layers see only the 11
     real tokens. Logits at real queries and the cache rows' keys/values equal the padded
-    forward's: float64 to transformers, bfloat16 bit for bit (no row-count dependence)."""
+    forward's: float64 to transformers, bfloat16 and float32 bit for bit (no row-count
+    dependence, see models/dense.py)."""
     ref_model, model = model, copy.deepcopy(model).to(dtype)
     gen = torch.Generator().manual_seed(21)
     prompt_lens, num_new = [5, 17, 2, 9], [3, 1, 5, 2]
@@ -140,7 +143,7 @@ def test_packed_rows_equal_padded_rows(model, dtype):
         caches.append(cache)
     for b, r in enumerate([2, 0, 3, 1]):
         n = num_new[r]
-        same = torch.equal if dtype == torch.bfloat16 else (
+        same = torch.equal if dtype != torch.float64 else (
             lambda a, b: (a - b).abs().max().item() < 1e-12)
         assert same(outs[1][b, :n], outs[0][b, :n])
         assert not outs[1][b, n:].any()  # padded queries: zeros
@@ -229,15 +232,16 @@ def _clone(cache):
     return out
 
 
-def test_attention_is_invariant_to_padding_and_batch():
-    """bfloat16: a row's verify logits and the keys/values it writes are bit-identical whether
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=DTYPE_ID)
+def test_attention_is_invariant_to_padding_and_batch(dtype):
+    """bfloat16 and float32: a row's verify logits and the keys/values it writes are bit-identical whether
     it runs alone or with rows of other lengths: in one cache view padded to a longer row's
     blocks (up to 18 blocks of 256 keys, past the 16 where torch's block sum cascades), beside
     an idle row whose queries are computed and dropped, or in a view of its own; cache rows in
     any batch order, padded or packed."""
     from specbatch.engine.kv_cache import plan_segments
 
-    model = tiny_llama(VOCAB, seed=31).to(torch.bfloat16)
+    model = tiny_llama(VOCAB, seed=31).to(dtype)
     fwd = LlamaForward(model)
     gen = torch.Generator().manual_seed(32)
     lens = [4400, 4000, 40, 0, 700, 20]  # row 3 idle
@@ -274,11 +278,11 @@ def test_attention_is_invariant_to_padding_and_batch():
     assert not torch.equal(alone[2][0][2], alone[5][0][5])
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float32], ids=DTYPE_ID)
 def test_packed_prefill_equals_prefill_alone(model, dtype):
     """Prompts of 5, 300, 40 and 600 tokens prefilled together in packed forwards of at most 100
     or 500 tokens (chunks of 256: a chunk over the budget runs alone) give the same first-token logits and cache rows as each
-    prompt prefilled alone in one go: bit for bit in bfloat16; in float64 equal to
+    prompt prefilled alone in one go: bit for bit in bfloat16 and float32; in float64 equal to
     transformers' logits."""
     from specbatch.config import SamplingParams
     from specbatch.engine.runner import ModelRunner
@@ -316,7 +320,7 @@ def test_packed_prefill_equals_prefill_alone(model, dtype):
     for budget in (100, 500):
         got, cache, steps = run(budget, together=True)
         assert steps >= (6 if budget == 100 else 2)  # really split across forwards
-        same = torch.equal if dtype == torch.bfloat16 else (
+        same = torch.equal if dtype != torch.float64 else (
             lambda a, b: (a - b).abs().max().item() < 1e-12)
         assert same(got, ref)
         for r, p in enumerate(prompts):

@@ -1,0 +1,96 @@
+"""Dense matmuls whose rows do not depend on how many other rows share the call.
+
+Speculation is output-neutral only if a token's logits are the same in a one-token decode step
+and in a verify step of k + 1 tokens beside other rows (docs/design.md, "Batch invariance").
+For the dense layers (q/k/v/o projections, MLP, lm_head) that means: row ``i`` of
+``linear(x, w)`` is bit-identical for every row count ``n >= 2`` and every thread count.
+Which kernel gives that depends on the dtype and the CPU (torch 2.13, SmolLM2-135M shapes,
+measured on an AMD EPYC Zen 3 with AVX2 only, 1 and 2 threads):
+
+- bfloat16 through ``F.linear``: invariant for ``n >= 1`` on AVX2 (torch's own fallback kernel)
+  and ``n >= 2`` on AMX (oneDNN); scalar speed on AVX2: a ``[96, 576] x [576, 1536]`` matmul
+  19.5 ms.
+- float32 through ``F.linear`` (MKL sgemm): rows of 1-3, 5-7 and 9-11-row matmuls differ from
+  the same rows in a larger call by ~1 ulp, so float32 was not invariant.
+- float32 through oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``, the op
+  torch.compile's CPU backend emits for ``nn.Linear``): invariant for ``n >= 2``, at any thread
+  count and any row order, and as fast as MKL: 2.8 ms for the matmul above, lm_head
+  ``[16, 576] x [576, 49152]`` 26 ms (bfloat16: 108 ms).
+
+So float32 on CPU uses oneDNN. A one-row call never happens (the forward pads to two rows);
+``row_invariant`` re-checks the property at load time on the machine at hand.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` through oneDNN's float32 inner product. x: ``[..., K]`` float32 CPU;
+    weight: ``[N, K]``; bias: ``[N]`` or None. Returns ``[..., N]`` float32."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _has_onednn() -> bool:
+    try:
+        return (torch.backends.mkldnn.is_available()
+                and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def linear_for(dtype: torch.dtype, device: torch.device | str) -> Linear:
+    """The dense matmul a forward in ``dtype`` on ``device`` uses: oneDNN for float32 on CPU
+    (when torch was built with it), ``F.linear`` otherwise (bfloat16, float64, CUDA)."""
+    if torch.device(device).type == "cpu" and dtype == torch.float32 and _has_onednn():
+        return _onednn_linear
+    return F.linear
+
+
+# query rows of the attention matmuls below which a row may round differently (MKL's batched
+# sgemm: 1-3 rows differ from 4+; bfloat16: a one-row matmul takes another kernel on AMX)
+MIN_ATTENTION_ROWS = {torch.float32: 4}
+
+
+def min_attention_rows(dtype: torch.dtype) -> int:
+    """Query rows per (row, kv head) that ``_attention`` pads its matmuls to (tokens x heads)."""
+    return MIN_ATTENTION_ROWS.get(dtype, 2)
+
+
+@lru_cache(maxsize=None)
+def row_invariant(dtype: torch.dtype, shapes: tuple[tuple[int, int], ...],
+                  head_dim: int) -> bool:
+    """Whether ``linear_for(dtype, "cpu")`` and the attention matmuls give every row the same
+    bits at 2..17 and 64 rows, in any order, at this machine's thread count.
+
+    shapes: ``(in_features, out_features)`` of the model's dense layers. Random inputs, a few
+    milliseconds per shape; cached per process. The property is the kernels', not the weights',
+    so random weights of the model's shapes test it."""
+    gen = torch.Generator().manual_seed(0)
+    linear = linear_for(dtype, "cpu")
+    for k, n in shapes:
+        w = torch.randn(n, k, generator=gen).to(dtype) / k ** 0.5
+        x = torch.randn(64, k, generator=gen).to(dtype)
+        full = linear(x, w, None)
+        for rows in list(range(2, 18)) + [64]:
+            pick = torch.randperm(64, generator=gen)[:rows]
+            if not torch.equal(linear(x[pick], w, None), full[pick]):
+                return False
+    lo = min_attention_rows(dtype)
+    q = torch.randn(2, 3, 40, head_dim, generator=gen).to(dtype)
+    keys = torch.randn(2, 3, 512, head_dim, generator=gen).to(dtype)
+    full = torch.matmul(q, keys.transpose(-1, -2))
+    for rows in range(lo, 20):
+        pick = torch.randperm(40, generator=gen)[:rows]
+        if not torch.equal(torch.matmul(q[:, :, pick], keys.transpose(-1, -2)),
+                           full[:, :, pick]):
+            return False
+    return True

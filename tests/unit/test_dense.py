@@ -1,0 +1,53 @@
+"""The dense and attention matmuls give a row the same bits whatever rows share the call
+(models/dense.py), in the dtypes the CPU engine runs: bfloat16 and float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specbatch.models.dense import linear_for, min_attention_rows, row_invariant
+from specbatch.models.llama import LlamaForward
+from tests.helpers import tiny_llama
+
+SMOLLM2_SHAPES = ((576, 576), (576, 1536), (1536, 576), (576, 8192))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_kernels_are_row_invariant_on_this_cpu(dtype):
+    assert row_invariant(dtype, SMOLLM2_SHAPES, 64)
+
+
+def test_float32_linear_is_onednn_and_equals_f_linear_closely():
+    """float32 on CPU takes oneDNN (MKL's sgemm rounds 1-3, 5-7, 9-11-row calls differently);
+    it computes the same product: within float32 rounding of F.linear."""
+    linear = linear_for(torch.float32, "cpu")
+    assert linear is not F.linear
+    assert linear_for(torch.bfloat16, "cpu") is F.linear
+    assert linear_for(torch.float64, "cpu") is F.linear
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(s, generator=gen) for s in ((7, 576), (1536, 576), (1536,)))
+    w = w / 24  # unit-scale outputs (K = 576)
+    assert torch.allclose(linear(x, w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-5)
+    assert linear(x.view(7, 1, 576), w, b).shape == (7, 1, 1536)
+    # the property the engine relies on: a row's bits do not depend on the row count
+    full = linear(x, w, b)
+    assert all(torch.equal(linear(x[:n], w, b), full[:n]) for n in range(2, 8))
+
+
+def test_few_query_rows_are_padded_in_attention():
+    """A decode step of one token has group (here 2) query rows per kv head; float32's batched
+    matmul rounds 1-3-row calls differently from 4+, so _attention pads them to 4: the rows'
+    outputs equal the same rows computed among 8."""
+    assert min_attention_rows(torch.float32) == 4 and min_attention_rows(torch.bfloat16) == 2
+    fwd = LlamaForward(tiny_llama(96, seed=5).float())
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 2, 8, fwd.head_dim, generator=gen)
+    keys, values = (torch.randn(2, 2, 512, fwd.head_dim, generator=gen) for _ in range(2))
+    mask = torch.ones(2, 1, 8, 512, dtype=torch.bool)
+    mask[1, :, :, 300:] = False
+    full = fwd._attention(q, keys, values, mask, exact=True)
+    for rows in (1, 2, 3, 5):
+        got = fwd._attention(q[:, :, :rows], keys, values, mask[:, :, :rows], exact=True)
+        assert torch.equal(got, full[:, :, :rows]), rows
