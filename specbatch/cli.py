@@ -102,9 +102,10 @@ def _model_options(f):
     for opt in reversed([
         click.option("--model", default=None, help="Registry name, .gguf path or HF folder "
                      "(default: smollm2-135m)."),
-        click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float64"]),
-                     default="bfloat16", show_default=True,
-                     help="Weights and activations dtype (bfloat16 is fastest on AMX CPUs)."),
+        click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32", "float64"]),
+                     default="auto", show_default=True,
+                     help="Weights and activations dtype. auto: bfloat16 on GPUs and on CPUs "
+                     "with AMX or AVX-512 BF16, float32 on other CPUs (both batch-invariant)."),
         click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
                      show_default=True,
                      help="Where the model runs: auto picks cuda when a GPU is visible."),

@@ -70,7 +70,8 @@ class LLM:
 
     model: registry name, ``.gguf`` path or Hugging Face folder (default: the packaged
         SmolLM2-135M). method: ``auto`` | ``none`` | ``ngram`` | ``draft``; k: draft tokens per
-        verify step (the cap for ``auto``). dtype: ``bfloat16`` (as the CLI) | ``float32`` |
+        verify step (the cap for ``auto``). dtype: ``auto`` (as the CLI: bfloat16 on GPUs and
+        AMX / AVX-512 BF16 CPUs, float32 on other CPUs) | ``bfloat16`` | ``float32`` |
         ``float64`` | ``float16``; device: a torch device string. max_batch_size: rows decoded
         together (lowered to the records and to free memory per build). max_model_len: cap on
         prompt + output tokens. draft_model: for ``draft`` (or for ``auto`` to choose per row).
@@ -83,7 +84,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, method: str = "auto", k: int = 5, *,
-                 dtype: str = "bfloat16", device: str = "cpu", max_batch_size: int = 16,
+                 dtype: str = "auto", device: str = "cpu", max_batch_size: int = 16,
                  max_model_len: int | None = None, prompt_lookup_min: int = 2,
                  prompt_lookup_max: int = 4, draft_model: str | None = None,
                  cache_dir: str | None = None, seed: int = 0,

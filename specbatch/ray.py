@@ -37,7 +37,7 @@ import os
 import pickle
 import socket
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from specbatch.config import EngineConfig, SamplingParams, SpecConfig
@@ -259,7 +259,7 @@ def _first_line(e: BaseException) -> str:
 
 
 def build_processor(model: str | None = None, method: str = "auto", k: int = 5, *,
-                    replicas: int = 1, dtype: str = "bfloat16", device: str = "cpu",
+                    replicas: int = 1, dtype: str = "auto", device: str = "cpu",
                     max_batch_size: int = 16, max_model_len: int | None = None,
                     prompt_lookup_min: int = 2, prompt_lookup_max: int = 4,
                     draft_model: str | None = None, cache_dir: str | None = None,
@@ -280,8 +280,10 @@ def build_processor(model: str | None = None, method: str = "auto", k: int = 5, 
                       draft_model=draft_model)
     engine = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_model_len,
                           dtype=dtype, device=device)
-    defaults = SamplingParams(**{k2: tuple(v) if isinstance(v, list) else v
-                                 for k2, v in sampling.items()})
+    unknown = sorted(set(sampling) - {f.name for f in fields(SamplingParams)})
+    if unknown:
+        raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+    defaults = SamplingParams.from_dict(sampling)  # lists, logit_bias {"id": bias}, ...
     if not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas={replicas!r}: expected an integer >= 1")
 
