@@ -191,8 +191,7 @@ def compare_outputs(out_path: str | Path, limit: int | None = None, model: str |
     cfg = _load_config(out_path)
     rows = [json.loads(line) for line in out_path.read_text().splitlines() if line.strip()]
     rows = rows[:limit] if limit is not None else rows
-    defaults = SamplingParams(**{k: tuple(v) if isinstance(v, list) else v
-                                 for k, v in cfg["sampling"].items()})
+    defaults = SamplingParams.from_dict(cfg["sampling"])  # the inverse of to_dict
     records, _ = read_records(input_path or cfg["input"], prompt_field=cfg.get("prompt_field"),
                               id_field=cfg.get("id_field"), split=cfg.get("split"),
                               defaults=defaults)

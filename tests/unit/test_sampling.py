@@ -331,3 +331,26 @@ def test_derive_seed_is_stable_and_63_bit():
     assert a == sampler.derive_seed(0, "record-1", 2)
     assert a != sampler.derive_seed(0, "record-1", 3) != sampler.derive_seed(1, "record-1", 2)
     assert 0 <= a < 2**63
+
+
+def test_job_sampling_written_to_the_output_reads_back():
+    """The output file's config holds ``SamplingParams.to_dict()`` (lists, logit_bias as
+    ``{"id": bias}``); ``reference`` and ``specbatch.ray`` read it back with ``from_dict``.
+    Building ``SamplingParams(**d)`` directly failed on ``logit_bias={}``, so
+    ``python -m specbatch.reference`` failed on every output file."""
+    from specbatch.config import SamplingParams
+
+    for p in (SamplingParams(), SamplingParams(stop=("a", "b"), stop_token_ids=(2, 7),
+                                               logit_bias=((5, -100.0), (9, 2.5)), min_p=0.1)):
+        assert SamplingParams.from_dict(p.to_dict()) == p
+
+
+def test_ray_processor_takes_vllm_style_sampling_kwargs():
+    """``build_processor(..., logit_bias={"5": -100}, stop=[...])`` as a vLLM user writes
+    them; an unknown name is an error naming it."""
+    pytest.importorskip("ray")
+    from specbatch.ray import build_processor
+
+    assert callable(build_processor(logit_bias={"5": -100}, stop=["x"], max_tokens=8))
+    with pytest.raises(ValueError, match="temprature"):
+        build_processor(temprature=0.5)
