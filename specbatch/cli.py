@@ -31,6 +31,31 @@ class _UsageError(click.UsageError):
             click.echo(f"try '{self.ctx.command_path} --help'", file=file, err=file is None)
 
 
+class _StopError(click.ClickException):
+    """A problem found before anything loads that is not a malformed command line (an unknown
+    model): one ``error:`` line on stderr, exit status 2, no usage hint."""
+
+    exit_code = EXIT_BAD_INPUT
+
+    def show(self, file=None) -> None:
+        click.echo(f"error: {self.format_message()}", file=file, err=file is None)
+
+
+def _check_model(name: str | None, draft: bool = False) -> None:
+    """Fail fast on a ``--model`` (None: the packaged default) or, with ``draft``, a
+    ``--draft-model`` that names no registry model, ``.gguf`` file or model folder, or a registry
+    model that is not installed: checked by ``models.registry.find_model`` before torch is
+    imported (seconds; tens on a loaded machine). Raises ``_StopError`` (exit 2) with the
+    one-line reason, naming the model."""
+    from specbatch.models.registry import DEFAULT_MODEL, find_model
+
+    name = name or DEFAULT_MODEL
+    try:
+        find_model(name)
+    except ValueError as e:
+        raise _StopError(f"draft model {name!r}: {e}" if draft else str(e)) from None
+
+
 # config fields -> the flags that set them, for errors raised while building the configs
 _FLAG_OF = {"num_speculative_tokens": "--k", "prompt_lookup_min": "--prompt-lookup-min",
             "prompt_lookup_max": "--prompt-lookup-max", "max_batch_size": "--max-batch-size",
@@ -288,6 +313,10 @@ def run(ctx, input_path, output, recipe, template, model, dtype, device, max_bat
             raise click.UsageError("--template and --prompt-field exclude each other")
         template, prompt_field = ((template, None) if _given(ctx, "template")
                                   else (None, prompt_field))
+    # before anything imports torch; --method none ignores a draft model, ngram refuses it below
+    _check_model(model)
+    if draft_model is not None and method in ("draft", "auto"):
+        _check_model(draft_model, draft=True)
     try:
         if template is not None:
             from specbatch.io.records import template_fields
@@ -351,6 +380,7 @@ def bench(input_path, configs, draft_model, model, dtype, device, max_batch_size
     the ratio to none, overall and per category; check the outputs are identical."""
     from specbatch.bench import BenchOptions, parse_configs, parse_groups, run_bench
 
+    _check_model(model)
     try:
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
                                   max_tokens=max_tokens, min_tokens=min_tokens, stop=tuple(stop),
@@ -362,6 +392,8 @@ def bench(input_path, configs, draft_model, model, dtype, device, max_batch_size
         named_groups = parse_groups(groups)
     except ValueError as e:
         raise click.UsageError(_as_flags(str(e))) from None
+    if draft_model is not None:  # used by a configuration (parse_configs checked)
+        _check_model(draft_model, draft=True)
     sys.exit(run_bench(BenchOptions(
         input_path=input_path, model=model, draft_model=draft_model, cache_dir=cache_dir,
         sampling=sampling, specs=specs, engine=engine, run_seed=seed, prompt_field=prompt_field,
@@ -407,6 +439,7 @@ def calibrate(model, dtype, device, max_batch_size, max_model_len, cache_dir, ou
     from specbatch.config import resolve_device
     from specbatch.plan.calibrate_cmd import run_calibrate
 
+    _check_model(model)
     try:
         device = resolve_device(device)
     except ValueError as e:
@@ -432,6 +465,8 @@ def predict_eval(paths, k, model, cache_dir, refit, probe_tokens):
     per-category means."""
     from specbatch.plan.calibrate_cmd import run_predict_eval
 
+    if model is not None:
+        _check_model(model)
     sys.exit(run_predict_eval(paths, k, model, cache_dir, refit, probe_tokens))
 
 
