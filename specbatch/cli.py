@@ -227,12 +227,49 @@ def _more_sampling(extra: dict) -> dict:
     return out
 
 
+class _StderrHandler(logging.Handler):
+    """Prints the ``specbatch`` logger's records on stderr as the CLI's other lines: INFO as
+    the bare message (progress: ``loading model ...``), other levels prefixed with the level
+    (``warning: ...``). Writes through ``click.echo``, so it follows a replaced ``sys.stderr``
+    (click's test runner, ``specbatch run ... 2> log``)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+            if record.levelno != logging.INFO:
+                message = f"{record.levelname.lower()}: {message}"
+            click.echo(message, err=True)
+        except Exception:  # noqa: BLE001 -- logging's contract: report, never raise
+            self.handleError(record)
+
+
+def _log_to_stderr(ctx: click.Context, verbose: bool) -> None:
+    """Show the ``specbatch`` logger (the library's progress and warnings) on stderr at INFO
+    (DEBUG with ``--verbose``) for this command; undone when the command ends, so that a
+    process that calls ``main`` (tests) finds the logger as it was."""
+    log = logging.getLogger("specbatch")
+    saved = log.level, log.propagate
+    handler = _StderrHandler()
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG if verbose else logging.INFO)
+    log.propagate = False  # the root handler of --verbose would print each line again
+
+    def restore() -> None:
+        log.removeHandler(handler)
+        log.setLevel(saved[0])
+        log.propagate = saved[1]
+
+    ctx.call_on_close(restore)
+
+
 @click.group(cls=_Group)
-@click.option("-v", "--verbose", is_flag=True, help="Log more.")
-def main(verbose: bool) -> None:
+@click.option("-v", "--verbose", is_flag=True, help="Log more (other libraries' INFO too).")
+@click.pass_context
+def main(ctx: click.Context, verbose: bool) -> None:
     """Offline batch text generation with speculative decoding."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    _log_to_stderr(ctx, verbose)
     if not verbose:  # our own progress bar is the one a user reads
         # through the environment, so that a run that stops at validation never imports them
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers reads it

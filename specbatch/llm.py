@@ -106,8 +106,10 @@ class LLM:
 
     def _load(self, model, spec: SpecConfig, engine: EngineConfig, cache_dir, seed,
               echo) -> None:
-        from specbatch.models.loader import load_model
-        from specbatch.models.registry import DEFAULT_MODEL
+        """Load the model (and draft model). Progress goes to the ``specbatch`` logger at INFO
+        (``loading model ... ...``, ``model ready in S s``; the CLI prints it on stderr), the
+        first line before torch is imported: a name that is no model fails before that."""
+        from specbatch.models.registry import DEFAULT_MODEL, find_model
 
         self.spec_config, self.engine_config = spec, engine
         self.cache_dir, self.seed = cache_dir, seed
@@ -115,11 +117,10 @@ class LLM:
         name = model or DEFAULT_MODEL
         t0 = time.perf_counter()
         try:
-            if echo is not None:  # someone reads: say what the wait is for (after the name is
-                from specbatch.models.loader import resolve_model  # known to be good)
+            find_model(name)  # an unknown name fails here, in milliseconds
+            _log.info("loading model %s (%s, %s) ...", name, engine.dtype, engine.device)
+            from specbatch.models.loader import load_model  # imports torch (seconds)
 
-                resolve_model(name, cache_dir)
-                echo(f"loading {name} ({engine.dtype}) ...")
             self.loaded = load_model(name, dtype=engine.dtype, device=engine.device,
                                      cache_dir=cache_dir)
         except ValueError as e:
@@ -130,6 +131,7 @@ class LLM:
         if spec.method in ("draft", "auto") and spec.draft_model is not None:
             from specbatch.spec_decode.draft import load_draft_model
 
+            _log.info("loading draft model %s ...", spec.draft_model)
             try:
                 self.draft = load_draft_model(spec.draft_model, self.loaded, engine.dtype,
                                               engine.device, cache_dir)
@@ -138,6 +140,7 @@ class LLM:
                 raise ModelLoadError(why if why.startswith("draft model ")
                                      else f"draft model {spec.draft_model!r}: {why}") from None
         self.load_seconds = time.perf_counter() - t0
+        _log.info("model ready in %.1f s", self.load_seconds)
         self.renderer = PromptRenderer(self.loaded.tokenizer)
         self.max_model_len = min(self.loaded.max_model_len,
                                  engine.max_model_len or self.loaded.max_model_len)

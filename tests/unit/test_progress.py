@@ -1,0 +1,83 @@
+"""What a run says before its first record (issue 16): loading the model, the model ready;
+on stderr from the CLI, on the ``specbatch`` logger from the library."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from specbatch.cli import main
+from tests.unit.test_loader import write_tiny_gguf
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny GGUF model and a cache folder (converted once for the module's tests)."""
+    folder = tmp_path_factory.mktemp("progress")
+    model = folder / "m.gguf"
+    write_tiny_gguf(model)
+    return model, folder / "cache"
+
+
+def _in(tmp_path: Path) -> Path:
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": 1, "prompt": "abc abc abc"}\n{"id": 2, "prompt": "hello"}\n')
+    return src
+
+
+def test_run_says_what_it_loads_before_the_bar(tiny, tmp_path):
+    """Before the progress bar: ``loading model NAME (dtype, device) ...`` and ``model ready in
+    S s``, on stderr (stdout keeps only the result); afterwards the ``specbatch`` logger is as
+    it was (a library user's logging setup, and caplog, still see its records)."""
+    model, cache = tiny
+    log = logging.getLogger("specbatch")
+    before = (log.level, log.propagate, list(log.handlers))
+    result = CliRunner().invoke(main, ["run", str(_in(tmp_path)), "-o",
+                                       str(tmp_path / "out.jsonl"), "--model", str(model),
+                                       "--cache-dir", str(cache), "--method", "ngram",
+                                       "--max-tokens", "2"])
+    assert result.exit_code == 0, result.output
+    err = result.stderr
+    loading = err.index(f"loading model {model} (bfloat16, cpu) ...\n")
+    ready = err.index("model ready in ")
+    assert loading < ready < err.index("2/2"), err  # then the bar
+    assert "loading" not in result.stdout and "ready" not in result.stdout
+    assert (log.level, log.propagate, list(log.handlers)) == before
+
+
+def test_the_library_logs_its_progress(tiny, caplog):
+    """``LLM(...)`` says what it loads on the ``specbatch`` logger at INFO, as vLLM and
+    transformers do: a library user sees it by enabling logging."""
+    from specbatch import LLM
+
+    model, cache = tiny
+    with caplog.at_level(logging.INFO, logger="specbatch"):
+        LLM(model=str(model), method="ngram", cache_dir=str(cache))
+    messages = [r.getMessage() for r in caplog.records if r.name == "specbatch"]
+    assert messages[0] == f"loading model {model} (bfloat16, cpu) ...", messages
+    assert messages[-1].startswith("model ready in ") and messages[-1].endswith(" s"), messages
+
+
+def test_the_first_progress_line_comes_before_torch_is_imported(tmp_path):
+    """Importing torch takes seconds (tens on a loaded machine): ``loading model`` is said
+    before it, not after. The script stops at that line (the file is no model)."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    script = ("import logging, os, sys\n"
+              "class Stop(logging.Handler):\n"
+              "    def emit(self, record):\n"
+              "        print(record.getMessage(), '|', 'torch' in sys.modules, flush=True)\n"
+              "        os._exit(0)\n"
+              "log = logging.getLogger('specbatch')\n"
+              "log.addHandler(Stop())\nlog.setLevel(logging.INFO)\n"
+              "from specbatch import LLM\n"
+              "LLM(model=sys.argv[1], method='none')\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(model)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.stdout == f"loading model {model} (bfloat16, cpu) ... | False\n", (
+        proc.stdout, proc.stderr)
