@@ -211,12 +211,13 @@ class LLM:
                            max_model_len or self.max_model_len, **kwargs)
 
     def calibrate(self, recalibrate: bool = False, forward=None, model_id: str | None = None,
-                  echo: Callable[[str], None] | None = None):
+                  echo: Callable[[str], None] | None = None, purpose: str | None = None):
         """The step-cost model of this machine (``plan.costmodel``): ``(cost, path, measured)``,
         loaded from the cache shared by every run (and replica) unless ``recalibrate`` (or the
         cached fit fails its checks). forward, model_id: another forward to calibrate (the
         draft model's) and its id. echo: gets what it is doing and why a fit is not cached
-        (default: this LLM's echo); a progress bar goes to stderr while it measures."""
+        (default: this LLM's echo), with ``purpose`` (what waits for it) in the line that says
+        it is calibrating; a progress bar goes to stderr while it measures."""
         from specbatch.models.llama import LlamaForward
         from specbatch.models.loader import cache_root
         from specbatch.plan.costmodel import load_or_calibrate
@@ -224,7 +225,7 @@ class LLM:
         return load_or_calibrate(forward or LlamaForward(self.loaded.model),
                                  model_id or self.model_id, self.engine_config.dtype,
                                  cache_root(self.cache_dir), recalibrate=recalibrate,
-                                 echo=echo or self.echo)
+                                 echo=echo or self.echo, purpose=purpose)
 
     def prepare(self, records: Iterable, spec: SpecConfig | None = None,
                 engine: EngineConfig | None = None,
@@ -257,14 +258,15 @@ class LLM:
         if spec.method == "auto":
             from specbatch.plan.planner import plan_auto
 
-            cost, path, measured = self.calibrate(forward=runner.forward, echo=echo)
+            why = "the plan's k and predicted speedup per bucket depend on it"
+            cost, path, measured = self.calibrate(forward=runner.forward, echo=echo, purpose=why)
             if measured:
                 echo(f"calibrated the step-cost model for this machine: {_where(cost, path)}")
             model_cost = None
             if hasattr(proposer, "propose_with_model"):  # the draft forward: its own costs
                 model_cost, path, measured = self.calibrate(
                     forward=proposer.model.forward, model_id=self.draft_model_id or "draft",
-                    echo=echo)
+                    echo=echo, purpose=why)
                 if measured:
                     echo(f"calibrated the draft model's step cost for this machine: "
                          f"{_where(model_cost, path)}")

@@ -1,5 +1,5 @@
-"""What a run says before its first record (issue 16): loading the model, the model ready;
-on stderr from the CLI, on the ``specbatch`` logger from the library."""
+"""What a run says before its first record (issue 16): loading the model, the model ready,
+calibrating and why; on stderr from the CLI, on the ``specbatch`` logger from the library."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from specbatch.cli import main
+from specbatch.plan import costmodel
+from tests.unit.test_calibration import TRUE
 from tests.unit.test_loader import write_tiny_gguf
 
 
@@ -22,6 +24,20 @@ def tiny(tmp_path_factory) -> tuple[Path, Path]:
     model = folder / "m.gguf"
     write_tiny_gguf(model)
     return model, folder / "cache"
+
+
+@pytest.fixture
+def fast_calibration(monkeypatch):
+    """``calibrate`` with a made-up step time instead of timing the model (seconds to
+    minutes): what is said around it is under test, not the timings."""
+    real = costmodel.calibrate
+
+    def calibrate(forward, **kwargs):
+        return real(forward, **{**kwargs, "progress": False, "time_fn": TRUE.step_time})
+
+    monkeypatch.setattr(costmodel, "calibrate", calibrate)
+    # and no load average: a fit measured under load is re-measured once the machine is quiet
+    monkeypatch.setattr(costmodel, "load_average", lambda: None)
 
 
 def _in(tmp_path: Path) -> Path:
@@ -81,3 +97,25 @@ def test_the_first_progress_line_comes_before_torch_is_imported(tmp_path):
                           text=True, timeout=120)
     assert proc.stdout == f"loading model {model} (bfloat16, cpu) ... | False\n", (
         proc.stdout, proc.stderr)
+
+
+def test_plan_only_says_it_calibrates_and_why(tiny, tmp_path, fast_calibration):
+    """``--plan-only`` needs the step cost (each bucket's k and predicted speedup come from
+    it): it says it is calibrating, where the fit is cached, and that the plan waits for it,
+    before the plan; a second run reads the cache and says nothing about calibrating."""
+    model, _ = tiny
+    cache = tmp_path / "cache"  # its own: no calibration cached yet
+    args = ["run", str(_in(tmp_path)), "--model", str(model), "--cache-dir", str(cache),
+            "--method", "auto", "--max-tokens", "2", "--plan-only"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    err = result.stderr
+    line = next((x for x in err.splitlines() if x.startswith("calibrating")), "")
+    assert line.startswith("calibrating this machine's step cost for "), err
+    assert f"(cached in {cache / 'calibration'}" in line, line
+    assert "the plan's k and predicted speedup per bucket depend on it" in line, line
+    assert line.endswith(" ..."), line
+    assert err.index(line) < err.index("plan: k_max"), err
+    again = CliRunner().invoke(main, args)
+    assert again.exit_code == 0 and "calibrating" not in again.output, again.output
+    assert "plan: k_max" in again.stderr
