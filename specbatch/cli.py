@@ -123,8 +123,10 @@ def _spec_options(f):
     return f
 
 
-def _model_options(f):
-    for opt in reversed([
+def _model_options(f, batch: bool = True):
+    """--model, --dtype, --device, --cache-dir and, with ``batch``, --max-batch-size and
+    --max-model-len (what an engine is built with)."""
+    opts = [
         click.option("--model", default=None, help="Registry name, .gguf path or HF folder "
                      "(default: smollm2-135m)."),
         click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float64"]),
@@ -133,16 +135,26 @@ def _model_options(f):
         click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
                      show_default=True,
                      help="Where the model runs: auto picks cuda when a GPU is visible."),
-        click.option("--max-batch-size", type=click.IntRange(1), default=16, show_default=True,
-                     help="Rows decoded together (continuous batching)."),
-        click.option("--max-model-len", type=click.IntRange(2), default=None,
-                     help="Cap on prompt + output tokens (default: the model's context)."),
-        click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
-                     help="Where converted weights are cached (default: $SPECBATCH_CACHE or "
-                     "~/.cache/specbatch)."),
-    ]):
+    ]
+    if batch:
+        opts += [
+            click.option("--max-batch-size", type=click.IntRange(1), default=16,
+                         show_default=True, help="Rows decoded together (continuous batching)."),
+            click.option("--max-model-len", type=click.IntRange(2), default=None,
+                         help="Cap on prompt + output tokens (default: the model's context)."),
+        ]
+    opts.append(click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+                             help="Where converted weights are cached (default: "
+                             "$SPECBATCH_CACHE or ~/.cache/specbatch)."))
+    for opt in reversed(opts):
         f = opt(f)
     return f
+
+
+def _calibration_model_options(f):
+    """``_model_options`` without the engine's --max-batch-size and --max-model-len: calibration
+    times fixed shapes (``plan.costmodel.calibrate``)."""
+    return _model_options(f, batch=False)
 
 
 def _input_options(f):
@@ -465,12 +477,11 @@ def analyze(paths, by, what_if, calibration, batch_size, compare, as_json, plot_
         batch_size=batch_size, compare=compare, as_json=as_json, plot_dir=plot_dir)))
 
 @main.command()
-@_model_options
+@_calibration_model_options
 @click.option("--output", "-o", default=None, type=click.Path(dir_okay=False),
               help="Also write the cost model here (JSON).")
 @click.option("--recalibrate", is_flag=True, help="Measure again even if cached.")
-def calibrate(model, dtype, device, max_batch_size, max_model_len, cache_dir, output,
-              recalibrate):
+def calibrate(model, dtype, device, cache_dir, output, recalibrate):
     """Measure this machine's step cost for the model and dtype (used by --method auto and
     analyze --what-if); cached per (model, dtype, device, host)."""
     from specbatch.config import resolve_device
