@@ -31,6 +31,31 @@ class _UsageError(click.UsageError):
             click.echo(f"try '{self.ctx.command_path} --help'", file=file, err=file is None)
 
 
+class _StopError(click.ClickException):
+    """A problem found before anything loads that is not a malformed command line (an unknown
+    model): one ``error:`` line on stderr, exit status 2, no usage hint."""
+
+    exit_code = EXIT_BAD_INPUT
+
+    def show(self, file=None) -> None:
+        click.echo(f"error: {self.format_message()}", file=file, err=file is None)
+
+
+def _check_model(name: str | None, draft: bool = False) -> None:
+    """Fail fast on a ``--model`` (None: the packaged default) or, with ``draft``, a
+    ``--draft-model`` that names no registry model, ``.gguf`` file or model folder, or a registry
+    model that is not installed: checked by ``models.registry.find_model`` before torch is
+    imported (seconds; tens on a loaded machine). Raises ``_StopError`` (exit 2) with the
+    one-line reason, naming the model."""
+    from specbatch.models.registry import DEFAULT_MODEL, find_model
+
+    name = name or DEFAULT_MODEL
+    try:
+        find_model(name)
+    except ValueError as e:
+        raise _StopError(f"draft model {name!r}: {e}" if draft else str(e)) from None
+
+
 # config fields -> the flags that set them, for errors raised while building the configs
 _FLAG_OF = {"num_speculative_tokens": "--k", "prompt_lookup_min": "--prompt-lookup-min",
             "prompt_lookup_max": "--prompt-lookup-max", "max_batch_size": "--max-batch-size",
@@ -98,8 +123,10 @@ def _spec_options(f):
     return f
 
 
-def _model_options(f):
-    for opt in reversed([
+def _model_options(f, batch: bool = True):
+    """--model, --dtype, --device, --cache-dir and, with ``batch``, --max-batch-size and
+    --max-model-len (what an engine is built with)."""
+    opts = [
         click.option("--model", default=None, help="Registry name, .gguf path or HF folder "
                      "(default: smollm2-135m)."),
         click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32", "float64"]),
@@ -109,16 +136,26 @@ def _model_options(f):
         click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
                      show_default=True,
                      help="Where the model runs: auto picks cuda when a GPU is visible."),
-        click.option("--max-batch-size", type=click.IntRange(1), default=16, show_default=True,
-                     help="Rows decoded together (continuous batching)."),
-        click.option("--max-model-len", type=click.IntRange(2), default=None,
-                     help="Cap on prompt + output tokens (default: the model's context)."),
-        click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
-                     help="Where converted weights are cached (default: $SPECBATCH_CACHE or "
-                     "~/.cache/specbatch)."),
-    ]):
+    ]
+    if batch:
+        opts += [
+            click.option("--max-batch-size", type=click.IntRange(1), default=16,
+                         show_default=True, help="Rows decoded together (continuous batching)."),
+            click.option("--max-model-len", type=click.IntRange(2), default=None,
+                         help="Cap on prompt + output tokens (default: the model's context)."),
+        ]
+    opts.append(click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+                             help="Where converted weights are cached (default: "
+                             "$SPECBATCH_CACHE or ~/.cache/specbatch)."))
+    for opt in reversed(opts):
         f = opt(f)
     return f
+
+
+def _calibration_model_options(f):
+    """``_model_options`` without the engine's --max-batch-size and --max-model-len: calibration
+    times fixed shapes (``plan.costmodel.calibrate``)."""
+    return _model_options(f, batch=False)
 
 
 def _input_options(f):
@@ -203,12 +240,49 @@ def _more_sampling(extra: dict) -> dict:
     return out
 
 
+class _StderrHandler(logging.Handler):
+    """Prints the ``specbatch`` logger's records on stderr as the CLI's other lines: INFO as
+    the bare message (progress: ``loading model ...``), other levels prefixed with the level
+    (``warning: ...``). Writes through ``click.echo``, so it follows a replaced ``sys.stderr``
+    (click's test runner, ``specbatch run ... 2> log``)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+            if record.levelno != logging.INFO:
+                message = f"{record.levelname.lower()}: {message}"
+            click.echo(message, err=True)
+        except Exception:  # noqa: BLE001 -- logging's contract: report, never raise
+            self.handleError(record)
+
+
+def _log_to_stderr(ctx: click.Context, verbose: bool) -> None:
+    """Show the ``specbatch`` logger (the library's progress and warnings) on stderr at INFO
+    (DEBUG with ``--verbose``) for this command; undone when the command ends, so that a
+    process that calls ``main`` (tests) finds the logger as it was."""
+    log = logging.getLogger("specbatch")
+    saved = log.level, log.propagate
+    handler = _StderrHandler()
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG if verbose else logging.INFO)
+    log.propagate = False  # the root handler of --verbose would print each line again
+
+    def restore() -> None:
+        log.removeHandler(handler)
+        log.setLevel(saved[0])
+        log.propagate = saved[1]
+
+    ctx.call_on_close(restore)
+
+
 @click.group(cls=_Group)
-@click.option("-v", "--verbose", is_flag=True, help="Log more.")
-def main(verbose: bool) -> None:
+@click.option("-v", "--verbose", is_flag=True, help="Log more (other libraries' INFO too).")
+@click.pass_context
+def main(ctx: click.Context, verbose: bool) -> None:
     """Offline batch text generation with speculative decoding."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    _log_to_stderr(ctx, verbose)
     if not verbose:  # our own progress bar is the one a user reads
         # through the environment, so that a run that stops at validation never imports them
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers reads it
@@ -289,6 +363,10 @@ def run(ctx, input_path, output, recipe, template, model, dtype, device, max_bat
             raise click.UsageError("--template and --prompt-field exclude each other")
         template, prompt_field = ((template, None) if _given(ctx, "template")
                                   else (None, prompt_field))
+    # before anything imports torch; --method none ignores a draft model, ngram refuses it below
+    _check_model(model)
+    if draft_model is not None and method in ("draft", "auto"):
+        _check_model(draft_model, draft=True)
     try:
         if template is not None:
             from specbatch.io.records import template_fields
@@ -352,6 +430,7 @@ def bench(input_path, configs, draft_model, model, dtype, device, max_batch_size
     the ratio to none, overall and per category; check the outputs are identical."""
     from specbatch.bench import BenchOptions, parse_configs, parse_groups, run_bench
 
+    _check_model(model)
     try:
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
                                   max_tokens=max_tokens, min_tokens=min_tokens, stop=tuple(stop),
@@ -363,6 +442,8 @@ def bench(input_path, configs, draft_model, model, dtype, device, max_batch_size
         named_groups = parse_groups(groups)
     except ValueError as e:
         raise click.UsageError(_as_flags(str(e))) from None
+    if draft_model is not None:  # used by a configuration (parse_configs checked)
+        _check_model(draft_model, draft=True)
     sys.exit(run_bench(BenchOptions(
         input_path=input_path, model=model, draft_model=draft_model, cache_dir=cache_dir,
         sampling=sampling, specs=specs, engine=engine, run_seed=seed, prompt_field=prompt_field,
@@ -397,17 +478,17 @@ def analyze(paths, by, what_if, calibration, batch_size, compare, as_json, plot_
         batch_size=batch_size, compare=compare, as_json=as_json, plot_dir=plot_dir)))
 
 @main.command()
-@_model_options
+@_calibration_model_options
 @click.option("--output", "-o", default=None, type=click.Path(dir_okay=False),
               help="Also write the cost model here (JSON).")
 @click.option("--recalibrate", is_flag=True, help="Measure again even if cached.")
-def calibrate(model, dtype, device, max_batch_size, max_model_len, cache_dir, output,
-              recalibrate):
+def calibrate(model, dtype, device, cache_dir, output, recalibrate):
     """Measure this machine's step cost for the model and dtype (used by --method auto and
     analyze --what-if); cached per (model, dtype, device, host)."""
     from specbatch.config import resolve_device
     from specbatch.plan.calibrate_cmd import run_calibrate
 
+    _check_model(model)
     try:
         device = resolve_device(device)
     except ValueError as e:
@@ -433,6 +514,8 @@ def predict_eval(paths, k, model, cache_dir, refit, probe_tokens):
     per-category means."""
     from specbatch.plan.calibrate_cmd import run_predict_eval
 
+    if model is not None:
+        _check_model(model)
     sys.exit(run_predict_eval(paths, k, model, cache_dir, refit, probe_tokens))
 
 

@@ -107,8 +107,10 @@ class LLM:
 
     def _load(self, model, spec: SpecConfig, engine: EngineConfig, cache_dir, seed,
               echo) -> None:
-        from specbatch.models.loader import load_model
-        from specbatch.models.registry import DEFAULT_MODEL
+        """Load the model (and draft model). Progress goes to the ``specbatch`` logger at INFO
+        (``loading model ... ...``, ``model ready in S s``; the CLI prints it on stderr), the
+        first line before torch is imported: a name that is no model fails before that."""
+        from specbatch.models.registry import DEFAULT_MODEL, find_model
 
         self.spec_config, self.engine_config = spec, engine
         self.cache_dir, self.seed = cache_dir, seed
@@ -116,11 +118,10 @@ class LLM:
         name = model or DEFAULT_MODEL
         t0 = time.perf_counter()
         try:
-            if echo is not None:  # someone reads: say what the wait is for (after the name is
-                from specbatch.models.loader import resolve_model  # known to be good)
+            find_model(name)  # an unknown name fails here, in milliseconds
+            _log.info("loading model %s (%s, %s) ...", name, engine.dtype, engine.device)
+            from specbatch.models.loader import load_model  # imports torch (seconds)
 
-                resolve_model(name, cache_dir)
-                echo(f"loading {name} ({engine.dtype}) ...")
             self.loaded = load_model(name, dtype=engine.dtype, device=engine.device,
                                      cache_dir=cache_dir)
         except ValueError as e:
@@ -131,6 +132,7 @@ class LLM:
         if spec.method in ("draft", "auto") and spec.draft_model is not None:
             from specbatch.spec_decode.draft import load_draft_model
 
+            _log.info("loading draft model %s ...", spec.draft_model)
             try:
                 self.draft = load_draft_model(spec.draft_model, self.loaded, engine.dtype,
                                               engine.device, cache_dir)
@@ -139,6 +141,7 @@ class LLM:
                 raise ModelLoadError(why if why.startswith("draft model ")
                                      else f"draft model {spec.draft_model!r}: {why}") from None
         self.load_seconds = time.perf_counter() - t0
+        _log.info("model ready in %.1f s", self.load_seconds)
         self.renderer = PromptRenderer(self.loaded.tokenizer)
         self.max_model_len = min(self.loaded.max_model_len,
                                  engine.max_model_len or self.loaded.max_model_len)
@@ -209,12 +212,13 @@ class LLM:
                            max_model_len or self.max_model_len, **kwargs)
 
     def calibrate(self, recalibrate: bool = False, forward=None, model_id: str | None = None,
-                  echo: Callable[[str], None] | None = None):
+                  echo: Callable[[str], None] | None = None, purpose: str | None = None):
         """The step-cost model of this machine (``plan.costmodel``): ``(cost, path, measured)``,
         loaded from the cache shared by every run (and replica) unless ``recalibrate`` (or the
         cached fit fails its checks). forward, model_id: another forward to calibrate (the
         draft model's) and its id. echo: gets what it is doing and why a fit is not cached
-        (default: this LLM's echo); a progress bar goes to stderr while it measures."""
+        (default: this LLM's echo), with ``purpose`` (what waits for it) in the line that says
+        it is calibrating; a progress bar goes to stderr while it measures."""
         from specbatch.models.llama import LlamaForward
         from specbatch.models.loader import cache_root
         from specbatch.plan.costmodel import load_or_calibrate
@@ -222,7 +226,7 @@ class LLM:
         return load_or_calibrate(forward or LlamaForward(self.loaded.model),
                                  model_id or self.model_id, self.engine_config.dtype,
                                  cache_root(self.cache_dir), recalibrate=recalibrate,
-                                 echo=echo or self.echo)
+                                 echo=echo or self.echo, purpose=purpose)
 
     def prepare(self, records: Iterable, spec: SpecConfig | None = None,
                 engine: EngineConfig | None = None,
@@ -255,14 +259,15 @@ class LLM:
         if spec.method == "auto":
             from specbatch.plan.planner import plan_auto
 
-            cost, path, measured = self.calibrate(forward=runner.forward, echo=echo)
+            why = "the plan's k and predicted speedup per bucket depend on it"
+            cost, path, measured = self.calibrate(forward=runner.forward, echo=echo, purpose=why)
             if measured:
                 echo(f"calibrated the step-cost model for this machine: {_where(cost, path)}")
             model_cost = None
             if hasattr(proposer, "propose_with_model"):  # the draft forward: its own costs
                 model_cost, path, measured = self.calibrate(
                     forward=proposer.model.forward, model_id=self.draft_model_id or "draft",
-                    echo=echo)
+                    echo=echo, purpose=why)
                 if measured:
                     echo(f"calibrated the draft model's step cost for this machine: "
                          f"{_where(model_cost, path)}")

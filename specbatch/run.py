@@ -159,7 +159,6 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
 
     from specbatch.io.openai_batch import output_line
     from specbatch.llm import LLM, ModelLoadError
-    from specbatch.pipeline import Throughput
     from specbatch.ray import ReplicaFailed  # no Ray import: the error class only
 
     # with --ray the driver loads the model only to check the records (on its CPU: it may have
@@ -171,6 +170,8 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     except ModelLoadError as e:
         _err(f"error: {e}")
         return EXIT_BAD_INPUT
+    from specbatch.pipeline import Throughput  # imports torch: after "loading model ..."
+
     model_errors = llm.check_records(records, str(opts.input_path))
     if model_errors and opts.on_error == "fail":
         _report_errors(errors + model_errors, "fail")

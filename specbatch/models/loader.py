@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from specbatch.models.registry import DEFAULT_MODEL, REGISTRY, write_text_atomic
+from specbatch.models.registry import DEFAULT_MODEL, REGISTRY, find_model, write_text_atomic
 
 logger = logging.getLogger("specbatch")
 
@@ -110,32 +110,19 @@ def resolve_model(name: str, cache_dir: str | Path | None = None) -> ModelSource
     """Find the files for ``--model``: a registry short name, a ``.gguf`` path or a HF folder.
 
     Registry names win over same-named paths. A registry model shipped in parts is assembled
-    once under the cache root (``cache_dir``, as in ``load_model``). Raises ValueError for an
-    unknown name, a missing file, a registry model that is not installed (naming the pip
-    command that installs it), a file that is not ``.gguf``, or a folder without
-    ``config.json``.
+    once under the cache root (``cache_dir``, as in ``load_model``). Raises ValueError as
+    ``registry.find_model`` (an unknown name, a missing file, a registry model that is not
+    installed, a file that is not ``.gguf``, a folder without ``config.json``) and for parts
+    that do not assemble into the expected file.
     """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"--model must be a registry name or a path, got {name!r}")
-    entry = REGISTRY.get(name)
-    if entry is not None:
-        path = entry.locate(cache_root(cache_dir))
+    kind, path = find_model(name)
+    if kind == "registry":
+        path = REGISTRY[name].locate(cache_root(cache_dir))
         return ModelSource("registry", path.parent, path.name, name)
-    path = Path(name).expanduser()
-    if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            raise ValueError(f"--model {name!r} is a file but not a .gguf file")
-        path = path.resolve()
+    assert path is not None
+    if kind == "gguf":
         return ModelSource("gguf", path.parent, path.name, str(path))
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"--model {name!r} is a folder without config.json; expected a "
-                             f"Hugging Face model folder")
-        path = path.resolve()
-        return ModelSource("hf_folder", path, None, str(path))
-    raise ValueError(f"unknown model {name!r}: not a registry name (known: "
-                     f"{', '.join(sorted(REGISTRY))}; default {DEFAULT_MODEL}) and no such "
-                     f".gguf file or model folder")
+    return ModelSource("hf_folder", path, None, str(path))
 
 
 def load_model(name: str, dtype: str = "float32", device: str = "cpu",

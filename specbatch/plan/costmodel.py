@@ -343,13 +343,15 @@ def cache_path(cache_root: Path, model_id: str, dtype: str, device: str) -> Path
 
 def load_or_calibrate(forward, model_id: str, dtype: str, cache_root: Path,
                       recalibrate: bool = False, echo=None, progress: bool = True,
-                      time_fn=None) -> tuple[CostModel, Path, bool]:
+                      time_fn=None, purpose: str | None = None) -> tuple[CostModel, Path, bool]:
     """The cached cost model for this (model, dtype, device, host), measured if absent, stale
     (an older format, or a fit that fails ``CostModel.problem``: such files were written
     before the checks existed) or ``recalibrate``. A new fit is cached only if it passes
     ``problem``; otherwise it is used for this run only and ``echo`` gets a warning: line
     saying why (a busy machine). echo: a callable for the lines a person should see
-    (``None``: silent); progress: a tqdm bar while measuring; time_fn: as ``calibrate``.
+    (``None``: silent), first of them the line that says it is calibrating (seconds to
+    minutes: ~20 s on a quiet 2-core CPU), where the fit is cached, and ``purpose``, what waits
+    for it (e.g. the plan); progress: a tqdm bar while measuring; time_fn: as ``calibrate``.
     Returns (model, path, was_measured_now)."""
     say = echo or (lambda _line: None)
     path = cache_path(cache_root, model_id, dtype, str(forward.device))
@@ -371,10 +373,10 @@ def load_or_calibrate(forward, model_id: str, dtype: str, cache_root: Path,
                 "again")
     load_now = load_average()
     cpus = os.cpu_count() or 1
-    say(f"calibrating the step cost of {model_id or 'the model'} ({dtype}) on this machine, "
-        "once; cached for later runs"
+    say(f"calibrating this machine's step cost for {model_id or 'the model'} ({dtype}), once"
+        f" (cached in {path})" + (f"; {purpose}" if purpose else "")
         + (f" (load average {load_now:.1f} on {cpus} CPUs: other processes will slow it)"
-           if load_now is not None and load_now > cpus else ""))
+           if load_now is not None and load_now > cpus else "") + " ...")
     model = calibrate(forward, model_id=model_id, dtype=dtype, progress=progress,
                       time_fn=time_fn)
     why = model.problem()

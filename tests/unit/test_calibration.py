@@ -86,7 +86,8 @@ def test_a_noisy_machine_is_not_cached(tmp_path):
     assert not path.exists()
     assert any(line.startswith("warning: this machine is too noisy to calibrate")
                for line in lines), lines
-    assert lines[0].startswith("calibrating the step cost of m (bfloat16)")
+    assert lines[0].startswith(f"calibrating this machine's step cost for m (bfloat16), once "
+                               f"(cached in {path})"), lines
     # a quiet machine: calibrated, cached, then reused without measuring
     cost, path, measured = load_or_calibrate(FORWARD, "m", "bfloat16", tmp_path,
                                              progress=False, time_fn=_timer())

