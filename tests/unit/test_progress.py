@@ -12,9 +12,12 @@ import pytest
 from click.testing import CliRunner
 
 from specbatch.cli import main
+from specbatch.config import resolve_dtype
 from specbatch.plan import costmodel
 from tests.unit.test_calibration import TRUE
 from tests.unit.test_loader import write_tiny_gguf
+
+AUTO_DTYPE = resolve_dtype("auto", "cpu")  # what --dtype auto loads on this machine
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +62,7 @@ def test_run_says_what_it_loads_before_the_bar(tiny, tmp_path):
                                        "--max-tokens", "2"])
     assert result.exit_code == 0, result.output
     err = result.stderr
-    loading = err.index(f"loading model {model} (bfloat16, cpu) ...\n")
+    loading = err.index(f"loading model {model} ({AUTO_DTYPE}, cpu) ...\n")
     ready = err.index("model ready in ")
     assert loading < ready < err.index("2/2"), err  # then the bar
     assert "loading" not in result.stdout and "ready" not in result.stdout
@@ -75,7 +78,7 @@ def test_the_library_logs_its_progress(tiny, caplog):
     with caplog.at_level(logging.INFO, logger="specbatch"):
         LLM(model=str(model), method="ngram", cache_dir=str(cache))
     messages = [r.getMessage() for r in caplog.records if r.name == "specbatch"]
-    assert messages[0] == f"loading model {model} (bfloat16, cpu) ...", messages
+    assert messages[0] == f"loading model {model} ({AUTO_DTYPE}, cpu) ...", messages
     assert messages[-1].startswith("model ready in ") and messages[-1].endswith(" s"), messages
 
 
@@ -95,7 +98,7 @@ def test_the_first_progress_line_comes_before_torch_is_imported(tmp_path):
               "LLM(model=sys.argv[1], method='none')\n")
     proc = subprocess.run([sys.executable, "-c", script, str(model)], capture_output=True,
                           text=True, timeout=120)
-    assert proc.stdout == f"loading model {model} (bfloat16, cpu) ... | False\n", (
+    assert proc.stdout == f"loading model {model} ({AUTO_DTYPE}, cpu) ... | False\n", (
         proc.stdout, proc.stderr)
 
 
