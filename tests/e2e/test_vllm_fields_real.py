@@ -62,8 +62,8 @@ def feature_runs(spec_bench, real_model, tmp_path_factory):
     inp = d / "features.jsonl"
     inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
     common = ["--max-tokens", str(MAX_TOKENS), "--no-progress"]
-    # bfloat16 (the default): the batch-invariant dtype, so the equality is exact; slow on a
-    # CPU without AMX (~15 min under load), hence the long timeouts
+    # --dtype auto (the default): a batch-invariant dtype (float32 on an AVX2 CPU, bfloat16
+    # with AMX), so the equality is exact
     run_cli("run", str(inp), "-o", str(d / "none.jsonl"), "--method", "none",
             "--max-batch-size", "1", *common, cwd=d, timeout=2400)
     run_cli("run", str(inp), "-o", str(d / "ngram.jsonl"), "--method", "ngram", "--k", "5",
