@@ -25,7 +25,7 @@ def main() -> None:
     ap.add_argument("--method", default="none")
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -60,11 +60,16 @@ def main() -> None:
     engine_mod.sample_and_accept = timed("sampler + acceptance", engine_mod.sample_and_accept)
     engine_mod.fetch_step_results = timed("sampler + acceptance", engine_mod.fetch_step_results)
     engine_mod.Engine._propose = timed("proposer (+ policy)", engine_mod.Engine._propose)
+    import specbatch.models.llama as llama_mod
+
+    linear_for = llama_mod.linear_for
+    llama_mod.linear_for = lambda dt, dev: timed("  of which dense layers (all)",
+                                                 linear_for(dt, dev))
 
     spec = (SpecConfig(method="none") if args.method == "none"
             else SpecConfig(method=args.method, num_speculative_tokens=args.k))
-    llm = LLM.from_config(None, spec, EngineConfig(max_batch_size=args.batch, dtype=args.dtype,
-                                                   device="cpu"), echo=lambda line: None)
+    engine = EngineConfig(max_batch_size=args.batch, dtype=args.dtype, device="cpu")
+    llm = LLM.from_config(None, spec, engine, echo=lambda line: None)
     records, errors = read_records(args.records,
                                    defaults=SamplingParams(max_tokens=args.max_tokens))
     assert not errors, errors
@@ -84,11 +89,12 @@ def main() -> None:
     rest = wall - fwd - spent["proposer (+ policy)"] - sampler
     rows = [(name, spent[name], calls[name]) for name in
             ("forward: prefill", "forward: decode/verify", "  of which attention (both)",
-             "  of which read planning", "proposer (+ policy)", "sampler + acceptance")]
+             "  of which dense layers (all)", "  of which read planning",
+             "proposer (+ policy)", "sampler + acceptance")]
     rows.append(("Python bookkeeping (the rest)", rest, 0))
     import os
 
-    print(f"{args.method} k={args.k} batch {args.batch} {args.dtype}, {len(records)} records, "
+    print(f"{args.method} k={args.k} batch {args.batch} {engine.dtype}, {len(records)} records, "
           f"{tokens} output tokens in {wall:.1f} s ({tokens / wall:.1f} tok/s), threads "
           f"{args.threads}, load average {os.getloadavg()[0]:.2f}")
     print("| stage | seconds | share | calls |\n|---|---|---|---|")

@@ -93,11 +93,14 @@ class Worker:
 
 
 def parse_arms(text: str) -> list[tuple[str, str, int, str]]:
-    """``engine:method:batch[:dtype]`` items (dtype default bfloat16; llama.cpp: its GGUF's)."""
+    """``engine:method:batch[:dtype]`` items. dtype default: specbatch ``auto`` (what
+    ``specbatch run`` picks on this CPU; the table shows the resolved dtype), vLLM bfloat16,
+    llama.cpp its GGUF's (q4_1)."""
+    defaults = {"specbatch": "auto", "llamacpp": "q4_1"}
     arms = []
     for item in text.split(","):
         engine, method, batch, *dtype = item.strip().split(":")
-        dtype = dtype[0] if dtype else ("q4_1" if engine == "llamacpp" else "bfloat16")
+        dtype = dtype[0] if dtype else defaults.get(engine, "bfloat16")
         arms.append((engine, method, int(batch), dtype))
     return arms
 
@@ -106,13 +109,12 @@ def identical_share(a: list[list[int]], b: list[list[int]]) -> str:
     return f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"
 
 
-def table(arms, results, outputs) -> str:
+def table(arms, results, outputs, resolved: dict | None = None) -> str:
     """Markdown: per arm tok/s, ratios to each peer's best arm at the same batch size, and the
     share of outputs identical to the same engine's ``none`` at that batch and to the same
     method at the other batch size."""
     tps = {arm: sum(r["tokens"] for r in results[arm]) / sum(r["seconds"] for r in results[arm])
            for arm in arms}
-    batches = sorted({b for _, _, b in arms})
     head = ["engine", "method", "batch", "dtype", "output tok/s", "tokens", "seconds"]
     peers = [e for e in ("vllm", "llamacpp") if any(a[0] == e for a in arms)]
     head += [f"/ best {LABELS[p]} arm" for p in peers]
@@ -122,7 +124,9 @@ def table(arms, results, outputs) -> str:
         engine, method, batch, dtype = arm
         tokens = sum(r["tokens"] for r in results[arm])
         seconds = sum(r["seconds"] for r in results[arm])
-        row = [LABELS[engine], method, str(batch), dtype, f"{tps[arm]:.1f}", str(tokens),
+        shown = (resolved or {}).get(arm) or dtype
+        shown = shown if shown == dtype else f"{shown} ({dtype})"
+        row = [LABELS[engine], method, str(batch), shown, f"{tps[arm]:.1f}", str(tokens),
                f"{seconds:.1f}"]
         for p in peers:
             best = max((tps[a] for a in arms if a[0] == p and a[2] == batch), default=None)
@@ -136,13 +140,32 @@ def table(arms, results, outputs) -> str:
     return "\n".join(lines)
 
 
+def report(args, arms, workers, results, outputs, out: Path, rounds_done: int) -> None:
+    """Print the table of the rounds done so far and (re)write the results JSON, so that a
+    run stopped in a later round keeps what it measured."""
+    loads = [r["load_before"] for rs in results.values() for r in rs]
+    md = table(arms, results, outputs, {a: w.info.get("dtype") for a, w in workers.items()})
+    summary = (f"{len(outputs[arms[0]])} prompts, max_tokens {args.max_tokens}, greedy, "
+               f"{rounds_done} of {args.rounds} rounds, threads {args.threads}; load average "
+               f"(1 min) before runs {min(loads):.2f}-{max(loads):.2f}")
+    print(summary, flush=True)
+    print(md, flush=True)
+    out.write_text(json.dumps({"args": vars(args), "summary": summary, "table": md,
+                               "workers": {"%s:%s:%d:%s" % a: w.info
+                                           for a, w in workers.items()},
+                               "results": {"%s:%s:%d:%s" % a: r for a, r in results.items()},
+                               "outputs": {"%s:%s:%d:%s" % a: o for a, o in outputs.items()}},
+                              indent=1))
+    print(f"wrote {out}", file=sys.stderr)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", required=True, help="folder prepare.py wrote")
     ap.add_argument("--records", default=str(HERE / "records16.jsonl"))
     ap.add_argument("--arms", required=True, help="engine:method:batch[:dtype],... (engine: "
                     "specbatch, vllm, llamacpp; method: none, ngram, auto (specbatch); dtype: "
-                    "bfloat16 (default) or float32)")
+                    "auto (specbatch's default), bfloat16 (vLLM's default) or float32)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=5)
@@ -154,6 +177,7 @@ def main() -> None:
     arms = parse_arms(args.arms)
     log_dir = Path(args.work) / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out or Path(args.work) / f"results-{time.strftime('%H%M%S')}.json")
     workers = {arm: Worker(arm, args, log_dir) for arm in arms}
     try:
         for w in workers.values():
@@ -177,24 +201,10 @@ def main() -> None:
                 print(f"round {rnd + 1} {arm}: {tokens / res['seconds']:.1f} tok/s "
                       f"({tokens} tokens, {res['seconds']:.1f} s, load {load:.2f})",
                       file=sys.stderr)
+            report(args, arms, workers, results, outputs, out, rnd + 1)
     finally:
         for w in workers.values():
             w.close()
-    loads = [r["load_before"] for rs in results.values() for r in rs]
-    md = table(arms, results, outputs)
-    summary = (f"{len(outputs[arms[0]])} prompts, max_tokens {args.max_tokens}, greedy, "
-               f"{args.rounds} rounds, threads {args.threads}; load average (1 min) before runs "
-               f"{min(loads):.2f}-{max(loads):.2f}")
-    print(summary)
-    print(md)
-    out = Path(args.out or Path(args.work) / f"results-{time.strftime('%H%M%S')}.json")
-    out.write_text(json.dumps({"args": vars(args), "summary": summary, "table": md,
-                               "workers": {"%s:%s:%d:%s" % a: w.info
-                                           for a, w in workers.items()},
-                               "results": {"%s:%s:%d:%s" % a: r for a, r in results.items()},
-                               "outputs": {"%s:%s:%d:%s" % a: o for a, o in outputs.items()}},
-                              indent=1))
-    print(f"wrote {out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,9 @@
 
     python worker_specbatch.py RECORDS PROMPTS_JSON --method ngram --k 5 --batch 16 --threads 2
 
+``--dtype auto`` (default) is what ``specbatch run`` picks: bfloat16 on a CPU with AMX or
+AVX-512 BF16, float32 on others; the ready line reports the resolved dtype.
+
 Runs the records as ``specbatch run`` does (``specbatch.LLM``: memory check, planning for
 ``auto``, generation), timed from the first record in to the last record out; the model is
 loaded once, a fresh engine is built per run (as ``specbatch bench`` does).
@@ -25,7 +28,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
     channel = protocol_channel()
 
@@ -40,9 +43,8 @@ def main() -> None:
 
     spec = (SpecConfig(method="none") if args.method == "none"
             else SpecConfig(method=args.method, num_speculative_tokens=args.k))
-    llm = LLM.from_config(None, spec, EngineConfig(max_batch_size=args.batch, dtype=args.dtype,
-                                                   device="cpu"),
-                          echo=lambda line: print(line, file=sys.stderr))
+    engine = EngineConfig(max_batch_size=args.batch, dtype=args.dtype, device="cpu")
+    llm = LLM.from_config(None, spec, engine, echo=lambda line: print(line, file=sys.stderr))
     records, errors = read_records(args.records, defaults=SamplingParams(max_tokens=128))
     errors += llm.check_records(records)
     assert not errors, errors
@@ -62,7 +64,8 @@ def main() -> None:
         return [outs[r.index] for r in recs]
 
     serve(channel, {"engine": "specbatch", "version": version("specbatch"),
-                    "torch": torch.__version__, "threads": torch.get_num_threads()},
+                    "torch": torch.__version__, "threads": torch.get_num_threads(),
+                    "dtype": engine.dtype},
           run, len(records))
 
 
