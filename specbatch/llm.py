@@ -218,15 +218,24 @@ class LLM:
         cached fit fails its checks). forward, model_id: another forward to calibrate (the
         draft model's) and its id. echo: gets what it is doing and why a fit is not cached
         (default: this LLM's echo), with ``purpose`` (what waits for it) in the line that says
-        it is calibrating; a progress bar goes to stderr while it measures."""
+        it is calibrating; a progress bar goes to stderr while it measures.
+        A fit is kept for the life of this ``LLM``: a fit too noisy to cache on disk (a busy
+        machine) is measured once per ``LLM``, not once per ``generate``."""
         from specbatch.models.llama import LlamaForward
         from specbatch.models.loader import cache_root
-        from specbatch.plan.costmodel import load_or_calibrate
+        from specbatch.plan import costmodel
 
-        return load_or_calibrate(forward or LlamaForward(self.loaded.model),
-                                 model_id or self.model_id, self.engine_config.dtype,
-                                 cache_root(self.cache_dir), recalibrate=recalibrate,
-                                 echo=echo or self.echo, purpose=purpose)
+        key = model_id or self.model_id
+        fits = self.__dict__.setdefault("_fits", {})
+        if key in fits and not recalibrate:
+            cost, path = fits[key]
+            return cost, path, False
+        cost, path, measured = costmodel.load_or_calibrate(
+            forward or LlamaForward(self.loaded.model), key, self.engine_config.dtype,
+            cache_root(self.cache_dir), recalibrate=recalibrate, echo=echo or self.echo,
+            purpose=purpose)
+        fits[key] = (cost, path)
+        return cost, path, measured
 
     def prepare(self, records: Iterable, spec: SpecConfig | None = None,
                 engine: EngineConfig | None = None,

@@ -159,3 +159,28 @@ def test_the_one_row_shape_is_timed_as_it_runs():
     cost = calibrate(FORWARD, time_fn=timer)
     assert (1, 1, 256) not in timer.calls and (1, 2, 256) in timer.calls
     assert [s[:3] for s in cost.samples].count((1, 2, 256)) == 1
+
+
+def test_an_llm_measures_a_fit_once_even_when_it_cannot_cache_it(monkeypatch, tmp_path):
+    """On a busy machine a fit fails its checks and is not written to disk; an ``LLM`` that
+    generates again (the API, bench's configurations, a peer-benchmark worker) reuses the fit
+    it measured instead of recalibrating before every ``generate`` (which made auto 2x slower
+    than none in the peer benchmark)."""
+    from specbatch.llm import LLM
+
+    calls = []
+
+    def fake(forward, model_id, dtype, root, recalibrate=False, **kw):
+        calls.append((model_id, recalibrate))
+        return CostModel((0.05, 0.001, 0.0, 0.0)), tmp_path / f"{model_id}.json", True
+
+    monkeypatch.setattr(costmodel, "load_or_calibrate", fake)
+    llm = LLM.__new__(LLM)
+    llm.engine_config, llm.cache_dir, llm.echo = SimpleNamespace(dtype="float32"), None, None
+    forward = SimpleNamespace()
+    first = llm.calibrate(forward=forward, model_id="m")
+    again = llm.calibrate(forward=forward, model_id="m")
+    assert first[2] is True and again[2] is False and again[0] is first[0]
+    llm.calibrate(forward=forward, model_id="draft")  # another model: its own fit
+    llm.calibrate(forward=forward, model_id="m", recalibrate=True)
+    assert calls == [("m", False), ("draft", False), ("m", True)]
