@@ -28,15 +28,38 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
+# weight -> (its version, the weight reordered once into oneDNN's blocked layout); the packed
+# copy lives as long as the weight (float32 SmolLM2-135M: +540 MB)
+_PACKED = WeakIdKeyDictionary()
+PACK_BATCH_HINT = 16  # rows the blocked layout is chosen for (any row count runs on it)
+
+
+def _packed(weight: torch.Tensor) -> torch.Tensor:
+    entry = _PACKED.get(weight)
+    if entry is None or entry[0] != weight._version:
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+        except (RuntimeError, AttributeError):
+            packed = weight
+        entry = (weight._version, packed)
+        _PACKED[weight] = entry
+    return entry[1]
+
+
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` through oneDNN's float32 inner product. x: ``[..., K]`` float32 CPU;
-    weight: ``[N, K]``; bias: ``[N]`` or None. Returns ``[..., N]`` float32."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    """``F.linear`` through oneDNN's float32 inner product, on the weight prepacked once.
+    x: ``[..., K]`` float32 CPU; weight: ``[N, K]``; bias: ``[N]`` or None. Returns
+    ``[..., N]`` float32. Prepacked and plain weights give the same bits (checked 2..2,048
+    rows); the prepacked call skips a per-call reorder: a 2-row ``[2, 1536] x [1536, 576]``
+    took 0.13 ms instead of 0.70 ms, lm_head ``[2, 576] x [576, 49152]`` 24 ms instead of 38 ms
+    (2 threads, machine busy)."""
+    return torch.ops.mkldnn._linear_pointwise(x, _packed(weight), bias, "none", [], "")
 
 
 def _has_onednn() -> bool:

@@ -51,3 +51,23 @@ def test_few_query_rows_are_padded_in_attention():
     for rows in (1, 2, 3, 5):
         got = fwd._attention(q[:, :, :rows], keys, values, mask[:, :, :rows], exact=True)
         assert torch.equal(got, full[:, :, :rows]), rows
+
+
+def test_float32_weights_are_packed_once_and_repacked_when_changed():
+    """oneDNN runs on a copy of the weight reordered once (not per call); the copy follows
+    in-place changes of the weight, and packed results equal the plain weight's bit for bit."""
+    from specbatch.models import dense
+
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(1536, 576, generator=gen) / 24
+    x = torch.randn(5, 576, generator=gen)
+    linear = linear_for(torch.float32, "cpu")
+    first = linear(x, w, None)
+    packed = dense._PACKED[w][1]
+    assert torch.equal(first, torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
+    linear(x, w, None)
+    assert dense._PACKED[w][1] is packed  # not reordered again
+    with torch.no_grad():
+        w.mul_(2)
+    assert torch.equal(linear(x, w, None), first * 2)  # exact: scaling by 2 is exact
+    assert dense._PACKED[w][1] is not packed
