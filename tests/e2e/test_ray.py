@@ -1,8 +1,9 @@
 """``specbatch run --ray`` (issue 12, "Done when" 2): a job split over replicas on a local Ray
 cluster writes the bytes one process writes.
 
-The fast test (in the default suite when Ray is installed): 12 Spec-Bench records (short
-ones), ``--method ngram --k 5 --max-tokens 8``, 2 replicas vs one process: byte-identical OUT and the same summary table. The
+The fast test (in the default suite and CI, ~45 s here: float32, see ``--dtype auto``): 12
+Spec-Bench records (short ones), ``--method ngram --k 5 --max-tokens 8``, 2 replicas vs one
+process: byte-identical OUT and the same summary table. The
 others take minutes on a 2-core machine (every replica loads the model; auto calibrates), so
 they run only when asked (each command may take up to 30 minutes under load; auto calibrates
 first):
@@ -29,14 +30,18 @@ import pytest
 from tests.e2e.conftest import read_jsonl, run_cli, spec_bench_subset, specbatch_command
 
 pytest.importorskip("ray", reason="Ray is an optional extra: pip install -e '.[ray]'")
-pytestmark = pytest.mark.slow
 
 # 12 records with short prompts from 8 categories (two of them two-turn records): on 2 busy
 # cores the long summarization / rag prompts of test_main_job take minutes per run
 QUESTION_IDS = [228, 202, 190, 375, 351, 366, 444, 455, 116, 152, 277, 125]
 FULL = os.environ.get("SPECBATCH_RAY_TESTS") == "1"
-full_only = pytest.mark.skipif(not FULL, reason="minutes on 2 cores; run with "
-                               "SPECBATCH_RAY_TESTS=1 python -m pytest tests/e2e/test_ray.py")
+_full = pytest.mark.skipif(not FULL, reason="minutes on 2 cores; run with "
+                           "SPECBATCH_RAY_TESTS=1 python -m pytest tests/e2e/test_ray.py")
+
+
+def full_only(test):
+    """Slow, and run only with SPECBATCH_RAY_TESTS=1."""
+    return pytest.mark.slow(_full(test))
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,6 @@ import pytest
 
 from tests.e2e.conftest import read_jsonl, run_cli
 
-pytestmark = pytest.mark.slow
-
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
 
