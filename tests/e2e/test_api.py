@@ -15,7 +15,6 @@ import pytest
 
 from tests.e2e.conftest import REPO, read_jsonl, run_cli
 
-pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 24
 
