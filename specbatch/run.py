@@ -86,9 +86,11 @@ def load_records(opts) -> tuple[list, list]:
                                    id_field=opts.id_field, split=opts.split,
                                    defaults=opts.sampling, template=opts.template,
                                    input_format=getattr(opts, "input_format", "auto"))
-    if opts.limit is not None:
+    if opts.limit is not None and len(records) >= opts.limit:
+        # the lines after the Nth valid record are not read for this job: their errors are not
+        # its errors; without a cut every bad line is reported
         records = records[:opts.limit]
-        errors = [e for e in errors if e.line == 0 or not records or e.line <= records[-1].line]
+        errors = [e for e in errors if e.line == 0 or e.line <= records[-1].line]
     return records, errors
 
 

@@ -284,3 +284,30 @@ def test_sampled_records_without_id_or_seed_are_warned_about_once(tmp_path):
         "the file changes; give each an id or a seed"], result.output
     greedy = CliRunner().invoke(main, [*common, "-o", str(tmp_path / "g.jsonl")])
     assert greedy.exit_code == 0 and "warning:" not in greedy.output, greedy.output
+
+
+def test_limit_never_hides_a_bad_record_it_did_not_cut(tmp_path):
+    """``--limit 100`` on a file with 1 valid and 2 bad records: the limit cuts nothing, so both
+    bad lines are errors (exit 2, nothing generated). It used to drop every error after the last
+    valid record and write 1 record with exit 0 (found by a fresh user). A limit that does cut
+    the file still ignores the bad lines after the cut."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": "ok", "prompt": "Say hi"}\n'
+                   '{"id": "typo", "prompt": "Say hi", "temprature": 0.5}\n'
+                   '{"id": "broken", "prompt": "x"\n')
+    result = CliRunner().invoke(main, ["run", str(inp), "--limit", "100", "--max-tokens", "2",
+                                       "--method", "none", "-o", str(tmp_path / "o.jsonl")])
+    assert result.exit_code == 2, result.output
+    assert f"{inp}:2:" in result.output and f"{inp}:3:" in result.output
+    assert not (tmp_path / "o.jsonl").exists()
+    from types import SimpleNamespace
+
+    from specbatch.config import SamplingParams
+    from specbatch.run import load_records
+
+    two = tmp_path / "two.jsonl"
+    two.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c", "temprature": 1}\n')
+    opts = SimpleNamespace(input_path=str(two), prompt_field=None, id_field=None, split=None,
+                           sampling=SamplingParams(), template=None, limit=2)
+    records, errors = load_records(opts)
+    assert len(records) == 2 and errors == []  # line 3 is past the cut
