@@ -11,6 +11,8 @@ to stdout goes to stderr instead, so library logging cannot corrupt it.
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import os
 import sys
@@ -46,3 +48,22 @@ def load_prompts(path: str) -> list[dict]:
     """``prompts.json``: ``[{"question_id", "category", "prompt_ids"}, ...]``."""
     with open(path) as fh:
         return json.load(fh)
+
+
+def arg(*args, **kwargs) -> tuple[tuple, dict]:
+    """One ``add_argument`` call's arguments, for ``peer_args``."""
+    return args, kwargs
+
+
+def peer_args(*extra: tuple[tuple, dict]) -> argparse.Namespace:
+    """A peer worker's command line: PROMPTS MODEL --method none|ngram --k --threads, plus
+    ``extra`` ``(args, kwargs)`` pairs for ``add_argument``."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("prompts")
+    ap.add_argument("model")
+    ap.add_argument("--method", default="none", choices=["none", "ngram"])
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    for args, kwargs in extra:
+        ap.add_argument(*args, **kwargs)
+    return ap.parse_args()

@@ -13,23 +13,15 @@ max_tokens.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import load_prompts, protocol_channel, serve  # noqa: E402
+from common import arg, load_prompts, peer_args, protocol_channel, serve  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("prompts")
-    ap.add_argument("model")
-    ap.add_argument("--method", default="none", choices=["none", "ngram"])
-    ap.add_argument("--k", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--n-ctx", type=int, default=4096)
-    args = ap.parse_args()
+    args = peer_args(arg("--n-ctx", type=int, default=4096))
     channel = protocol_channel()
 
     import llama_cpp

@@ -11,25 +11,19 @@ prefix caching off (specbatch has none, and rounds repeat the same prompts), bfl
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import load_prompts, protocol_channel, serve  # noqa: E402
+from common import arg, load_prompts, peer_args, protocol_channel, serve  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("prompts")
-    ap.add_argument("model")
-    ap.add_argument("--method", default="none", choices=["none", "ngram"])
-    ap.add_argument("--k", type=int, default=5)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--max-model-len", type=int, default=4096)
-    args = ap.parse_args()
+    args = peer_args(
+        arg("--batch", type=int, default=16),
+        arg("--dtype", default="bfloat16"),
+        arg("--max-model-len", type=int, default=4096),
+    )
     channel = protocol_channel()
 
     import vllm
