@@ -36,6 +36,10 @@ def worker_command(engine: str, method: str, batch: int, dtype: str,
     work = Path(args.work)
     prompts = str(work / "prompts.json")
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
+    # every engine runs with its own OpenMP wait policy: OMP_WAIT_POLICY=PASSIVE from a shell
+    # (set to share a busy machine) made specbatch's steps 1.4-1.6x slower here
+    for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME"):
+        env.pop(var, None)
     common = ["--method", method, "--k", str(args.k), "--threads", str(args.threads)]
     if engine != "llamacpp":
         common += ["--dtype", dtype]

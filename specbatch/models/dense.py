@@ -62,6 +62,37 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor,
     return torch.ops.mkldnn._linear_pointwise(x, _packed(weight), bias, "none", [], "")
 
 
+# first weight of a group -> (the group's identity, the fused tensor the group is a view of)
+_FUSED = WeakIdKeyDictionary()
+
+
+def fused_weight(params: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The weights (or biases) of layers that read the same input, concatenated along the
+    output dim: ``[sum N_i, K]`` from ``[N_i, K]`` each (``[sum N_i]`` from biases), so that
+    q/k/v (or gate/up) run as one matmul, as vLLM's ``QKVParallelLinear`` does.
+
+    Made once per group: the parameters are rebound (``p.data``) to views of the fused tensor,
+    so it costs no memory and the transformers model still runs on them. Remade when a
+    parameter changed since (in place: its ``_version``; or replaced: its storage), e.g. by
+    ``load_state_dict`` or ``model.to(dtype)``. The fused matmul's column ``j`` is a dot product
+    over the same K as the separate layer's, so row invariance (checked by ``row_invariant``
+    with the fused shapes) carries over; its bits may differ from the separate matmul's.
+    """
+    key = tuple((p._version, p.data_ptr(), tuple(p.shape), p.dtype) for p in params)
+    entry = _FUSED.get(params[0])
+    if entry is not None and entry[0] == key:
+        return entry[1]
+    with torch.no_grad():
+        fused = torch.cat([p.detach() for p in params])
+        start = 0
+        for p in params:
+            p.data = fused[start:start + p.shape[0]]
+            start += p.shape[0]
+    key = tuple((p._version, p.data_ptr(), tuple(p.shape), p.dtype) for p in params)
+    _FUSED[params[0]] = (key, fused)
+    return fused
+
+
 def _has_onednn() -> bool:
     try:
         return (torch.backends.mkldnn.is_available()

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from specbatch.engine.kv_cache import KV_BLOCK, KVCache, KVSegment, plan_segments
-from specbatch.models.dense import linear_for, min_attention_rows, row_invariant
+from specbatch.models.dense import fused_weight, linear_for, min_attention_rows, row_invariant
 from specbatch.models.llama_kernels import can_use_kernels, forward_with_kernels
 
 _log = logging.getLogger(__name__)
@@ -65,8 +65,9 @@ class LlamaForward:
         if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
             inter = self.layers[0].mlp.up_proj.weight.shape[0]
             hidden = self.embed.shape[1]
-            shapes = ((hidden, self.num_heads * self.head_dim), (hidden, inter), (inter, hidden),
-                      (hidden, min(self.vocab_size, 8192)))
+            shapes = ((hidden, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim),
+                      (hidden, self.num_heads * self.head_dim), (hidden, 2 * inter),
+                      (inter, hidden), (hidden, min(self.vocab_size, 8192)))
             if not row_invariant(self.dtype, shapes, self.head_dim):
                 _log.warning("%s matmuls on this CPU round a row differently with the number "
                              "of rows beside it: speculation or batch size may change greedy "
@@ -74,6 +75,18 @@ class LlamaForward:
                              "CPUs)", str(self.dtype).removeprefix("torch."))
         # decode/verify with the Triton kernels (CUDA; see models/llama_kernels.py)
         self.use_kernels = can_use_kernels(self)
+        # q/k/v and gate/up as one matmul each (the parameters become views of the fused weights)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.gate_up: list[torch.Tensor] = []
+        for layer in self.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            projs = (a.q_proj, a.k_proj, a.v_proj)
+            bias = (fused_weight(tuple(m.bias for m in projs))
+                    if a.q_proj.bias is not None else None)
+            self.qkv.append((fused_weight(tuple(m.weight for m in projs)), bias))
+            self.gate_up.append(fused_weight((mlp.gate_proj.weight, mlp.up_proj.weight)))
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -85,6 +98,8 @@ class LlamaForward:
                        self.dtype, self.device)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op, the same bits as the lines below
+            return F.rms_norm(x, weight.shape, weight, self.eps)
         h = x.float()  # as transformers does, whatever the model dtype
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * h.to(x.dtype)
@@ -99,7 +114,8 @@ class LlamaForward:
     def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                    mask: torch.Tensor, exact: bool) -> torch.Tensor:
         """q: ``[B, Hkv, rows, D]``; keys, values: ``[B, Hkv, kv_len, D]`` (views into the cache;
-        kv_len a multiple of ``KV_BLOCK`` when ``exact``); mask: ``[B, 1, rows, kv_len]`` bool.
+        kv_len a multiple of ``KV_BLOCK`` when ``exact``); mask: ``[B, 1, rows', kv_len]`` bool,
+        rows' >= rows (extra mask rows: the queries are padded to them, outputs dropped).
         Returns ``[B, Hkv, rows, D]``.
 
         Prefill chunks of more than ``max_exact_rows`` query rows use the fused SDPA kernel
@@ -120,25 +136,30 @@ class LlamaForward:
         bsz, hkv, rows, dim = q.shape
         if not exact:
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-        if rows < self.min_attention_rows:  # few-row matmuls take other kernels (dense.py)
-            pad = self.min_attention_rows - rows
-            q = torch.cat([q, q[:, :, -1:].expand(-1, -1, pad, -1)], dim=2)
-            mask = torch.cat([mask, mask[:, :, -1:].expand(-1, -1, pad, -1)], dim=2)
+        target = max(self.min_attention_rows, mask.shape[2])
+        if rows < target:  # few-row matmuls take other kernels (dense.py): pad the queries
+            q = torch.cat([q, q[:, :, -1:].expand(-1, -1, target - rows, -1)], dim=2)
+            if mask.shape[2] < target:  # (the plan pads the masks once per forward)
+                mask = torch.cat([mask, mask[:, :, -1:].expand(
+                    -1, -1, target - mask.shape[2], -1)], dim=2)
             return self._attention(q, keys, values, mask, exact)[:, :, :rows]
         acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        scores = torch.matmul(q, keys.transpose(-1, -2)).to(acc_dtype) * scale
-        probs = torch.softmax(torch.where(mask, scores, float("-inf")), dim=-1).to(q.dtype)
-        num_blocks = keys.shape[2] // KV_BLOCK
-        probs = probs.view(bsz, hkv, rows, num_blocks, KV_BLOCK).transpose(2, 3)
-        # [B, Hkv, num_blocks, rows, D]: one matmul per block of KV_BLOCK keys (K fixed)
-        partial = torch.matmul(probs, values.unflatten(2, (num_blocks, KV_BLOCK)))
-        return partial.sum(dim=2, dtype=acc_dtype).to(q.dtype)
+        scores = torch.matmul(q, keys.transpose(-1, -2)).to(acc_dtype)
+        scores = scores.mul_(scale).masked_fill_(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        # one matmul per block of KV_BLOCK keys (K fixed), partial sums added in block order;
+        # each operand is a strided view (batch stride of the cache row), so nothing is copied
+        out = None
+        for lo in range(0, keys.shape[2], KV_BLOCK):
+            part = torch.matmul(probs[..., lo:lo + KV_BLOCK], values[:, :, lo:lo + KV_BLOCK])
+            out = part.to(acc_dtype) if out is None else out.add_(part)
+        return out.to(q.dtype)
 
     def _plan_reads(self, rows: torch.Tensor, positions: torch.Tensor, group: int,
                     exact: bool) -> list[tuple]:
         """Which cache views each layer's attention reads, planned once per forward.
 
-        Returns ``(segment, mask, take, src, dst)`` per ``KVSegment``: mask ``[n, 1, group * Q,
+        Returns ``(segment, mask, take, src, dst)`` per ``KVSegment``: mask ``[n, 1, max(group * Q, min_attention_rows),
         kv_len]`` bool; take ``[n]`` int64 batch rows whose queries the segment's rows get
         (None: the slice ``segment.first_batch_row`` onwards); src / dst ``[m]`` int64: the
         segment rows whose outputs are kept and the batch rows they go to (None with take).
@@ -173,6 +194,9 @@ class LlamaForward:
             mask = key_pos[None, None, :] <= seg_pos[:, :, None]  # [n, Q, kv_len]
             mask = mask[:, None, None].expand(n, 1, group, qlen, seg.kv_len).reshape(
                 n, 1, group * qlen, seg.kv_len)
+            if exact and group * qlen < self.min_attention_rows:  # as _attention pads queries
+                mask = torch.cat([mask, mask[:, :, -1:].expand(
+                    -1, -1, self.min_attention_rows - group * qlen, -1)], dim=2)
             plans.append((seg, mask, take, src, dst))
         return plans
 
@@ -208,8 +232,10 @@ class LlamaForward:
             its token count. A row's keys before ``start`` must already be in the cache or come
             from an earlier chunk of the same call (keys/values are written before attention
             in every layer). Each chunk attends alone, over its own row's cache view
-            ``0 .. start + length - 1``, exactly as a forward of that chunk alone would
-            (``forward`` with one row), so a record's keys, values and logits do not depend on
+            ``0 .. start + length - 1``, as a forward of that chunk alone would (``forward``
+            with one row; a prompt's first chunk of more than ``max_exact_rows / group`` tokens
+            runs SDPA with ``is_causal`` instead of a mask: it skips the masked half, 1.5x
+            faster at 767 tokens), so a record's keys, values and logits do not depend on
             which other chunks share the call. The dense layers see ``[T, hidden]``; bfloat16
             matmuls do not depend on the row count on this CPU, and a one-token call is run as
             two rows (see ``runner.verify``).
@@ -231,6 +257,9 @@ class LlamaForward:
         plans = []
         for (row, start, n), c0 in zip(chunks, cu):
             exact = n * group <= self.max_exact_rows
+            if not exact and start == 0:  # a prompt's long first chunk: plain causal attention
+                plans.append((c0, n, exact, row))
+                continue
             plans.append((c0, n, exact, self._plan_reads(
                 torch.tensor([row], device=dev), positions[c0:c0 + n][None], group, exact)))
         cos, sin = self._rope(positions[None])
@@ -238,20 +267,19 @@ class LlamaForward:
         ids = input_ids if num_tokens >= 2 else input_ids.expand(2)  # no one-row matmuls
         h = F.embedding(ids, self.embed)  # [T, hidden]
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            x = self._rms_norm(h, layer.input_layernorm.weight)
-            q = self.linear(x, attn.q_proj.weight, attn.q_proj.bias)[:num_tokens].view(
-                num_tokens, self.num_heads, self.head_dim)
-            k = self.linear(x, attn.k_proj.weight, attn.k_proj.bias)[:num_tokens].view(
-                num_tokens, self.num_kv_heads, self.head_dim)
-            v = self.linear(x, attn.v_proj.weight, attn.v_proj.bias)[:num_tokens].view(
-                num_tokens, self.num_kv_heads, self.head_dim)
-            q = self._rotate(q, cos, sin)
-            k = self._rotate(k, cos, sin)
+            q, k, v = self._qkv(i, h, cos, sin, num_tokens)
             cache.write_tokens(i, cache_rows, positions, k, v)
             o = torch.empty(num_tokens, self.num_heads * self.head_dim, dtype=q.dtype,
                             device=dev)
             for c0, n, exact, plan in plans:
+                if isinstance(plan, int):  # keys 0 .. n-1 of row `plan` are this chunk's own
+                    keys = cache.k[i][plan:plan + 1, :, :n]
+                    values = cache.v[i][plan:plan + 1, :, :n]
+                    oc = F.scaled_dot_product_attention(
+                        q[c0:c0 + n].transpose(0, 1)[None], keys, values, is_causal=True,
+                        scale=self.head_dim ** -0.5, enable_gqa=True)  # [1, H, n, D]
+                    o[c0:c0 + n] = oc[0].transpose(0, 1).reshape(n, self.num_heads * self.head_dim)
+                    continue
                 # [1, Hkv, group * n, D], as forward lays out one row
                 qc = q[c0:c0 + n].view(1, n, self.num_kv_heads, group, self.head_dim).permute(
                     0, 2, 3, 1, 4).reshape(1, self.num_kv_heads, group * n, self.head_dim)
@@ -260,12 +288,8 @@ class LlamaForward:
                     2, 0, 1, 3).reshape(n, self.num_heads * self.head_dim)
             if num_tokens < 2:
                 o = o.expand(2, -1)
-            h = h + self.linear(o, attn.o_proj.weight, attn.o_proj.bias)
-            mlp = layer.mlp
-            x = self._rms_norm(h, layer.post_attention_layernorm.weight)
-            gated = (F.silu(self.linear(x, mlp.gate_proj.weight))
-                     * self.linear(x, mlp.up_proj.weight))
-            h = h + self.linear(gated, mlp.down_proj.weight)
+            h = self._mlp(i, h + self.linear(o, layer.self_attn.o_proj.weight,
+                                             layer.self_attn.o_proj.bias))
         if not logits_at:
             return h.new_zeros(0, self.vocab_size,
                                dtype=torch.float64 if h.dtype == torch.float64 else torch.float32)
@@ -274,6 +298,30 @@ class LlamaForward:
         logits = self.linear(h if h.shape[0] >= 2 else h.expand(2, -1),
                              self.lm_head)[:len(logits_at)]
         return logits if logits.dtype == torch.float64 else logits.float()
+
+    def _qkv(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             num_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s queries, keys and values of hidden states ``h`` ``[..., hidden]``: one
+        fused q/k/v matmul, then rope on q and k together. cos, sin: ``[..., 1, D]``.
+        num_tokens: keep only the first rows (a one-token prefill runs as two rows).
+        Returns q ``[..., H, D]``, k and v ``[..., Hkv, D]`` (views)."""
+        x = self._rms_norm(h, self.layers[i].input_layernorm.weight)
+        qkv = self.linear(x, *self.qkv[i])
+        if num_tokens is not None:
+            qkv = qkv[:num_tokens]
+        qk = qkv[..., :self.q_size + self.kv_size].unflatten(
+            -1, (self.num_heads + self.num_kv_heads, self.head_dim))
+        qk = self._rotate(qk, cos, sin)
+        v = qkv[..., self.q_size + self.kv_size:].unflatten(-1, (self.num_kv_heads, self.head_dim))
+        return qk[..., :self.num_heads, :], qk[..., self.num_heads:, :], v
+
+    def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """``h`` plus layer ``i``'s MLP of it (fused gate/up matmul, SiLU, down)."""
+        x = self._rms_norm(h, self.layers[i].post_attention_layernorm.weight)
+        gate_up = self.linear(x, self.gate_up[i])
+        inter = gate_up.shape[-1] // 2
+        return h + self.linear(F.silu(gate_up[..., :inter]) * gate_up[..., inter:],
+                               self.layers[i].mlp.down_proj.weight)
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -327,16 +375,7 @@ class LlamaForward:
             h = F.embedding(input_ids, self.embed)  # [B, Q, hidden]
             lead = (bsz, qlen)
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            x = self._rms_norm(h, layer.input_layernorm.weight)
-            q = self.linear(x, attn.q_proj.weight, attn.q_proj.bias).view(
-                *lead, self.num_heads, self.head_dim)
-            k = self.linear(x, attn.k_proj.weight, attn.k_proj.bias).view(
-                *lead, self.num_kv_heads, self.head_dim)
-            v = self.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(
-                *lead, self.num_kv_heads, self.head_dim)
-            q = self._rotate(q, cos, sin)
-            k = self._rotate(k, cos, sin)
+            q, k, v = self._qkv(i, h, cos, sin)
             if real is None:
                 cache.write(i, rows, positions, k, v)
             else:
@@ -352,12 +391,8 @@ class LlamaForward:
                 0, 3, 1, 2, 4).reshape(bsz, qlen, self.num_heads * self.head_dim)
             if real is not None:
                 o = o[real]  # [T, hidden]
-            h = h + self.linear(o, attn.o_proj.weight, attn.o_proj.bias)
-            mlp = layer.mlp
-            x = self._rms_norm(h, layer.post_attention_layernorm.weight)
-            gated = (F.silu(self.linear(x, mlp.gate_proj.weight))
-                     * self.linear(x, mlp.up_proj.weight))
-            h = h + self.linear(gated, mlp.down_proj.weight)
+            h = self._mlp(i, h + self.linear(o, layer.self_attn.o_proj.weight,
+                                             layer.self_attn.o_proj.bias))
         if logits_index is not None:
             h = torch.gather(h, 1, logits_index[:, :, None].expand(-1, -1, h.shape[-1]))
         h = self._rms_norm(h, self.norm.weight)

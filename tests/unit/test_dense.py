@@ -71,3 +71,35 @@ def test_float32_weights_are_packed_once_and_repacked_when_changed():
         w.mul_(2)
     assert torch.equal(linear(x, w, None), first * 2)  # exact: scaling by 2 is exact
     assert dense._PACKED[w][1] is not packed
+
+
+def test_fused_qkv_and_gate_up_are_views_and_follow_weight_changes():
+    """q/k/v and gate/up run as one matmul each on a fused weight that the model's own
+    parameters become views of (no second copy); the transformers model still gives the same
+    logits; a second LlamaForward reuses the fused weight; changing a parameter in place or
+    replacing it (``model.to``) rebuilds it, and the forward follows."""
+    from specbatch.models import dense
+    from tests.helpers import tiny_qwen2
+
+    model = tiny_qwen2(seed=2).float()
+    ids = torch.tensor([[5, 9, 17, 3]])
+    before = model(ids).logits
+    fwd = LlamaForward(model)
+    attn = model.model.layers[0].self_attn
+    w_qkv, b_qkv = fwd.qkv[0]
+    assert w_qkv.untyped_storage().data_ptr() == attn.k_proj.weight.untyped_storage().data_ptr()
+    assert torch.equal(w_qkv[attn.q_proj.weight.shape[0]:][:attn.k_proj.weight.shape[0]],
+                       attn.k_proj.weight)
+    assert b_qkv is not None and torch.equal(b_qkv[-attn.v_proj.bias.shape[0]:], attn.v_proj.bias)
+    assert torch.equal(model(ids).logits, before)
+    assert LlamaForward(model).qkv[0][0] is w_qkv
+    with torch.no_grad():
+        attn.v_proj.weight.mul_(2)
+    again = LlamaForward(model).qkv[0][0]
+    assert again is not w_qkv and torch.equal(again[-attn.v_proj.weight.shape[0]:],
+                                              attn.v_proj.weight)
+    model.double()
+    assert LlamaForward(model).qkv[0][0].dtype == torch.float64
+    mlp = model.model.layers[1].mlp
+    gate_up = dense.fused_weight((mlp.gate_proj.weight, mlp.up_proj.weight))
+    assert torch.equal(gate_up, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
