@@ -2,9 +2,10 @@
 
 Each arm (engine, method, batch size) is a worker process in its engine's own venv (see
 README.md), started once and warmed up (two prompts, 16 tokens); then every round runs each
-arm on all prompts, one arm at a time, the arm order rotating from round to round so drift of
-a shared machine spreads over all arms. Output tok/s = output tokens (a final EOS counted, as
-every engine emits it) / wall seconds of the batch job, summed over rounds. The load average
+arm on all prompts, one arm at a time (the other workers stopped with SIGSTOP meanwhile), the
+arm order rotating from round to round so drift of a shared machine spreads over all arms.
+Output tok/s = output tokens (a final EOS counted, as every engine emits it) / wall seconds of
+the batch job, summed over rounds. The load average
 is read before every run and reported.
 
     python benchmarks/peers/run.py --work /work/peer-run --rounds 2 \
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -66,8 +68,10 @@ class Worker:
         self.arm = arm
         cmd, env = worker_command(*arm, args)
         self.log = open(log_dir / ("%s-%s-b%d-%s.log" % arm), "w")
+        # own process group, so that pause() stops the engine's helper processes too
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, env=env, text=True, cwd=str(REPO))
+                                     stderr=self.log, env=env, text=True, cwd=str(REPO),
+                                     start_new_session=True)
         self.t0 = time.perf_counter()
         self.info: dict = {}
 
@@ -87,7 +91,17 @@ class Worker:
             raise SystemExit(f"worker {self.arm} died: see {self.log.name}")
         return json.loads(line)
 
+    def pause(self) -> None:
+        """SIGSTOP the worker's process group while other arms run: an idle vLLM engine keeps
+        its OpenMP threads and engine-core loop spinning (load average 3-4 on 2 cores with
+        nothing running), which would slow whichever arm is being timed."""
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGCONT)
+
     def close(self) -> None:
+        self.resume()
         try:
             self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
             self.proc.stdin.flush()
@@ -187,15 +201,21 @@ def main() -> None:
         for w in workers.values():
             w.wait_ready()
             print(f"ready {w.arm}: {w.info}", file=sys.stderr)
+        for w in workers.values():
+            w.pause()
         for arm, w in workers.items():  # warm-up, untimed
+            w.resume()
             w.run(2, 16)
+            w.pause()
         results = {arm: [] for arm in arms}
         outputs: dict = {}
         for rnd in range(args.rounds):
             order = arms[rnd % len(arms):] + arms[:rnd % len(arms)]
             for arm in order:
+                workers[arm].resume()  # the only engine not stopped (see Worker.pause)
                 load = os.getloadavg()[0]
                 res = workers[arm].run(args.limit, args.max_tokens)
+                workers[arm].pause()
                 tokens = sum(len(o) for o in res["outputs"])
                 results[arm].append({"round": rnd, "seconds": res["seconds"], "tokens": tokens,
                                      "load_before": load})

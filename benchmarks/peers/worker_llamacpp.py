@@ -31,9 +31,12 @@ def main() -> None:
     prompts = [p["prompt_ids"] for p in load_prompts(args.prompts)]
     draft = (LlamaPromptLookupDecoding(num_pred_tokens=args.k, max_ngram_size=4)
              if args.method == "ngram" else None)
+    # logits_all with a draft: the binding switches it on itself for drafting but sizes its
+    # logits buffer from the argument (n_batch rows), so a prompt past 512 tokens failed with
+    # "could not broadcast input array ... into shape (0,)" (llama-cpp-python 0.3.36)
     llm = Llama(model_path=args.model, n_ctx=args.n_ctx, n_threads=args.threads,
                 n_threads_batch=args.threads, n_batch=512, seed=0, verbose=False,
-                draft_model=draft)
+                draft_model=draft, logits_all=draft is not None)
     vocab = llama_cpp.llama_model_get_vocab(llm.model)
 
     def run(n: int, max_tokens: int) -> list[list[int]]:
