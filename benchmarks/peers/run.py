@@ -196,6 +196,14 @@ def main() -> None:
     log_dir = Path(args.work) / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     out = Path(args.out or Path(args.work) / f"results-{time.strftime('%H%M%S')}.json")
+    for dtype in sorted({d for e, m, _, d in arms if e == "specbatch" and m == "auto"}):
+        # auto plans from the cached step-cost fit: measure it now, on the quiet machine, not
+        # in its worker's warm-up while the vLLM engines compile beside it (a fit measured
+        # under that load planned a whole run at 0.41x of none)
+        env = worker_command("specbatch", "auto", 1, dtype, args)[1]
+        subprocess.run([PYTHONS["specbatch"], "-m", "specbatch.cli", "calibrate", "--dtype",
+                        dtype, "--device", "cpu"], env=env, cwd=str(REPO), check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     workers = {arm: Worker(arm, args, log_dir) for arm in arms}
     try:
         for w in workers.values():

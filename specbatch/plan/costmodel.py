@@ -36,6 +36,19 @@ OUTLIER_ROUNDS = 2  # times an outlier is timed again before it is left out
 MIN_SAMPLES = 12  # never leave out samples below this many (4 coefficients to fit)
 NOISY_RESIDUAL = 0.08  # median |measured / fit - 1| above this: too noisy to cache
 NOISY_REJECTED_SHARE = 0.2  # more timings than this share left out: too noisy to cache
+# Bump when the forward's cost changes shape (a cached fit of the old engine would mislead the
+# plan): 3 = fused q/k/v and gate/up, attention without value copies (2026-12-01).
+ENGINE_REVISION = 3
+
+
+def engine_fingerprint() -> str:
+    """What besides model, dtype, device and host sets the step cost: the engine revision,
+    torch's version, its intra-op threads and the OpenMP wait policy (``OMP_WAIT_POLICY=
+    PASSIVE`` made steps 1.4-1.6x slower on a 2-core VM). A cached fit is reused only under the
+    same fingerprint."""
+    policy = os.environ.get("OMP_WAIT_POLICY", "default").lower()
+    return (f"engine r{ENGINE_REVISION}, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads, OpenMP wait {policy}")
 
 
 @dataclass(frozen=True)
@@ -55,6 +68,7 @@ class CostModel:
     rejected: tuple[tuple[int, int, int, float], ...] = ()  # outliers left out of the fit
     median_residual: float = 0.0  # median |measured / fitted - 1| over ``samples``
     load_average: float | None = None  # the 1-minute load average while measuring
+    engine: str = ""  # engine_fingerprint() when measured ("" in files older than it)
 
     def problem(self) -> str | None:
         """Why this calibration should not be cached or reused, or None if it is sound: a
@@ -161,7 +175,7 @@ def load(path: str | os.PathLike) -> CostModel:
                          version=int(d.get("version", 1)),
                          rejected=tuple(tuple(s) for s in d.get("rejected", ())),
                          median_residual=float(d.get("median_residual", 0.0)),
-                         load_average=d.get("load_average"))
+                         load_average=d.get("load_average"), engine=d.get("engine", ""))
     except (OSError, KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: not a specbatch calibration file ({e})") from None
 
@@ -312,7 +326,8 @@ def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
                      version=CALIBRATION_VERSION,
                      rejected=tuple((*s, t) for s, t in rejected.items()),
                      median_residual=residuals[len(residuals) // 2] if residuals else 0.0,
-                     load_average=max(loads) if loads else None)
+                     load_average=max(loads) if loads else None,
+                     engine=engine_fingerprint())
 
 
 def _reject_outliers(timings: dict[tuple[int, int, int], float],
@@ -367,6 +382,9 @@ def load_or_calibrate(forward, model_id: str, dtype: str, cache_root: Path,
                     and now is not None and now < cpus):
                 why = (f"measured under load, {cached.load_average:.1f} on {cpus} CPUs; the "
                        f"machine is quieter now ({now:.1f})")
+            if why is None and cached.engine != engine_fingerprint():
+                why = (f"measured with another engine build or setting "
+                       f"({cached.engine or 'not recorded'}; now {engine_fingerprint()})")
             if why is None:
                 return cached, path, False
             say(f"warning: the cached calibration {path} is not used ({why}); calibrating "

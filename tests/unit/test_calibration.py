@@ -184,3 +184,32 @@ def test_an_llm_measures_a_fit_once_even_when_it_cannot_cache_it(monkeypatch, tm
     llm.calibrate(forward=forward, model_id="draft")  # another model: its own fit
     llm.calibrate(forward=forward, model_id="m", recalibrate=True)
     assert calls == [("m", False), ("draft", False), ("m", True)]
+
+
+def test_a_fit_of_another_engine_build_or_setting_is_measured_again(tmp_path, monkeypatch):
+    """The cached fit records the engine fingerprint (engine revision, torch, threads, OpenMP
+    wait policy): a fit written without one, or under another, is measured again with a line
+    saying why; under the same fingerprint it is reused. (A fit measured with
+    OMP_WAIT_POLICY=PASSIVE, ~1.5x slower steps, once planned a whole benchmark.)"""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    cost, path, measured = load_or_calibrate(FORWARD, "m", "bfloat16", tmp_path,
+                                             progress=False, time_fn=_timer())
+    assert measured and load(path).engine == costmodel.engine_fingerprint()
+    assert "OpenMP wait default" in load(path).engine
+    timer = _timer()
+    _, _, measured = load_or_calibrate(FORWARD, "m", "bfloat16", tmp_path, progress=False,
+                                       time_fn=timer)
+    assert not measured and not timer.calls
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    lines = []
+    _, _, measured = load_or_calibrate(FORWARD, "m", "bfloat16", tmp_path, echo=lines.append,
+                                       progress=False, time_fn=_timer())
+    assert measured and "OpenMP wait passive" in load(path).engine
+    assert any("measured with another engine build or setting" in line for line in lines), lines
+    old = json.loads(path.read_text())
+    del old["engine"]  # a file from before the fingerprint
+    path.write_text(json.dumps(old))
+    lines = []
+    _, _, measured = load_or_calibrate(FORWARD, "m", "bfloat16", tmp_path, echo=lines.append,
+                                       progress=False, time_fn=_timer())
+    assert measured and any("not recorded" in line for line in lines), lines
