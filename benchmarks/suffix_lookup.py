@@ -1,6 +1,6 @@
 """Lookup cost of the suffix proposer with a large job-wide index, against a batch-16 step.
 
-    PYTHONPATH=. python benchmarks/suffix_lookup.py [--records 10000] [--rounds 5]
+    PYTHONPATH=. python benchmarks/suffix_lookup.py [--records 10000] [--rounds 5] [--dtype auto]
 
 1. Builds a ``SuffixIndex`` over ``--records`` synthetic finished outputs of the templated
    extraction job (recipes/json_extraction.toml): JSON objects with the recipe's keys whose
@@ -11,7 +11,7 @@
    compression) would need for the same tokens.
 2. 16 rows: an extraction prompt (article + instruction) plus a partial JSON answer each,
    ``start``ed in a ``SuffixProposer`` over that index.
-3. Interleaved, ``--rounds`` times: one batch-16 decode step of SmolLM2-135M (bfloat16, the
+3. Interleaved, ``--rounds`` times: one batch-16 decode step of SmolLM2-135M (``--dtype``, the
    rows' prompts prefilled, timed ``ModelRunner.verify`` with no drafts: the cheapest step, so
    the ratio is an upper bound) and one ``propose`` call for the 16 rows at the suffix cap
    (15). Prints medians, the ratio and the load average.
@@ -55,6 +55,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--records", type=int, default=10_000)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--dtype", default="auto", help="the step's dtype (auto: what specbatch "
+                    "run picks on this machine)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import tomllib
@@ -72,7 +74,10 @@ def main() -> None:
             (ROOT / "recipes/prompts/json_extraction.jsonl").read_text().splitlines()]
     template = tomllib.loads((ROOT / "recipes/json_extraction.toml").read_text())["input"][
         "template"]
-    loaded = load_model("smollm2-135m", dtype="bfloat16")
+    from specbatch.config import resolve_dtype
+
+    dtype = resolve_dtype(args.dtype, "cpu")
+    loaded = load_model("smollm2-135m", dtype=dtype)
     tok = loaded.tokenizer
 
     texts = synthetic_outputs([r["article"] for r in recs], args.records)
