@@ -133,16 +133,14 @@ class LlamaForward:
         (``tests/unit/test_forward.py::test_attention_is_invariant_to_padding_and_batch``).
         """
         scale = self.head_dim ** -0.5
-        bsz, hkv, rows, dim = q.shape
+        rows = q.shape[2]
         if not exact:
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
         target = max(self.min_attention_rows, mask.shape[2])
         if rows < target:  # few-row matmuls take other kernels (dense.py): pad the queries
-            q = torch.cat([q, q[:, :, -1:].expand(-1, -1, target - rows, -1)], dim=2)
-            if mask.shape[2] < target:  # (the plan pads the masks once per forward)
-                mask = torch.cat([mask, mask[:, :, -1:].expand(
-                    -1, -1, target - mask.shape[2], -1)], dim=2)
-            return self._attention(q, keys, values, mask, exact)[:, :, :rows]
+            # (the plan pads the masks once per forward; a direct caller's mask is padded here)
+            return self._attention(_pad_rows(q, target), keys, values, _pad_rows(mask, target),
+                                   exact)[:, :, :rows]
         acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         scores = torch.matmul(q, keys.transpose(-1, -2)).to(acc_dtype)
         scores = scores.mul_(scale).masked_fill_(~mask, float("-inf"))
@@ -159,8 +157,8 @@ class LlamaForward:
                     exact: bool) -> list[tuple]:
         """Which cache views each layer's attention reads, planned once per forward.
 
-        Returns ``(segment, mask, take, src, dst)`` per ``KVSegment``: mask ``[n, 1, max(group * Q, min_attention_rows),
-        kv_len]`` bool; take ``[n]`` int64 batch rows whose queries the segment's rows get
+        Returns ``(segment, mask, take, src, dst)`` per ``KVSegment``: mask ``[n, 1, rows,
+        kv_len]`` bool, rows = group * Q (exact steps: at least ``min_attention_rows``); take ``[n]`` int64 batch rows whose queries the segment's rows get
         (None: the slice ``segment.first_batch_row`` onwards); src / dst ``[m]`` int64: the
         segment rows whose outputs are kept and the batch rows they go to (None with take).
         Exact steps read views of consecutive rows padded to whole KV blocks
@@ -194,9 +192,8 @@ class LlamaForward:
             mask = key_pos[None, None, :] <= seg_pos[:, :, None]  # [n, Q, kv_len]
             mask = mask[:, None, None].expand(n, 1, group, qlen, seg.kv_len).reshape(
                 n, 1, group * qlen, seg.kv_len)
-            if exact and group * qlen < self.min_attention_rows:  # as _attention pads queries
-                mask = torch.cat([mask, mask[:, :, -1:].expand(
-                    -1, -1, self.min_attention_rows - group * qlen, -1)], dim=2)
+            if exact:  # as _attention pads the queries
+                mask = _pad_rows(mask, self.min_attention_rows)
             plans.append((seg, mask, take, src, dst))
         return plans
 
@@ -403,3 +400,12 @@ class LlamaForward:
             out[real] = logits
             logits = out
         return logits
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` ``[B, H, n, ...]`` with its last row repeated up to ``rows`` rows (unchanged when
+    it has that many already)."""
+    n = t.shape[2]
+    if n >= rows:
+        return t
+    return torch.cat([t, t[:, :, -1:].expand(-1, -1, rows - n, *t.shape[3:])], dim=2)
