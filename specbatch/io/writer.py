@@ -48,8 +48,11 @@ def check_output_path(out_path: str | os.PathLike,
     file itself (never overwritten, not even with ``--force``), an extension other than
     ``OUTPUT_FORMATS``, a folder in its place, or a parent that cannot be created (a file in
     the way) or written; and, when ``force`` is given and False, an ``OUT`` from a finished
-    run (no work file beside it), which ``OutputWriter`` would refuse. Folders that do not
-    exist yet are created when the run starts. Cheap, so callers check before loading a model."""
+    run (no work file beside it), which ``OutputWriter`` would refuse. Writability is tried,
+    not inferred from permission bits (root passes ``os.access`` on ``/proc``): the missing
+    folders are created and a temporary file is created in the parent and removed, as the run
+    would; the folders this check created are removed again (the run creates them when it
+    starts). Cheap, so callers check before loading a model."""
     path = Path(out_path)
     if input_path is not None and Path(input_path).resolve() == path.resolve():
         raise ValueError(f"output {str(out_path)!r} is the input file; choose another -o")
@@ -64,11 +67,44 @@ def check_output_path(out_path: str | os.PathLike,
     if not parent.is_dir():
         raise ValueError(f"cannot create the output folder {str(path.parent)!r}: {parent} is "
                          "not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"cannot write the output {str(out_path)!r}: folder {parent} is not "
-                         "writable")
     if force is False and path.is_file() and not _beside(path, ".work.jsonl").exists():
         raise ValueError(f"{path} exists from a finished run; --force to overwrite")
+    _try_writing(path, out_path)
+
+
+def _try_writing(path: Path, out_path: str | os.PathLike) -> None:
+    """Create the missing folders of ``path`` and a temporary file beside it, as ``OutputWriter``
+    does, then remove both; raise ``ValueError`` with the system's reason if either fails."""
+    parent = path.absolute().parent
+    missing = []  # the folders that do not exist yet, deepest first
+    folder = parent
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    created = []  # the folders made here, deepest first
+    try:
+        for folder in reversed(missing):
+            try:
+                folder.mkdir()
+            except OSError as e:
+                if isinstance(e, FileExistsError) and folder.is_dir():
+                    continue  # made meanwhile by someone else: not ours to remove
+                raise ValueError(f"cannot create the output folder {str(path.parent)!r}: "
+                                 f"{e.strerror or e}") from None
+            created.insert(0, folder)
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+        except OSError as e:
+            raise ValueError(f"cannot write the output {str(out_path)!r}: folder {parent} is "
+                             f"not writable ({e.strerror or e})") from None
+        os.close(fd)
+        os.unlink(tmp)
+    finally:
+        for folder in created:  # deepest first; a folder someone filled meanwhile stays
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
 
 
 class OutputWriter:

@@ -136,6 +136,8 @@ def test_missing_input_and_bad_output_paths(tmp_path):
          f"error: {tmp_path / 'nope.jsonl'}: no such file or folder"),
         (["run", str(good), "-o", str(tmp_path / "a_file" / "sub" / "o.jsonl")],
          "error: cannot create the output folder"),
+        (["run", str(good), "-o", "/proc/x/o.jsonl"],  # root passes os.access on /proc
+         "error: cannot create the output folder '/proc/x'"),
         (["run", str(good), "-o", str(tmp_path / "o.txt")],
          "expected a name ending in .jsonl or .parquet"),
         (["run", str(good), "-o", str(tmp_path)], str(tmp_path)),  # click: "... is a directory"

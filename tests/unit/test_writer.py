@@ -281,6 +281,34 @@ def test_output_may_not_be_the_input(tmp_path):
     check_output_path(tmp_path / "out.jsonl", inp)
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_unwritable_output_is_found_by_trying(tmp_path):
+    """/proc passes ``os.access`` for root, yet nothing can be created in it: the check tries
+    (the folders, then a file), so the run stops before the model loads, not after."""
+    from specbatch.io.writer import check_output_path
+
+    with pytest.raises(ValueError, match=r"cannot create the output folder '/proc/x': "):
+        check_output_path("/proc/x/y.jsonl")
+    with pytest.raises(ValueError, match=r"cannot write the output '/proc/y.jsonl': folder "
+                                         r"/proc is not writable \("):
+        check_output_path("/proc/y.jsonl")
+
+
+def test_output_check_leaves_nothing_behind(tmp_path):
+    """The folders it made to try are removed (the run makes them), nothing else is touched."""
+    from specbatch.io.writer import check_output_path
+
+    (tmp_path / "keep").mkdir()
+    check_output_path(tmp_path / "keep" / "a" / "b" / "out.jsonl")
+    check_output_path(tmp_path / "out.parquet")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["keep"]
+    w = OutputWriter(tmp_path / "keep" / "a" / "out.jsonl", CONFIG, resume=False, force=False,
+                     num_records=1)
+    w.write(0, _out(0))
+    w.finish()
+    assert (tmp_path / "keep" / "a" / "out.jsonl").is_file()
+
+
 def test_replica_work_files_are_absorbed_on_open(tmp_path):
     """Ray replicas append to ``OUT.work.NAME.jsonl``; the driver's writer takes their records
     (a replica killed mid-line loses only that line), removes the files, and the final file is
