@@ -136,14 +136,18 @@ class SamplingParams:
         """Build from a record's or recipe's fields, overriding ``base``; unknown keys are ignored.
 
         Lists are accepted for ``stop`` and ``stop_token_ids``; a single string for ``stop``.
-        Raises ``ValueError`` naming the field on a bad value.
+        Raises ``ValueError`` naming the field on a bad value; a ``stop``, ``stop_token_ids``
+        or ``logit_bias`` value is shown as written (JSON), not as the tuple it is read into.
         """
         base = base or cls()
         updates = {}
+        written = {}  # field -> the value as given, for the fields read into tuples
         for f in fields(cls):
             if f.name not in values:
                 continue
             v = values[f.name]
+            if f.name in _AS_WRITTEN_EXPECTED:
+                written[f.name] = v
             if f.name == "stop":
                 v = (v,) if isinstance(v, str) else tuple(v) if isinstance(v, list) else v
             elif f.name == "stop_token_ids":
@@ -155,7 +159,13 @@ class SamplingParams:
             elif f.name == "response_format":
                 v = _response_format(v)
             updates[f.name] = v
-        return replace(base, **updates)
+        try:
+            return replace(base, **updates)
+        except _FieldError as e:
+            if e.name not in written:
+                raise
+            raise ValueError(f"{e.name}={_as_written(written[e.name])}: expected "
+                             f"{_AS_WRITTEN_EXPECTED[e.name] or e.expected}") from None
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -165,6 +175,10 @@ class SamplingParams:
         return d
 
 
+# from_dict: the fields read into tuples, whose bad values are shown as written, and what a
+# record may write for them where that differs from the dataclass's own check (None: the same)
+_AS_WRITTEN_EXPECTED = {"stop": "a non-empty string or a list of non-empty strings",
+                        "stop_token_ids": None, "logit_bias": None}
 _FLOAT_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "min_p")
 
@@ -379,9 +393,30 @@ def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
 
 
+class _FieldError(ValueError):
+    """A bad config value: ``name=value: expected ...``; keeps ``name`` and ``expected`` so that
+    ``SamplingParams.from_dict`` can name the value as the user wrote it."""
+
+    def __init__(self, message: str, name: str | None = None, expected: str | None = None):
+        super().__init__(message)
+        self.name, self.expected = name, expected
+
+
 def _check(ok: bool, name: str, value, expected: str) -> None:
     if not ok:
-        raise ValueError(f"{name}={value!r}: expected {expected}")
+        raise _FieldError(f"{name}={value!r}: expected {expected}", name, expected)
+
+
+def _as_written(value, limit: int = 200) -> str:
+    """``value`` as JSON (as a record or request wrote it), else its ``repr``; cut at ``limit``
+    characters, so that one error stays one readable line."""
+    import json
+
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 __all__ = ["SamplingParams", "SpecConfig", "EngineConfig", "resolve_device", "resolve_dtype", "SAMPLING_FIELDS", "METHODS", "DTYPES",

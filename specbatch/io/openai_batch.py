@@ -108,10 +108,16 @@ def _messages(value) -> list[dict]:
     for i, m in enumerate(value):
         if not isinstance(m, dict):
             raise ValueError(f"body.messages[{i}] must be an object")
-        role = _ROLES.get(m.get("role"))
+        if "role" not in m:
+            raise ValueError(f"body.messages[{i}].role is missing: expected one of "
+                             f"{', '.join(_ROLES)}")
+        role = _ROLES.get(m["role"]) if isinstance(m["role"], str) else None
         if role is None:
             raise ValueError(f"body.messages[{i}].role={m.get('role')!r}: expected one of "
                              f"{', '.join(_ROLES)}")
+        if "content" not in m:
+            raise ValueError(f"body.messages[{i}].content is missing: expected a string or a "
+                             "list of text parts")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text"

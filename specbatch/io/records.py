@@ -655,8 +655,12 @@ def _render(template: str, row: dict) -> dict:
 def _messages(name: str, value: list[dict]) -> list[dict]:
     for i, m in enumerate(value):
         role, content = m.get("role"), m.get("content")
+        if "role" not in m:
+            raise ValueError(f"{name}[{i}].role is missing: expected one of {', '.join(ROLES)}")
         if role not in ROLES:
             raise ValueError(f"{name}[{i}].role={role!r}: expected one of {', '.join(ROLES)}")
+        if "content" not in m:
+            raise ValueError(f"{name}[{i}].content is missing: expected a string")
         if not isinstance(content, str):
             raise ValueError(f"{name}[{i}].content must be a string, got {_kind(content)}")
     if not any(m["role"] == "user" for m in value):

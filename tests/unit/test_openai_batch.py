@@ -48,6 +48,9 @@ def test_completions_request_and_content_parts():
     ({"custom_id": "c", "url": "/v1/completions", "body": {"prompt": ["a", "b"]}},
      "a list of prompts"),
     (chat(messages=[{"role": "tool", "content": "x"}]), "role='tool'"),
+    (chat(messages=[{"content": "x"}]), "body.messages[0].role is missing"),
+    (chat(messages=[{"role": ["user"], "content": "x"}]), "body.messages[0].role=['user']"),
+    (chat(messages=[{"role": "user"}]), "body.messages[0].content is missing"),
     (chat(top_logprobs=2), "needs body.logprobs"),
     ({**chat(), "extra": 1}, "unsupported request field(s): extra"),
 ])

@@ -40,7 +40,7 @@ CASES = {
     "empty_prompt.jsonl": (2, [(2, "prompt is empty"), (3, "prompt is empty"),
                                (4, "turns is an empty list"), (5, "turns: turn 2 is empty")]),
     "bad_messages.jsonl": (2, [(2, "messages[0].role='robot'"),
-                               (3, "messages[0].content must be a string"),
+                               (3, "messages[0].content is missing"),
                                (4, "messages has no user message")]),
     "duplicate_ids.jsonl": (3, [(3, "duplicate id 1: first seen on line 1"),
                                 (5, "duplicate id 1: first seen on line 1")]),
@@ -48,7 +48,8 @@ CASES = {
     "bad_sampling.jsonl": (2, [(2, "invalid sampling field: temperature=-1.0"),
                                (3, "invalid sampling field: top_p=2.0"),
                                (4, "invalid sampling field: max_tokens='100'"),
-                               (5, "invalid sampling field: stop=5")]),
+                               (5, "invalid sampling field: stop=5: expected a non-empty "
+                                   "string or a list of non-empty strings")]),
     "empty.jsonl": (0, [(0, "no records")]),
     "unknown_ext.txt": (0, [(0, "unknown input format '.txt'")]),
     "too_long.jsonl": (3, []),  # too long only once tokenised: see test_check_lengths
@@ -133,6 +134,37 @@ def test_integers_beyond_64_bits_are_reported_as_written(tmp_path):
             f"{path}:4: id {big} does not fit in 64 bits; write it as a string",
             f"{path}:5: id=5: invalid sampling field: seed=1e+30: expected an integer that "
             "fits in 64 bits"]
+
+
+def test_bad_values_are_named_as_written(tmp_path):
+    """A missing message key is said to be missing (not "null"); a bad ``logit_bias`` or
+    ``stop`` is shown as the JSON the record holds (not the tuple it is read into); ``stop``
+    says a string is accepted too. One line each, naming the input line."""
+    rows = ['{"id": 1, "messages": [{"role": "user"}]}',
+            '{"id": 2, "messages": [{"role": "user", "content": null}]}',
+            '{"id": 3, "messages": [{"content": "hi"}]}',
+            '{"id": 4, "prompt": "a", "logit_bias": {"5": 200}}',
+            '{"id": 5, "prompt": "a", "logit_bias": {"x": 1}}',
+            '{"id": 6, "prompt": "a", "stop": ["a", ""]}',
+            '{"id": 7, "prompt": "a", "stop": 5}',
+            '{"id": 8, "prompt": "a", "stop_token_ids": [1, -2]}',
+            '{"id": 9, "prompt": "a", "stop": "END", "logit_bias": {"5": -100}}']
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    records, errors = read_records(path)
+    assert [r.id for r in records] == [9]
+    bias = 'expected an object {"token id": bias} with ids >= 0 and biases in [-100, 100]'
+    stop = "expected a non-empty string or a list of non-empty strings"
+    assert [e.reason for e in errors] == [
+        "messages[0].content is missing: expected a string",
+        "messages[0].content must be a string, got null",
+        "messages[0].role is missing: expected one of system, user, assistant",
+        f'invalid sampling field: logit_bias={{"5": 200}}: {bias}',
+        f'invalid sampling field: logit_bias={{"x": 1}}: {bias}',
+        f'invalid sampling field: stop=["a", ""]: {stop}',
+        f"invalid sampling field: stop=5: {stop}",
+        "invalid sampling field: stop_token_ids=[1, -2]: expected a list of token ids >= 0"]
+    assert all("\n" not in str(e) and str(e).startswith(f"{path}:{e.line}: ") for e in errors)
 
 
 def test_ids_are_compared_as_text(tmp_path):
