@@ -276,6 +276,8 @@ def _log_to_stderr(ctx: click.Context, verbose: bool) -> None:
 
 
 @click.group(cls=_Group)
+@click.version_option(package_name="specbatch", prog_name="specbatch",  # importlib.metadata
+                      message="%(prog)s %(version)s")
 @click.option("-v", "--verbose", is_flag=True, help="Log more (other libraries' INFO too).")
 @click.pass_context
 def main(ctx: click.Context, verbose: bool) -> None:

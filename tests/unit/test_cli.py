@@ -41,6 +41,14 @@ def test_no_command_still_prints_the_help():
     assert "Offline batch text generation" in result.output and "error:" not in result.output
 
 
+def test_version_is_the_installed_package_version():
+    from importlib.metadata import version
+
+    result = CliRunner().invoke(main, ["--version"])
+    assert result.exit_code == 0, result.output
+    assert result.output == f"specbatch {version('specbatch')}\n"
+
+
 def test_skipped_records_are_warnings_failing_ones_errors(tmp_path):
     """``--on-error skip`` runs the good records: the bad ones are ``warning:`` lines; with
     ``--on-error fail`` the same records stop the run and are ``error:`` lines."""
