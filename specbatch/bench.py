@@ -101,7 +101,7 @@ def parse_groups(items) -> tuple[tuple[str, tuple[str, ...]], ...]:
 def run_bench(opts: BenchOptions) -> int:
     from specbatch.io.records import error_lines
     from specbatch.llm import LLM, ModelLoadError
-    from specbatch.run import EXIT_BAD_INPUT, load_records
+    from specbatch.run import EXIT_BAD_INPUT, load_records, warn_if_busy
 
     records, errors = load_records(opts)
     if errors:
@@ -120,6 +120,7 @@ def run_bench(opts: BenchOptions) -> int:
         return EXIT_BAD_INPUT
     # one load for every configuration; the draft model only when a configuration drafts with it
     spec = next((s for _, s in opts.specs if s.draft_model is not None), opts.specs[0][1])
+    warn_if_busy()
     try:
         llm = LLM.from_config(opts.model, spec, opts.engine, cache_dir=opts.cache_dir,
                               seed=opts.run_seed, echo=lambda line: click.echo(line, err=True))

@@ -10,6 +10,8 @@ these prints one ``error:`` line per problem on stderr, never a traceback.
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
 import sys
 import time
 from collections import defaultdict
@@ -52,6 +54,36 @@ class RunOptions:
 
 def _err(msg: str) -> None:
     click.echo(msg, err=True)
+
+
+def busy_machine_warning() -> str | None:
+    """A one-line warning when the 1-minute load average is already at least the number of
+    CPUs this process may use (``os.sched_getaffinity``, else ``os.cpu_count``): other jobs
+    are running, and their OpenMP threads and ours, spin-waiting, slow each other a lot. None
+    on a quieter machine, or where the OS has no load average. (A job that ended less than a
+    minute ago still counts in the average.)"""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    if load < cpus:
+        return None
+    advice = ("run one job at a time" if os.environ.get("OMP_WAIT_POLICY", "").lower() == "passive"
+              else "run one job at a time, or set OMP_WAIT_POLICY=PASSIVE")
+    return (f"the machine is busy (1-minute load average {load:.1f} with {cpus} usable CPU(s)): "
+            "OpenMP threads spin-wait, so several jobs on the same cores slow each other a lot; "
+            f"{advice}")
+
+
+def warn_if_busy() -> None:
+    """Log ``busy_machine_warning()``, if any, on the ``specbatch`` logger (where the startup
+    lines, ``loading model ...``, go): ``specbatch run`` and ``bench`` call it before the load."""
+    if (warning := busy_machine_warning()) is not None:
+        logging.getLogger("specbatch").warning(warning)
 
 
 def _report_errors(errors, on_error: str, level: str = "error", can_skip: bool = True) -> None:
@@ -159,6 +191,7 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
             _err(f"error: {e}")
             return EXIT_BAD_INPUT
 
+    warn_if_busy()
     from specbatch.io.openai_batch import output_line
     from specbatch.llm import LLM, ModelLoadError
     from specbatch.ray import ReplicaFailed  # no Ray import: the error class only

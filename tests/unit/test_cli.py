@@ -271,9 +271,13 @@ def test_progress_shows_time_left_only_after_a_batch_from_the_mean_rate():
     resumed.close()
 
 
-def test_sampled_records_without_id_or_seed_are_warned_about_once(tmp_path):
+def test_sampled_records_without_id_or_seed_are_warned_about_once(tmp_path, monkeypatch):
     """Their seed derives from the line number: reordering the file changes their output."""
+    import os
+
     from tests.unit.test_loader import write_tiny_gguf
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # no busy-machine warning
 
     model = tmp_path / "m.gguf"
     write_tiny_gguf(model)
@@ -319,3 +323,55 @@ def test_limit_never_hides_a_bad_record_it_did_not_cut(tmp_path):
                            sampling=SamplingParams(), template=None, limit=2)
     records, errors = load_records(opts)
     assert len(records) == 2 and errors == []  # line 3 is past the cut
+
+
+def test_busy_machine_warning(monkeypatch):
+    """A 1-minute load average at or above the usable CPUs: one line saying why it matters
+    (spin-waiting OpenMP threads) and what helps; nothing on a quieter machine or without a
+    load average."""
+    import os
+
+    from specbatch.run import busy_machine_warning
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.9, 5.0, 5.0))
+    assert busy_machine_warning() is None
+    monkeypatch.setattr(os, "getloadavg", lambda: (2.0, 0.5, 0.5))
+    assert busy_machine_warning() == (
+        "the machine is busy (1-minute load average 2.0 with 2 usable CPU(s)): OpenMP threads "
+        "spin-wait, so several jobs on the same cores slow each other a lot; run one job at a "
+        "time, or set OMP_WAIT_POLICY=PASSIVE")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")  # already set: only the other advice
+    assert busy_machine_warning().endswith("a lot; run one job at a time")
+
+    def no_load_average():
+        raise OSError("no load average here")
+
+    monkeypatch.setattr(os, "getloadavg", no_load_average)
+    assert busy_machine_warning() is None
+
+
+def test_run_and_bench_warn_once_on_a_busy_machine(tmp_path, monkeypatch):
+    """The warning goes to the ``specbatch`` logger, shown as one ``warning:`` line on stderr
+    before ``loading model ...``."""
+    import os
+
+    from tests.unit.test_loader import write_tiny_gguf
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (64.0, 64.0, 64.0))
+    model = tmp_path / "m.gguf"
+    write_tiny_gguf(model)
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": 1, "prompt": "a"}\n')
+    common = ["--model", str(model), "--cache-dir", str(tmp_path / "c"), "--max-tokens", "2"]
+    for args in (["run", str(src), "-o", str(tmp_path / "o.jsonl"), "--method", "none",
+                  "--no-progress", *common],
+                 ["bench", str(src), "--configs", "none", *common]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0, result.output
+        lines = result.output.splitlines()
+        busy = [i for i, line in enumerate(lines)
+                if line.startswith("warning: the machine is busy (1-minute load average 64.0")]
+        loading = [i for i, line in enumerate(lines) if line.startswith("loading model")]
+        assert len(busy) == 1 and busy[0] < loading[0], result.output
