@@ -13,7 +13,8 @@ optional except ``name`` and ``version``::
     [sampling]     temperature, top_p, top_k, seed (the run seed, --seed), max_tokens,
                    min_tokens, stop, stop_token_ids, ignore_eos, logprobs, n,
                    repetition_penalty, presence_penalty, frequency_penalty, min_p,
-                   json_schema (a schema file, as --json-schema)
+                   json_schema (a schema file, as --json-schema; a relative path is
+                   read from the recipe's folder)
     [input]        prompt_field, id_field, template (exclusive with prompt_field)
 
 Keys are the option names with ``_`` for ``-`` (``[model] name`` is ``--model``). Values get
@@ -85,7 +86,11 @@ def load_recipe(path: str | os.PathLike) -> Recipe:
         raise ValueError(f"recipe {str(path)!r}: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"recipe {str(path)!r}: invalid TOML: {e}") from None
-    return parse_recipe(data, str(path))
+    recipe = parse_recipe(data, str(path))
+    schema = recipe.options.get("json_schema")
+    if schema is not None and not os.path.isabs(schema):  # beside the recipe, not the cwd
+        recipe.options["json_schema"] = os.path.join(os.path.dirname(os.fspath(path)), schema)
+    return recipe
 
 
 def parse_recipe(data: dict, path: str = "<recipe>") -> Recipe:
@@ -142,7 +147,7 @@ def _check(options: dict) -> None:
     """The checks ``specbatch run`` applies to the same values given as flags."""
     from specbatch.io.records import template_fields
 
-    for key in ("model", "prompt_field", "id_field"):
+    for key in ("model", "prompt_field", "id_field", "json_schema"):
         if key in options and not (isinstance(options[key], str) and options[key]):
             raise ValueError(f"{key}={options[key]!r}: expected a non-empty string")
     if "template" in options:

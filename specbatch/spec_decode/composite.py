@@ -97,7 +97,7 @@ class WithSuffix:
 
     def propose_suffix(self, seqs: list[Sequence], ks: list[int]) -> list:
         """The suffix proposer's scored ``Draft`` per row, at most ``ks[i]`` tokens."""
-        return [self.suffix.draft(s, k) for s, k in zip(seqs, ks)]
+        return [self.suffix.draft(s, k, len(seqs)) for s, k in zip(seqs, ks)]
 
     def add_finished(self, outputs) -> None:
         self.suffix.add_finished(outputs)

@@ -6,6 +6,7 @@ records the options it gets, so no model loads.
 
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from click.testing import CliRunner
 import specbatch.run
 from specbatch.cli import main
 from specbatch.io.records import read_records, template_fields
-from specbatch.recipe import load_recipe
+from specbatch.recipe import load_recipe, parse_recipe
 
 RECIPES = Path(__file__).parents[2] / "recipes"
 
@@ -227,3 +228,17 @@ def test_template_errors_through_the_cli(tmp_path):
 def test_malformed_templates(template):
     with pytest.raises(ValueError, match="template"):
         template_fields(template)
+
+
+def test_recipe_json_schema_is_read_from_the_recipes_folder(tmp_path, captured, monkeypatch):
+    folder = tmp_path / "recipes"
+    folder.mkdir()
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    (folder / "s.json").write_text(json.dumps(schema))
+    path = _write(folder, 'name = "x"\nversion = 1\n[sampling]\njson_schema = "s.json"\n')
+    assert load_recipe(path).options["json_schema"] == str(folder / "s.json")
+    monkeypatch.chdir(tmp_path)  # not the recipe's folder: the path must not depend on the cwd
+    opts = _run(["--recipe", str(path), "in.jsonl"], captured)
+    assert opts.sampling.response_format["json_schema"]["schema"] == schema
+    with pytest.raises(ValueError, match=r"json_schema=3: expected a non-empty string"):
+        parse_recipe({"name": "x", "version": 1, "sampling": {"json_schema": 3}})

@@ -10,7 +10,7 @@ import pytest
 
 from specbatch.config import SamplingParams, SpecConfig
 from specbatch.engine.sequence import Request, Sequence
-from specbatch.spec_decode import make_proposer
+from specbatch.spec_decode import make_proposer, suffix
 from specbatch.spec_decode.suffix import (SuffixAutomaton, SuffixIndex, SuffixProposer,
                                           finished_outputs)
 from tests.helpers import make_engine, repeating_prompts, run_engine, tiny_llama, tiny_qwen2
@@ -83,9 +83,9 @@ def _seq(tokens: list[int], num_prompt: int, k: int = 15) -> Sequence:
     return seq
 
 
-def test_proposer_prefers_job_index_when_it_scores_higher():
+def test_proposer_drafts_from_the_job_index_when_own_text_has_no_match():
     """A row whose own text has no repeat drafts from the finished outputs; the draft is at most
-    max_spec_factor * match length long, and its own text wins when it scores higher."""
+    max_spec_factor * match length long, and its own text wins when it matches longer."""
     job = SuffixIndex()
     for _ in range(3):
         job.add([40, 41, 42, 43, 44, 45, 46, 47])
@@ -106,6 +106,33 @@ def test_proposer_prefers_job_index_when_it_scores_higher():
     assert (prop.last_draft(own).source, prop.last_draft(own).probs) == ("self", [1.0] * 3)
     prop.finish(own)
     assert len(job.docs) == 4 and job.docs[-1] == (5, 6, 7)  # the finished answer joined
+
+
+def test_proposer_picks_the_longer_match_and_few_rows_draft_longer_own_text():
+    """Own text and job index compete on match length, not on path probability: a 2-token own
+    match drafting with probability 1 loses to a 3-token job match whose continuations are split
+    1:1. In a step of <= FEW_ROWS rows the own-text draft grows to OWN_FACTOR_FEW_ROWS x its
+    match; in a full step to max_spec_factor x."""
+    job = SuffixIndex()
+    job.add([7, 8, 9, 10, 11])
+    job.add([7, 8, 9, 12, 13])
+    prop = SuffixProposer(job, min_token_prob=0.0)
+    # own text: "8 9" repeats (prompt "8 9 20 21 22 ... 8 9"), the job index matches "7 8 9"
+    seq = _seq([8, 9, 20, 21, 22, 23, 7, 8, 9], 6)
+    prop.start(seq)
+    assert prop.propose([seq], [15]) == [[10, 11]]  # lowest id of the 1:1 tie, 3 -> at most 3
+    d = prop.last_draft(seq)
+    assert (d.source, d.match_len, d.probs) == ("job", 3, [0.5, 0.5])
+    # own text only (no job match): 2-token match "8 9" -> 4 drafts at one row, 2 at 16 rows
+    own = _seq([8, 9, 20, 21, 22, 23, 5, 8, 9], 6)
+    prop.start(own)
+    assert suffix.FEW_ROWS == 2 and suffix.OWN_FACTOR_FEW_ROWS == 2.0
+    assert prop.propose([own], [15]) == [[20, 21, 22, 23]]
+    others = [_seq([100 + i], 1) for i in range(15)]
+    for o in others:
+        prop.start(o)
+    assert prop.propose([own, *others], [15] * 16)[0] == [20, 21]
+    assert prop.last_draft(own).source == "self"
 
 
 def test_eviction_keeps_index_under_bound():
