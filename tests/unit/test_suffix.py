@@ -269,6 +269,7 @@ def test_auto_routes_suffix_drafts_per_row_and_keeps_outputs():
 def test_json_extraction_recipe_and_example_input():
     """The templated job: a suffix recipe whose template renders every one of 100+ example
     records (Spec-Bench rag / summarization articles) with one fixed instruction."""
+    import json
     from pathlib import Path
 
     from specbatch.io.records import read_records, template_fields
@@ -278,6 +279,10 @@ def test_json_extraction_recipe_and_example_input():
     recipe = load_recipe(recipes / "json_extraction.toml")
     assert (recipe.name, recipe.options["method"], recipe.options["max_tokens"]) == \
         ("json_extraction", "suffix", 128)
+    schema = json.loads(Path(recipe.options["json_schema"]).read_text())  # beside the recipe
+    assert Path(recipe.options["json_schema"]).parent == recipes
+    assert set(schema["required"]) == {"title", "people", "organizations", "locations", "date",
+                                       "topic"}
     assert template_fields(recipe.options["template"]) == ["article"]
     records, errors = read_records(recipes / "prompts" / "json_extraction.jsonl",
                                    template=recipe.options["template"])
