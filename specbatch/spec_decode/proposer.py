@@ -9,8 +9,9 @@ rows) keyed by ``Sequence.seq_id``, and hears about every sequence's lifecycle f
     finish(seq)           drop the sequence's state
 
 Drafts must be a deterministic function of the committed tokens (and, for a draft model, of
-the record seed and positions): the output-invariance promise depends on it only through the
-verifier, but the what-if replay in ``analyze`` and the probe in ``--method auto`` rely on it.
+the record seed and positions; for suffix, of the answers finished before and of the rows in
+the step): the output-invariance promise depends on it only through the verifier, but the
+what-if replay in ``analyze`` and the probe in ``--method auto`` rely on it for n-gram drafts.
 """
 
 from __future__ import annotations

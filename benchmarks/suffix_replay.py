@@ -1,0 +1,124 @@
+"""Replay the suffix proposer's source choice over recorded greedy outputs, without the model.
+
+    PYTHONPATH=. python benchmarks/suffix_replay.py OUT.jsonl [--token-cost 0.055 0.28]
+
+At temperature 0 the target's output is fixed, and a proposer's draft is a function of the
+committed tokens (and, for suffix, of the answers finished before), so the acceptance of any
+drafting rule can be replayed exactly from a run's output file (any method; the outputs are the
+same), one row at a time, the records finishing in file order (as at batch 1). For each rule it
+prints the tokens committed per verify step and a relative throughput: output tokens per unit of
+step cost, where a step costs ``1 + token_cost * draft tokens`` (``--token-cost``: one fed draft
+token as a share of a step. Batch 1 on the 2-core VM: ~0.055, the calibration's 2.6 ms per token
+over a 47 ms step; a full batch-16 step: ~0.28 of a row's share). Rules:
+
+    ngram k5              prompt lookup, k = 5, prompt_lookup_min/max 2/4 (``NgramProposer``)
+    suffix (paper)        own text vs job index by the sum of path probabilities, factor 1
+    suffix (1 row)        ``SuffixProposer`` as shipped, in steps of 1 row
+    suffix (16 rows)      ``SuffixProposer`` as shipped, in steps of 16 rows
+
+The output file's ``OUT.config.json`` names the model (its tokenizer re-renders the prompts, as
+``analyze --what-if`` does). Records ending in ``error`` and ``turns`` records' later turns are
+left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specbatch.analyze.load import answers, load_run  # noqa: E402
+from specbatch.analyze.report import load_tokenizer  # noqa: E402
+from specbatch.analyze.whatif import prompt_ids_per_answer  # noqa: E402
+from specbatch.config import SamplingParams  # noqa: E402
+from specbatch.engine.sequence import Request, Sequence  # noqa: E402
+from specbatch.prompts import PromptRenderer  # noqa: E402
+from specbatch.spec_decode import suffix  # noqa: E402
+from specbatch.spec_decode.ngram import NgramProposer  # noqa: E402
+
+CAP = 15  # the suffix cap at k 5: min(32, 3k)
+
+
+class PaperChoice(suffix.SuffixProposer):
+    """SuffixDecoding's choice: the higher sum of path probabilities wins (ties: own text), the
+    own-text factor 1 whatever the step's rows."""
+
+    def draft(self, seq, cap, num_rows=1):
+        own = self.rows[seq.seq_id].draft(cap, self.min_token_prob, self.max_spec_factor)
+        sam = self.index.sam
+        if not sam.num_tokens:
+            return own
+        state, n = sam.match(seq.token_ids[-self.max_match:])
+        job = suffix.draft_from(sam, state, n, cap, "job", self.min_token_prob,
+                                self.max_spec_factor)
+        return job if sum(job.probs) > sum(own.probs) else own
+
+
+def load(path: str) -> list[tuple[list[int], list[int]]]:
+    run = load_run(path)
+    if run.config is None:
+        sys.exit(f"{path}: no OUT.config.json beside it (it names the model)")
+    renderer = PromptRenderer(load_tokenizer(run.config["model"]))
+    out = []
+    for rec in run.records:
+        if answers(rec.fields, "finish_reason")[0] == "error":
+            continue
+        ids = answers(rec.fields, "output_token_ids")[0]
+        if ids:
+            out.append((prompt_ids_per_answer(rec, renderer)[0], list(ids)))
+    return out
+
+
+def replay(data, proposer, cap: int, num_rows: int, token_cost: float) -> tuple[float, float]:
+    """(tokens per verify step, output tokens per unit of step cost) over ``data``."""
+    steps = tokens = 0
+    cost = 0.0
+    fillers = []  # idle rows, so that ``propose`` sees a step of num_rows rows
+    for i in range(num_rows - 1):
+        f = Sequence(Request(-1 - i, [1, 2, 3], SamplingParams()), "suffix", cap)
+        proposer.start(f)
+        fillers.append(f)
+    for n_rec, (prompt, out) in enumerate(data):
+        seq = Sequence(Request(n_rec, list(prompt), SamplingParams()), "suffix", cap)
+        seq.token_ids.append(out[0])  # prefill emits the first token
+        proposer.start(seq)
+        n, steps, cost = 1, steps + 1, cost + 1.0
+        while n < len(out):
+            draft = proposer.propose([seq, *fillers], [cap] * num_rows)[0]
+            a = 0
+            while a < len(draft) and n + a < len(out) and draft[a] == out[n + a]:
+                a += 1
+            e = min(a + 1, len(out) - n)
+            seq.token_ids.extend(out[n:n + e])
+            n += e
+            proposer.on_commit(seq, e)
+            steps += 1
+            cost += 1.0 + token_cost * len(draft)
+        seq.finish_reason = "stop"
+        proposer.finish(seq)
+        tokens += len(out)
+    return tokens / steps, tokens / cost
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("output", help="a run's OUT.jsonl (greedy)")
+    ap.add_argument("--token-cost", type=float, nargs="+", default=[0.055, 0.28])
+    args = ap.parse_args()
+    data = load(args.output)
+    print(f"{len(data)} answers, {sum(len(o) for _, o in data)} output tokens")
+    rules = [("ngram k5", lambda: NgramProposer(2, 4), 5, 1),
+             ("suffix (paper)", PaperChoice, CAP, 1),
+             ("suffix (1 row)", suffix.SuffixProposer, CAP, 1),
+             ("suffix (16 rows)", suffix.SuffixProposer, CAP, 16)]
+    head = " ".join(f"{'tok/cost @' + str(c):>14}" for c in args.token_cost)
+    print(f"{'rule':18} {'tok/step':>8} {head}")
+    for name, make, cap, rows in rules:
+        res = [replay(data, make(), cap, rows, c) for c in args.token_cost]
+        print(f"{name:18} {res[0][0]:8.3f} " + " ".join(f"{r[1]:14.3f}" for r in res))
+
+
+if __name__ == "__main__":
+    main()
