@@ -89,10 +89,25 @@ _BITS = torch.arange(32, dtype=torch.int32)
 
 
 def allowed_tokens(matcher, vocab_size: int) -> torch.Tensor:
-    """``[vocab_size]`` bool: the tokens ``matcher`` accepts next (its packed int32 bitmask,
-    bit ``i % 32`` of word ``i // 32``, unpacked)."""
-    xgr = _xgr()
-    bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)] int32
+    """``[vocab_size]`` bool: the tokens ``matcher`` accepts next."""
+    bitmask = _xgr().allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)] int32
     matcher.fill_next_token_bitmask(bitmask, 0)
-    bits = (bitmask[0, :, None] >> _BITS) & 1  # [W, 32]
-    return bits.flatten()[:vocab_size].bool()
+    return unpack_bitmask(bitmask, vocab_size)[0]
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[n, W]`` int32 packed bitmask (bit ``t % 32`` of word ``t // 32``: token t allowed) ->
+    ``[n, vocab_size]`` bool."""
+    bits = (bitmask[:, :, None] >> _BITS) & 1  # [n, W, 32]
+    return bits.flatten(1)[:, :vocab_size].bool()
+
+
+def packed_tokens(ids, vocab_size: int) -> torch.Tensor:
+    """``[ceil(vocab_size / 32)]`` int32 bitmask with exactly the bits of ``ids`` (< vocab_size)
+    set."""
+    words = [0] * ((vocab_size + 31) // 32)
+    for t in ids:
+        if 0 <= t < vocab_size:
+            words[t // 32] |= 1 << (t % 32)
+    return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words],
+                        dtype=torch.int32)

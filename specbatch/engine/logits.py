@@ -52,8 +52,7 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence],
         start += n
         sp = seq.sampling
         if seq.matcher is not None:
-            allowed = grammar_masks(seq, d, vocab)  # [n, V] bool
-            rows.masked_fill_(~allowed.to(rows.device), float("-inf"))
+            apply_bitmask(rows, grammar_masks(seq, d, vocab))
         if sp.logit_bias:
             ids = torch.tensor([t for t, _ in sp.logit_bias if t < vocab], dtype=torch.int64)
             bias = torch.tensor([b for t, b in sp.logit_bias if t < vocab], dtype=rows.dtype)
@@ -100,29 +99,48 @@ def _prompt_mask(seq: Sequence, vocab: int) -> torch.Tensor:
 
 
 def grammar_masks(seq: Sequence, drafts: list[int], vocab: int) -> torch.Tensor:
-    """``[len(drafts) + 1, V]`` bool, the tokens the grammar allows at each fed position, with
-    the matcher advanced through the drafts before it; all True after a draft it refuses (that
-    draft is rejected, so later positions are unused). The matcher ends where it started."""
+    """``[len(drafts) + 1, ceil(V / 32)]`` int32, xgrammar's packed token bitmask (bit ``t % 32``
+    of word ``t // 32`` set: token t allowed) at each fed position, with the matcher advanced
+    through the drafts before it; all set after a draft it refuses (that draft is rejected, so
+    later positions are unused). The matcher ends where it started. One
+    ``fill_next_token_bitmask`` per position into one buffer, no unpacking (as vLLM's structured
+    output fills its batch bitmask)."""
     from specbatch.engine import grammar
 
+    xgr = grammar._xgr()
     matcher = seq.matcher
     n = len(drafts) + 1
-    allowed = torch.ones((n, vocab), dtype=torch.bool)
+    bitmask = xgr.allocate_token_bitmask(n, vocab)  # all bits set: every token allowed
     num_accepted = 0
     for j in range(n):
         if matcher.is_terminated():
             # finished JSON with nothing left to accept: only a stop id may follow, and
             # xgrammar allows those in the mask of the position that finishes, not after
-            allowed[j] = False
-            allowed[j, [t for t in matcher.stop_token_ids if t < vocab]] = True
+            bitmask[j] = grammar.packed_tokens(matcher.stop_token_ids, vocab)
         else:
-            allowed[j] = grammar.allowed_tokens(matcher, vocab)
+            matcher.fill_next_token_bitmask(bitmask, j)
         if j == n - 1 or not matcher.accept_token(drafts[j]):
             break
         num_accepted += 1
     if num_accepted:
         matcher.rollback(num_accepted)
-    return allowed
+    return bitmask
+
+
+def apply_bitmask(rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: ``-inf`` at the tokens ``bitmask`` (``grammar_masks``) leaves out. rows:
+    ``[n, V]`` float32 / float16 / bfloat16 through xgrammar's kernel (CPU or CUDA); other
+    dtypes (the float64 test models) unpacked here. Both write the same ``-inf`` entries."""
+    vocab = rows.shape[-1]
+    if rows.dtype in (torch.float32, torch.float16, torch.bfloat16) and rows.is_contiguous():
+        from specbatch.engine import grammar
+
+        grammar._xgr().apply_token_bitmask_inplace(rows, bitmask.to(rows.device),
+                                                   vocab_size=vocab)
+        return
+    from specbatch.engine.grammar import unpack_bitmask
+
+    rows.masked_fill_(~unpack_bitmask(bitmask, vocab).to(rows.device), float("-inf"))
 
 
 def commit(seq: Sequence, new_ids: list[int]) -> None:

@@ -91,8 +91,8 @@ def test_masks_follow_the_drafts_before_each_position(setup, monkeypatch):
     orig = logits_processing.grammar_masks
 
     def stale(seq, drafts, vocab):
-        first = orig(seq, [], vocab)
-        return first.expand(len(drafts) + 1, vocab).clone()
+        first = orig(seq, [], vocab)  # [1, W] packed
+        return first.expand(len(drafts) + 1, first.shape[1]).clone()
 
     monkeypatch.setattr(logits_processing, "grammar_masks", stale)
     out = generate(model, compiler, prompts, 5, 8, 0.0)
@@ -131,3 +131,27 @@ def test_bad_schema_is_a_value_error():
         check_schema({"type": "object", "properties": 5})
     check_schema(SCHEMA)
     check_schema(True)
+
+
+def test_packed_bitmask_helpers_agree_with_xgrammar():
+    """``apply_bitmask`` through xgrammar's kernel (float32) writes exactly the ``-inf`` entries
+    of the unpacked path (float64), and ``packed_tokens`` sets exactly the given ids' bits,
+    bit 31 (the int32 sign bit) included."""
+    import torch
+
+    from specbatch.engine.grammar import packed_tokens, unpack_bitmask
+    from specbatch.engine.logits import apply_bitmask
+
+    vocab = 100  # not a multiple of 32: the last word is partly padding
+    gen = torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 4), dtype=torch.int32, generator=gen)
+    logits = torch.randn(3, vocab, generator=gen, dtype=torch.float64)
+    ref, fast = logits.clone(), logits.float()
+    apply_bitmask(ref, bitmask)
+    apply_bitmask(fast, bitmask)
+    allowed = unpack_bitmask(bitmask, vocab)
+    assert torch.equal(torch.isinf(ref), ~allowed) and torch.equal(torch.isinf(fast), ~allowed)
+    assert torch.equal(fast[allowed], logits.float()[allowed])
+    ids = [0, 31, 32, 63, 99]
+    assert unpack_bitmask(packed_tokens(ids + [100, -1], vocab)[None], vocab)[0].nonzero() \
+        .flatten().tolist() == ids
