@@ -14,9 +14,12 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from specbatch.config import MAX_INT, MIN_INT, EngineConfig, SamplingParams, SpecConfig
+from specbatch.config import (MAX_INT, MIN_INT, METHODS, EngineConfig, SamplingParams,
+                              SpecConfig)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+_METHOD_CHOICES = ("auto", *(m for m in METHODS if m != "auto"))  # auto, the default, first
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -103,7 +106,7 @@ class _Group(click.Group):
 
 def _spec_options(f):
     for opt in reversed([
-        click.option("--method", type=click.Choice(["auto", "none", "ngram", "draft", "suffix"]),
+        click.option("--method", type=click.Choice(_METHOD_CHOICES),
                      default="auto", show_default=True,
                      help="Proposer: auto (prompt lookup with k chosen per bucket and step from "
                      "measured cost), none (plain decoding), ngram, draft (--draft-model), or suffix "

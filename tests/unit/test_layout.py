@@ -96,3 +96,19 @@ def test_spec_stats_round_trip():
     assert s.num_accepted_tokens_per_pos == [4, 4, 0]
     del d["k_histogram"]["7"]
     assert s.to_dict() == d
+
+
+def test_every_method_has_one_registered_proposer():
+    """``--method``'s choices, ``config.METHODS`` and the proposer registry name the same
+    methods: a new proposer is one module plus one ``PROPOSERS`` entry (and its name)."""
+    from click.testing import CliRunner
+
+    from specbatch.cli import main
+    from specbatch.config import METHODS, SpecConfig
+    from specbatch.spec_decode import PROPOSERS, make_proposer
+
+    assert set(PROPOSERS) == set(METHODS)
+    help_text = CliRunner().invoke(main, ["run", "--help"]).output
+    assert "[auto|none|ngram|draft|suffix]" in help_text
+    for method in set(METHODS) - {"draft"}:
+        assert make_proposer(SpecConfig(method=method)).name == method
