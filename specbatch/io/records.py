@@ -584,6 +584,13 @@ def _prompt(row: dict, prompt_field: str | None
                 raise ValueError(f"no prompt: expected a field {', '.join(PROMPT_FIELDS)} "
                                  "(or choose one with --prompt-field)")
     value = row[name]
+    if name == "messages" and not (isinstance(value, list) and value
+                                   and all(isinstance(v, dict) for v in value)):
+        # the chat field's name says what it holds: a string here is a mistake, not a prompt
+        got = (f"an array of {' and '.join(sorted({_kind(v) for v in value}))}"
+               if isinstance(value, list) and value else
+               "an empty list" if isinstance(value, list) else _kind(value))
+        raise ValueError(f"messages must be a list of {{role, content}} messages; got {got}")
     if isinstance(value, str):
         if not value.strip():
             raise ValueError(f"{name} is empty")

@@ -561,3 +561,24 @@ def test_byte_bound_counts_the_text_the_tokenizer_sees(tmp_path):
     errors = check_lengths(records, lambda r: len(tok.encode(r.prompt)), 1000, path,
                            tokenizer=tok)
     assert errors == [] and len(tok.encoded) == 1
+
+
+def test_messages_field_must_hold_chat_messages(tmp_path):
+    """``messages`` as a string or a list of strings is a bad record (it was read as a plain
+    prompt / turns by its shape, without the chat template); ``--prompt-field`` naming another
+    field keeps the shape rule."""
+    rows = ['{"id": 1, "messages": "hello"}',
+            '{"id": 2, "messages": ["hello"]}',
+            '{"id": 3, "messages": []}',
+            '{"id": 4, "messages": [{"role": "user", "content": "hi"}]}']
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    records, errors = read_records(path)
+    assert [r.id for r in records] == [4]
+    expected = "messages must be a list of {role, content} messages; got "
+    assert [e.reason for e in errors] == [expected + "string", expected + "an array of string",
+                                          expected + "an empty list"]
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"id": 1, "chat": "hello"}\n')
+    records, errors = read_records(other, prompt_field="chat")
+    assert errors == [] and records[0].prompt == "hello"

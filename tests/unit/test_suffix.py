@@ -278,7 +278,7 @@ def test_json_extraction_recipe_and_example_input():
     recipes = Path(__file__).resolve().parents[2] / "recipes"
     recipe = load_recipe(recipes / "json_extraction.toml")
     assert (recipe.name, recipe.options["method"], recipe.options["max_tokens"]) == \
-        ("json_extraction", "suffix", 128)
+        ("json_extraction", "suffix", 512)
     schema = json.loads(Path(recipe.options["json_schema"]).read_text())  # beside the recipe
     assert Path(recipe.options["json_schema"]).parent == recipes
     assert set(schema["required"]) == {"title", "people", "organizations", "locations", "date",
