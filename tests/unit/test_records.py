@@ -136,6 +136,13 @@ def test_integers_beyond_64_bits_are_reported_as_written(tmp_path):
             "fits in 64 bits"]
 
 
+def _read_lines(tmp_path, rows: list[str]):
+    """``read_records`` of a JSONL file holding ``rows``, one per line."""
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    return read_records(path)
+
+
 def test_bad_values_are_named_as_written(tmp_path):
     """A missing message key is said to be missing (not "null"); a bad ``logit_bias`` or
     ``stop`` is shown as the JSON the record holds (not the tuple it is read into); ``stop``
@@ -149,9 +156,7 @@ def test_bad_values_are_named_as_written(tmp_path):
             '{"id": 7, "prompt": "a", "stop": 5}',
             '{"id": 8, "prompt": "a", "stop_token_ids": [1, -2]}',
             '{"id": 9, "prompt": "a", "stop": "END", "logit_bias": {"5": -100}}']
-    path = tmp_path / "in.jsonl"
-    path.write_text("\n".join(rows) + "\n")
-    records, errors = read_records(path)
+    records, errors = _read_lines(tmp_path, rows)
     assert [r.id for r in records] == [9]
     bias = 'expected an object {"token id": bias} with ids >= 0 and biases in [-100, 100]'
     stop = "expected a non-empty string or a list of non-empty strings"
@@ -571,9 +576,7 @@ def test_messages_field_must_hold_chat_messages(tmp_path):
             '{"id": 2, "messages": ["hello"]}',
             '{"id": 3, "messages": []}',
             '{"id": 4, "messages": [{"role": "user", "content": "hi"}]}']
-    path = tmp_path / "in.jsonl"
-    path.write_text("\n".join(rows) + "\n")
-    records, errors = read_records(path)
+    records, errors = _read_lines(tmp_path, rows)
     assert [r.id for r in records] == [4]
     expected = "messages must be a list of {role, content} messages; got "
     assert [e.reason for e in errors] == [expected + "string", expected + "an array of string",
