@@ -169,6 +169,7 @@ def test_bad_values_are_named_as_written(tmp_path):
         f'invalid sampling field: stop=["a", ""]: {stop}',
         f"invalid sampling field: stop=5: {stop}",
         "invalid sampling field: stop_token_ids=[1, -2]: expected a list of token ids >= 0"]
+    path = tmp_path / "in.jsonl"
     assert all("\n" not in str(e) and str(e).startswith(f"{path}:{e.line}: ") for e in errors)
 
 
