@@ -587,10 +587,8 @@ def _prompt(row: dict, prompt_field: str | None
     if name == "messages" and not (isinstance(value, list) and value
                                    and all(isinstance(v, dict) for v in value)):
         # the chat field's name says what it holds: a string here is a mistake, not a prompt
-        got = (f"an array of {' and '.join(sorted({_kind(v) for v in value}))}"
-               if isinstance(value, list) and value else
-               "an empty list" if isinstance(value, list) else _kind(value))
-        raise ValueError(f"messages must be a list of {{role, content}} messages; got {got}")
+        raise ValueError("messages must be a list of {role, content} messages; got "
+                         + _shape(value))
     if isinstance(value, str):
         if not value.strip():
             raise ValueError(f"{name} is empty")
@@ -604,10 +602,8 @@ def _prompt(row: dict, prompt_field: str | None
         return None, _messages(name, value), None
     if isinstance(value, list) and not value:
         raise ValueError(f"{name} is an empty list")
-    got = (f"an array of {' and '.join(sorted({_kind(v) for v in value}))}"
-           if isinstance(value, list) else _kind(value))
     raise ValueError(f"{name} must be a string, a list of strings (turns) or a list of "
-                     f"{{role, content}} messages; got {got}")
+                     f"{{role, content}} messages; got {_shape(value)}")
 
 
 def template_fields(template: str) -> list[str]:
@@ -704,6 +700,14 @@ def _parses(data: bytes) -> bool:
     except orjson.JSONDecodeError:
         return False
     return True
+
+
+def _shape(value) -> str:
+    """``an array of string and object`` / ``an empty list`` / ``_kind(value)``."""
+    if isinstance(value, list):
+        kinds = sorted({_kind(v) for v in value})
+        return f"an array of {' and '.join(kinds)}" if kinds else "an empty list"
+    return _kind(value)
 
 
 def _kind(value) -> str:
