@@ -15,8 +15,9 @@
 
 (``io.records`` -> ``prompts`` -> ``pipeline`` -> ``engine`` -> ``outputs`` -> ``io.writer``).
 A build is per batch of records: the batch size is fitted to the records and to free memory
-(``pipeline.fit_engine_config``) and, with ``method="auto"``, the records are planned and the
-adaptive policy is handed to the engine as it is built (``plan.planner.plan_auto``).
+(``pipeline.fit_engine_config``) and, with ``method="auto"``, the records are planned
+(``plan.planner.plan_auto``) and the engine's proposer is a ``spec_decode.router.Router``: the
+candidate proposers behind the adaptive policy that routes and cuts their drafts.
 """
 
 from __future__ import annotations
@@ -243,7 +244,8 @@ class LLM:
         """Build an engine for ``records`` (a list of ``Record``): spec (default: this LLM's),
         engine: an already fitted ``EngineConfig`` (default: fitted to the records here).
         With ``method="auto"``: calibrate (or read the cache), plan, and build the engine with
-        the adaptive policy. ``echo`` gets the notes and the plan table."""
+        a ``Router`` over the candidate proposers and the adaptive policy. ``echo`` gets the
+        notes and the plan table."""
         from specbatch.engine.engine import Engine
         from specbatch.engine.sequence import StopRules
         from specbatch.models.llama import LlamaForward
@@ -264,7 +266,7 @@ class LLM:
                      and spec.draft_model is not None)
         draft_forward = LlamaForward(self.draft.model) if use_draft else None
         proposer = make_proposer(spec, draft_forward, rows)
-        plan = policy = None
+        plan = None
         if spec.method == "auto":
             from specbatch.plan.planner import plan_auto
 
@@ -280,10 +282,13 @@ class LLM:
                 if measured:
                     echo(f"calibrated the draft model's step cost for this machine: "
                          f"{_where(model_cost, path)}")
+            from specbatch.spec_decode.router import Router
+
             plan, policy = plan_auto(records, self.renderer, spec, rows, max_model_len, cost,
                                      proposer, model_cost, echo=echo, model_id=self.model_id)
+            proposer = Router(proposer, policy)  # the policy routes and cuts the drafts
         self.engine = Engine(runner, proposer, stop_rules, spec.draft_cap,
-                             self.renderer.detokenize, policy=policy)
+                             self.renderer.detokenize)
         return Prepared(self, self.engine, plan, records, engine_config)
 
     def memory_summary(self) -> str:

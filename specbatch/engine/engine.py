@@ -58,7 +58,7 @@ class Engine:
     """
 
     def __init__(self, runner: ModelRunner, proposer: Proposer, stop_rules: StopRules, k: int,
-                 detokenize: Callable[[list[int]], str] | None = None, policy=None) -> None:
+                 detokenize: Callable[[list[int]], str] | None = None) -> None:
         self.runner = runner
         self.proposer = proposer
         self.stop_rules = stop_rules
@@ -66,10 +66,6 @@ class Engine:
         self.detokenize = detokenize or stop_rules.detokenize
         self.scheduler = Scheduler(runner.cache.num_rows)
         self.follow_up: Callable[[Completion], Request | None] | None = None
-        # planner hook (``plan.policy.AdaptivePolicy``): select(seqs, drafts, caps) cuts the
-        # proposed drafts (caps: the most each row may draft this step); observe_step(seqs, drafts, seconds), optional, times the verify step;
-        # observe(seq, proposed, emitted) learns acceptance; finish(seq) forgets
-        self.policy = policy
 
     # ---- public -------------------------------------------------------------------------
     def generate(self, requests: Iterable[Request],
@@ -85,11 +81,11 @@ class Engine:
         done = self._admit()
         running = [s for s in self.scheduler.running_sequences() if s.is_prefilled]
         if running:
-            proposed, drafts = self._propose(running)
+            drafts = self._propose(running)
             meta = StepMetadata.build(running, drafts, self.stop_rules, self.runner.device,
                                       self.runner.query_len(drafts))
             logits = self._verify(running, drafts, meta)
-            done += self._commit_step(running, drafts, logits, meta, proposed=proposed)
+            done += self._commit_step(running, drafts, logits, meta)
         return done
 
     # ---- stages -------------------------------------------------------------------------
@@ -120,22 +116,22 @@ class Engine:
             if any(s.is_prefilled and not s.is_finished for s in running):
                 return done  # rows are decoding: the rest of the prefill waits a step
 
-    def _propose(self, seqs: list[Sequence]) -> tuple[list[list[int]], list[list[int]]]:
-        """(proposed drafts, the drafts to verify: the policy may cut them)."""
+    def _propose(self, seqs: list[Sequence]) -> list[list[int]]:
+        """The drafts to verify, at most each row's cap (``_draft_caps``)."""
         ks = self._draft_caps(seqs)
-        proposed = [d[:k] for d, k in zip(self.proposer.propose(seqs, ks), ks)]
-        return proposed, self.policy.select(seqs, proposed, ks) if self.policy else proposed
+        return [d[:k] for d, k in zip(self.proposer.propose(seqs, ks), ks)]
 
     def _verify(self, seqs: list[Sequence], drafts: list[list[int]],
                 meta: StepMetadata) -> torch.Tensor:
-        """The verify forward; timed (after a device sync) for the policy's cost model."""
-        observe_step = getattr(self.policy, "observe_step", None)
+        """The verify forward; timed (after a device sync) when the proposer wants the step's
+        wall time (its optional ``on_verify(seqs, drafts, seconds)``: ``auto``'s cost model)."""
+        on_verify = getattr(self.proposer, "on_verify", None)
         t0 = time.perf_counter()
         logits = self.runner.verify(seqs, drafts, meta)
-        if observe_step is not None:  # the policy's cost model learns this machine's steps
+        if on_verify is not None:  # auto's cost model learns this machine's steps
             if logits.device.type == "cuda":  # else it would time the kernel launches only
                 torch.cuda.synchronize(logits.device)
-            observe_step(seqs, drafts, time.perf_counter() - t0)
+            on_verify(seqs, drafts, time.perf_counter() - t0)
         return logits
 
     def _draft_caps(self, seqs: list[Sequence]) -> list[int]:
@@ -146,15 +142,14 @@ class Engine:
                 for s in seqs]
 
     def _commit_step(self, seqs: list[Sequence], drafts: list[list[int]], logits: torch.Tensor,
-                     meta: StepMetadata, is_prefill: bool = False,
-                     proposed: list[list[int]] | None = None) -> list[Completion]:
+                     meta: StepMetadata, is_prefill: bool = False) -> list[Completion]:
         """Sample the target at every fed position, accept, commit, roll back.
 
         logits: ``[B, Q, vocab]``; row i uses its first ``len(drafts[i]) + 1`` queries.
         Sampling and acceptance run on the logits' device; one copy brings the results back.
-        proposed: the drafts before the policy cut them (what the policy learns from).
         """
-        process = None  # grammar masks, logit_bias, penalties (engine.logits), when any row has them
+        # grammar masks, logit_bias, penalties (engine.logits), when any row has them
+        process = None
         if logits_processing.needs_processing(seqs):
             def process(flat):
                 return logits_processing.process_logits(flat, seqs, drafts)
@@ -188,8 +183,6 @@ class Engine:
             if is_prefill:
                 self.proposer.start(seq)
             else:
-                if self.policy is not None and proposed is not None:
-                    self.policy.observe(seq, proposed[i], emitted[:num_committed])
                 self.proposer.on_commit(seq, seq.num_output_tokens - num_before)
                 self.runner.rollback(seq)
             if seq.is_finished:
@@ -219,8 +212,6 @@ class Engine:
 
     def _finish(self, seq: Sequence) -> Completion:
         self.proposer.finish(seq)
-        if self.policy is not None:
-            self.policy.finish(seq)
         self.scheduler.release(seq)
         out = seq.output_ids
         # the final EOS / stop id stays in output_ids but not in the text (a stop id may be an

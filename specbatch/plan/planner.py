@@ -211,8 +211,9 @@ def make_plan(records, prompt_ids: dict[int, list[int]], k_max: int, batch_size:
 def plan_auto(records, renderer, spec_config, batch_size: int, max_model_len: int,
               cost: CostModel, proposer, model_cost: CostModel | None = None,
               echo=print, model_id: str = "") -> tuple[Plan, AdaptivePolicy]:
-    """Plan ``records`` and make the adaptive policy the engine is built with (``llm.LLM``
-    builds it; nothing reaches into an engine from outside).
+    """Plan ``records`` and make the adaptive policy that routes and cuts the drafts of
+    ``proposer`` (``llm.LLM`` builds the engine's ``spec_decode.router.Router`` from the two;
+    nothing reaches into an engine from outside).
 
     cost: the target's step-cost model (``costmodel.load_or_calibrate``); proposer: the engine's
     proposer (a ``LookupAndDraftProposer`` when a draft model is given; ``model_cost`` is then

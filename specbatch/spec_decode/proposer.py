@@ -8,6 +8,9 @@ rows) keyed by ``Sequence.seq_id``, and hears about every sequence's lifecycle f
     on_commit(seq, n)     n tokens were appended to seq.token_ids (accepted + recovered/bonus)
     finish(seq)           drop the sequence's state
 
+and, if it defines it, ``on_verify(seqs, drafts, seconds)``: the verify step's wall time
+(``auto``'s ``spec_decode.router.Router`` learns the machine's step cost from it).
+
 Drafts must be a deterministic function of the committed tokens (and, for a draft model, of
 the record seed and positions; for suffix, of the answers finished before and of the rows in
 the step): the output-invariance promise depends on it only through the verifier, but the

@@ -24,6 +24,7 @@ from specbatch.plan.policy import AdaptivePolicy
 from specbatch.spec_decode.composite import LookupAndDraftProposer
 from specbatch.spec_decode.draft import DraftProposer
 from specbatch.spec_decode.ngram import NgramProposer
+from specbatch.spec_decode.router import Router
 from tests.helpers import repeating_prompts, run_engine, tiny_llama
 from tests.unit.test_draft import _assert_row_holds, perturbed
 
@@ -52,8 +53,9 @@ def auto_engine(target, draft, batch_size: int, model_cost: CostModel, k: int = 
                                       DraftProposer(LlamaForward(draft), batch_size,
                                                     initial_capacity=16))
     engine = Engine(runner, proposer, StopRules(frozenset(), 256), k)
-    engine.policy = AdaptivePolicy(TARGET_COST, k, prior_for=lambda s: [(1.0, 1.0)] * k,
-                                   proposer=proposer, model_cost=model_cost)
+    policy = AdaptivePolicy(TARGET_COST, k, prior_for=lambda s: [(1.0, 1.0)] * k,
+                            proposer=proposer, model_cost=model_cost)
+    engine.proposer = Router(engine.proposer, policy)  # as auto's is built
     return engine
 
 
@@ -86,7 +88,7 @@ def run_auto(engine: Engine, prompts, sampling: SamplingParams, check_cache: boo
 
 def steps_by(engine: Engine) -> dict[str, int]:
     total: dict[str, int] = {}
-    for counts in engine.policy.steps_by_proposer.values():
+    for counts in engine.proposer.policy.steps_by_proposer.values():
         for source, n in counts.items():
             total[source] = total.get(source, 0) + n
     return total
@@ -105,7 +107,7 @@ def test_auto_with_draft_equals_plain(setup, batch_size, sampling):
     assert steps["draft"] > 0
     if sampling == "greedy":  # where lookup matches better, rows switch to it
         assert steps["ngram"] > 0
-    assert engine.proposer.model.states == {} and engine.policy.model_rows == {}
+    assert engine.proposer.model.states == {} and engine.proposer.policy.model_rows == {}
 
 
 # ---- (b) the choice follows cost and acceptance -----------------------------------------------
@@ -117,7 +119,7 @@ def test_cheap_exact_draft_is_used(setup):
     assert [c.output_ids for c in out] == [b.output_ids for b in base["greedy"]]
     steps = steps_by(engine)
     assert steps["draft"] > 0.8 * sum(steps.values()), steps
-    assert engine.policy.model_pool.p(0) > 0.95  # it learned that every draft is accepted
+    assert engine.proposer.policy.model_pool.p(0) > 0.95  # it learned that every draft is accepted
 
 
 def test_expensive_draft_is_never_used(setup):
@@ -133,7 +135,7 @@ def test_wrong_draft_is_dropped(setup):
     target, prompts, base = setup
     engine = auto_engine(target, tiny_llama(VOCAB, seed=99), 1, CHEAP_DRAFT)
     first: list[str] = []  # source of each of the first record's steps, in order
-    policy = engine.policy
+    policy = engine.proposer.policy
     select = policy.select
 
     def recording_select(seqs, drafts, caps):

@@ -30,6 +30,7 @@ from specbatch.engine.sequence import Request, StopRules
 from specbatch.models.llama import LlamaForward
 from specbatch.spec_decode import make_proposer
 from specbatch.spec_decode.draft import DraftProposer, check_same_vocab
+from specbatch.spec_decode.router import Router
 from tests.helpers import repeating_prompts, run_engine, tiny_llama, total
 
 VOCAB = 64
@@ -185,7 +186,8 @@ def test_cut_drafts_and_rows_without_drafts(setup):
     tokens and catches up in one forward at its next proposal; output unchanged."""
     target, draft, prompts, base = setup
     engine = draft_engine(target, draft, 4, 3)
-    engine.policy = _CuttingPolicy()
+    policy = _CuttingPolicy()
+    engine.proposer = Router(engine.proposer, policy)  # as auto's is built
     for i, (p, s) in enumerate(zip(prompts, SEEDS)):
         engine.scheduler.add(Request(i, list(p), SAMPLINGS["greedy"], seed=s))
     lags, outputs = [], {}

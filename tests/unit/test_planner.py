@@ -13,6 +13,7 @@ from specbatch.plan.planner import best_k, bucket_for, make_plan
 from specbatch.plan.policy import AdaptivePolicy, Probe, RowAcceptance
 from specbatch.plan.predict import FEATURES, predict, repeat_share, spearman
 from specbatch.spec_decode.replay import NgramReplay
+from specbatch.spec_decode.router import Router
 from tests.helpers import make_engine, repeating_prompts, run_engine, tiny_llama
 
 MEMORY_BOUND = CostModel((0.040, 0.0005, 0.0, 0.0))  # verifying 6 tokens ~ free (GPU-like)
@@ -233,8 +234,9 @@ def test_auto_outputs_equal_none(cost):
     from specbatch.engine.sequence import Request
 
     engine = make_engine(model, 6, 4)
-    engine.policy = AdaptivePolicy(cost, 6, prior_for=lambda s: [(2.0, 2.0)] * 6,
-                                   probe=Probe(tokens=8))
+    policy = AdaptivePolicy(cost, 6, prior_for=lambda s: [(2.0, 2.0)] * 6,
+                            probe=Probe(tokens=8))
+    engine.proposer = Router(engine.proposer, policy)  # as auto's is built
     outs = {c.request.request_id: c for c in engine.generate(
         [Request(i, list(p), sp, seed=i, tag=i) for i, p in enumerate(prompts)])}
     assert [outs[i].output_ids for i in range(len(prompts))] == [c.output_ids for c in plain]
@@ -242,7 +244,7 @@ def test_auto_outputs_equal_none(cost):
     for c in outs.values():
         for k, n in c.stats.k_histogram.items():
             hist[k] = hist.get(k, 0) + n
-    assert set(engine.policy.probe_results) == set(range(len(prompts)))  # all ran past 8
+    assert set(policy.probe_results) == set(range(len(prompts)))  # all ran past 8
     if cost is COMPUTE_BOUND:
         assert set(hist) == {0}, hist  # never drafts when verification does not pay
     else:
@@ -269,7 +271,8 @@ def test_auto_stats_fields_through_generate_records():
     plan = make_plan(records, {r.index: r.ids for r in records}, k_max=5, batch_size=4,
                      cost=MEMORY_BOUND, prompt_lookup_min=2, expected_output_tokens=24)
     engine = make_engine(model, 5, 4)
-    engine.policy = plan.make_policy(MEMORY_BOUND, Probe(PROBE_TOKENS, 2, 4))
+    policy = plan.make_policy(MEMORY_BOUND, Probe(PROBE_TOKENS, 2, 4))
+    engine.proposer = Router(engine.proposer, policy)  # as auto's is built
     outs = {rec.index: out for rec, out in generate_records(engine, renderer, records, plan=plan)}
     for i, out in outs.items():
         assert out["output_token_ids"] == plain[i]["output_token_ids"]

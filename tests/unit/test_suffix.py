@@ -12,6 +12,7 @@ from specbatch.config import SamplingParams, SpecConfig
 from specbatch.engine.sequence import Request, Sequence
 from specbatch.spec_decode import make_proposer, suffix
 from specbatch.spec_decode.suffix import (SuffixAutomaton, SuffixIndex, SuffixProposer,
+from specbatch.spec_decode.router import Router
                                           finished_outputs)
 from tests.helpers import make_engine, repeating_prompts, run_engine, tiny_llama, tiny_qwen2
 
@@ -249,21 +250,22 @@ def test_auto_routes_suffix_drafts_per_row_and_keeps_outputs():
     engine = make_engine(model, 4, 4)
     engine.proposer = make_proposer(config)
     engine.k = config.draft_cap
-    engine.policy = AdaptivePolicy(CostModel((0.040, 0.0005, 0.0, 0.0)), 4,
-                                   prior_for=lambda s: [(2.0, 2.0)] * 4,
-                                   match_len_of=engine.proposer.match_len,
-                                   suffix=engine.proposer)
+    policy = AdaptivePolicy(CostModel((0.040, 0.0005, 0.0, 0.0)), 4,
+                            prior_for=lambda s: [(2.0, 2.0)] * 4,
+                            match_len_of=engine.proposer.match_len,
+                            suffix=engine.proposer)
+    engine.proposer = Router(engine.proposer, policy)  # as auto's is built
     reqs = [Request(i, p, GREEDY, seed=i, tag=i) for i, p in enumerate(prompts)]
     out = sorted(engine.generate(reqs), key=lambda c: c.request.request_id)
     assert [c.output_ids for c in out] == [b.output_ids for b in base]
     steps = {}
-    for counts in engine.policy.steps_by_proposer.values():
+    for counts in policy.steps_by_proposer.values():
         for source, n in counts.items():
             steps[source] = steps.get(source, 0) + n
     assert steps.get("suffix", 0) > 0 and steps.get("ngram", 0) > 0, steps
     assert max(max(c.stats.k_histogram) for c in out) > 4  # a suffix draft past k
-    assert sum(t for t, _ in engine.policy.suffix_pool) > 0
-    assert engine.policy.suffix_seconds is not None
+    assert sum(t for t, _ in policy.suffix_pool) > 0
+    assert policy.suffix_seconds is not None
 
 
 def test_json_extraction_recipe_and_example_input():
