@@ -136,18 +136,17 @@ class SamplingParams:
         """Build from a record's or recipe's fields, overriding ``base``; unknown keys are ignored.
 
         Lists are accepted for ``stop`` and ``stop_token_ids``; a single string for ``stop``.
-        Raises ``ValueError`` naming the field on a bad value; a ``stop``, ``stop_token_ids``
-        or ``logit_bias`` value is shown as written (JSON), not as the tuple it is read into.
+        Raises ``ConfigError`` (a ``ValueError``) naming the field on a bad value, shown as
+        written (JSON: ``true``, ``"hot"``, a ``stop`` list rather than the tuple it is read
+        into).
         """
         base = base or cls()
         updates = {}
-        written = {}  # field -> the value as given, for the fields read into tuples
+        written = {}  # field -> the value as given (JSON), for the error message
         for f in fields(cls):
             if f.name not in values:
                 continue
-            v = values[f.name]
-            if f.name in _AS_WRITTEN_EXPECTED:
-                written[f.name] = v
+            v = written[f.name] = values[f.name]
             if f.name == "stop":
                 v = (v,) if isinstance(v, str) else tuple(v) if isinstance(v, list) else v
             elif f.name == "stop_token_ids":
@@ -161,11 +160,12 @@ class SamplingParams:
             updates[f.name] = v
         try:
             return replace(base, **updates)
-        except _FieldError as e:
+        except ConfigError as e:
             if e.name not in written:
                 raise
-            raise ValueError(f"{e.name}={_as_written(written[e.name])}: expected "
-                             f"{_AS_WRITTEN_EXPECTED[e.name] or e.expected}") from None
+            raise ConfigError(f"{e.name}={_as_written(written[e.name])}: expected "
+                              f"{_AS_WRITTEN_EXPECTED.get(e.name) or e.expected}", e.name,
+                              e.expected) from None
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -207,8 +207,8 @@ def _response_format(v):
     if kind == "json_schema":
         spec = v.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
-            raise ValueError(f"response_format={v!r}: expected json_schema to be an object "
-                             'with a "schema" object')
+            raise ConfigError(f"response_format={_as_written(v)}: expected json_schema to be "
+                              'an object with a "schema" object', "response_format")
     return v
 
 
@@ -393,9 +393,10 @@ def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
 
 
-class _FieldError(ValueError):
-    """A bad config value: ``name=value: expected ...``; keeps ``name`` and ``expected`` so that
-    ``SamplingParams.from_dict`` can name the value as the user wrote it."""
+class ConfigError(ValueError):
+    """A bad value of a ``SamplingParams``, ``SpecConfig`` or ``EngineConfig`` field, raised as
+    the object is built: ``name=value: expected ...``. ``name``: the field; ``expected``: what it
+    accepts (``SamplingParams.from_dict`` uses them to show the value as the record wrote it)."""
 
     def __init__(self, message: str, name: str | None = None, expected: str | None = None):
         super().__init__(message)
@@ -404,7 +405,7 @@ class _FieldError(ValueError):
 
 def _check(ok: bool, name: str, value, expected: str) -> None:
     if not ok:
-        raise _FieldError(f"{name}={value!r}: expected {expected}", name, expected)
+        raise ConfigError(f"{name}={value!r}: expected {expected}", name, expected)
 
 
 def _as_written(value, limit: int = 200) -> str:
@@ -419,5 +420,5 @@ def _as_written(value, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-__all__ = ["SamplingParams", "SpecConfig", "EngineConfig", "resolve_device", "resolve_dtype", "SAMPLING_FIELDS", "METHODS", "DTYPES",
+__all__ = ["ConfigError", "SamplingParams", "SpecConfig", "EngineConfig", "resolve_device", "resolve_dtype", "SAMPLING_FIELDS", "METHODS", "DTYPES",
            "MIN_INT", "MAX_INT", "UNSUPPORTED_SAMPLING_FIELDS"]

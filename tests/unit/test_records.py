@@ -145,7 +145,8 @@ def _read_lines(tmp_path, rows: list[str]):
 
 def test_bad_values_are_named_as_written(tmp_path):
     """A missing message key is said to be missing (not "null"); a bad ``logit_bias`` or
-    ``stop`` is shown as the JSON the record holds (not the tuple it is read into); ``stop``
+    ``stop`` is shown as the JSON the record holds (not the tuple it is read into), and so is
+    every other bad value (``true``, ``"hot"``, not Python's ``True``, ``'hot'``); ``stop``
     says a string is accepted too. One line each, naming the input line."""
     rows = ['{"id": 1, "messages": [{"role": "user"}]}',
             '{"id": 2, "messages": [{"role": "user", "content": null}]}',
@@ -155,7 +156,11 @@ def test_bad_values_are_named_as_written(tmp_path):
             '{"id": 6, "prompt": "a", "stop": ["a", ""]}',
             '{"id": 7, "prompt": "a", "stop": 5}',
             '{"id": 8, "prompt": "a", "stop_token_ids": [1, -2]}',
-            '{"id": 9, "prompt": "a", "stop": "END", "logit_bias": {"5": -100}}']
+            '{"id": 9, "prompt": "a", "stop": "END", "logit_bias": {"5": -100}}',
+            '{"id": 10, "prompt": "a", "max_tokens": true}',
+            '{"id": 11, "prompt": "a", "temperature": "hot"}',
+            '{"id": 12, "prompt": "a", "response_format": {"type": "json_schema", '
+            '"json_schema": 5}}']
     records, errors = _read_lines(tmp_path, rows)
     assert [r.id for r in records] == [9]
     bias = 'expected an object {"token id": bias} with ids >= 0 and biases in [-100, 100]'
@@ -168,7 +173,11 @@ def test_bad_values_are_named_as_written(tmp_path):
         f'invalid sampling field: logit_bias={{"x": 1}}: {bias}',
         f'invalid sampling field: stop=["a", ""]: {stop}',
         f"invalid sampling field: stop=5: {stop}",
-        "invalid sampling field: stop_token_ids=[1, -2]: expected a list of token ids >= 0"]
+        "invalid sampling field: stop_token_ids=[1, -2]: expected a list of token ids >= 0",
+        "invalid sampling field: max_tokens=true: expected an integer >= 1",
+        'invalid sampling field: temperature="hot": expected a number >= 0',
+        'invalid sampling field: response_format={"type": "json_schema", "json_schema": 5}: '
+        'expected json_schema to be an object with a "schema" object']
     path = tmp_path / "in.jsonl"
     assert all("\n" not in str(e) and str(e).startswith(f"{path}:{e.line}: ") for e in errors)
 
