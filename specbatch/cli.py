@@ -71,6 +71,32 @@ _FLAG_OF = {"num_speculative_tokens": "--k", "prompt_lookup_min": "--prompt-look
             "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty"}
 
 
+def _version() -> str:
+    """The installed package's version; from a source checkout that is not installed, the one
+    ``pyproject.toml`` gives (click's own lookup raises there)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("specbatch")
+    except PackageNotFoundError:
+        try:
+            import tomllib
+        except ImportError:  # Python < 3.11
+            import tomli as tomllib
+        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        try:
+            return tomllib.loads(pyproject.read_text())["project"]["version"] + " (not installed)"
+        except (OSError, ValueError, KeyError):
+            return "unknown (not installed)"
+
+
+def _stop_strings(stop: tuple[str, ...]) -> tuple[str, ...]:
+    """``--stop`` values; an empty one is a usage error naming the flag (not the tuple)."""
+    if "" in stop:
+        raise click.UsageError("--stop '': expected a non-empty string")
+    return tuple(stop)
+
+
 def _as_flags(message: str) -> str:
     """``prompt_lookup_max=2: expected an integer >= prompt_lookup_min`` (a config field error)
     -> ``--prompt-lookup-max=2: expected an integer >= --prompt-lookup-min``."""
@@ -279,8 +305,7 @@ def _log_to_stderr(ctx: click.Context, verbose: bool) -> None:
 
 
 @click.group(cls=_Group)
-@click.version_option(package_name="specbatch", prog_name="specbatch",  # importlib.metadata
-                      message="%(prog)s %(version)s")
+@click.version_option(_version(), prog_name="specbatch", message="%(prog)s %(version)s")
 @click.option("-v", "--verbose", is_flag=True, help="Log more (other libraries' INFO too).")
 @click.pass_context
 def main(ctx: click.Context, verbose: bool) -> None:
@@ -378,7 +403,8 @@ def run(ctx, input_path, output, recipe, template, model, dtype, device, max_bat
 
             template_fields(template)
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=None,
-                                  max_tokens=max_tokens, min_tokens=min_tokens, stop=tuple(stop),
+                                  max_tokens=max_tokens, min_tokens=min_tokens,
+                                  stop=_stop_strings(stop),
                                   stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
                                   logprobs=logprobs, **_more_sampling(more_sampling))
         spec = SpecConfig(method=method, num_speculative_tokens=k,
@@ -438,7 +464,8 @@ def bench(input_path, configs, draft_model, model, dtype, device, max_batch_size
     _check_model(model)
     try:
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
-                                  max_tokens=max_tokens, min_tokens=min_tokens, stop=tuple(stop),
+                                  max_tokens=max_tokens, min_tokens=min_tokens,
+                                  stop=_stop_strings(stop),
                                   stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
                                   logprobs=logprobs, **_more_sampling(more_sampling))
         engine = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_model_len,

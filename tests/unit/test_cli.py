@@ -22,6 +22,10 @@ from specbatch.cli import main
      "error: --prompt-lookup-max=2: expected an integer >= --prompt-lookup-min", "main run"),
     (["bench", __file__, "--configs", "auto:draft"],  # checked before INPUT is read
      "error: config 'auto:draft' needs --draft-model", "main bench"),
+    (["run", "in.jsonl", "--stop", "END", "--stop", ""],
+     "error: --stop '': expected a non-empty string", "main run"),
+    (["bench", "in.jsonl", "--stop", ""], "error: --stop '': expected a non-empty string",
+     "main bench"),
     (["frob"], ("frob",), "main"),
     (["analyze", "a.jsonl", "--batch-size", "0"], ("'--batch-size'", "0"), "main analyze"),
 ])
@@ -47,6 +51,23 @@ def test_version_is_the_installed_package_version():
     result = CliRunner().invoke(main, ["--version"])
     assert result.exit_code == 0, result.output
     assert result.output == f"specbatch {version('specbatch')}\n"
+
+
+def test_version_of_a_checkout_that_is_not_installed(monkeypatch):
+    """From a source checkout run without installing, the version is pyproject's, marked."""
+    import importlib.metadata
+    import re
+    from pathlib import Path
+
+    from specbatch.cli import _version
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    expected = re.search(r'^version = "([^"]+)"', pyproject.read_text(), re.M).group(1)
+    assert _version() == f"{expected} (not installed)"
 
 
 def test_skipped_records_are_warnings_failing_ones_errors(tmp_path):
