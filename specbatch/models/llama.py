@@ -105,17 +105,25 @@ class LlamaForward:
         return weight * h.to(x.dtype)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[B, Q, 1, D]`` (model dtype) of positions ``[B, Q]`` int64; sin's first
+        half is negated, as ``_rotate`` expects."""
         freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
         emb = torch.cat((freqs, freqs), dim=-1)  # [B, Q, D]
         cos = (emb.cos() * self.attention_scaling).to(self.dtype)
         sin = (emb.sin() * self.attention_scaling).to(self.dtype)
+        half = sin.shape[-1] // 2  # the sign of rotate_half folded into sin (see _rotate)
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         return cos[:, :, None, :], sin[:, :, None, :]  # [B, Q, 1, D]
 
     def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                    mask: torch.Tensor, exact: bool) -> torch.Tensor:
         """q: ``[B, Hkv, rows, D]``; keys, values: ``[B, Hkv, kv_len, D]`` (views into the cache;
         kv_len a multiple of ``KV_BLOCK`` when ``exact``); mask: ``[B, 1, rows', kv_len]`` bool,
-        rows' >= rows (extra mask rows: the queries are padded to them, outputs dropped).
+        or, for a float32/float64 model's exact steps, the plan's additive bias ``[B * Hkv,
+        rows', kv_len]`` (0 where a key is seen, -inf where masked; one ``baddbmm`` then scales,
+        multiplies and masks: the scale and the bias apply to the same float product, so this
+        is the bool path's result); rows' >= rows (extra mask rows: the queries are padded to
+        them, outputs dropped).
         Returns ``[B, Hkv, rows, D]``.
 
         Prefill chunks of more than ``max_exact_rows`` query rows use the fused SDPA kernel
@@ -126,24 +134,29 @@ class LlamaForward:
         differently as kv_len changes, by ~1 bfloat16 ulp, enough to flip greedy ties): scores
         by matmul over head_dim, softmax in float32, then ``probs @ values`` in blocks of
         ``KV_BLOCK`` keys (fully masked blocks give exact zeros), and the blocks' partial sums
-        added in float32 by one ``sum`` over the block axis. That reduction adds the blocks in
-        index order whatever their number (torch's CPU sum over a non-innermost axis
-        accumulates sequentially per output element, and its cascade for 16+ blocks only adds
-        trailing zeros later), so extra masked blocks add exact zeros at the end
+        added in float32 in block order, one at a time, so extra masked blocks add exact zeros
+        at the end
         (``tests/unit/test_forward.py::test_attention_is_invariant_to_padding_and_batch``).
         """
         scale = self.head_dim ** -0.5
         rows = q.shape[2]
         if not exact:
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-        target = max(self.min_attention_rows, mask.shape[2])
+        target = max(self.min_attention_rows, mask.shape[-2])
         if rows < target:  # few-row matmuls take other kernels (dense.py): pad the queries
             # (the plan pads the masks once per forward; a direct caller's mask is padded here)
-            return self._attention(_pad_rows(q, target), keys, values, _pad_rows(mask, target),
-                                   exact)[:, :, :rows]
+            if mask.dtype == torch.bool:
+                mask = _pad_rows(mask, target)
+            return self._attention(_pad_rows(q, target), keys, values, mask, exact)[:, :, :rows]
         acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        scores = torch.matmul(q, keys.transpose(-1, -2)).to(acc_dtype)
-        scores = scores.mul_(scale).masked_fill_(~mask, float("-inf"))
+        if mask.dtype != torch.bool:  # the plan's additive bias: scale, matmul, mask in one op
+            n, hkv, _, dim = q.shape
+            scores = torch.baddbmm(mask, q.reshape(n * hkv, rows, dim),
+                                   keys.reshape(n * hkv, -1, dim).transpose(1, 2), alpha=scale)
+            scores = scores.view(n, hkv, rows, -1)
+        else:
+            scores = torch.matmul(q, keys.transpose(-1, -2)).to(acc_dtype)
+            scores = scores.mul_(scale).masked_fill_(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         # one matmul per block of KV_BLOCK keys (K fixed), partial sums added in block order;
         # each operand is a strided view (batch stride of the cache row), so nothing is copied
@@ -158,7 +171,9 @@ class LlamaForward:
         """Which cache views each layer's attention reads, planned once per forward.
 
         Returns ``(segment, mask, take, src, dst)`` per ``KVSegment``: mask ``[n, 1, rows,
-        kv_len]`` bool, rows = group * Q (exact steps: at least ``min_attention_rows``); take ``[n]`` int64 batch rows whose queries the segment's rows get
+        kv_len]`` bool, rows = group * Q (exact steps: at least ``min_attention_rows``; a
+        float32/float64 model's exact steps get the additive bias ``[n * Hkv, rows, kv_len]``
+        instead, see ``_attention``); take ``[n]`` int64 batch rows whose queries the segment's rows get
         (None: the slice ``segment.first_batch_row`` onwards); src / dst ``[m]`` int64: the
         segment rows whose outputs are kept and the batch rows they go to (None with take).
         Exact steps read views of consecutive rows padded to whole KV blocks
@@ -194,6 +209,12 @@ class LlamaForward:
                 n, 1, group * qlen, seg.kv_len)
             if exact:  # as _attention pads the queries
                 mask = _pad_rows(mask, self.min_attention_rows)
+                if self.dtype in (torch.float32, torch.float64):  # scores in the model dtype:
+                    # an additive bias per (row, kv head), 0 or -inf (see _attention)
+                    bias = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device)
+                    bias.masked_fill_(~mask, float("-inf"))
+                    mask = bias.expand(n, self.num_kv_heads, *mask.shape[2:]).reshape(
+                        n * self.num_kv_heads, *mask.shape[2:])
             plans.append((seg, mask, take, src, dst))
         return plans
 
@@ -322,9 +343,10 @@ class LlamaForward:
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        """Rope: transformers' ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) =
+        cat(-x2, x1)``, here ``roll(x) * sin`` with the sign in ``sin`` (``_rope``: first half
+        negated). Negation is exact, so the bits are the same, in two ops fewer."""
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
