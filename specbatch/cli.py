@@ -79,15 +79,16 @@ def _version() -> str:
     try:
         return version("specbatch")
     except PackageNotFoundError:
+        pass
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    try:
         try:
             import tomllib
         except ImportError:  # Python < 3.11
             import tomli as tomllib
-        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
-        try:
-            return tomllib.loads(pyproject.read_text())["project"]["version"] + " (not installed)"
-        except (OSError, ValueError, KeyError):
-            return "unknown (not installed)"
+        return tomllib.loads(pyproject.read_text())["project"]["version"] + " (not installed)"
+    except (ImportError, OSError, ValueError, KeyError):
+        return "unknown (not installed)"
 
 
 def _stop_strings(stop: tuple[str, ...]) -> tuple[str, ...]:

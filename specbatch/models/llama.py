@@ -120,9 +120,10 @@ class LlamaForward:
         """q: ``[B, Hkv, rows, D]``; keys, values: ``[B, Hkv, kv_len, D]`` (views into the cache;
         kv_len a multiple of ``KV_BLOCK`` when ``exact``); mask: ``[B, 1, rows', kv_len]`` bool,
         or, for a float32/float64 model's exact steps, the plan's additive bias ``[B * Hkv,
-        rows', kv_len]`` (0 where a key is seen, -inf where masked; one ``baddbmm`` then scales,
-        multiplies and masks: the scale and the bias apply to the same float product, so this
-        is the bool path's result); rows' >= rows (extra mask rows: the queries are padded to
+        rows', kv_len]`` (0 where a key is seen, -inf where masked: one ``baddbmm`` multiplies,
+        scales and masks, the same op in every step, so the invariance below holds as for the
+        bool path; it holds one float per (row, kv head, query row, key) for the forward, the
+        size of one layer's scores); rows' >= rows (extra mask rows: the queries are padded to
         them, outputs dropped).
         Returns ``[B, Hkv, rows, D]``.
 

@@ -24,7 +24,7 @@ from specbatch.cli import main
      "error: config 'auto:draft' needs --draft-model", "main bench"),
     (["run", "in.jsonl", "--stop", "END", "--stop", ""],
      "error: --stop '': expected a non-empty string", "main run"),
-    (["bench", "in.jsonl", "--stop", ""], "error: --stop '': expected a non-empty string",
+    (["bench", __file__, "--stop", ""], "error: --stop '': expected a non-empty string",
      "main bench"),
     (["frob"], ("frob",), "main"),
     (["analyze", "a.jsonl", "--batch-size", "0"], ("'--batch-size'", "0"), "main analyze"),
@@ -54,7 +54,8 @@ def test_version_is_the_installed_package_version():
 
 
 def test_version_of_a_checkout_that_is_not_installed(monkeypatch):
-    """From a source checkout run without installing, the version is pyproject's, marked."""
+    """Run without installing, the version is the checkout's pyproject's, marked (unknown when
+    the package does not sit in a checkout)."""
     import importlib.metadata
     import re
     from pathlib import Path
@@ -65,7 +66,12 @@ def test_version_of_a_checkout_that_is_not_installed(monkeypatch):
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(importlib.metadata, "version", not_installed)
-    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    import specbatch
+
+    pyproject = Path(specbatch.__file__).resolve().parents[1] / "pyproject.toml"
+    if not pyproject.exists():  # a non-editable install: no checkout beside the package
+        assert _version() == "unknown (not installed)"
+        return
     expected = re.search(r'^version = "([^"]+)"', pyproject.read_text(), re.M).group(1)
     assert _version() == f"{expected} (not installed)"
 

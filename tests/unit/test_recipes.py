@@ -78,7 +78,7 @@ def test_shipped_recipes():
      "'temprature'"),
     ('name = "x"\nversion = 1\nsampling = 3', "sampling must be a table"),
     ('name = "x"\nversion = 1\n[sampling]\ntemperature = -1.0', "[sampling] temperature=-1.0"),
-    ('name = "x"\nversion = 1\n[sampling]\nmax_tokens = "12"', "max_tokens='12'"),
+    ('name = "x"\nversion = 1\n[sampling]\nmax_tokens = "12"', 'max_tokens="12"'),
     ('name = "x"\nversion = 1\n[sampling]\nseed = 1.5', "seed=1.5"),
     ('name = "x"\nversion = 1\n[sampling]\nseed = 123456789012345678901234567890',
      "seed=123456789012345678901234567890: expected an integer that fits in 64 bits"),

@@ -45,9 +45,9 @@ CASES = {
     "duplicate_ids.jsonl": (3, [(3, "duplicate id 1: first seen on line 1"),
                                 (5, "duplicate id 1: first seen on line 1")]),
     "bad_id.jsonl": (2, [(2, "id must be a string or an integer"), (3, "id is an empty string")]),
-    "bad_sampling.jsonl": (2, [(2, "invalid sampling field: temperature=-1.0"),
-                               (3, "invalid sampling field: top_p=2.0"),
-                               (4, "invalid sampling field: max_tokens='100'"),
+    "bad_sampling.jsonl": (2, [(2, "invalid sampling field: temperature=-1:"),
+                               (3, "invalid sampling field: top_p=2:"),
+                               (4, 'invalid sampling field: max_tokens="100"'),
                                (5, "invalid sampling field: stop=5: expected a non-empty "
                                    "string or a list of non-empty strings")]),
     "empty.jsonl": (0, [(0, "no records")]),

@@ -11,8 +11,8 @@ import pytest
 from specbatch.config import SamplingParams, SpecConfig
 from specbatch.engine.sequence import Request, Sequence
 from specbatch.spec_decode import make_proposer, suffix
-from specbatch.spec_decode.suffix import (SuffixAutomaton, SuffixIndex, SuffixProposer,
 from specbatch.spec_decode.router import Router
+from specbatch.spec_decode.suffix import (SuffixAutomaton, SuffixIndex, SuffixProposer,
                                           finished_outputs)
 from tests.helpers import make_engine, repeating_prompts, run_engine, tiny_llama, tiny_qwen2
 
