@@ -57,7 +57,7 @@ class SamplingParams:
     max_tokens: int = 128
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # a list is read into a tuple, as is ``stop``
     ignore_eos: bool = False
     logprobs: int | None = None
     n: int = 1
@@ -69,6 +69,20 @@ class SamplingParams:
     response_format: dict | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
+        # the Python forms vLLM users write: a stop string or list, a list of ids, a dict of
+        # biases (the record reader, ``from_dict``, reads JSON the same way)
+        if isinstance(self.stop, (str, list)):
+            object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str)
+                               else tuple(self.stop))
+        if isinstance(self.stop_token_ids, list):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        elif isinstance(self.logit_bias, list):  # [(id, bias), ...]
+            object.__setattr__(self, "logit_bias", tuple(
+                tuple(p) if isinstance(p, list) else p for p in self.logit_bias))
+        if isinstance(self.response_format, dict):
+            _response_format(self.response_format)
         _check(isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
                and 0.0 <= self.temperature < float("inf"),
                "temperature", self.temperature, "a number >= 0")
@@ -83,7 +97,7 @@ class SamplingParams:
         _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
                "min_tokens", self.min_tokens, "an integer in [0, max_tokens]")
         _check(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
-               "stop", self.stop, "a list of non-empty strings")
+               "stop", self.stop, "a non-empty string or a list of non-empty strings")
         _check(isinstance(self.stop_token_ids, tuple)
                and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")

@@ -595,3 +595,21 @@ def test_messages_field_must_hold_chat_messages(tmp_path):
     other.write_text('{"id": 1, "chat": "hello"}\n')
     records, errors = read_records(other, prompt_field="chat")
     assert errors == [] and records[0].prompt == "hello"
+
+
+def test_sampling_params_take_the_python_forms_vllm_users_write():
+    """``stop`` as a string or list, ``stop_token_ids`` as a list, ``logit_bias`` as a dict
+    (int or string ids): read into the tuples the engine uses; a bad ``response_format`` shape
+    is refused at construction, as in a record."""
+    from specbatch.config import ConfigError
+
+    sp = SamplingParams(stop=["\n", "END"], stop_token_ids=[2, 7], logit_bias={5: 1, "3": -2})
+    assert sp.stop == ("\n", "END") and sp.stop_token_ids == (2, 7)
+    assert sp.logit_bias == ((3, -2.0), (5, 1.0))
+    assert SamplingParams(stop="x").stop == ("x",)
+    assert hash(sp) == hash(SamplingParams(stop=("\n", "END"), stop_token_ids=(2, 7),
+                                           logit_bias=((3, -2.0), (5, 1.0))))
+    with pytest.raises(ConfigError, match="stop=.*expected a non-empty string"):
+        SamplingParams(stop=["x", ""])
+    with pytest.raises(ConfigError, match="json_schema to be an object"):
+        SamplingParams(response_format={"type": "json_schema", "json_schema": 5})
