@@ -176,10 +176,11 @@ class LLM:
         """Validated ``Record``s of strings (a plain prompt each), dicts (records in the input
         format: ``prompt`` / ``messages`` / ``turns``, optional ``id`` and sampling fields) or
         ``Record``s (kept as they are). sampling_params: the defaults, one ``SamplingParams``
-        or a list with one per prompt. Raises ``ValueError`` listing the bad ones."""
+        or a list with one per prompt. A single string, dict or ``Record`` is one prompt (as
+        vLLM's ``generate`` takes it). Raises ``ValueError`` listing the bad ones."""
         from specbatch.io.records import Record, records_from_rows
 
-        prompts = list(prompts)
+        prompts = [prompts] if isinstance(prompts, (str, dict, Record)) else list(prompts)
         if prompts and all(isinstance(p, Record) for p in prompts):
             return prompts
         defaults = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
@@ -324,8 +325,12 @@ class LLM:
     def chat(self, messages_list: Iterable[list[dict]], sampling_params=None, *,
              seed: int | None = None) -> list[RequestOutput]:
         """``generate`` for chats: each item a list of ``{"role", "content"}`` messages,
-        rendered with the tokenizer's chat template."""
-        return self.generate([{"messages": list(m)} for m in messages_list], sampling_params,
+        rendered with the tokenizer's chat template; a single chat (a list of message dicts)
+        is one item, as in vLLM's ``chat``."""
+        chats = list(messages_list)
+        if chats and isinstance(chats[0], dict):
+            chats = [chats]
+        return self.generate([{"messages": list(m)} for m in chats], sampling_params,
                              seed=seed)
 
 

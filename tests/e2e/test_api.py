@@ -74,3 +74,8 @@ def test_bad_prompt_is_one_value_error(real_model):
     assert [o.id for o in outs] == [1, 2]
     assert all(1 <= o.usage["completion_tokens"] <= 3 for o in outs)
     assert outs[0].spec["proposer"] == "none" and outs[0].spec["num_drafts"] == 0
+    # one string is one prompt (as vLLM's generate), not a list of its characters; one chat too
+    one = llm.generate("Say yes.", SamplingParams(max_tokens=3))
+    assert len(one) == 1 and one[0].token_ids == outs[0].token_ids
+    chat = llm.chat([{"role": "user", "content": "Say yes."}], SamplingParams(max_tokens=3))
+    assert len(chat) == 1
