@@ -553,8 +553,14 @@ def predict_eval(paths, k, model, cache_dir, refit, probe_tokens):
 
 
 def _exit_from_signals() -> None:
-    """SIGTERM behaves like Ctrl-C: a KeyboardInterrupt the run loop turns into a clean exit."""
+    """SIGTERM behaves like Ctrl-C: a KeyboardInterrupt the run loop turns into a clean exit.
+    The signal is also recorded (``run.request_stop``): Python drops an exception raised while
+    a weakref callback runs (torch's caches use them), and the run loop then stops at the next
+    finished record instead."""
+    from specbatch.run import request_stop
+
     def handler(signum, frame):
+        request_stop(signum)
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, handler)
 

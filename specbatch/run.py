@@ -126,10 +126,20 @@ def load_records(opts) -> tuple[list, list]:
     return records, errors
 
 
+_STOP_REQUESTED: list[int] = []  # signals received (``request_stop``)
+
+
+def request_stop(signum: int) -> None:
+    """Record a stop signal, so the run loop stops at the next finished record even if the
+    KeyboardInterrupt the handler raised was swallowed (raised inside a weakref callback)."""
+    _STOP_REQUESTED.append(signum)
+
+
 def run_job(opts: RunOptions) -> int:
     """Run the job; returns the exit status (see the module docstring). SIGINT (and SIGTERM,
     which the CLI turns into SIGINT's ``KeyboardInterrupt``) stops it cleanly at any point."""
     job = _Job()
+    _STOP_REQUESTED.clear()
     try:
         return _run_job(opts, job)
     except KeyboardInterrupt:
@@ -293,6 +303,8 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     try:
         for rec, out in results:
             writer.write(rec.index, output_line(rec, out, llm.model_id))
+            if _STOP_REQUESTED:  # a SIGTERM whose KeyboardInterrupt was swallowed
+                raise KeyboardInterrupt
             by_category[str(rec.fields.get("category", ""))].append(out)
             if "error" in out:
                 failed.append(RecordError(str(opts.input_path), rec.line, rec.id, out["error"]))

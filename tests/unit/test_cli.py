@@ -402,3 +402,40 @@ def test_run_and_bench_warn_once_on_a_busy_machine(tmp_path, monkeypatch):
                 if line.startswith("warning: the machine is busy (1-minute load average 64.0")]
         loading = [i for i, line in enumerate(lines) if line.startswith("loading model")]
         assert len(busy) == 1 and busy[0] < loading[0], result.output
+
+
+def test_a_swallowed_sigterm_still_stops_the_run_at_the_next_record(tmp_path, monkeypatch):
+    """Python drops an exception raised inside a weakref callback, so the KeyboardInterrupt of
+    the SIGTERM handler can be lost; the recorded signal then stops the run after the next
+    finished record: exit 130, that record kept, the rest left for ``--resume``."""
+    import json
+    import signal
+
+    import specbatch.pipeline as pipeline
+    import specbatch.run as run_mod
+    from tests.unit.test_loader import write_tiny_gguf
+
+    model = tmp_path / "m.gguf"
+    write_tiny_gguf(model)
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "prompt": f"hello {i}"}) + "\n"
+                           for i in range(4)))
+    out = tmp_path / "out.jsonl"
+    add = pipeline.Throughput.add
+
+    def add_then_signal(self, n, stats):  # as if the handler ran and its exception was lost
+        run_mod.request_stop(signal.SIGTERM)
+        return add(self, n, stats)
+
+    monkeypatch.setattr(pipeline.Throughput, "add", add_then_signal)
+    sigterm = signal.getsignal(signal.SIGTERM)  # ``run`` installs its own
+    try:
+        result = CliRunner().invoke(main, ["run", str(src), "-o", str(out), "--model",
+                                           str(model), "--cache-dir", str(tmp_path / "c"),
+                                           "--method", "none", "--max-tokens", "4",
+                                           "--max-batch-size", "1", "--no-progress"])
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    assert result.exit_code == 130, result.output
+    work = tmp_path / "out.jsonl.work.jsonl"
+    assert not out.exists() and len(work.read_text().splitlines()) == 1
