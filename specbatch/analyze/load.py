@@ -42,7 +42,8 @@ def config_path(out_path: str | Path) -> Path:
 
 def load_run(path: str | Path) -> RunFile:
     """Read one output file. Raises ``ValueError`` naming the file when it cannot be read at
-    all (missing, unknown format, no records); bad lines become ``RunFile.problems``."""
+    all (missing, unknown format, no records, no output record: an input file); bad lines
+    become ``RunFile.problems``."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: no such output file")
@@ -71,6 +72,10 @@ def load_run(path: str | Path) -> RunFile:
                             f"{', '.join(missing)})")
         else:
             good.append(r)
+    if records and not good:
+        raise ValueError(f"{path}: none of its {len(records)} records is an output record (no "
+                         "spec, usage, finish_reason): analyze reads the OUT file `specbatch "
+                         "run` wrote, not its input")
     return RunFile(path, config, good, problems)
 
 

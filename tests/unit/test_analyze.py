@@ -376,8 +376,11 @@ def test_cli_json_and_usage_errors(runs, tmp_path):
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
     assert doc["tables"]["category"][-1]["num_records"] == 36 and doc["what_if"] is None
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": 1, "prompt": "a"}\n{"id": 2, "prompt": "b"}\n')
     bad = [(["analyze", str(runs["ngram"]), "--compare"], "--compare needs exactly two"),
            (["analyze", str(tmp_path / "nope.jsonl")], "no such output file"),
+           (["analyze", str(inp)], "is an output record"),  # an input file, not an OUT
            (["analyze", str(runs["ngram"]), "--calibration", "x.json"], "add --what-if")]
     for args, msg in bad:
         result = _invoke(args)
