@@ -278,8 +278,9 @@ class SpecConfig:
         _check(self.draft_model is None or (isinstance(self.draft_model, str)
                                             and self.draft_model != ""),
                "draft_model", self.draft_model, "a model name or path")
-        _check(self.method != "draft" or self.draft_model is not None, "draft_model",
-               self.draft_model, "a draft model (--draft-model NAME) for method draft")
+        if self.method == "draft" and self.draft_model is None:
+            raise ConfigError("method draft needs a draft model (--draft-model NAME)",
+                              "draft_model", "a draft model")
         # ngram would leave it unused, and a user would believe it drafted; none drafts nothing,
         # so a baseline may share the command line of the draft run it is compared with
         _check(self.draft_model is None or self.method not in ("ngram", "suffix"), "draft_model",

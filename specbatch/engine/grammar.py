@@ -3,7 +3,7 @@ tokenizer, and give each sequence a ``GrammarMatcher`` whose token masks ``engin
 applies at every verify position.
 
 xgrammar (Dong et al. 2024, arXiv 2411.15100) is imported only when a record asks for
-structured output: install it with ``pip install 'specbatch[json]'``.
+structured output: install it with ``pip install -c constraints.txt -e '.[json]'`` in the checkout.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ def _xgr():
     try:
         import xgrammar
     except ImportError as e:  # an optional dependency
-        raise ValueError("response_format needs xgrammar: pip install 'specbatch[json]'") from e
+        raise ValueError("response_format needs xgrammar: pip install -c constraints.txt -e "
+                         "'.[json]' in the specbatch checkout (or pip install xgrammar)") from e
     return xgrammar
 
 

@@ -26,6 +26,8 @@ from specbatch.cli import main
      "error: --stop '': expected a non-empty string", "main run"),
     (["bench", __file__, "--stop", ""], "error: --stop '': expected a non-empty string",
      "main bench"),
+    (["run", "in.jsonl", "--method", "draft"],
+     "error: method draft needs a draft model (--draft-model NAME)", "main run"),
     (["frob"], ("frob",), "main"),
     (["analyze", "a.jsonl", "--batch-size", "0"], ("'--batch-size'", "0"), "main analyze"),
 ])

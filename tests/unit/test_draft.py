@@ -237,7 +237,7 @@ def test_vocab_check():
 
 def test_config_and_factory(setup):
     target, draft, _, _ = setup
-    with pytest.raises(ValueError, match="draft_model"):
+    with pytest.raises(ValueError, match="method draft needs a draft model"):
         SpecConfig(method="draft")
     config = SpecConfig(method="draft", num_speculative_tokens=3, draft_model="small")
     with pytest.raises(ValueError, match="needs a draft model"):
