@@ -78,9 +78,6 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if isinstance(self.logit_bias, dict):
             object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
-        elif isinstance(self.logit_bias, list):  # [(id, bias), ...]
-            object.__setattr__(self, "logit_bias", tuple(
-                tuple(p) if isinstance(p, list) else p for p in self.logit_bias))
         if isinstance(self.response_format, dict):
             _response_format(self.response_format)
         _check(isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
@@ -161,17 +158,9 @@ class SamplingParams:
             if f.name not in values:
                 continue
             v = written[f.name] = values[f.name]
-            if f.name == "stop":
-                v = (v,) if isinstance(v, str) else tuple(v) if isinstance(v, list) else v
-            elif f.name == "stop_token_ids":
-                v = tuple(v) if isinstance(v, list) else v
-            elif f.name in _FLOAT_FIELDS and _is_int(v):
+            if f.name in _FLOAT_FIELDS and _is_int(v):
                 v = float(v)
-            elif f.name == "logit_bias":
-                v = _logit_bias(v)
-            elif f.name == "response_format":
-                v = _response_format(v)
-            updates[f.name] = v
+            updates[f.name] = v  # lists and dicts are read into tuples by __post_init__
         try:
             return replace(base, **updates)
         except ConfigError as e:
@@ -197,10 +186,8 @@ _FLOAT_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty"
                  "repetition_penalty", "min_p")
 
 
-def _logit_bias(v):
+def _logit_bias(v: dict):
     """``{"50256": -100, ...}`` (OpenAI writes ids as strings) -> sorted ((id, bias), ...)."""
-    if not isinstance(v, dict):
-        return v  # __post_init__ names the field
     pairs = []
     for key, bias in v.items():
         tok = int(key) if isinstance(key, str) and key.strip().isdigit() else key
@@ -213,17 +200,14 @@ def _logit_bias(v):
         return tuple(pairs)
 
 
-def _response_format(v):
+def _response_format(v: dict) -> None:
     """Check the shape of OpenAI's ``response_format``; the schema itself is compiled later."""
-    if not isinstance(v, dict):
-        return v
-    kind = v.get("type")
-    if kind == "json_schema":
+    if v.get("type") == "json_schema":
         spec = v.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
-            raise ConfigError(f"response_format={_as_written(v)}: expected json_schema to be "
-                              'an object with a "schema" object', "response_format")
-    return v
+            expected = 'json_schema to be an object with a "schema" object'
+            raise ConfigError(f"response_format={_as_written(v)}: expected {expected}",
+                              "response_format", expected)
 
 
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
