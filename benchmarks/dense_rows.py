@@ -4,9 +4,10 @@
 
 Times every dense matmul of one SmolLM2-135M step (30 layers of q/k/v, o, gate/up and down,
 plus lm_head; float32, random weights of the model's shapes) at each row count, with the
-kernel the engine uses for float32 on CPU (oneDNN's inner product on prepacked weights,
-``models/dense.py``) and with ``F.linear`` (MKL sgemm) beside it; min of the best 3 of 5 passes,
-milliseconds. At batch 1 a verify step of n fed tokens runs these matmuls with n rows (at least
+kernel the engine uses for float32 on CPU (specbatch's own, ``kernels/linear_cpu.c``, where it
+builds), oneDNN's inner product on prepacked weights (the fall-back, ``models/dense.py``) and
+``F.linear`` (MKL sgemm, not row-invariant) beside it; mean of the best 3 of 5 passes,
+milliseconds, the three interleaved per row count. At batch 1 a verify step of n fed tokens runs these matmuls with n rows (at least
 2), so the growth from 2 to 16 rows is what a draft token costs; a kernel bound by streaming the
 weights would stay near the 2-row time up to ~16 rows.
 """
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kernels import linear_cpu  # noqa: E402
 from specbatch.models import dense  # noqa: E402
 
 # (in_features, out_features) of one SmolLM2-135M layer: fused q/k/v, o, fused gate/up, down
@@ -62,11 +64,13 @@ def main() -> None:
     weights = [[torch.randn(n, k, generator=gen) / k ** 0.5 for k, n in LAYER]
                for _ in range(NUM_LAYERS)]
     lm_head = torch.randn(LM_HEAD[1], LM_HEAD[0], generator=gen) / LM_HEAD[0] ** 0.5
-    onednn = dense.linear_for(torch.float32, "cpu")
-    print(f"{'rows':>5} {'engine (oneDNN) ms':>19} {'F.linear (MKL) ms':>18}")
+    kernels = {"specbatch kernel": linear_cpu.linear if linear_cpu.available() else None,
+               "oneDNN": dense._onednn_linear, "F.linear (MKL)": F.linear}
+    print(f"{'rows':>5}" + "".join(f" {name + ' ms':>20}" for name in kernels))
     for rows in args.rows:
-        print(f"{rows:>5} {step_ms(rows, onednn, weights, lm_head):>19.1f} "
-              f"{step_ms(rows, F.linear, weights, lm_head):>18.1f}", flush=True)
+        cells = [step_ms(rows, fn, weights, lm_head) if fn is not None else float("nan")
+                 for fn in kernels.values()]
+        print(f"{rows:>5}" + "".join(f" {c:>20.1f}" for c in cells), flush=True)
 
 
 if __name__ == "__main__":

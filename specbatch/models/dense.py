@@ -17,8 +17,15 @@ measured on an AMD EPYC Zen 3 with AVX2 only, 1 and 2 threads):
   count and any row order, and as fast as MKL: 2.8 ms for the matmul above, lm_head
   ``[16, 576] x [576, 49152]`` 26 ms (bfloat16: 108 ms).
 
-So float32 on CPU uses oneDNN. A one-row call never happens (the forward pads to two rows);
-``row_invariant`` re-checks the property at load time on the machine at hand.
+- float32 through specbatch's own kernel (``kernels/linear_cpu.c``, AVX2 + FMA): invariant for
+  ``n >= 1`` by construction (one fixed reduction order per output element), and 1.3-1.5x
+  faster than oneDNN from 1 to 16 rows, where oneDNN pays for every extra row although the step
+  is bound by streaming the weights (docs/benchmarks.md, "Session 6").
+
+So float32 on CPU uses the kernel where it builds (x86-64 with AVX2 and a C compiler), oneDNN
+otherwise (``SPECBATCH_CPU_LINEAR=onednn`` forces oneDNN). A one-row call never happens (the
+forward pads to two rows); ``row_invariant`` re-checks the property at load time on the machine
+at hand.
 """
 
 from __future__ import annotations
@@ -29,6 +36,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
+
+try:
+    from kernels import linear_cpu
+except ImportError:  # an install without the kernels package: oneDNN
+    linear_cpu = None
 
 Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
@@ -102,10 +114,14 @@ def _has_onednn() -> bool:
 
 
 def linear_for(dtype: torch.dtype, device: torch.device | str) -> Linear:
-    """The dense matmul a forward in ``dtype`` on ``device`` uses: oneDNN for float32 on CPU
-    (when torch was built with it), ``F.linear`` otherwise (bfloat16, float64, CUDA)."""
-    if torch.device(device).type == "cpu" and dtype == torch.float32 and _has_onednn():
-        return _onednn_linear
+    """The dense matmul a forward in ``dtype`` on ``device`` uses: for float32 on CPU
+    specbatch's kernel (``kernels.linear_cpu``) where it is available, else oneDNN (when torch
+    was built with it); ``F.linear`` otherwise (bfloat16, float64, CUDA)."""
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
+        if linear_cpu is not None and linear_cpu.available():
+            return linear_cpu.linear
+        if _has_onednn():
+            return _onednn_linear
     return F.linear
 
 

@@ -19,11 +19,18 @@ def test_kernels_are_row_invariant_on_this_cpu(dtype):
     assert row_invariant(dtype, SMOLLM2_SHAPES, 64)
 
 
-def test_float32_linear_is_onednn_and_equals_f_linear_closely():
-    """float32 on CPU takes oneDNN (MKL's sgemm rounds 1-3, 5-7, 9-11-row calls differently);
-    it computes the same product: within float32 rounding of F.linear."""
+@pytest.mark.parametrize("backend", ["kernel", "onednn"])
+def test_float32_linear_equals_f_linear_closely_and_is_row_invariant(backend, monkeypatch):
+    """float32 on CPU takes specbatch's kernel where it builds, oneDNN otherwise (MKL's sgemm
+    rounds 1-3, 5-7, 9-11-row calls differently); either computes the same product: within
+    float32 rounding of F.linear, a row's bits independent of the row count."""
+    from kernels import linear_cpu
+    from specbatch.models import dense
+
+    if backend == "onednn":
+        monkeypatch.setattr(linear_cpu, "available", lambda: False)
     linear = linear_for(torch.float32, "cpu")
-    assert linear is not F.linear
+    assert linear is (linear_cpu.linear if backend == "kernel" else dense._onednn_linear)
     assert linear_for(torch.bfloat16, "cpu") is F.linear
     assert linear_for(torch.float64, "cpu") is F.linear
     gen = torch.Generator().manual_seed(0)
@@ -34,6 +41,19 @@ def test_float32_linear_is_onednn_and_equals_f_linear_closely():
     # the property the engine relies on: a row's bits do not depend on the row count
     full = linear(x, w, b)
     assert all(torch.equal(linear(x[:n], w, b), full[:n]) for n in range(2, 8))
+
+
+def test_kernel_is_what_float32_uses_on_an_avx2_cpu_with_a_compiler():
+    """On x86-64 with AVX2/FMA and a C compiler (this machine, CI) the kernel must build: a
+    silent fall-back to oneDNN would cost 1.3-1.5x per step unnoticed."""
+    import shutil
+
+    from kernels import linear_cpu
+
+    if not (linear_cpu._cpu_has_avx2_fma() and (shutil.which("cc") or shutil.which("gcc"))):
+        pytest.skip("needs an AVX2 CPU and a C compiler")
+    assert linear_cpu.available()
+    assert linear_for(torch.float32, "cpu") is linear_cpu.linear
 
 
 def test_few_query_rows_are_padded_in_attention():
@@ -61,7 +81,7 @@ def test_float32_weights_are_packed_once_and_repacked_when_changed():
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(1536, 576, generator=gen) / 24
     x = torch.randn(5, 576, generator=gen)
-    linear = linear_for(torch.float32, "cpu")
+    linear = dense._onednn_linear
     first = linear(x, w, None)
     packed = dense._PACKED[w][1]
     assert torch.equal(first, torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))

@@ -1,0 +1,95 @@
+"""specbatch's float32 CPU matmul (kernels/linear_cpu.c): the product F.linear computes, a row's
+bits independent of the rows beside it, its packed weight following in-place changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import linear_cpu
+
+pytestmark = pytest.mark.skipif(not linear_cpu.available(),
+                                reason="needs an AVX2/FMA CPU and a C compiler")
+
+# (K, N): SmolLM2-135M's fused q/k/v, o, gate/up, down, a slice of lm_head; odd sizes hit the
+# last partial chunk of 8 k and the last partial panel of 3 columns
+SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576), (576, 4096), (577, 100), (13, 37),
+          (3, 2))
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_product_and_row_invariance(k, n):
+    gen = torch.Generator().manual_seed(k * 7 + n)
+    w = torch.randn(n, k, generator=gen) / k ** 0.5
+    b = torch.randn(n, generator=gen)
+    x = torch.randn(150, k, generator=gen)
+    full = linear_cpu.linear(x, w, b)
+    ref = F.linear(x.double(), w.double(), b.double())
+    assert (full.double() - ref).abs().max() < 1e-5 * max(1.0, ref.abs().max().item())
+    nobias = linear_cpu.linear(x, w)
+    assert (nobias.double() - (ref - b.double())).abs().max() < 1e-4
+    for rows in list(range(1, 18)) + [33, 64, 149]:
+        pick = torch.randperm(150, generator=gen)[:rows]
+        assert torch.equal(linear_cpu.linear(x[pick], w, b), full[pick]), rows
+
+
+def test_thread_count_does_not_change_bits():
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(1000, 576, generator=gen) / 24
+    x = torch.randn(9, 576, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(linear_cpu.linear(x, w))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+def test_strided_and_broadcast_inputs():
+    """x views the forward passes: a row broadcast (``expand``, row stride 0), leading dims, a
+    column slice (copied), no rows at all."""
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(64, 40, generator=gen)
+    x = torch.randn(5, 40, generator=gen)
+    full = linear_cpu.linear(x, w)
+    assert torch.equal(linear_cpu.linear(x[1:2].expand(3, -1), w), full[1:2].expand(3, -1))
+    assert torch.equal(linear_cpu.linear(x.view(5, 1, 40), w), full.view(5, 1, 64))
+    wide = torch.randn(5, 80, generator=gen)
+    wide[:, ::2] = x
+    assert torch.equal(linear_cpu.linear(wide[:, ::2], w), full)
+    assert linear_cpu.linear(x[:0], w).shape == (0, 64)
+    with pytest.raises(ValueError, match="do not match"):
+        linear_cpu.linear(x, w[:, :39])
+    with pytest.raises(ValueError, match="float32"):
+        linear_cpu.linear(x.double(), w)
+
+
+def test_packed_once_and_repacked_when_the_weight_changes():
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(100, 64, generator=gen)
+    x = torch.randn(4, 64, generator=gen)
+    first = linear_cpu.linear(x, w)
+    packed = linear_cpu._PACKED[w][1]
+    linear_cpu.linear(x, w)
+    assert linear_cpu._PACKED[w][1] is packed
+    with torch.no_grad():
+        w.mul_(2)
+    assert torch.equal(linear_cpu.linear(x, w), first * 2)  # exact: scaling by 2 is exact
+    assert linear_cpu._PACKED[w][1] is not packed
+
+
+def test_build_failure_falls_back(monkeypatch, tmp_path):
+    """A compiler that fails leaves the kernel unavailable (the engine then uses oneDNN), with
+    the compiler's message in the warning; nothing half-built is left in the cache."""
+    monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setattr(linear_cpu, "_library", linear_cpu._library.__wrapped__)
+    assert linear_cpu._library() is None
+    assert list((tmp_path / "kernels").iterdir()) == []
+    monkeypatch.setenv("CC", "")
+    monkeypatch.setenv("SPECBATCH_CPU_LINEAR", "onednn")
+    assert linear_cpu._library() is None
