@@ -1,10 +1,14 @@
-"""Triton kernels of the engine's hot ops, each file with its launcher and a plain-torch reference.
+"""Kernels of the engine's hot ops: Triton for GPUs, each file with its launcher and a
+plain-torch reference, and C for x86-64 CPUs (``csrc/``, built by ``cpu_build``).
 
 - ``sample_accept``: position-keyed Gumbel-max sampling fused with draft acceptance.
 - ``attention``: decode/verify attention over the KV cache in place, batch-invariant.
 - ``kv_write``: a step's keys and values into their cache rows and positions.
+- ``linear_cpu`` (C): the float32 dense layers on CPU, a row's bits independent of the rows
+  beside it; ``attention_cpu`` (C): ``attention``'s contract for float32 on CPU. Used whenever
+  they build (AVX2 + FMA and a C compiler; ``SPECBATCH_CPU_KERNELS=0`` turns them off).
 
-The engine uses a kernel when ``enabled(device)``: the device is CUDA and Triton imports (or
+The engine uses a Triton kernel when ``enabled(device)``: the device is CUDA and Triton imports (or
 ``SPECBATCH_KERNELS=1`` forces them, e.g. on CPU tensors under ``TRITON_INTERPRET=1`` in the
 tests; ``SPECBATCH_KERNELS=0`` turns them off). Otherwise it runs the torch path.
 """

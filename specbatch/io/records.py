@@ -352,6 +352,9 @@ def _rows(path: Path, split: str | None
     if suffix in (".jsonl", ".json"):
         yield from _json_rows(path.read_bytes(), suffix)
         return
+    if suffix == ".csv" and sum(1 for line in path.read_text(errors="replace").splitlines()
+                                if line.strip()) <= 1:
+        return  # no line, or a header only: "no records" (datasets' own message says less)
     import datasets  # slow import; only the columnar formats need it
 
     load = datasets.Dataset.from_parquet if suffix == ".parquet" else datasets.Dataset.from_csv

@@ -75,6 +75,8 @@ class LlamaForward:
                              "CPUs)", str(self.dtype).removeprefix("torch."))
         # decode/verify with the Triton kernels (CUDA; see models/llama_kernels.py)
         self.use_kernels = can_use_kernels(self)
+        # decode/verify attention in C for float32 on an AVX2 CPU (kernels/attention_cpu.py)
+        self.cpu_attention = cpu_attention_for(self)
         # q/k/v and gate/up as one matmul each (the parameters become views of the fused weights)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -381,6 +383,9 @@ class LlamaForward:
         bsz, qlen = input_ids.shape
         group = self.num_heads // self.num_kv_heads
         exact = qlen * group <= self.max_exact_rows
+        if self.cpu_attention is not None and exact:  # C kernel: each token reads its own row
+            return self._forward_cpu_attention(input_ids, positions, cache, rows, logits_index,
+                                               num_fed)
         plans = self._plan_reads(rows, positions, group, exact)
         cos, sin = self._rope(positions)
         # packed: token t of the flat [T] layout is (row, query) = real.nonzero()[t]
@@ -423,6 +428,66 @@ class LlamaForward:
             out[real] = logits
             logits = out
         return logits
+
+
+    def _forward_cpu_attention(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                               cache: KVCache, rows: torch.Tensor,
+                               logits_index: torch.Tensor | None,
+                               num_fed: torch.Tensor | None) -> torch.Tensor:
+        """``forward`` (same arguments and result) with attention by ``self.cpu_attention``:
+        every token reads its own cache row up to its own position, so no segment plan, mask
+        or query padding is needed, and a token's result does not depend on what shares the
+        step (kernels/csrc/attention_f32.c)."""
+        bsz, qlen = input_ids.shape
+        cos, sin = self._rope(positions)  # [B, Q, 1, D]
+        tok_rows = rows[:, None].expand(bsz, qlen)
+        real = None
+        if num_fed is not None and logits_index is None:  # packed: the real tokens only
+            real = torch.arange(qlen, device=input_ids.device)[None, :] < num_fed[:, None]
+            cos, sin, ids = cos[real], sin[real], input_ids[real]  # [T, 1, D], [T]
+            tok_rows, tok_pos = tok_rows[real], positions[real]
+        else:  # every slot, padded ones included (their outputs are dropped by the caller)
+            cos, sin, ids = cos.flatten(0, 1), sin.flatten(0, 1), input_ids.flatten()
+            tok_rows, tok_pos = tok_rows.flatten(), positions.flatten()
+        num_tokens = ids.shape[0]
+        tok_rows, tok_pos = tok_rows.contiguous(), tok_pos.contiguous()
+        h = F.embedding(ids if num_tokens >= 2 else ids.expand(2), self.embed)  # [T, hidden]
+        hidden = self.num_heads * self.head_dim
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(i, h, cos, sin, num_tokens)
+            cache.write_tokens(i, tok_rows, tok_pos, k, v)
+            o = self.cpu_attention(q, cache.k[i], cache.v[i], tok_rows, tok_pos,
+                                   scale=self.head_dim ** -0.5,
+                                   validate=i == 0).view(num_tokens, hidden)
+            if num_tokens < 2:  # no one-row matmuls (models/dense.py)
+                o = o.expand(2, -1)
+            h = self._mlp(i, h + self.linear(o, layer.self_attn.o_proj.weight,
+                                             layer.self_attn.o_proj.bias))
+        h = h[:num_tokens]
+        if real is not None:
+            logits = self.linear(self._rms_norm(h, self.norm.weight), self.lm_head)
+            out = logits.new_zeros(bsz, qlen, logits.shape[-1])
+            out[real] = logits
+            return out
+        h = h.view(bsz, qlen, -1)
+        if logits_index is not None:
+            h = torch.gather(h, 1, logits_index[:, :, None].expand(-1, -1, h.shape[-1]))
+        h = self._rms_norm(h, self.norm.weight)
+        if h.shape[0] * h.shape[1] < 2:
+            return self.linear(h.expand(2, -1, -1), self.lm_head)[:1]
+        return self.linear(h, self.lm_head)
+
+
+def cpu_attention_for(forward: LlamaForward):
+    """``kernels.attention_cpu.attention`` when ``forward`` can use it (a float32 model on a
+    CPU where the C kernels build, a head size it takes), else None."""
+    if forward.device.type != "cpu" or forward.dtype != torch.float32:
+        return None
+    try:
+        from kernels import attention_cpu
+    except ImportError:  # an install without the kernels package
+        return None
+    return attention_cpu.attention if attention_cpu.available(forward.head_dim) else None
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:

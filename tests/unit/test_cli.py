@@ -55,6 +55,16 @@ def test_version_is_the_installed_package_version():
     assert result.output == f"specbatch {version('specbatch')}\n"
 
 
+def test_python_dash_m_runs_the_same_command_line():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "specbatch", "run"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Missing argument 'INPUT'" in proc.stderr and "specbatch run --help" in proc.stderr
+
+
 def test_version_of_a_checkout_that_is_not_installed(monkeypatch):
     """Run without installing, the version is the checkout's pyproject's, marked (unknown when
     the package does not sit in a checkout)."""

@@ -48,9 +48,9 @@ def test_kernel_is_what_float32_uses_on_an_avx2_cpu_with_a_compiler():
     silent fall-back to oneDNN would cost 1.3-1.5x per step unnoticed."""
     import shutil
 
-    from kernels import linear_cpu
+    from kernels import cpu_build, linear_cpu
 
-    if not (linear_cpu._cpu_has_avx2_fma() and (shutil.which("cc") or shutil.which("gcc"))):
+    if not (cpu_build.cpu_has_avx2_fma() and (shutil.which("cc") or shutil.which("gcc"))):
         pytest.skip("needs an AVX2 CPU and a C compiler")
     assert linear_cpu.available()
     assert linear_for(torch.float32, "cpu") is linear_cpu.linear

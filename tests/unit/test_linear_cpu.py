@@ -83,13 +83,21 @@ def test_packed_once_and_repacked_when_the_weight_changes():
 
 
 def test_build_failure_falls_back(monkeypatch, tmp_path):
-    """A compiler that fails leaves the kernel unavailable (the engine then uses oneDNN), with
-    the compiler's message in the warning; nothing half-built is left in the cache."""
+    """A compiler that fails leaves the C kernels unavailable (the engine then uses oneDNN and
+    torch attention), with the compiler's message in the warning; nothing half-built is left in
+    the cache. SPECBATCH_CPU_KERNELS=0 and SPECBATCH_CPU_LINEAR=onednn turn them off."""
+    from kernels import cpu_build
+
     monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")
-    monkeypatch.setattr(linear_cpu, "_library", linear_cpu._library.__wrapped__)
-    assert linear_cpu._library() is None
+    monkeypatch.setattr(cpu_build, "library", cpu_build.library.__wrapped__)
+    assert cpu_build.library() is None and not linear_cpu.available()
     assert list((tmp_path / "kernels").iterdir()) == []
     monkeypatch.setenv("CC", "")
+    assert cpu_build.library() is not None  # the same sources build into the empty cache
+    assert len(list((tmp_path / "kernels").iterdir())) == 1
+    monkeypatch.setenv("SPECBATCH_CPU_KERNELS", "0")
+    assert cpu_build.library() is None
+    monkeypatch.setenv("SPECBATCH_CPU_KERNELS", "")
     monkeypatch.setenv("SPECBATCH_CPU_LINEAR", "onednn")
-    assert linear_cpu._library() is None
+    assert not linear_cpu.available()

@@ -51,6 +51,7 @@ CASES = {
                                (5, "invalid sampling field: stop=5: expected a non-empty "
                                    "string or a list of non-empty strings")]),
     "empty.jsonl": (0, [(0, "no records")]),
+    "header_only.csv": (0, [(0, "no records")]),
     "unknown_ext.txt": (0, [(0, "unknown input format '.txt'")]),
     "too_long.jsonl": (3, []),  # too long only once tokenised: see test_check_lengths
     "huge_prompt.jsonl": (3, []),  # too long by its bytes: see test_over_long_prompts_...

@@ -1,6 +1,6 @@
 /* Row-invariant float32 matmul for x86-64 CPUs with AVX2 + FMA: y = x w^T (+ bias).
  *
- * Built and loaded by kernels/linear_cpu.py (see there for the contract). Every output element
+ * Built by kernels/cpu_build.py, called by kernels/linear_cpu.py (see there for the contract). Every output element
  * y[m, n] is computed the same way whatever M, the row's place in x and the thread count:
  * eight float32 FMA lanes over k = 0, 8, 16, ... (lane l sums k = l mod 8 in order; a last
  * partial chunk reads zeros past K), then a fixed horizontal sum ((l0+l4)+(l2+l6)) +
