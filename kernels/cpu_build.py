@@ -2,8 +2,9 @@
 
 Every ``.c`` file in ``csrc/`` is compiled into one shared library, once per machine, with the
 system C compiler (``$CC``, else ``cc``; ~2 s) into ``$SPECBATCH_CACHE`` (default
-``$XDG_CACHE_HOME/specbatch``, i.e. ``~/.cache/specbatch``)``/kernels``, named by a hash of the
-sources, compiler and flags, and loaded with ctypes. It links OpenMP dynamically: loaded after
+``$XDG_CACHE_HOME/specbatch``, i.e. ``~/.cache/specbatch``)``/kernels`` (the temp folder's
+``specbatch-kernels`` where that is not writable), named by a hash of the sources, compiler and
+flags, and loaded with ctypes. It links OpenMP dynamically: loaded after
 torch, it shares torch's OpenMP runtime (``libgomp.so.1``), so its threads are torch's and
 ``torch.set_num_threads`` applies to it.
 
@@ -54,10 +55,19 @@ def build() -> Path:
     digest = hashlib.sha256(" ".join((cc,) + FLAGS).encode())
     for src in SOURCES:
         digest.update(src.name.encode() + src.read_bytes())
-    lib = cache_dir() / f"specbatch_cpu-{digest.hexdigest()[:16]}.so"
-    if lib.exists():
-        return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
+    name = f"specbatch_cpu-{digest.hexdigest()[:16]}.so"
+    for folder in (cache_dir(), Path(tempfile.gettempdir()) / "specbatch-kernels"):
+        lib = folder / name
+        if lib.exists():
+            return lib
+        try:  # a read-only home (a container, a cluster node) falls back to the temp folder
+            folder.mkdir(parents=True, exist_ok=True)
+            if os.access(folder, os.W_OK):
+                break
+        except OSError:
+            continue
+    else:
+        raise RuntimeError(f"no writable folder for the built kernels ({cache_dir()})")
     # compile to a temporary name, then rename: a concurrent build (another process, a Ray
     # worker) never loads half a library
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)

@@ -201,6 +201,34 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
             _err(f"error: {e}")
             return EXIT_BAD_INPUT
 
+    # the options known without the model: a resume with other options is refused before the
+    # load (the writer checks the whole config again after it)
+    config = {
+        "input": str(Path(opts.input_path).resolve()),
+        "input_sha256": _input_digest(opts.input_path),
+        "dtype": opts.engine.dtype,
+        "method": opts.spec.method,
+        "k": opts.spec.k,
+        "prompt_lookup_min": opts.spec.prompt_lookup_min,
+        "prompt_lookup_max": opts.spec.prompt_lookup_max,
+        "sampling": opts.sampling.to_dict(),
+        "seed": opts.run_seed,
+        "prompt_field": opts.prompt_field,
+        "template": opts.template,
+        "id_field": opts.id_field,
+        "split": opts.split,
+        "limit": opts.limit,
+        "recipe": opts.recipe,
+    }
+    if not opts.plan_only and not opts.force:
+        from specbatch.io.writer import check_resume
+
+        try:
+            check_resume(opts.output_path, config)
+        except ValueError as e:
+            _err(f"error: {e}")
+            return EXIT_BAD_INPUT
+
     warn_if_busy()
     from specbatch.io.openai_batch import output_line
     from specbatch.llm import LLM, ModelLoadError
@@ -225,26 +253,8 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     bad_lines = {e.line for e in model_errors}  # records this model cannot run
     skipped = [r.index for r in records if r.line in bad_lines]
 
-    config = {
-        "input": str(Path(opts.input_path).resolve()),
-        "input_sha256": _input_digest(opts.input_path),
-        "model": llm.model_id,
-        "dtype": opts.engine.dtype,
-        "method": opts.spec.method,
-        "k": opts.spec.k,
-        "prompt_lookup_min": opts.spec.prompt_lookup_min,
-        "prompt_lookup_max": opts.spec.prompt_lookup_max,
-        **({"draft_model": llm.draft_model_id} if llm.draft is not None else {}),
-        "sampling": opts.sampling.to_dict(),
-        "seed": opts.run_seed,
-        "prompt_field": opts.prompt_field,
-        "template": opts.template,
-        "id_field": opts.id_field,
-        "split": opts.split,
-        "limit": opts.limit,
-        "max_model_len": llm.max_model_len,
-        "recipe": opts.recipe,
-    }
+    config = {**config, "model": llm.model_id, "max_model_len": llm.max_model_len,
+              **({"draft_model": llm.draft_model_id} if llm.draft is not None else {})}
     job.num_records = len(records)
     if opts.plan_only:
         if opts.spec.method != "auto":

@@ -107,6 +107,36 @@ def _try_writing(path: Path, out_path: str | os.PathLike) -> None:
                 pass
 
 
+def check_resume(out_path: str | os.PathLike, config: dict) -> None:
+    """Refuse early, before a model loads, to continue a work file whose saved config differs
+    from ``config`` in one of ``config``'s keys (the options known without the model): the
+    same ``ValueError`` ``OutputWriter`` raises later. Nothing is checked or changed when there
+    is no work file or no readable saved config (``OutputWriter`` decides those)."""
+    out_path = Path(out_path)
+    work_path = _beside(out_path, ".work.jsonl")
+    config_path = _beside(out_path, ".config.json")
+    if not work_path.exists() and not _shard_paths(out_path):
+        return
+    try:
+        saved = orjson.loads(config_path.read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return
+    config = orjson.loads(orjson.dumps(config, option=JSON_OPTIONS))
+    keys = _diff({k: saved.get(k) for k in config}, config)
+    if keys:
+        raise ValueError(_refusal(work_path, f"the saved config {config_path} differs in: "
+                                  f"{', '.join(keys)}; rerun with the same options"))
+
+
+def _shard_paths(out_path: Path) -> list[Path]:
+    """The replicas' work files of ``out_path`` (``WorkShard``)."""
+    return sorted(out_path.parent.glob(f"{glob_escape(out_path.name)}.work.*.jsonl"))
+
+
+def _refusal(work_path: Path, why: str) -> str:
+    return f"cannot continue {work_path}: {why}, or --force to start over"
+
+
 class OutputWriter:
     """Append finished records to the work file; ``finish()`` writes the final output.
 
@@ -170,7 +200,7 @@ class OutputWriter:
         return added
 
     def _shard_paths(self) -> list[Path]:
-        return sorted(self.out_path.parent.glob(f"{glob_escape(self.out_path.name)}.work.*.jsonl"))
+        return _shard_paths(self.out_path)
 
     def done_indices(self) -> set[int]:
         """``Record.index`` values already finished (skip these)."""
@@ -261,7 +291,7 @@ class OutputWriter:
 
     def _refuse_or_discard(self, force: bool, why: str) -> None:
         if not force:
-            raise ValueError(f"cannot continue {self.work_path}: {why}, or --force to start over")
+            raise ValueError(_refusal(self.work_path, why))
         self._discard_work()
 
     def _remove_stale_temp_files(self) -> None:

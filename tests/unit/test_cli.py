@@ -152,6 +152,28 @@ def test_records_that_stop_with_an_error_are_reported(tmp_path):
     assert usage["prompt_tokens"] + usage["completion_tokens"] <= 40, usage
 
 
+def test_resume_with_changed_options_is_refused_before_the_model_loads(tmp_path):
+    """A work file left by a killed run, rerun with another --k: refused in one line, exit 2,
+    without loading the model first (it could take minutes)."""
+    from tests.unit.test_loader import write_tiny_gguf
+
+    model = tmp_path / "m.gguf"
+    write_tiny_gguf(model)
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": 1, "prompt": "hello"}\n')
+    out = tmp_path / "out.jsonl"
+    args = ["run", str(src), "-o", str(out), "--model", str(model), "--cache-dir",
+            str(tmp_path / "c"), "--method", "ngram", "--max-tokens", "4", "--no-progress"]
+    assert CliRunner().invoke(main, args + ["--k", "5"]).exit_code == 0
+    out.unlink()  # as if killed before the end: the config and a work file remain
+    (tmp_path / "out.jsonl.work.jsonl").write_text("")
+    result = CliRunner().invoke(main, args + ["--k", "3"])
+    assert result.exit_code == 2, result.output
+    assert "differs in: k; rerun with the same options" in result.stderr, result.stderr
+    assert "loading model" not in result.output
+    assert CliRunner().invoke(main, args + ["--k", "5"]).exit_code == 0  # same options: resumes
+
+
 def test_result_goes_to_stdout_progress_and_warnings_to_stderr(tmp_path):
     """``specbatch run ... > log`` keeps the result: the ``wrote`` line, the summary table and
     the memory line; a skipped record's warning stays on stderr."""

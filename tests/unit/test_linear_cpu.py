@@ -101,3 +101,14 @@ def test_build_failure_falls_back(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECBATCH_CPU_KERNELS", "")
     monkeypatch.setenv("SPECBATCH_CPU_LINEAR", "onednn")
     assert not linear_cpu.available()
+
+
+def test_unwritable_cache_falls_back_to_the_temp_folder(monkeypatch, tmp_path):
+    from kernels import cpu_build
+
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setenv("SPECBATCH_CACHE", str(blocker))  # mkdir under a file fails
+    monkeypatch.setattr(cpu_build.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    lib = cpu_build.build()
+    assert lib.parent == tmp_path / "tmp" / "specbatch-kernels" and lib.exists()

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from specbatch.io.records import RecordError
-from specbatch.io.writer import OutputWriter
+from specbatch.io.writer import OutputWriter, check_resume
 
 CONFIG = {"model": "smollm2-135m", "dtype": "float32", "method": "ngram", "k": 5,
           "sampling": {"temperature": 0.0, "stop": ("\n\n",)}}
@@ -66,7 +66,7 @@ def test_killed_process_loses_nothing_written(tmp_path):
         import os, sys
         sys.path.insert(0, {str(ROOT)!r})
         from tests.unit.test_writer import CONFIG, N, _out
-        from specbatch.io.writer import OutputWriter
+        from specbatch.io.writer import OutputWriter, check_resume
         w = OutputWriter({str(out)!r}, CONFIG, resume=False, force=False, num_records=N)
         for i in (5, 2, 8):
             w.write(i, _out(i))
@@ -147,6 +147,27 @@ def test_config_mismatch_refused_and_force_starts_over(tmp_path):
     w.close()
     saved = orjson.loads((tmp_path / "out.jsonl.config.json").read_bytes())
     assert saved["k"] == 3
+
+
+def test_resume_with_other_options_is_refused_before_the_model_loads(tmp_path):
+    """``check_resume`` (run before the load) compares the options it is given with the saved
+    config and refuses with the writer's own message; keys it is not given (the model's) are
+    not compared; no work file, or no saved config, is left to the writer."""
+    out = tmp_path / "out.jsonl"
+    check_resume(out, {"k": 3})  # nothing on disk: nothing to refuse
+    w = OutputWriter(out, CONFIG, resume=False, force=False, num_records=N)
+    w.write(3, _out(3))
+    w.close()
+    check_resume(out, {k: v for k, v in CONFIG.items() if k != "model"})
+    early = {"k": 3, "sampling": {"temperature": 0.7, "stop": ["\n\n"]}}
+    with pytest.raises(ValueError) as refused:
+        check_resume(out, early)
+    with pytest.raises(ValueError) as later:
+        OutputWriter(out, {**CONFIG, **early}, resume=True, force=False, num_records=N)
+    assert str(refused.value) == str(later.value)
+    assert "differs in: k, sampling.temperature" in str(refused.value)
+    (tmp_path / "out.jsonl.config.json").unlink()
+    check_resume(out, early)  # unreadable config: the writer's decision (--resume)
 
 
 def test_missing_config_needs_resume(tmp_path):
