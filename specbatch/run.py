@@ -307,6 +307,9 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         warmup = prepared.engine_config.max_batch_size
     tput = Throughput()
     by_category: dict[str, list] = defaultdict(list)
+    for line in writer.finished_records() if done else ():  # the summary covers the whole job
+        if "spec" in line and "usage" in line:  # not an OpenAI batch response line
+            by_category[str(line.get("category", ""))].append(line)
     failed = []  # records written with an ``error`` (a NaN, a later turn past the context)
     bar = job.bar = _progress(len(records), len(done) + len(skip), opts.progress,
                               warmup=warmup)
@@ -359,7 +362,8 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
 
 
 def summary_table(by_category: dict[str, list[dict]]) -> str:
-    """Per-category totals of the records generated in this run (input ``category`` field)."""
+    """Per-category totals of the job's records (input ``category`` field): after a resume,
+    those of the earlier runs too (the ``wrote`` line above it counts this run's tokens)."""
     from specbatch.spec_decode.stats import SpecStats
 
     lines = [f"{'category':<16}{'records':>8}{'out tok':>9}{'steps':>8}{'tok/step':>9}"

@@ -174,6 +174,36 @@ def test_resume_with_changed_options_is_refused_before_the_model_loads(tmp_path)
     assert CliRunner().invoke(main, args + ["--k", "5"]).exit_code == 0  # same options: resumes
 
 
+def test_summary_after_a_resume_covers_the_whole_job(tmp_path):
+    """Killed after one of three records, then resumed: the summary table counts all three
+    records, the ``wrote`` line the new tokens only."""
+    import json
+
+    from tests.unit.test_loader import write_tiny_gguf
+
+    model = tmp_path / "m.gguf"
+    write_tiny_gguf(model)
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(f'{{"id": {i}, "prompt": "hello {i}", "category": "qa"}}\n'
+                           for i in range(3)))
+    out = tmp_path / "out.jsonl"
+    args = ["run", str(src), "-o", str(out), "--model", str(model), "--cache-dir",
+            str(tmp_path / "c"), "--method", "ngram", "--max-tokens", "4", "--ignore-eos",
+            "--no-progress"]
+    first = CliRunner().invoke(main, args)
+    assert first.exit_code == 0, first.output
+    whole = first.stdout.splitlines()[2].split()
+    assert whole[:3] == ["qa", "3", "12"], first.stdout
+    lines = out.read_text().splitlines()
+    out.unlink()  # as if killed after the first record
+    (tmp_path / "out.jsonl.work.jsonl").write_text(
+        json.dumps({"index": 0, "record": json.loads(lines[0])}) + "\n")
+    resumed = CliRunner().invoke(main, args)
+    assert resumed.exit_code == 0, resumed.output
+    assert "(8 new output tokens" in resumed.stdout, resumed.stdout
+    assert resumed.stdout.splitlines()[2].split() == whole, resumed.stdout
+
+
 def test_result_goes_to_stdout_progress_and_warnings_to_stderr(tmp_path):
     """``specbatch run ... > log`` keeps the result: the ``wrote`` line, the summary table and
     the memory line; a skipped record's warning stays on stderr."""
