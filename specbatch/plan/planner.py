@@ -45,7 +45,7 @@ class BucketPlan:
     mean_prompt_tokens: float = 0.0
     predicted_acceptance_length: float = 0.0
     k: int = 0
-    proposer: str = "ngram"  # "ngram" or "draft"; "none" when k = 0
+    proposer: str = "ngram"  # "ngram" or "draft"; "none" when k = 0; "lookup" with suffix
     predicted_speedup: float = 1.0
 
 
@@ -226,8 +226,16 @@ def plan_auto(records, renderer, spec_config, batch_size: int, max_model_len: in
     plan = make_plan(records, prompt_ids, spec_config.num_speculative_tokens, batch_size, cost,
                      spec_config.prompt_lookup_min, max_tokens,
                      model_cost if draft_proposer is not None else None)
+    if hasattr(proposer, "propose_suffix"):  # own-text or job-index drafts, chosen per step
+        for b in plan.buckets.values():
+            if b.proposer == "ngram":
+                b.proposer = "lookup"
+        plan.model_note = ("lookup: each step, per record, the n-gram draft (its own text) or the "
+                           "suffix draft (its own text and the job's finished outputs), "
+                           "whichever the policy values more")
     if model_id and not fitted_for(model_id):
-        plan.model_note = (f"note: the acceptance predictor was fitted on {FITTED_ON}; for "
+        plan.model_note = (plan.model_note + "\n" if plan.model_note else "") + (
+                           f"note: the acceptance predictor was fitted on {FITTED_ON}; for "
                            f"{model_id.split('@')[0]} its scale may be off: the buckets use only "
                            "its ranking, and each record's acceptance is learned as it runs")
     policy = plan.make_policy(cost, Probe(PROBE_TOKENS, spec_config.prompt_lookup_min,

@@ -288,3 +288,25 @@ def test_auto_stats_fields_through_generate_records():
         want = replay.stats(5, 24, 1 << 30).mean_acceptance_length
         assert probe["acceptance_length"] == (None if want is None else round(want, 4))
         assert probe["bucket"] == plan.bucket(probe["acceptance_length"] or 1.0)
+
+
+def test_plan_table_says_lookup_when_auto_has_suffix_drafts():
+    """auto's proposer with suffix drafts (``make_proposer(method="auto")``): a bucket that
+    drafts is shown as ``lookup`` (n-gram or suffix per step, the note says), not ``ngram``."""
+    from specbatch.config import SpecConfig
+    from specbatch.plan.planner import plan_auto
+    from specbatch.spec_decode import make_proposer
+
+    recs = [SimpleNamespace(index=i, prompt=p, messages=None, turns=None,
+                            sampling=SamplingParams())
+            for i, p in enumerate(["Summarize the following article.", "Translate: Guten Tag.",
+                                   "Write a poem about the sea."])]
+    ids = {0: [5, 6, 7, 8] * 200, 1: list(range(12)), 2: list(range(8))}
+    renderer = SimpleNamespace(first_prompt=lambda r: (ids[r.index], None))
+    spec = SpecConfig(method="auto", num_speculative_tokens=5)
+    shown = []
+    plan, _ = plan_auto(recs, renderer, spec, 4, 4096, MEMORY_BOUND, make_proposer(spec, None, 4),
+                        echo=shown.append)
+    kinds = {b.proposer for b in plan.buckets.values() if b.indices}
+    assert "lookup" in kinds and "ngram" not in kinds, kinds
+    assert "suffix draft" in shown[0] and "lookup" in shown[0]
