@@ -65,6 +65,13 @@ def main() -> None:
     linear_for = llama_mod.linear_for
     llama_mod.linear_for = lambda dt, dev: timed("  of which dense layers (all)",
                                                  linear_for(dt, dev))
+    cpu_attention_for = llama_mod.cpu_attention_for  # the C attention (float32 on x86-64)
+
+    def timed_cpu_attention(forward):
+        fn = cpu_attention_for(forward)
+        return None if fn is None else timed("  of which attention (both)", fn)
+
+    llama_mod.cpu_attention_for = timed_cpu_attention
 
     spec = (SpecConfig(method="none") if args.method == "none"
             else SpecConfig(method=args.method, num_speculative_tokens=args.k))

@@ -429,7 +429,6 @@ class LlamaForward:
             logits = out
         return logits
 
-
     def _forward_cpu_attention(self, input_ids: torch.Tensor, positions: torch.Tensor,
                                cache: KVCache, rows: torch.Tensor,
                                logits_index: torch.Tensor | None,

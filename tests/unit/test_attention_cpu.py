@@ -109,6 +109,10 @@ def test_float32_forward_on_it(make):
                        torch.tensor([0]))[0, 0] for p in range(25, 30)]
     one = torch.stack(one)
     assert (one - ref[25:30]).abs().max() < 1e-4
+    picked = fwd.new_cache(1, 64)  # a draft model's prefill: logits of chosen queries only
+    sel = fwd.forward(seq[None, :25], torch.arange(25)[None], picked, torch.tensor([0]),
+                      logits_index=torch.tensor([[24, 3]]))
+    assert sel.shape == (1, 2, 96) and (sel[0] - ref[[24, 3]]).abs().max() < 1e-4
     for packed in (False, True):
         cache = fwd.new_cache(2, 64)
         fwd.forward(seq[None, :25], torch.arange(25)[None], cache, torch.tensor([0]))
