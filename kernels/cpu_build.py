@@ -76,7 +76,8 @@ def build() -> Path:
         proc = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True,
                               text=True, timeout=300)
         if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
+            why = proc.stderr.strip()[-500:] or f"exit status {proc.returncode}, no message"
+            raise RuntimeError(f"{cc} failed: {why}")
         os.replace(tmp, lib)
     finally:
         if os.path.exists(tmp):

@@ -92,6 +92,8 @@ def test_build_failure_falls_back(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", "false")
     monkeypatch.setattr(cpu_build, "library", cpu_build.library.__wrapped__)
     assert cpu_build.library() is None and not linear_cpu.available()
+    with pytest.raises(RuntimeError, match=r"false failed: exit status 1, no message"):
+        cpu_build.build()
     assert list((tmp_path / "kernels").iterdir()) == []
     monkeypatch.setenv("CC", "")
     assert cpu_build.library() is not None  # the same sources build into the empty cache
