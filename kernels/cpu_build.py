@@ -27,6 +27,7 @@ from pathlib import Path
 _log = logging.getLogger(__name__)
 
 SOURCES = sorted(Path(__file__).with_name("csrc").glob("*.c"))
+HEADERS = sorted(Path(__file__).with_name("csrc").glob("*.h"))  # hashed too: a change rebuilds
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -53,7 +54,7 @@ def build() -> Path:
     if not cc:
         raise RuntimeError("no C compiler (set CC, or install gcc)")
     digest = hashlib.sha256(" ".join((cc,) + FLAGS).encode())
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
         digest.update(src.name.encode() + src.read_bytes())
     name = f"specbatch_cpu-{digest.hexdigest()[:16]}.so"
     for folder in (cache_dir(), Path(tempfile.gettempdir()) / "specbatch-kernels"):

@@ -15,16 +15,10 @@
  * (two-pass softmax instead of the Triton kernel's online one: on a CPU the scores of a row fit
  * in cache, and each exp is taken once).
  */
+#include "simd.h"
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* exp(x) for x <= 0 (Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, degree-5 polynomial),
  * relative error ~2e-7; inputs below -87.3 give ~1e-38, not 0 */
@@ -44,8 +38,6 @@ static inline __m256 exp_ps(__m256 x) {
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
-
-static const int32_t TAIL_MASK[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
 
 /* dot products of q (D floats) with keys k_0 .. k_{nk-1} (row stride ldk), D a multiple of 8;
  * four keys at a time (independent chains), each key's sum the same ops whatever nk */

@@ -14,6 +14,7 @@
  * panels (PANELS * 3 * K * 4 bytes: 110-295 KB for K = 576-1536, within a 512 KB L2) per group
  * of 4 rows. Threads (the caller's OpenMP pool: torch's libgomp) split the column blocks.
  */
+#include "simd.h"
 #include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -21,15 +22,6 @@
 #define NR 3       /* weight rows (output columns) per panel */
 #define MR_MAX 4   /* x rows per micro-kernel call */
 #define PANELS 16  /* panels per block of columns a thread takes */
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-static const int32_t TAIL_MASK[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
 
 /* MR rows of x times one panel: y[i, j] for i < MR, j < ncols (<= NR) */
 #define MICRO(MR)                                                                           \
