@@ -5,7 +5,8 @@
 Times every dense matmul of one SmolLM2-135M step (30 layers of q/k/v, o, gate/up and down,
 plus lm_head; float32, random weights of the model's shapes) at each row count, with the
 kernel the engine uses for float32 on CPU (specbatch's own, ``kernels/linear_cpu.c``, where it
-builds), oneDNN's inner product on prepacked weights (the fall-back, ``models/dense.py``) and
+builds) on the weights' exact 4-bit / 8-bit codes (the weights are made exactly Q4_1, lm_head
+Q8_0, as in the bundled GGUF model) and on the same weights in float32, oneDNN's inner product on prepacked weights (the fall-back, ``models/dense.py``) and
 ``F.linear`` (MKL sgemm, not row-invariant) beside it; mean of the best 3 of 5 passes,
 milliseconds, the three interleaved per row count. At batch 1 a verify step of n fed tokens runs these matmuls with n rows (at least
 2), so the growth from 2 to 16 rows is what a draft token costs; a kernel bound by streaming the
@@ -15,6 +16,7 @@ weights would stay near the 2-row time up to ~16 rows.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -31,6 +33,24 @@ from specbatch.models import dense  # noqa: E402
 LAYER = ((576, 960), (576, 576), (576, 3072), (1536, 576))
 NUM_LAYERS = 30
 LM_HEAD = (576, 49152)
+
+
+def exact_q4_1(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """A random ``[n, k]`` float32 weight quantised to Q4_1 and back, as GGUF's quantiser does
+    (per 32: m = min, d = (max - min) / 15, both stored as float16; q = trunc((x - m) / d + 0.5))."""
+    x = (torch.randn(n, k // 32, 32, generator=gen) / k ** 0.5)
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    d = (hi - lo) / 15
+    q = ((x - lo) / d + 0.5).trunc().clamp(0, 15)
+    return (d.half().float() * q + lo.half().float()).view(n, k)
+
+
+def exact_q8_0(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """A random ``[n, k]`` float32 weight quantised to Q8_0 and back (per 32: d = max |x| / 127
+    as float16, q = round(x / d))."""
+    x = (torch.randn(n, k // 32, 32, generator=gen) / k ** 0.5)
+    d = x.abs().amax(-1, keepdim=True) / 127
+    return (d.half().float() * (x / d).round()).view(n, k)
 
 
 def step_ms(rows: int, linear, weights, lm_head) -> float:
@@ -61,15 +81,23 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(1)
-    weights = [[torch.randn(n, k, generator=gen) / k ** 0.5 for k, n in LAYER]
-               for _ in range(NUM_LAYERS)]
-    lm_head = torch.randn(LM_HEAD[1], LM_HEAD[0], generator=gen) / LM_HEAD[0] ** 0.5
-    kernels = {"specbatch kernel": linear_cpu.linear if linear_cpu.available() else None,
-               "oneDNN": dense._onednn_linear, "F.linear (MKL)": F.linear}
+    weights = [[exact_q4_1(n, k, gen) for k, n in LAYER] for _ in range(NUM_LAYERS)]
+    lm_head = exact_q8_0(LM_HEAD[1], LM_HEAD[0], gen)
+    kernels = {"kernel, codes": linear_cpu.linear if linear_cpu.available() else None,
+               "kernel, float32": None, "oneDNN": dense._onednn_linear,
+               "F.linear (MKL)": F.linear}
+    if linear_cpu.available():  # the same values as separate tensors, packed as float32
+        f32 = [[w.clone() for w in layer] for layer in weights], lm_head.clone()
+        os.environ["SPECBATCH_CPU_WEIGHTS"] = "float32"
+        for w in [w for layer in f32[0] for w in layer] + [f32[1]]:
+            linear_cpu.packed(w)  # cached as float32 panels
+        del os.environ["SPECBATCH_CPU_WEIGHTS"]
+        kernels["kernel, float32"] = linear_cpu.linear
+    sets = {name: f32 if name == "kernel, float32" else (weights, lm_head) for name in kernels}
     print(f"{'rows':>5}" + "".join(f" {name + ' ms':>20}" for name in kernels))
     for rows in args.rows:
-        cells = [step_ms(rows, fn, weights, lm_head) if fn is not None else float("nan")
-                 for fn in kernels.values()]
+        cells = [step_ms(rows, fn, *sets[name]) if fn is not None else float("nan")
+                 for name, fn in kernels.items()]
         print(f"{rows:>5}" + "".join(f" {c:>20.1f}" for c in cells), flush=True)
 
 

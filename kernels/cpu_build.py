@@ -28,7 +28,8 @@ _log = logging.getLogger(__name__)
 
 SOURCES = sorted(Path(__file__).with_name("csrc").glob("*.c"))
 HEADERS = sorted(Path(__file__).with_name("csrc").glob("*.h"))  # hashed too: a change rebuilds
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+# -ffp-contract=off: a product and a sum written apart stay apart (the documented roundings)
+FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 
 def cache_dir() -> Path:
@@ -106,6 +107,11 @@ def library() -> ctypes.CDLL | None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.sb_linear_f32.argtypes = [p, i64, p, p, p, i64, i64, i64, i64]
     lib.sb_linear_f32.restype = None
+    lib.sb_linear_quant.argtypes = [p, i64, ctypes.c_int, p, p, p, p, i64, i64, i64, i64]
+    lib.sb_linear_quant.restype = ctypes.c_int
+    lib.sb_decode_f32.argtypes = [p, i64, p, i64, i64, p, p, p, p, i64, i64, i64, i64, i64, i64,
+                                  ctypes.c_float, ctypes.c_float]
+    lib.sb_decode_f32.restype = ctypes.c_int
     lib.sb_attention_f32.argtypes = [p, i64, i64, p, p, i64, i64, i64, p, p, p, i64, i64,
                                      i64, i64, i64, i64, ctypes.c_float]
     lib.sb_attention_f32.restype = ctypes.c_int

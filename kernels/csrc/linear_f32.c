@@ -18,6 +18,7 @@
 #include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define NR 3       /* weight rows (output columns) per panel */
 #define MR_MAX 4   /* x rows per micro-kernel call */
@@ -83,4 +84,113 @@ void sb_linear_f32(const float *x, int64_t ldx, const float *packed, const float
             }
         }
     }
+}
+
+/* ---- The same matmul on weights stored as exact 4-bit or 8-bit codes ----
+ *
+ * kernels/linear_cpu.py (pack_quantized) stores a weight whose float32 values are exactly
+ * d * q + m (Q4_1: q in 0..15, per 32 k a float32 d with at most 11 significant bits and a float32
+ * m) or d * q (Q8_0: q in -127..127), as a GGUF's Q4_1 / Q8_0 tensors dequantise to, and checks
+ * the codes give back every weight bit for bit. Here each block of PANELS panels is rebuilt in
+ * float32 (the float32 layout above; d * q is exact, so the one rounding of the FMA is the
+ * rounding of the dequantiser's add) into a per-thread buffer, and the same micro-kernels run on
+ * it: the outputs are the float32 kernel's, bit for bit, at a sixth (Q4_1) or a quarter (Q8_0)
+ * of the bytes streamed from memory.
+ *
+ * Layout per panel p (rows 3p..3p+2) and block b of 32 k (K % 32 == 0):
+ *   Q4_1: scales [p][b][3][2] (d, m) float32; codes [p][b][3][16] bytes, byte i < 8 holds
+ *         k = 32b + i (low nibble) and 32b + 8 + i (high), byte 8 + i k = 32b + 16 + i and 24 + i;
+ *   Q8_0: scales [p][b][3][1] (d) float32; codes [p][b][3][32] int8, k = 32b + i. */
+
+#define Q4_1 1
+#define Q8_0 2
+
+static __thread float *tl_buf = NULL;
+static __thread int64_t tl_cap = 0;
+
+static float *thread_buffer(int64_t floats) {
+    if (floats > tl_cap) {
+        free(tl_buf);
+        tl_buf = aligned_alloc(64, (size_t)((floats * 4 + 63) / 64 * 64));
+        tl_cap = tl_buf ? floats : 0;
+    }
+    return tl_buf;
+}
+
+/* panel p of the weight in the float32 layout [K / 8][3][8] */
+static void dequant_panel(int kind, const float *scales, const uint8_t *codes, int64_t p,
+                          int64_t nblk, float *out) {
+    if (kind == Q4_1) {
+        const float *s = scales + p * nblk * NR * 2;
+        const uint8_t *c = codes + p * nblk * NR * 16;
+        const __m256i low = _mm256_set1_epi32(0x0F);
+        for (int64_t b = 0; b < nblk; b++)
+            for (int j = 0; j < NR; j++, s += 2, c += 16) {
+                const __m256 d = _mm256_broadcast_ss(s), m = _mm256_broadcast_ss(s + 1);
+                for (int h = 0; h < 2; h++) {
+                    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8 * h)));
+                    float *o = out + ((4 * b + 2 * h) * NR + j) * 8;
+                    _mm256_storeu_ps(o, _mm256_fmadd_ps(
+                        d, _mm256_cvtepi32_ps(_mm256_and_si256(v, low)), m));
+                    _mm256_storeu_ps(o + NR * 8, _mm256_fmadd_ps(
+                        d, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), m));
+                }
+            }
+    } else {
+        const float *s = scales + p * nblk * NR;
+        const int8_t *c = (const int8_t *)codes + p * nblk * NR * 32;
+        for (int64_t b = 0; b < nblk; b++)
+            for (int j = 0; j < NR; j++, s++, c += 32) {
+                const __m256 d = _mm256_broadcast_ss(s);
+                for (int h = 0; h < 4; h++) {
+                    __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8 * h)));
+                    _mm256_storeu_ps(out + ((4 * b + h) * NR + j) * 8,
+                                     _mm256_mul_ps(d, _mm256_cvtepi32_ps(v)));
+                }
+            }
+    }
+}
+
+/* As sb_linear_f32, with the weight given as (kind, scales, codes) above; K % 32 == 0.
+ * Returns 0, or -1 when a thread's buffer could not be allocated (y is then incomplete). */
+int sb_linear_quant(const float *x, int64_t ldx, int kind, const float *scales,
+                    const uint8_t *codes, const float *bias, float *y, int64_t ldy, int64_t M,
+                    int64_t N, int64_t K) {
+    const int64_t panels = (N + NR - 1) / NR;
+    const int64_t blocks = (panels + PANELS - 1) / PANELS;
+    const int64_t panel_size = K / 8 * NR * 8, nblk = K / 32;
+    int failed = 0;
+#pragma omp parallel
+    {
+        /* M <= MR_MAX: one panel at a time, used while it is in L1; else a block of panels */
+        float *buf = thread_buffer(M <= MR_MAX ? panel_size : PANELS * panel_size);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            if (!buf) continue;
+            const int64_t p0 = b * PANELS, p1 = p0 + PANELS < panels ? p0 + PANELS : panels;
+            if (M <= MR_MAX) {
+                for (int64_t p = p0; p < p1; p++) {
+                    const int64_t n = p * NR, ncols = N - n < NR ? N - n : NR;
+                    dequant_panel(kind, scales, codes, p, nblk, buf);
+                    MICROS[M](x, ldx, buf, bias ? bias + n : NULL, y + n, ldy, K, ncols);
+                }
+                continue;
+            }
+            for (int64_t p = p0; p < p1; p++)
+                dequant_panel(kind, scales, codes, p, nblk, buf + (p - p0) * panel_size);
+            for (int64_t m = 0; m < M; m += MR_MAX) {
+                const int64_t mr = M - m < MR_MAX ? M - m : MR_MAX;
+                for (int64_t p = p0; p < p1; p++) {
+                    const int64_t n = p * NR, ncols = N - n < NR ? N - n : NR;
+                    MICROS[mr](x + m * ldx, ldx, buf + (p - p0) * panel_size,
+                               bias ? bias + n : NULL, y + m * ldy + n, ldy, K, ncols);
+                }
+            }
+        }
+    }
+    return failed ? -1 : 0;
 }

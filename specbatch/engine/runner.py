@@ -93,11 +93,14 @@ class ModelRunner:
     def query_len(self, drafts: list[list[int]]) -> int:
         """Q, the padded queries per row of a verify step feeding ``drafts``.
 
-        Never a one-row matmul: on this CPU a [1, K] x [K, N] bfloat16 matmul with K = 1536
-        takes another kernel than 2+ rows and rounds differently, which would make a lone
-        plain-decode step disagree with a verify step (measured; see tests/unit/test_forward).
+        Never a one-row matmul unless the forward allows it (``LlamaForward.min_query_len``):
+        on this CPU a [1, K] x [K, N] bfloat16 matmul with K = 1536 takes another kernel than 2+
+        rows and rounds differently, which would make a lone plain-decode step disagree with a
+        verify step (measured; see tests/unit/test_forward). The float32 C decode step is
+        row-invariant from one token, so a batch-1 decode step there feeds one token, not two.
         """
-        return max(1 + max(len(d) for d in drafts), 2 if len(drafts) == 1 else 1)
+        lone = getattr(self.forward, "min_query_len", 2) if len(drafts) == 1 else 1
+        return max(1 + max(len(d) for d in drafts), lone)
 
     def verify(self, seqs: list[Sequence], drafts: list[list[int]],
                meta: StepMetadata | None = None) -> torch.Tensor:

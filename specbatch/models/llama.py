@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from specbatch.engine.kv_cache import KV_BLOCK, KVCache, KVSegment, plan_segments
+from specbatch.models import dense
 from specbatch.models.dense import fused_weight, linear_for, min_attention_rows, row_invariant
 from specbatch.models.llama_kernels import can_use_kernels, forward_with_kernels
 
@@ -89,6 +90,8 @@ class LlamaForward:
                     if a.q_proj.bias is not None else None)
             self.qkv.append((fused_weight(tuple(m.weight for m in projs)), bias))
             self.gate_up.append(fused_weight((mlp.gate_proj.weight, mlp.up_proj.weight)))
+        # ... and every layer of such a step in one C call (kernels/decode_cpu.py)
+        self.cpu_decode = cpu_decode_for(self)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -450,6 +453,11 @@ class LlamaForward:
             tok_rows, tok_pos = tok_rows.flatten(), positions.flatten()
         num_tokens = ids.shape[0]
         tok_rows, tok_pos = tok_rows.contiguous(), tok_pos.contiguous()
+        if self._c_decode():  # every layer in one C call (kernels/decode_cpu.py)
+            h = F.embedding(ids, self.embed)  # [T, hidden], a fresh tensor: updated in place
+            self.cpu_decode(h, cos.flatten(1), sin.flatten(1), cache.k, cache.v, tok_rows,
+                            tok_pos, self.head_dim ** -0.5)
+            return self._cpu_logits(h, bsz, qlen, real, logits_index)
         h = F.embedding(ids if num_tokens >= 2 else ids.expand(2), self.embed)  # [T, hidden]
         hidden = self.num_heads * self.head_dim
         for i, layer in enumerate(self.layers):
@@ -462,7 +470,32 @@ class LlamaForward:
                 o = o.expand(2, -1)
             h = self._mlp(i, h + self.linear(o, layer.self_attn.o_proj.weight,
                                              layer.self_attn.o_proj.bias))
-        h = h[:num_tokens]
+        return self._cpu_logits(h[:num_tokens], bsz, qlen, real, logits_index)
+
+    @property
+    def min_dense_rows(self) -> int:
+        """Rows a dense matmul is padded to: 1 on the C kernel (row-invariant from one row),
+        else 2 (oneDNN and bfloat16 round a one-row matmul differently; models/dense.py)."""
+        return 1 if dense.linear_cpu is not None and self.linear is dense.linear_cpu.linear else 2
+
+    @property
+    def min_query_len(self) -> int:
+        """Query slots a one-row decode step is padded to (``ModelRunner.query_len``): 1 where
+        the step runs wholly in C (every op row-invariant from one token), else 2."""
+        return 1 if self._c_decode() else 2
+
+    def _c_decode(self) -> bool:
+        """Whether a float32 decode/verify step runs wholly in C (``self.cpu_decode``): only
+        with the C matmul and attention in use (a caller that swapped either keeps torch)."""
+        if self.cpu_decode is None:
+            return False
+        from kernels import attention_cpu, linear_cpu
+        return self.linear is linear_cpu.linear and self.cpu_attention is attention_cpu.attention
+
+    def _cpu_logits(self, h: torch.Tensor, bsz: int, qlen: int, real: torch.Tensor | None,
+                    logits_index: torch.Tensor | None) -> torch.Tensor:
+        """Logits of ``_forward_cpu_attention``'s final hidden states h ``[T, hidden]`` (T =
+        real tokens when ``real`` is given, else ``bsz * qlen``)."""
         if real is not None:
             logits = self.linear(self._rms_norm(h, self.norm.weight), self.lm_head)
             out = logits.new_zeros(bsz, qlen, logits.shape[-1])
@@ -472,9 +505,29 @@ class LlamaForward:
         if logits_index is not None:
             h = torch.gather(h, 1, logits_index[:, :, None].expand(-1, -1, h.shape[-1]))
         h = self._rms_norm(h, self.norm.weight)
-        if h.shape[0] * h.shape[1] < 2:
+        if h.shape[0] * h.shape[1] < 2 and self.min_dense_rows > 1:
             return self.linear(h.expand(2, -1, -1), self.lm_head)[:1]
         return self.linear(h, self.lm_head)
+
+
+def cpu_decode_for(forward: LlamaForward):
+    """``kernels.decode_cpu.DecodeLayers`` over ``forward``'s layers when it can run them (the
+    C attention is in use and the sizes fit), else None."""
+    if forward.cpu_attention is None:
+        return None
+    try:
+        from kernels import decode_cpu
+    except ImportError:  # an install without the kernels package
+        return None
+    hidden = forward.embed.shape[1]
+    if not decode_cpu.available(hidden, forward.head_dim):
+        return None
+    layers = [(wqkv, bqkv, layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias, wgu,
+               layer.mlp.down_proj.weight, layer.input_layernorm.weight,
+               layer.post_attention_layernorm.weight)
+              for (wqkv, bqkv), wgu, layer in zip(forward.qkv, forward.gate_up, forward.layers)]
+    return decode_cpu.DecodeLayers(layers, forward.num_heads, forward.num_kv_heads,
+                                   forward.head_dim, forward.eps)
 
 
 def cpu_attention_for(forward: LlamaForward):

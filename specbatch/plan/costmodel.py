@@ -38,18 +38,24 @@ NOISY_RESIDUAL = 0.08  # median |measured / fit - 1| above this: too noisy to ca
 NOISY_REJECTED_SHARE = 0.2  # more timings than this share left out: too noisy to cache
 # Bump when the forward's cost changes shape (a cached fit of the old engine would mislead the
 # plan): 3 = fused q/k/v and gate/up, attention without value copies (2026-12-01); 4 = the C
-# float32 matmul and attention on x86-64 CPUs (kernels/csrc, 2026-12-01).
-ENGINE_REVISION = 4
+# float32 matmul and attention on x86-64 CPUs (kernels/csrc, 2026-12-01); 5 = the whole float32
+# decode step in one C call, exact 4/8-bit weights streamed as codes, one-token batch-1 steps
+# (2026-12-02).
+ENGINE_REVISION = 5
 
 
 def engine_fingerprint() -> str:
     """What besides model, dtype, device and host sets the step cost: the engine revision,
     torch's version, its intra-op threads, the OpenMP wait policy (``OMP_WAIT_POLICY=
     PASSIVE`` made steps 1.4-1.6x slower on a 2-core VM) and whether the C kernels are on
-    (``SPECBATCH_CPU_KERNELS=0``: 1.6x slower batch-16 steps). A cached fit is reused only
-    under the same fingerprint."""
+    (``SPECBATCH_CPU_KERNELS=0``: 1.6x slower batch-16 steps; ``SPECBATCH_CPU_DECODE=torch``,
+    ``SPECBATCH_CPU_WEIGHTS=float32``: 2.7x slower batch-1 steps together). A cached fit is
+    reused only under the same fingerprint."""
     policy = os.environ.get("OMP_WAIT_POLICY", "default").lower()
     kernels = "off" if os.environ.get("SPECBATCH_CPU_KERNELS", "") == "0" else "on"
+    for var in ("SPECBATCH_CPU_DECODE", "SPECBATCH_CPU_WEIGHTS"):
+        if os.environ.get(var):
+            kernels += f" {var}={os.environ[var]}"
     return (f"engine r{ENGINE_REVISION}, torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads, OpenMP wait {policy}, C kernels {kernels}")
 

@@ -114,3 +114,55 @@ def test_unwritable_cache_falls_back_to_the_temp_folder(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_build.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     lib = cpu_build.build()
     assert lib.parent == tmp_path / "tmp" / "specbatch-kernels" and lib.exists()
+
+
+def _gguf_roundtrip(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """w quantised with gguf's own Q4_1 / Q8_0 quantiser and dequantised back to float32: the
+    values a GGUF model's weights have once transformers has loaded them."""
+    import gguf
+
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    data = gguf.quants.quantize(w.numpy(), qtype)
+    return torch.from_numpy(gguf.quants.dequantize(data, qtype).copy()).view(w.shape)
+
+
+@pytest.mark.parametrize("kind,code", [("Q4_1", linear_cpu.Q4_1), ("Q8_0", linear_cpu.Q8_0)])
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (100, 64), (7, 32)])
+def test_exact_codes_give_the_float32_bits(kind, code, n, k, monkeypatch):
+    """A GGUF-quantised weight is streamed as its codes; every output is the float32 kernel's,
+    bit for bit, at every row count (the per-panel path up to 4 rows, the block path above)."""
+    gen = torch.Generator().manual_seed(n + k)
+    w = _gguf_roundtrip(torch.randn(n, k, generator=gen) / k ** 0.5, kind)
+    b = torch.randn(n, generator=gen)
+    form = linear_cpu.pack_quantized(w)
+    assert form is not None and form[0] == code
+    x = torch.randn(40, k, generator=gen)
+    codes = linear_cpu.linear(x, w, b)
+    assert linear_cpu._PACKED[w][1][0] == code
+    monkeypatch.setenv("SPECBATCH_CPU_WEIGHTS", "float32")
+    w32 = w.clone()
+    assert torch.equal(linear_cpu.linear(x, w32, b), codes)
+    assert linear_cpu._PACKED[w32][1][0] == 0
+    monkeypatch.delenv("SPECBATCH_CPU_WEIGHTS")
+    for rows in (1, 2, 3, 4, 5, 9, 17):
+        pick = torch.randperm(40, generator=gen)[:rows]
+        assert torch.equal(linear_cpu.linear(x[pick], w, b), codes[pick]), rows
+
+
+def test_weights_without_exact_codes_stay_float32():
+    gen = torch.Generator().manual_seed(4)
+    assert linear_cpu.pack_quantized(torch.randn(64, 64, generator=gen)) is None
+    q = _gguf_roundtrip(torch.randn(64, 64, generator=gen), "Q4_1")
+    assert linear_cpu.pack_quantized(q) is not None
+    assert linear_cpu.pack_quantized(q[:, :40].contiguous()) is None  # K not a multiple of 32
+    nudged = q.clone()
+    nudged[3, 17] = torch.nextafter(nudged[3, 17], torch.tensor(1.0))  # one ulp off one weight
+    assert linear_cpu.pack_quantized(nudged) is None
+    signed = torch.zeros(2, 32)
+    signed[0, 5] = -0.0  # -0.0 is not d * q: its sign would be lost
+    assert linear_cpu.pack_quantized(signed) is None
+    assert linear_cpu.pack_quantized(torch.zeros(2, 32))[0] == linear_cpu.Q8_0
+    x = torch.randn(3, 64, generator=gen)
+    nudged_out = linear_cpu.linear(x, nudged)
+    assert linear_cpu._PACKED[nudged][1][0] == 0
+    assert (nudged_out - x @ nudged.t()).abs().max() < 1e-5
