@@ -50,7 +50,7 @@ def exact_q8_0(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     as float16, q = round(x / d))."""
     x = (torch.randn(n, k // 32, 32, generator=gen) / k ** 0.5)
     d = x.abs().amax(-1, keepdim=True) / 127
-    return (d.half().float() * (x / d).round()).view(n, k)
+    return (d.half().float() * ((x / d).round() + 0.0)).view(n, k)  # + 0.0: no -0.0, as int8 codes
 
 
 def step_ms(rows: int, linear, weights, lm_head) -> float:

@@ -151,17 +151,8 @@ def packed(weight: torch.Tensor) -> tuple:
     return form
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` with rows that do not depend on the row count.
-
-    x: ``[..., K]`` float32 CPU; weight: ``[N, K]`` float32; bias: ``[N]`` float32 or None.
-    Returns ``[..., N]`` float32. Raises ``RuntimeError`` if the kernel is not ``available()``,
-    ``ValueError`` on a dtype, device or shape it does not take.
-    """
-    lib = _library()
-    if lib is None:
-        raise RuntimeError("the float32 CPU matmul kernel is not available here")
+def _checked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """x as ``[M, K]`` with unit column stride, N, K, x's leading shape, bias contiguous."""
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"float32 CPU tensors only, got x {x.dtype} on {x.device}, "
                          f"weight {weight.dtype}")
@@ -173,10 +164,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     x2 = x.reshape(-1, k)  # a view where it can be (a row-broadcast x keeps row stride 0)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    return x2, n, k, lead, None if bias is None else bias.detach().contiguous()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with rows that do not depend on the row count.
+
+    x: ``[..., K]`` float32 CPU; weight: ``[N, K]`` float32; bias: ``[N]`` float32 or None.
+    Returns ``[..., N]`` float32. Raises ``RuntimeError`` if the kernel is not ``available()``,
+    ``ValueError`` on a dtype, device or shape it does not take.
+    """
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the float32 CPU matmul kernel is not available here")
+    x2, n, k, lead, bias = _checked(x, weight, bias)
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
-    if bias is not None:
-        bias = bias.detach().contiguous()
     if m:
         form = packed(weight)
         b_ptr = None if bias is None else bias.data_ptr()
@@ -188,3 +192,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
             lib.sb_linear_f32(x2.data_ptr(), x2.stride(0), form[1].data_ptr(), b_ptr,
                               y.data_ptr(), n, m, n, k)
     return y.view(*lead, n)
+

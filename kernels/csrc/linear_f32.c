@@ -10,8 +10,8 @@
  *
  * The weight is packed once (kernels/linear_cpu.py, pack_weight): panel p holds rows 3p..3p+2
  * as [ceil(K / 8)][3][8] floats, zero past N and K, so a micro-kernel reads one sequential
- * stream. With M <= 4 the weights are streamed once; larger M re-reads a block of PANELS
- * panels (PANELS * 3 * K * 4 bytes: 110-295 KB for K = 576-1536, within a 512 KB L2) per group
+ * stream. With M <= 4 the weights are streamed once; larger M re-reads a block of panels
+ * (block_panels: at most 128 KB, so it stays in a 512 KB L2 beside the rows of x) per group
  * of 4 rows. Threads (the caller's OpenMP pool: torch's libgomp) split the column blocks.
  */
 #include "simd.h"
@@ -22,7 +22,16 @@
 
 #define NR 3       /* weight rows (output columns) per panel */
 #define MR_MAX 4   /* x rows per micro-kernel call */
-#define PANELS 16  /* panels per block of columns a thread takes */
+#define PANELS 16  /* most panels per block of columns a thread takes */
+#define BLOCK_FLOATS 32768 /* ... and at most this many floats of packed weight (128 KB) */
+
+/* panels per block: up to 16, the block's weights within 128 KB of L2 (K = 576: 16; K = 1536:
+ * 7; a block that L2 cannot hold with the rows of x halved the speed of the down projection
+ * at prompt-sized M). Blocking never changes an element's order of sums. */
+static int64_t block_panels(int64_t panel_size) {
+    const int64_t p = BLOCK_FLOATS / panel_size;
+    return p < 1 ? 1 : p > PANELS ? PANELS : p;
+}
 
 /* MR rows of x times one panel: y[i, j] for i < MR, j < ncols (<= NR) */
 #define MICRO(MR)                                                                           \
@@ -70,14 +79,14 @@ static const micro_fn MICROS[MR_MAX + 1] = {NULL, micro_1, micro_2, micro_3, mic
 void sb_linear_f32(const float *x, int64_t ldx, const float *packed, const float *bias,
                    float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
     const int64_t panels = (N + NR - 1) / NR;
-    const int64_t blocks = (panels + PANELS - 1) / PANELS;
-    const int64_t panel_size = (K + 7) / 8 * NR * 8;
+    const int64_t panel_size = (K + 7) / 8 * NR * 8, per = block_panels(panel_size);
+    const int64_t blocks = (panels + per - 1) / per;
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
-        const int64_t p1 = (b + 1) * PANELS < panels ? (b + 1) * PANELS : panels;
+        const int64_t p1 = (b + 1) * per < panels ? (b + 1) * per : panels;
         for (int64_t m = 0; m < M; m += MR_MAX) {
             const int64_t mr = M - m < MR_MAX ? M - m : MR_MAX;
-            for (int64_t p = b * PANELS; p < p1; p++) {
+            for (int64_t p = b * per; p < p1; p++) {
                 const int64_t n = p * NR, ncols = N - n < NR ? N - n : NR;
                 MICROS[mr](x + m * ldx, ldx, packed + p * panel_size, bias ? bias + n : NULL,
                            y + m * ldy + n, ldy, K, ncols);
@@ -91,7 +100,7 @@ void sb_linear_f32(const float *x, int64_t ldx, const float *packed, const float
  * kernels/linear_cpu.py (pack_quantized) stores a weight whose float32 values are exactly
  * d * q + m (Q4_1: q in 0..15, per 32 k a float32 d with at most 11 significant bits and a float32
  * m) or d * q (Q8_0: q in -127..127), as a GGUF's Q4_1 / Q8_0 tensors dequantise to, and checks
- * the codes give back every weight bit for bit. Here each block of PANELS panels is rebuilt in
+ * the codes give back every weight bit for bit. Here each block of panels is rebuilt in
  * float32 (the float32 layout above; d * q is exact, so the one rounding of the FMA is the
  * rounding of the dequantiser's add) into a per-thread buffer, and the same micro-kernels run on
  * it: the outputs are the float32 kernel's, bit for bit, at a sixth (Q4_1) or a quarter (Q8_0)
@@ -151,19 +160,82 @@ static void dequant_panel(int kind, const float *scales, const uint8_t *codes, i
     }
 }
 
+/* M <= MR_MAX rows times one panel straight from the codes: each weight vector is rebuilt in a
+ * register (the same value dequant_panel stores) and goes into the same FMA of the same
+ * accumulator in the same k order as micro_MR on the rebuilt panel, so the bits are equal. */
+static inline void fma_rows(int mr, const float *x, int64_t ldx, int64_t k, __m256 w,
+                            __m256 *acc) {
+    for (int i = 0; i < mr; i++)
+        acc[i * NR] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * ldx + k), w, acc[i * NR]);
+}
+
+#define QMICRO(MR)                                                                          \
+    static void qmicro_##MR(int kind, const float *x, int64_t ldx, const float *s,          \
+                            const uint8_t *c, int64_t nblk, const float *bias, float *y,    \
+                            int64_t ldy, int64_t ncols) {                                   \
+        __m256 acc[MR][NR];                                                                 \
+        _Pragma("GCC unroll 4") for (int i = 0; i < MR; i++)                                \
+            _Pragma("GCC unroll 3") for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps(); \
+        const __m256i low = _mm256_set1_epi32(0x0F);                                        \
+        for (int64_t b = 0; b < nblk; b++) {                                                \
+            const int64_t k = 32 * b;                                                       \
+            _Pragma("GCC unroll 3") for (int j = 0; j < NR; j++) {                          \
+                if (kind == Q4_1) {                                                         \
+                    const float *sj = s + (b * NR + j) * 2;                                 \
+                    const uint8_t *cj = c + (b * NR + j) * 16;                              \
+                    const __m256 d = _mm256_broadcast_ss(sj), m = _mm256_broadcast_ss(sj + 1); \
+                    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)cj)); \
+                    __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(cj + 8))); \
+                    fma_rows(MR, x, ldx, k, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(            \
+                        _mm256_and_si256(v, low)), m), &acc[0][j]);                         \
+                    fma_rows(MR, x, ldx, k + 8, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(        \
+                        _mm256_srli_epi32(v, 4)), m), &acc[0][j]);                          \
+                    fma_rows(MR, x, ldx, k + 16, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(       \
+                        _mm256_and_si256(u, low)), m), &acc[0][j]);                         \
+                    fma_rows(MR, x, ldx, k + 24, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(       \
+                        _mm256_srli_epi32(u, 4)), m), &acc[0][j]);                          \
+                } else {                                                                    \
+                    const __m256 d = _mm256_broadcast_ss(s + b * NR + j);                   \
+                    const int8_t *cj = (const int8_t *)c + (b * NR + j) * 32;               \
+                    _Pragma("GCC unroll 4") for (int h = 0; h < 4; h++)                     \
+                        fma_rows(MR, x, ldx, k + 8 * h, _mm256_mul_ps(d, _mm256_cvtepi32_ps( \
+                            _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cj + 8 * h))))), \
+                            &acc[0][j]);                                                    \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+        for (int i = 0; i < MR; i++)                                                        \
+            for (int j = 0; j < ncols; j++) {                                               \
+                float v = hsum8(acc[i][j]);                                                 \
+                y[i * ldy + j] = bias ? v + bias[j] : v;                                    \
+            }                                                                               \
+    }
+
+QMICRO(1)
+QMICRO(2)
+QMICRO(3)
+QMICRO(4)
+
+#define QMICRO_MAX_M 8 /* measured: from 9-12 rows the block path is faster */
+
+typedef void (*qmicro_fn)(int, const float *, int64_t, const float *, const uint8_t *, int64_t,
+                          const float *, float *, int64_t, int64_t);
+static const qmicro_fn QMICROS[MR_MAX + 1] = {NULL, qmicro_1, qmicro_2, qmicro_3, qmicro_4};
+
 /* As sb_linear_f32, with the weight given as (kind, scales, codes) above; K % 32 == 0.
  * Returns 0, or -1 when a thread's buffer could not be allocated (y is then incomplete). */
 int sb_linear_quant(const float *x, int64_t ldx, int kind, const float *scales,
                     const uint8_t *codes, const float *bias, float *y, int64_t ldy, int64_t M,
                     int64_t N, int64_t K) {
     const int64_t panels = (N + NR - 1) / NR;
-    const int64_t blocks = (panels + PANELS - 1) / PANELS;
-    const int64_t panel_size = K / 8 * NR * 8, nblk = K / 32;
+    const int64_t panel_size = K / 8 * NR * 8, nblk = K / 32, per = block_panels(panel_size);
+    const int64_t blocks = (panels + per - 1) / per;
     int failed = 0;
 #pragma omp parallel
     {
-        /* M <= MR_MAX: one panel at a time, used while it is in L1; else a block of panels */
-        float *buf = thread_buffer(M <= MR_MAX ? panel_size : PANELS * panel_size);
+        /* up to QMICRO_MAX_M rows: straight from the codes (qmicro, each group of 4 rows
+         * rebuilding the weights in registers again); more: a block of rebuilt panels */
+        float *buf = M <= QMICRO_MAX_M ? (float *)scales : thread_buffer(per * panel_size);
         if (!buf) {
 #pragma omp atomic write
             failed = 1;
@@ -171,12 +243,17 @@ int sb_linear_quant(const float *x, int64_t ldx, int kind, const float *scales,
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
             if (!buf) continue;
-            const int64_t p0 = b * PANELS, p1 = p0 + PANELS < panels ? p0 + PANELS : panels;
-            if (M <= MR_MAX) {
+            const int64_t p0 = b * per, p1 = p0 + per < panels ? p0 + per : panels;
+            if (M <= QMICRO_MAX_M) {
+                const int64_t ss = kind == Q4_1 ? 2 : 1, cs = kind == Q4_1 ? 16 : 32;
                 for (int64_t p = p0; p < p1; p++) {
                     const int64_t n = p * NR, ncols = N - n < NR ? N - n : NR;
-                    dequant_panel(kind, scales, codes, p, nblk, buf);
-                    MICROS[M](x, ldx, buf, bias ? bias + n : NULL, y + n, ldy, K, ncols);
+                    for (int64_t m = 0; m < M; m += MR_MAX) {
+                        const int64_t mr = M - m < MR_MAX ? M - m : MR_MAX;
+                        QMICROS[mr](kind, x + m * ldx, ldx, scales + p * nblk * NR * ss,
+                                    codes + p * nblk * NR * cs, nblk, bias ? bias + n : NULL,
+                                    y + m * ldy + n, ldy, ncols);
+                    }
                 }
                 continue;
             }
@@ -194,3 +271,4 @@ int sb_linear_quant(const float *x, int64_t ldx, int kind, const float *scales,
     }
     return failed ? -1 : 0;
 }
+

@@ -166,3 +166,4 @@ def test_weights_without_exact_codes_stay_float32():
     nudged_out = linear_cpu.linear(x, nudged)
     assert linear_cpu._PACKED[nudged][1][0] == 0
     assert (nudged_out - x @ nudged.t()).abs().max() < 1e-5
+
