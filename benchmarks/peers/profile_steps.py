@@ -28,6 +28,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dense", action="store_true",
+                    help="also time the dense layers and attention apart (float32 steps then "
+                         "run the torch loop around the C kernels, not the one C call)")
     args = ap.parse_args()
 
     import torch
@@ -62,16 +65,24 @@ def main() -> None:
     engine_mod.Engine._propose = timed("proposer (+ policy)", engine_mod.Engine._propose)
     import specbatch.models.llama as llama_mod
 
-    linear_for = llama_mod.linear_for
-    llama_mod.linear_for = lambda dt, dev: timed("  of which dense layers (all)",
-                                                 linear_for(dt, dev))
-    cpu_attention_for = llama_mod.cpu_attention_for  # the C attention (float32 on x86-64)
+    if args.dense:  # wraps the matmul, so a float32 step can no longer run wholly in C
+        linear_for = llama_mod.linear_for
+        llama_mod.linear_for = lambda dt, dev: timed("  of which dense layers (all)",
+                                                     linear_for(dt, dev))
+        cpu_attention_for = llama_mod.cpu_attention_for  # the C attention (float32, x86-64)
 
-    def timed_cpu_attention(forward):
-        fn = cpu_attention_for(forward)
-        return None if fn is None else timed("  of which attention (both)", fn)
+        def timed_cpu_attention(forward):
+            fn = cpu_attention_for(forward)
+            return None if fn is None else timed("  of which attention (both)", fn)
 
-    llama_mod.cpu_attention_for = timed_cpu_attention
+        llama_mod.cpu_attention_for = timed_cpu_attention
+    try:
+        from kernels import decode_cpu
+
+        decode_cpu.DecodeLayers.__call__ = timed("  of which C decoder layers",
+                                                 decode_cpu.DecodeLayers.__call__)
+    except ImportError:
+        pass
 
     spec = (SpecConfig(method="none") if args.method == "none"
             else SpecConfig(method=args.method, num_speculative_tokens=args.k))
@@ -95,8 +106,9 @@ def main() -> None:
     sampler = spent["sampler + acceptance"]
     rest = wall - fwd - spent["proposer (+ policy)"] - sampler
     rows = [(name, spent[name], calls[name]) for name in
-            ("forward: prefill", "forward: decode/verify", "  of which attention (both)",
-             "  of which dense layers (all)", "  of which read planning",
+            ("forward: prefill", "forward: decode/verify", "  of which C decoder layers",
+             "  of which attention (both)", "  of which dense layers (all)",
+             "  of which read planning",
              "proposer (+ policy)", "sampler + acceptance")]
     rows.append(("Python bookkeeping (the rest)", rest, 0))
     import os
