@@ -92,6 +92,22 @@ static void rope(float *x, int64_t heads, int64_t D, const float *cos, const flo
     }
 }
 
+/* h += d for T rows of n floats (n a multiple of 8) */
+static void add_rows(float *h, const float *d, int64_t T, int64_t n) {
+#pragma omp parallel for schedule(static) if (T >= 16)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < n; i += 8)
+            _mm256_storeu_ps(h + t * n + i, _mm256_add_ps(_mm256_loadu_ps(h + t * n + i),
+                                                          _mm256_loadu_ps(d + t * n + i)));
+}
+
+/* silu(g) = g / (1 + exp(-g)), exp's argument capped where it would overflow */
+static inline __m256 silu_ps(__m256 g) {
+    const __m256 e = exp_ps(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g),
+                                          _mm256_set1_ps(88.3762626647949f)));
+    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
 /* h [T, hidden] in place through every layer; cos, sin [T, D]; rows, pos [T] (checked by the
  * caller); caches' strides s_cr, s_ch, s_cc (d contiguous). hidden a multiple of 8, D a
  * multiple of 16 up to 256. Returns 0, or -1 when memory ran out (h is then undefined). */
@@ -126,11 +142,7 @@ int sb_decode_f32(const sb_layer *layers, int64_t L, float *h, int64_t T, int64_
         failed |= sb_attention_f32(qkv, nqkv, D, ly->k_cache, ly->v_cache, s_cr, s_ch, s_cc,
                                    rows, pos, att, nq, D, T, H, Hkv, D, scale);
         failed |= linear(&ly->o, att, tmp, T);
-#pragma omp parallel for schedule(static) if (T >= 16)
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t i = 0; i < hidden; i += 8)
-                _mm256_storeu_ps(h + t * hidden + i, _mm256_add_ps(
-                    _mm256_loadu_ps(h + t * hidden + i), _mm256_loadu_ps(tmp + t * hidden + i)));
+        add_rows(h, tmp, T, hidden);
         rms_norm(h, ly->post_norm, x, T, hidden, eps);
         failed |= linear(&ly->gate_up, x, gu, T);
 #pragma omp parallel for schedule(static) if (T >= 16)
@@ -138,29 +150,17 @@ int sb_decode_f32(const sb_layer *layers, int64_t L, float *h, int64_t T, int64_
             const float *g = gu + t * 2 * inter, *u = g + inter;
             float *a = act + t * inter;
             int64_t i = 0;
-            for (; i + 8 <= inter; i += 8) {
-                __m256 gv = _mm256_loadu_ps(g + i);
-                __m256 e = exp_ps(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), gv),
-                                                _mm256_set1_ps(88.3762626647949f)));
-                __m256 s = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-                _mm256_storeu_ps(a + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
-            }
+            for (; i + 8 <= inter; i += 8)
+                _mm256_storeu_ps(a + i, _mm256_mul_ps(silu_ps(_mm256_loadu_ps(g + i)),
+                                                      _mm256_loadu_ps(u + i)));
             for (; i < inter; i++) { /* the same arithmetic, one lane (inter % 8 != 0) */
-                float buf[8] = {0}, out[8];
-                buf[0] = g[i];
-                __m256 gv = _mm256_loadu_ps(buf);
-                __m256 e = exp_ps(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), gv),
-                                                _mm256_set1_ps(88.3762626647949f)));
-                _mm256_storeu_ps(out, _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+                float out[8];
+                _mm256_storeu_ps(out, silu_ps(_mm256_set_ps(0, 0, 0, 0, 0, 0, 0, g[i])));
                 a[i] = out[0] * u[i];
             }
         }
         failed |= linear(&ly->down, act, tmp, T);
-#pragma omp parallel for schedule(static) if (T >= 16)
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t i = 0; i < hidden; i += 8)
-                _mm256_storeu_ps(h + t * hidden + i, _mm256_add_ps(
-                    _mm256_loadu_ps(h + t * hidden + i), _mm256_loadu_ps(tmp + t * hidden + i)));
+        add_rows(h, tmp, T, hidden);
     }
     free(x);
     free(qkv);

@@ -127,3 +127,16 @@ def test_rows_or_positions_outside_the_cache_are_refused():
                        torch.tensor([cache.capacity]), 0.25)
     with pytest.raises(ValueError, match="outside the cache"):
         fwd.cpu_decode(h, cs, cs, cache.k, cache.v, torch.tensor([1]), torch.tensor([0]), 0.25)
+
+
+def test_a_lone_decode_step_feeds_one_token_only_in_c(monkeypatch):
+    """A batch-1 decode step pads to two query slots on the torch path (one-row matmuls round
+    differently there), and feeds its one token on the C path."""
+    from specbatch.engine.runner import ModelRunner
+
+    model = tiny_llama(96, seed=1).float()
+    runner = ModelRunner(LlamaForward(model), 2, 64)
+    assert [runner.query_len(d) for d in ([[]], [[5, 6]], [[], []])] == [1, 3, 1]
+    monkeypatch.setenv("SPECBATCH_CPU_DECODE", "torch")
+    runner = ModelRunner(LlamaForward(model), 2, 64)
+    assert [runner.query_len(d) for d in ([[]], [[5, 6]], [[], []])] == [2, 3, 1]
