@@ -162,7 +162,8 @@ def _model_options(f, batch: bool = True):
         click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32", "float64"]),
                      default="auto", show_default=True,
                      help="Weights and activations dtype. auto: bfloat16 on GPUs and on CPUs "
-                     "with AMX or AVX-512 BF16, float32 on other CPUs (both batch-invariant)."),
+                     "with AMX, float32 on other x86-64 CPUs with AVX2 (specbatch's C "
+                     "kernels); both batch-invariant."),
         click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
                      show_default=True,
                      help="Where the model runs: auto picks cuda when a GPU is visible."),

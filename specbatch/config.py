@@ -333,27 +333,44 @@ class EngineConfig:
 
 def resolve_dtype(name: str, device: str) -> str:
     """``auto`` -> the fastest dtype whose decode/verify path is batch-invariant on ``device``
-    (docs/design.md, "Which CPU"): ``bfloat16`` on a GPU and on a CPU with native bfloat16
-    matmuls (AMX or AVX-512 BF16, read from /proc/cpuinfo), ``float32`` on other CPUs, where
-    torch's bfloat16 matmul runs at scalar speed (SmolLM2-135M batch-16 decode ~6x slower than
-    float32's oneDNN path on an AVX2 Zen 3). Any other name is returned as it is."""
+    (docs/design.md, "Which CPU"), from the CPU flags in /proc/cpuinfo:
+
+    - a GPU: ``bfloat16``;
+    - a CPU with AMX: ``bfloat16`` (oneDNN's AMX matmuls);
+    - another x86-64 CPU with AVX2 and FMA: ``float32``, which runs on specbatch's C kernels
+      (``kernels/``; decode steps stream the weights as exact 4-bit codes). With AVX-512 BF16
+      but no AMX (an AMD EPYC with AVX-512 BF16, 2 cores, the 16 peer records,
+      docs/benchmarks.md, session 8) float32 was 3.4x bfloat16's speed at batch 1 (101 vs
+      30 tok/s with ``none``) and on par at batch 16 (138-152 vs 145-152 tok/s);
+    - any other CPU: ``bfloat16`` where it has native bfloat16 matmuls (AVX-512 BF16), else
+      ``float32`` (torch's bfloat16 matmul runs at scalar speed on AVX2: SmolLM2-135M batch-16
+      decode ~6x slower than float32 on a Zen 3).
+
+    Any other name is returned as it is. The choice depends on the CPU only (never on the
+    batch size or an environment switch), so one machine gives one dtype and one set of
+    outputs."""
     if name != "auto":
         return name
     if not device.startswith("cpu"):
         return "bfloat16"
-    return "bfloat16" if _cpu_has_native_bf16() else "float32"
+    flags = _cpu_flags()
+    if "amx_bf16" in flags:
+        return "bfloat16"
+    if {"avx2", "fma"} <= flags:
+        return "float32"
+    return "bfloat16" if "avx512_bf16" in flags else "float32"
 
 
-def _cpu_has_native_bf16() -> bool:
+def _cpu_flags() -> frozenset[str]:
+    """The first CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"amx_bf16", "avx512_bf16"})
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return frozenset()
 
 
 def resolve_device(name: str) -> str:

@@ -2,8 +2,8 @@
 
     python worker_specbatch.py RECORDS PROMPTS_JSON --method ngram --k 5 --batch 16 --threads 2
 
-``--dtype auto`` (default) is what ``specbatch run`` picks: bfloat16 on a CPU with AMX or
-AVX-512 BF16, float32 on others; the ready line reports the resolved dtype.
+``--dtype auto`` (default) is what ``specbatch run`` picks: bfloat16 on a CPU with AMX,
+float32 on other x86-64 CPUs; the ready line reports the resolved dtype.
 
 Runs the records as ``specbatch run`` does (``specbatch.LLM``: memory check, planning for
 ``auto``, generation), timed from the first record in to the last record out; the model is

@@ -59,3 +59,19 @@ def test_recipe_device_key(tmp_path, captured):
     recipe.write_text('name = "r"\nversion = 1\n[model]\ndevice = "tpu"\n')
     result = CliRunner().invoke(main, ["run", "--recipe", str(recipe), "in.jsonl"])
     assert result.exit_code == 2 and "tpu" in result.output, result.output
+
+
+@pytest.mark.parametrize("flags, want", [
+    ({"avx2", "fma", "amx_bf16", "avx512_bf16"}, "bfloat16"),  # AMX: oneDNN's AMX matmuls
+    ({"avx2", "fma", "avx512f", "avx512_bf16"}, "float32"),    # AVX-512 BF16, no AMX: C kernels
+    ({"avx2", "fma"}, "float32"),                               # AVX2 only (Zen 3)
+    ({"avx512_bf16"}, "bfloat16"),                              # native bf16 without AVX2 + FMA
+    (set(), "float32"),                                         # flags unreadable / other CPU
+])
+def test_auto_dtype_follows_the_cpu_flags(monkeypatch, flags, want):
+    import specbatch.config as config
+
+    monkeypatch.setattr(config, "_cpu_flags", lambda: frozenset(flags))
+    assert config.resolve_dtype("auto", "cpu") == want
+    assert config.resolve_dtype("auto", "cuda") == "bfloat16"
+    assert config.resolve_dtype("float64", "cpu") == "float64"
