@@ -109,6 +109,8 @@ def library() -> ctypes.CDLL | None:
     lib.sb_linear_f32.restype = None
     lib.sb_linear_quant.argtypes = [p, i64, ctypes.c_int, p, p, p, p, i64, i64, i64, i64]
     lib.sb_linear_quant.restype = ctypes.c_int
+    lib.sb_linear_avx512.argtypes = [ctypes.c_int]
+    lib.sb_linear_avx512.restype = ctypes.c_int
     lib.sb_decode_f32.argtypes = [p, i64, p, i64, i64, p, p, p, p, i64, i64, i64, i64, i64, i64,
                                   ctypes.c_float, ctypes.c_float]
     lib.sb_decode_f32.restype = ctypes.c_int

@@ -43,6 +43,18 @@ def available() -> bool:
     return _library() is not None
 
 
+def avx512(enable: bool | None = None) -> bool:
+    """Whether the AVX-512 micro-kernel runs the matmuls of 8 rows and more (CPUs with
+    AVX-512 F/VL/DQ; ``SPECBATCH_CPU_AVX512=0`` starts it off). It gives every output element
+    the AVX2 kernel's bits (two panels per 512-bit register, each half the AVX2 lanes' own
+    arithmetic), at about twice the speed on a prompt-sized matmul where the CPU has 512-bit
+    FMA units. ``enable`` turns it on or off first (tests and A/B timings)."""
+    lib = _library()
+    if lib is None:
+        return False
+    return bool(lib.sb_linear_avx512(-1 if enable is None else int(enable)))
+
+
 # weight -> (its version, its form: see ``packed``); the form lives as long as the weight
 _PACKED = WeakIdKeyDictionary()
 

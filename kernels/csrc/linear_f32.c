@@ -74,6 +74,135 @@ typedef void (*micro_fn)(const float *, int64_t, const float *, const float *, f
                          int64_t, int64_t);
 static const micro_fn MICROS[MR_MAX + 1] = {NULL, micro_1, micro_2, micro_3, micro_4};
 
+/* ---- AVX-512: two panels at once, the same arithmetic per element ----
+ *
+ * On a CPU with AVX-512 (F, VL, DQ) a 512-bit register holds the eight lanes of one element of
+ * panel p (low half) and of the matching element of panel p + 1 (high half). Each lane runs
+ * the same FMA on the same operands in the same k order as micro_MR's 256-bit lane, the tail
+ * chunk included (x masked to zeros past K, the packed weight zero there), and each half is
+ * reduced by hsum8: every output element has the AVX2 kernel's bits, so the two kernels can
+ * share a run, a step or a matmul (tests/unit/test_linear_cpu.py compares them). Up to 8 rows
+ * of x and 6 columns per call: 24 accumulators, each weight vector feeding 8 FMAs (the AVX2
+ * micro-kernel's 4), which is what lets prompt-sized matmuls run at the wider units' speed. */
+#define MR512 8
+
+#define AVX512 __attribute__((target("avx512f,avx512vl,avx512dq")))
+
+AVX512 static inline __attribute__((always_inline)) void micro512(
+        int mr, const float *x, int64_t ldx, const float *pa, const float *pb,
+        const float *bias, float *y, int64_t ldy, int64_t K, int64_t ncols_b) {
+    __m512 acc[MR512][NR];
+    for (int i = 0; i < MR512; i++)
+        for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8, pa += NR * 8, pb += NR * 8) {
+        __m512 wv[NR];
+        for (int j = 0; j < NR; j++)
+            wv[j] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(pa + j * 8)),
+                                       _mm256_loadu_ps(pb + j * 8), 1);
+#pragma GCC unroll 8
+        for (int i = 0; i < mr; i++) {
+            const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + i * ldx + k));
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    if (k < K) {
+        const __mmask8 m = (__mmask8)((1u << (K - k)) - 1);
+        __m512 wv[NR];
+        for (int j = 0; j < NR; j++)
+            wv[j] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(pa + j * 8)),
+                                       _mm256_loadu_ps(pb + j * 8), 1);
+        for (int i = 0; i < mr; i++) {
+            const __m512 xv = _mm512_broadcast_f32x8(_mm256_maskz_loadu_ps(m, x + i * ldx + k));
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < NR; j++) {
+            const float lo = hsum8(_mm512_castps512_ps256(acc[i][j]));
+            y[i * ldy + j] = bias ? lo + bias[j] : lo;
+            if (j < ncols_b) {
+                const float hi = hsum8(_mm512_extractf32x8_ps(acc[i][j], 1));
+                y[i * ldy + NR + j] = bias ? hi + bias[NR + j] : hi;
+            }
+        }
+}
+
+/* all 8 rows (mr a constant: the accumulators stay in registers), or 5-7 */
+AVX512 static void micro512_8(const float *x, int64_t ldx, const float *pa, const float *pb,
+                              const float *bias, float *y, int64_t ldy, int64_t K, int64_t nb) {
+    micro512(MR512, x, ldx, pa, pb, bias, y, ldy, K, nb);
+}
+
+AVX512 static void micro512_n(int mr, const float *x, int64_t ldx, const float *pa,
+                              const float *pb, const float *bias, float *y, int64_t ldy,
+                              int64_t K, int64_t nb) {
+    micro512(mr, x, ldx, pa, pb, bias, y, ldy, K, nb);
+}
+
+static int cpu_has_avx512(void) {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512dq");
+}
+
+static int avx512_state = -1; /* -1: not decided yet */
+
+static int use_avx512(void) {
+    if (avx512_state < 0) {
+        const char *env = getenv("SPECBATCH_CPU_AVX512");
+        avx512_state = (env == NULL || env[0] != '0') && cpu_has_avx512();
+    }
+    return avx512_state;
+}
+
+/* enable: 0 turns the AVX-512 path off, 1 on (where the CPU has it), -1 leaves it as it is
+ * (SPECBATCH_CPU_AVX512=0 starts it off); returns whether it is in use. The bits are the same
+ * either way: this is for tests and A/B timings. */
+int sb_linear_avx512(int enable) {
+    if (enable >= 0) avx512_state = enable && cpu_has_avx512();
+    return use_avx512();
+}
+
+/* rows 0 .. M-1 of x times panels p0 .. p1-1, whose packed floats start at w (panel_size each):
+ * y[:, 3 p0 ...]. AVX-512 for pairs of whole panels from 8 rows up (fewer rows stream the
+ * weights once per 4 rows anyway), the AVX2 micro-kernels for the rest; same bits either way. */
+static void panel_rows(const float *x, int64_t ldx, const float *w, int64_t p0, int64_t p1,
+                       int64_t panel_size, const float *bias, float *y, int64_t ldy, int64_t M,
+                       int64_t N, int64_t K) {
+    int64_t m = 0;
+    if (M >= MR512 && use_avx512()) {
+        for (; m + MR512 <= M || (m < M && M - m >= 5); m += MR512) {
+            const int mr = M - m < MR512 ? (int)(M - m) : MR512;
+            int64_t p = p0;
+            for (; p + 2 <= p1; p += 2) { /* panel p + 1 has 1 .. NR real columns */
+                const int64_t n = p * NR, nb = N - n - NR < NR ? N - n - NR : NR;
+                const float *pa = w + (p - p0) * panel_size, *pb = pa + panel_size;
+                const float *bn = bias ? bias + n : NULL;
+                if (mr == MR512)
+                    micro512_8(x + m * ldx, ldx, pa, pb, bn, y + m * ldy + n, ldy, K, nb);
+                else
+                    micro512_n(mr, x + m * ldx, ldx, pa, pb, bn, y + m * ldy + n, ldy, K, nb);
+            }
+            for (; p < p1; p++) {
+                const int64_t n = p * NR, ncols = N - n < NR ? N - n : NR;
+                for (int64_t r = 0; r < mr; r += MR_MAX) {
+                    const int64_t rr = mr - r < MR_MAX ? mr - r : MR_MAX;
+                    MICROS[rr](x + (m + r) * ldx, ldx, w + (p - p0) * panel_size,
+                               bias ? bias + n : NULL, y + (m + r) * ldy + n, ldy, K, ncols);
+                }
+            }
+        }
+    }
+    for (; m < M; m += MR_MAX) {
+        const int64_t mr = M - m < MR_MAX ? M - m : MR_MAX;
+        for (int64_t p = p0; p < p1; p++) {
+            const int64_t n = p * NR, ncols = N - n < NR ? N - n : NR;
+            MICROS[mr](x + m * ldx, ldx, w + (p - p0) * panel_size, bias ? bias + n : NULL,
+                       y + m * ldy + n, ldy, K, ncols);
+        }
+    }
+}
+
 /* x: [M, K] (row stride ldx, unit column stride; ldx may be 0), packed: see above,
  * bias: [N] or NULL, y: [M, N] (row stride ldy). */
 void sb_linear_f32(const float *x, int64_t ldx, const float *packed, const float *bias,
@@ -83,15 +212,8 @@ void sb_linear_f32(const float *x, int64_t ldx, const float *packed, const float
     const int64_t blocks = (panels + per - 1) / per;
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
-        const int64_t p1 = (b + 1) * per < panels ? (b + 1) * per : panels;
-        for (int64_t m = 0; m < M; m += MR_MAX) {
-            const int64_t mr = M - m < MR_MAX ? M - m : MR_MAX;
-            for (int64_t p = b * per; p < p1; p++) {
-                const int64_t n = p * NR, ncols = N - n < NR ? N - n : NR;
-                MICROS[mr](x + m * ldx, ldx, packed + p * panel_size, bias ? bias + n : NULL,
-                           y + m * ldy + n, ldy, K, ncols);
-            }
-        }
+        const int64_t p0 = b * per, p1 = (b + 1) * per < panels ? (b + 1) * per : panels;
+        panel_rows(x, ldx, packed + p0 * panel_size, p0, p1, panel_size, bias, y, ldy, M, N, K);
     }
 }
 
@@ -259,14 +381,7 @@ int sb_linear_quant(const float *x, int64_t ldx, int kind, const float *scales,
             }
             for (int64_t p = p0; p < p1; p++)
                 dequant_panel(kind, scales, codes, p, nblk, buf + (p - p0) * panel_size);
-            for (int64_t m = 0; m < M; m += MR_MAX) {
-                const int64_t mr = M - m < MR_MAX ? M - m : MR_MAX;
-                for (int64_t p = p0; p < p1; p++) {
-                    const int64_t n = p * NR, ncols = N - n < NR ? N - n : NR;
-                    MICROS[mr](x + m * ldx, ldx, buf + (p - p0) * panel_size,
-                               bias ? bias + n : NULL, y + m * ldy + n, ldy, K, ncols);
-                }
-            }
+            panel_rows(x, ldx, buf, p0, p1, panel_size, bias, y, ldy, M, N, K);
         }
     }
     return failed ? -1 : 0;
