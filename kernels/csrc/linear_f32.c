@@ -344,6 +344,89 @@ typedef void (*qmicro_fn)(int, const float *, int64_t, const float *, const uint
                           const float *, float *, int64_t, int64_t);
 static const qmicro_fn QMICROS[MR_MAX + 1] = {NULL, qmicro_1, qmicro_2, qmicro_3, qmicro_4};
 
+/* Up to 8 rows times two panels (p: sa, ca; p + 1: sb, cb) straight from the codes, on AVX-512:
+ * each 256-bit half of a weight register is rebuilt as qmicro rebuilds panel p's / p + 1's
+ * vector (the same integer decode and the same d * q + m FMA, or d * q), and each accumulator
+ * half takes the same FMAs in the same k order as qmicro's, so the bits are qmicro's (and so
+ * the float32 kernel's). One pass over the codes serves all rows (qmicro: one per 4 rows). */
+AVX512 static inline __attribute__((always_inline)) void qmicro512(
+        int mr, int kind, const float *x, int64_t ldx, const float *sa, const uint8_t *ca,
+        const float *sb, const uint8_t *cb, int64_t nblk, const float *bias, float *y,
+        int64_t ldy, int64_t nb) {
+    __m512 acc[MR512][NR];
+    for (int i = 0; i < MR512; i++)
+        for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi32(0x0F);
+    for (int64_t b = 0; b < nblk; b++) {
+        const int64_t k = 32 * b;
+        for (int j = 0; j < NR; j++) {
+            __m512 w[4];
+            if (kind == Q4_1) {
+                const float *pa = sa + (b * NR + j) * 2, *pb = sb + (b * NR + j) * 2;
+                const uint8_t *qa = ca + (b * NR + j) * 16, *qb = cb + (b * NR + j) * 16;
+                const __m512 d = _mm512_insertf32x8(_mm512_set1_ps(pa[0]), _mm256_set1_ps(pb[0]), 1);
+                const __m512 m = _mm512_insertf32x8(_mm512_set1_ps(pa[1]), _mm256_set1_ps(pb[1]), 1);
+                const __m512i v = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
+                    _mm_loadl_epi64((const __m128i *)qa), _mm_loadl_epi64((const __m128i *)qb)));
+                const __m512i u = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
+                    _mm_loadl_epi64((const __m128i *)(qa + 8)),
+                    _mm_loadl_epi64((const __m128i *)(qb + 8))));
+                w[0] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(v, low)), m);
+                w[1] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), m);
+                w[2] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(u, low)), m);
+                w[3] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(u, 4)), m);
+            } else {
+                const __m512 d = _mm512_insertf32x8(_mm512_set1_ps(sa[b * NR + j]),
+                                                    _mm256_set1_ps(sb[b * NR + j]), 1);
+                const int8_t *qa = (const int8_t *)ca + (b * NR + j) * 32;
+                const int8_t *qb = (const int8_t *)cb + (b * NR + j) * 32;
+                for (int h = 0; h < 4; h++)
+                    w[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                        _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(qa + 8 * h)),
+                                           _mm_loadl_epi64((const __m128i *)(qb + 8 * h))))));
+            }
+            for (int h = 0; h < 4; h++)
+                for (int i = 0; i < mr; i++)
+                    acc[i][j] = _mm512_fmadd_ps(
+                        _mm512_broadcast_f32x8(_mm256_loadu_ps(x + i * ldx + k + 8 * h)), w[h],
+                        acc[i][j]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < NR; j++) {
+            const float lo = hsum8(_mm512_castps512_ps256(acc[i][j]));
+            y[i * ldy + j] = bias ? lo + bias[j] : lo;
+            if (j < nb) {
+                const float hi = hsum8(_mm512_extractf32x8_ps(acc[i][j], 1));
+                y[i * ldy + NR + j] = bias ? hi + bias[NR + j] : hi;
+            }
+        }
+}
+
+/* qmicro512 with mr a constant (its accumulators then stay in registers) */
+#define QMICRO512(MR)                                                                        \
+    AVX512 static void qmicro512_##MR(int kind, const float *x, int64_t ldx, const float *sa, \
+                                      const uint8_t *ca, const float *sb, const uint8_t *cb, \
+                                      int64_t nblk, const float *bias, float *y, int64_t ldy,  \
+                                      int64_t nb) {                                           \
+        qmicro512(MR, kind, x, ldx, sa, ca, sb, cb, nblk, bias, y, ldy, nb);                  \
+    }
+QMICRO512(1)
+QMICRO512(2)
+QMICRO512(3)
+QMICRO512(4)
+QMICRO512(5)
+QMICRO512(6)
+QMICRO512(7)
+QMICRO512(8)
+
+typedef void (*qmicro512_fn)(int, const float *, int64_t, const float *, const uint8_t *,
+                             const float *, const uint8_t *, int64_t, const float *, float *,
+                             int64_t, int64_t);
+static const qmicro512_fn QMICROS512[MR512 + 1] = {
+    NULL, qmicro512_1, qmicro512_2, qmicro512_3, qmicro512_4,
+    qmicro512_5, qmicro512_6, qmicro512_7, qmicro512_8};
+
 /* As sb_linear_f32, with the weight given as (kind, scales, codes) above; K % 32 == 0.
  * Returns 0, or -1 when a thread's buffer could not be allocated (y is then incomplete). */
 int sb_linear_quant(const float *x, int64_t ldx, int kind, const float *scales,
@@ -368,7 +451,17 @@ int sb_linear_quant(const float *x, int64_t ldx, int kind, const float *scales,
             const int64_t p0 = b * per, p1 = p0 + per < panels ? p0 + per : panels;
             if (M <= QMICRO_MAX_M) {
                 const int64_t ss = kind == Q4_1 ? 2 : 1, cs = kind == Q4_1 ? 16 : 32;
-                for (int64_t p = p0; p < p1; p++) {
+                int64_t p = p0;
+                if (use_avx512()) /* pairs of panels, all M (<= 8) rows in one pass */
+                    for (; p + 2 <= p1; p += 2) {
+                        const int64_t n = p * NR, nb = N - n - NR < NR ? N - n - NR : NR;
+                        const float *sa = scales + p * nblk * NR * ss;
+                        const uint8_t *ca = codes + p * nblk * NR * cs;
+                        QMICROS512[M](kind, x, ldx, sa, ca, sa + nblk * NR * ss,
+                                      ca + nblk * NR * cs, nblk, bias ? bias + n : NULL,
+                                      y + n, ldy, nb);
+                    }
+                for (; p < p1; p++) {
                     const int64_t n = p * NR, ncols = N - n < NR ? N - n : NR;
                     for (int64_t m = 0; m < M; m += MR_MAX) {
                         const int64_t mr = M - m < MR_MAX ? M - m : MR_MAX;

@@ -172,10 +172,10 @@ def test_weights_without_exact_codes_stay_float32():
 @pytest.mark.skipif(not linear_cpu.avx512(), reason="needs a CPU with AVX-512 F/VL/DQ")
 @pytest.mark.parametrize("quantised", [False, True])
 def test_avx512_path_gives_the_avx2_bits(quantised):
-    """Matmuls of 8 rows and more take the AVX-512 micro-kernel where the CPU has it: every
-    output element has the AVX2 kernel's bits (float32 and code weights; whole and partial
-    groups of 8 rows, an odd panel left over, a partial last chunk of k), so the two can share
-    a run."""
+    """Where the CPU has AVX-512, matmuls of 8 rows and more (and code weights at 1-8 rows, read
+    straight from the codes) take the AVX-512 micro-kernels: every output element has the AVX2
+    kernels' bits (float32 and code weights; whole and partial groups of 8 rows, an odd panel
+    left over, a partial last chunk of k), so the two can share a run."""
     gen = torch.Generator().manual_seed(5)
     shapes = [(960, 576), (1536, 576), (576, 1536), (103, 64)] + (
         [] if quantised else [(17, 1000), (11, 13)])
@@ -187,7 +187,7 @@ def test_avx512_path_gives_the_avx2_bits(quantised):
                 assert linear_cpu.pack_quantized(w) is not None
             b = torch.randn(n, generator=gen)
             x = torch.randn(97, k, generator=gen)
-            for rows in (8, 9, 13, 16, 21, 97):
+            for rows in (1, 2, 5, 6, 8, 9, 13, 16, 21, 97):  # codes: <= 8 rows from the codes
                 assert linear_cpu.avx512(False) is False
                 avx2 = linear_cpu.linear(x[:rows], w, b)
                 assert linear_cpu.avx512(True) is True
