@@ -88,6 +88,21 @@ static const micro_fn MICROS[MR_MAX + 1] = {NULL, micro_1, micro_2, micro_3, mic
 
 #define AVX512 __attribute__((target("avx512f,avx512vl,avx512dq")))
 
+/* y[i, j] (panel p, low halves) and y[i, NR + j] (panel p + 1, high halves, j < nb) from the
+ * accumulators of rows i < mr: hsum8 of each half, then + bias */
+AVX512 static inline __attribute__((always_inline)) void store512(
+        __m512 acc[][NR], int mr, const float *bias, float *y, int64_t ldy, int64_t nb) {
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < NR; j++) {
+            const float lo = hsum8(_mm512_castps512_ps256(acc[i][j]));
+            y[i * ldy + j] = bias ? lo + bias[j] : lo;
+            if (j < nb) {
+                const float hi = hsum8(_mm512_extractf32x8_ps(acc[i][j], 1));
+                y[i * ldy + NR + j] = bias ? hi + bias[NR + j] : hi;
+            }
+        }
+}
+
 AVX512 static inline __attribute__((always_inline)) void micro512(
         int mr, const float *x, int64_t ldx, const float *pa, const float *pb,
         const float *bias, float *y, int64_t ldy, int64_t K, int64_t ncols_b) {
@@ -117,15 +132,7 @@ AVX512 static inline __attribute__((always_inline)) void micro512(
             for (int j = 0; j < NR; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
         }
     }
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < NR; j++) {
-            const float lo = hsum8(_mm512_castps512_ps256(acc[i][j]));
-            y[i * ldy + j] = bias ? lo + bias[j] : lo;
-            if (j < ncols_b) {
-                const float hi = hsum8(_mm512_extractf32x8_ps(acc[i][j], 1));
-                y[i * ldy + NR + j] = bias ? hi + bias[NR + j] : hi;
-            }
-        }
+    store512(acc, mr, bias, y, ldy, ncols_b);
 }
 
 /* all 8 rows (mr a constant: the accumulators stay in registers), or 5-7 */
@@ -392,15 +399,7 @@ AVX512 static inline __attribute__((always_inline)) void qmicro512(
                         acc[i][j]);
         }
     }
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < NR; j++) {
-            const float lo = hsum8(_mm512_castps512_ps256(acc[i][j]));
-            y[i * ldy + j] = bias ? lo + bias[j] : lo;
-            if (j < nb) {
-                const float hi = hsum8(_mm512_extractf32x8_ps(acc[i][j], 1));
-                y[i * ldy + NR + j] = bias ? hi + bias[NR + j] : hi;
-            }
-        }
+    store512(acc, mr, bias, y, ldy, nb);
 }
 
 /* qmicro512 with mr a constant (its accumulators then stay in registers) */
