@@ -346,6 +346,7 @@ QMICRO(3)
 QMICRO(4)
 
 #define QMICRO_MAX_M 8 /* measured: from 9-12 rows the block path is faster */
+#define QMICRO512_MIN_M 3 /* measured: 1-2 rows are no faster on AVX-512 (dense_rows.py) */
 
 typedef void (*qmicro_fn)(int, const float *, int64_t, const float *, const uint8_t *, int64_t,
                           const float *, float *, int64_t, int64_t);
@@ -451,7 +452,7 @@ int sb_linear_quant(const float *x, int64_t ldx, int kind, const float *scales,
             if (M <= QMICRO_MAX_M) {
                 const int64_t ss = kind == Q4_1 ? 2 : 1, cs = kind == Q4_1 ? 16 : 32;
                 int64_t p = p0;
-                if (use_avx512()) /* pairs of panels, all M (<= 8) rows in one pass */
+                if (M >= QMICRO512_MIN_M && use_avx512()) /* pairs of panels, M rows per pass */
                     for (; p + 2 <= p1; p += 2) {
                         const int64_t n = p * NR, nb = N - n - NR < NR ? N - n - NR : NR;
                         const float *sa = scales + p * nblk * NR * ss;
