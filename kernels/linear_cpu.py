@@ -44,11 +44,11 @@ def available() -> bool:
 
 
 def avx512(enable: bool | None = None) -> bool:
-    """Whether the AVX-512 micro-kernel runs the matmuls of 8 rows and more (CPUs with
-    AVX-512 F/VL/DQ; ``SPECBATCH_CPU_AVX512=0`` starts it off). It gives every output element
-    the AVX2 kernel's bits (two panels per 512-bit register, each half the AVX2 lanes' own
-    arithmetic), at about twice the speed on a prompt-sized matmul where the CPU has 512-bit
-    FMA units. ``enable`` turns it on or off first (tests and A/B timings)."""
+    """Whether the AVX-512 micro-kernels run the matmuls of 8 rows and more, and those of 3-8
+    rows on code weights (CPUs with AVX-512 F/VL/DQ; ``SPECBATCH_CPU_AVX512=0`` starts them
+    off). They give every output element the AVX2 kernels' bits (two panels per 512-bit
+    register, each half the AVX2 lanes' own arithmetic), ~1.6x faster on a prompt-sized matmul
+    on an AVX-512 EPYC. ``enable`` turns them on or off first (tests and A/B timings)."""
     lib = _library()
     if lib is None:
         return False

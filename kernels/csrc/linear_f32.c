@@ -121,7 +121,8 @@ AVX512 static inline __attribute__((always_inline)) void micro512(
             for (int j = 0; j < NR; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
         }
     }
-    if (k < K) {
+    if (k < K) { /* the last partial chunk: x read as zeros past K (the packed weight is zero
+                  * there); a masked load in the loop above halved its speed */
         const __mmask8 m = (__mmask8)((1u << (K - k)) - 1);
         __m512 wv[NR];
         for (int j = 0; j < NR; j++)
@@ -135,7 +136,7 @@ AVX512 static inline __attribute__((always_inline)) void micro512(
     store512(acc, mr, bias, y, ldy, ncols_b);
 }
 
-/* all 8 rows (mr a constant: the accumulators stay in registers), or 5-7 */
+/* all 8 rows (mr a constant: the accumulators stay in registers), or a last 5-7 */
 AVX512 static void micro512_8(const float *x, int64_t ldx, const float *pa, const float *pb,
                               const float *bias, float *y, int64_t ldy, int64_t K, int64_t nb) {
     micro512(MR512, x, ldx, pa, pb, bias, y, ldy, K, nb);
@@ -171,8 +172,9 @@ int sb_linear_avx512(int enable) {
 }
 
 /* rows 0 .. M-1 of x times panels p0 .. p1-1, whose packed floats start at w (panel_size each):
- * y[:, 3 p0 ...]. AVX-512 for pairs of whole panels from 8 rows up (fewer rows stream the
- * weights once per 4 rows anyway), the AVX2 micro-kernels for the rest; same bits either way. */
+ * y[:, 3 p0 ...]. AVX-512 for pairs of whole panels in groups of 8 rows (and a last group of
+ * 5-7) when M >= 8 (fewer rows stream the weights once per 4 rows anyway); the AVX2
+ * micro-kernels for an odd last panel and 1-4 leftover rows. Same bits either way. */
 static void panel_rows(const float *x, int64_t ldx, const float *w, int64_t p0, int64_t p1,
                        int64_t panel_size, const float *bias, float *y, int64_t ldy, int64_t M,
                        int64_t N, int64_t K) {
@@ -411,9 +413,7 @@ AVX512 static inline __attribute__((always_inline)) void qmicro512(
                                       int64_t nb) {                                           \
         qmicro512(MR, kind, x, ldx, sa, ca, sb, cb, nblk, bias, y, ldy, nb);                  \
     }
-QMICRO512(1)
-QMICRO512(2)
-QMICRO512(3)
+QMICRO512(3) /* from QMICRO512_MIN_M rows */
 QMICRO512(4)
 QMICRO512(5)
 QMICRO512(6)
@@ -424,7 +424,7 @@ typedef void (*qmicro512_fn)(int, const float *, int64_t, const float *, const u
                              const float *, const uint8_t *, int64_t, const float *, float *,
                              int64_t, int64_t);
 static const qmicro512_fn QMICROS512[MR512 + 1] = {
-    NULL, qmicro512_1, qmicro512_2, qmicro512_3, qmicro512_4,
+    NULL, NULL, NULL, qmicro512_3, qmicro512_4,
     qmicro512_5, qmicro512_6, qmicro512_7, qmicro512_8};
 
 /* As sb_linear_f32, with the weight given as (kind, scales, codes) above; K % 32 == 0.

@@ -40,8 +40,8 @@ NOISY_REJECTED_SHARE = 0.2  # more timings than this share left out: too noisy t
 # plan): 3 = fused q/k/v and gate/up, attention without value copies (2026-12-01); 4 = the C
 # float32 matmul and attention on x86-64 CPUs (kernels/csrc, 2026-12-01); 5 = the whole float32
 # decode step in one C call, exact 4/8-bit weights streamed as codes, one-token batch-1 steps
-# (2026-12-02); 6 = the AVX-512 matmul micro-kernel (8+ rows 1.4-1.6x faster where the CPU has
-# it, 2026-12-02).
+# (2026-12-02); 6 = the AVX-512 matmul micro-kernels (8+ rows, and 3-8 rows on code weights,
+# 1.4-1.6x faster where the CPU has them, 2026-12-02).
 ENGINE_REVISION = 6
 
 
@@ -51,7 +51,7 @@ def engine_fingerprint() -> str:
     PASSIVE`` made steps 1.4-1.6x slower on a 2-core VM) and whether the C kernels are on
     (``SPECBATCH_CPU_KERNELS=0``: 1.6x slower batch-16 steps; ``SPECBATCH_CPU_DECODE=torch``,
     ``SPECBATCH_CPU_WEIGHTS=float32``: 2.7x slower batch-1 steps together;
-    ``SPECBATCH_CPU_AVX512=0``: 1.4-1.6x slower matmuls of 8+ rows). A cached fit is
+    ``SPECBATCH_CPU_AVX512=0``: 1.4-1.6x slower matmuls of 3-8+ rows). A cached fit is
     reused only under the same fingerprint."""
     policy = os.environ.get("OMP_WAIT_POLICY", "default").lower()
     kernels = "off" if os.environ.get("SPECBATCH_CPU_KERNELS", "") == "0" else "on"

@@ -168,11 +168,10 @@ def test_weights_without_exact_codes_stay_float32():
     assert (nudged_out - x @ nudged.t()).abs().max() < 1e-5
 
 
-
 @pytest.mark.skipif(not linear_cpu.avx512(), reason="needs a CPU with AVX-512 F/VL/DQ")
 @pytest.mark.parametrize("quantised", [False, True])
 def test_avx512_path_gives_the_avx2_bits(quantised):
-    """Where the CPU has AVX-512, matmuls of 8 rows and more (and code weights at 1-8 rows, read
+    """Where the CPU has AVX-512, matmuls of 8 rows and more (and code weights at 3-8 rows, read
     straight from the codes) take the AVX-512 micro-kernels: every output element has the AVX2
     kernels' bits (float32 and code weights; whole and partial groups of 8 rows, an odd panel
     left over, a partial last chunk of k), so the two can share a run."""
