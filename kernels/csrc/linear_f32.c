@@ -347,8 +347,11 @@ QMICRO(2)
 QMICRO(3)
 QMICRO(4)
 
-#define QMICRO_MAX_M 8 /* measured: from 9-12 rows the block path is faster */
-#define QMICRO512_MIN_M 3 /* measured: 1-2 rows are no faster on AVX-512 (dense_rows.py) */
+#define QMICRO_MAX_M 8 /* AVX2, measured: from 9-12 rows the block path is faster */
+#define QMICRO512_MAX_M 48 /* AVX-512 (passes of up to 8 rows), measured: 9-48 rows are
+                            * 1.03-1.3x faster than the block path, 64 rows 0.98x (dense_rows.py) */
+#define QMICRO512_MIN_M 4 /* a pass of fewer rows takes the AVX2 qmicro: 1-3 rows were 0.73-0.95x
+                           * as fast on AVX-512 (its per-16-weight decode costs more than it saves) */
 
 typedef void (*qmicro_fn)(int, const float *, int64_t, const float *, const uint8_t *, int64_t,
                           const float *, float *, int64_t, int64_t);
@@ -358,62 +361,84 @@ static const qmicro_fn QMICROS[MR_MAX + 1] = {NULL, qmicro_1, qmicro_2, qmicro_3
  * each 256-bit half of a weight register is rebuilt as qmicro rebuilds panel p's / p + 1's
  * vector (the same integer decode and the same d * q + m FMA, or d * q), and each accumulator
  * half takes the same FMAs in the same k order as qmicro's, so the bits are qmicro's (and so
- * the float32 kernel's). One pass over the codes serves all rows (qmicro: one per 4 rows). */
+ * the float32 kernel's). One pass over the codes serves all rows (qmicro: one per 4 rows).
+ *
+ * Register plan (32 zmm): the 24 accumulators stay in registers for the whole call. Each
+ * 32-k block is taken in two halves of 16 k: the six weight vectors of a half (3 columns x 2
+ * chunks of 8 k; Q4_1: the low and high nibbles of one 8-byte load) are rebuilt first, then
+ * every row broadcasts its two x chunks and feeds the 3 columns. Rebuilding all 12 vectors of
+ * a block at once would not fit beside the accumulators, and looping over columns outermost
+ * made GCC keep the x broadcasts in registers and the accumulators on the stack (a load and a
+ * store of each per column: 8 rows ran at ~60 GFLOP/s). */
+AVX512 static inline __attribute__((always_inline)) __m512 pair_scale(float a, float b) {
+    return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
+}
+
+AVX512 static inline __attribute__((always_inline)) __m512i pair_codes(const void *a,
+                                                                        const void *b) {
+    return _mm512_castsi128_si512(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a),
+                                                     _mm_loadl_epi64((const __m128i *)b)));
+}
+
 AVX512 static inline __attribute__((always_inline)) void qmicro512(
         int mr, int kind, const float *x, int64_t ldx, const float *sa, const uint8_t *ca,
         const float *sb, const uint8_t *cb, int64_t nblk, const float *bias, float *y,
         int64_t ldy, int64_t nb) {
     __m512 acc[MR512][NR];
+#pragma GCC unroll 8
     for (int i = 0; i < MR512; i++)
+#pragma GCC unroll 3
         for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi32(0x0F);
     for (int64_t b = 0; b < nblk; b++) {
-        const int64_t k = 32 * b;
-        for (int j = 0; j < NR; j++) {
-            __m512 w[4];
-            if (kind == Q4_1) {
-                const float *pa = sa + (b * NR + j) * 2, *pb = sb + (b * NR + j) * 2;
-                const uint8_t *qa = ca + (b * NR + j) * 16, *qb = cb + (b * NR + j) * 16;
-                const __m512 d = _mm512_insertf32x8(_mm512_set1_ps(pa[0]), _mm256_set1_ps(pb[0]), 1);
-                const __m512 m = _mm512_insertf32x8(_mm512_set1_ps(pa[1]), _mm256_set1_ps(pb[1]), 1);
-                const __m512i v = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
-                    _mm_loadl_epi64((const __m128i *)qa), _mm_loadl_epi64((const __m128i *)qb)));
-                const __m512i u = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
-                    _mm_loadl_epi64((const __m128i *)(qa + 8)),
-                    _mm_loadl_epi64((const __m128i *)(qb + 8))));
-                w[0] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(v, low)), m);
-                w[1] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), m);
-                w[2] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(u, low)), m);
-                w[3] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(u, 4)), m);
-            } else {
-                const __m512 d = _mm512_insertf32x8(_mm512_set1_ps(sa[b * NR + j]),
-                                                    _mm256_set1_ps(sb[b * NR + j]), 1);
-                const int8_t *qa = (const int8_t *)ca + (b * NR + j) * 32;
-                const int8_t *qb = (const int8_t *)cb + (b * NR + j) * 32;
-                for (int h = 0; h < 4; h++)
-                    w[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                        _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(qa + 8 * h)),
-                                           _mm_loadl_epi64((const __m128i *)(qb + 8 * h))))));
+#pragma GCC unroll 2
+        for (int half = 0; half < 2; half++) { /* k + 16 * half + [0, 16) */
+            const int64_t k = 32 * b + 16 * half;
+            __m512 w[NR][2];
+#pragma GCC unroll 3
+            for (int j = 0; j < NR; j++) {
+                const int64_t e = b * NR + j;
+                if (kind == Q4_1) {
+                    const __m512 d = pair_scale(sa[2 * e], sb[2 * e]);
+                    const __m512 m = pair_scale(sa[2 * e + 1], sb[2 * e + 1]);
+                    const __m512i v = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(
+                        pair_codes(ca + 16 * e + 8 * half, cb + 16 * e + 8 * half)));
+                    w[j][0] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(v, low)), m);
+                    w[j][1] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), m);
+                } else {
+                    const __m512 d = pair_scale(sa[e], sb[e]);
+                    const int8_t *qa = (const int8_t *)ca + 32 * e + 16 * half;
+                    const int8_t *qb = (const int8_t *)cb + 32 * e + 16 * half;
+#pragma GCC unroll 2
+                    for (int h = 0; h < 2; h++)
+                        w[j][h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                            _mm512_castsi512_si128(pair_codes(qa + 8 * h, qb + 8 * h)))));
+                }
             }
-            for (int h = 0; h < 4; h++)
-                for (int i = 0; i < mr; i++)
-                    acc[i][j] = _mm512_fmadd_ps(
-                        _mm512_broadcast_f32x8(_mm256_loadu_ps(x + i * ldx + k + 8 * h)), w[h],
-                        acc[i][j]);
+#pragma GCC unroll 8
+            for (int i = 0; i < mr; i++)
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; h++) {
+                    const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + i * ldx + k + 8 * h));
+#pragma GCC unroll 3
+                    for (int j = 0; j < NR; j++) acc[i][j] = _mm512_fmadd_ps(xv, w[j][h], acc[i][j]);
+                }
         }
     }
     store512(acc, mr, bias, y, ldy, nb);
 }
 
-/* qmicro512 with mr a constant (its accumulators then stay in registers) */
-#define QMICRO512(MR)                                                                        \
+/* qmicro512 with the weight kind and mr constants (its accumulators then stay in registers) */
+#define QMICRO512(MR)                                                                         \
     AVX512 static void qmicro512_##MR(int kind, const float *x, int64_t ldx, const float *sa, \
                                       const uint8_t *ca, const float *sb, const uint8_t *cb, \
                                       int64_t nblk, const float *bias, float *y, int64_t ldy,  \
                                       int64_t nb) {                                           \
-        qmicro512(MR, kind, x, ldx, sa, ca, sb, cb, nblk, bias, y, ldy, nb);                  \
+        if (kind == Q4_1)                                                                     \
+            qmicro512(MR, Q4_1, x, ldx, sa, ca, sb, cb, nblk, bias, y, ldy, nb);              \
+        else                                                                                  \
+            qmicro512(MR, Q8_0, x, ldx, sa, ca, sb, cb, nblk, bias, y, ldy, nb);              \
     }
-QMICRO512(3) /* from QMICRO512_MIN_M rows */
 QMICRO512(4)
 QMICRO512(5)
 QMICRO512(6)
@@ -424,7 +449,7 @@ typedef void (*qmicro512_fn)(int, const float *, int64_t, const float *, const u
                              const float *, const uint8_t *, int64_t, const float *, float *,
                              int64_t, int64_t);
 static const qmicro512_fn QMICROS512[MR512 + 1] = {
-    NULL, NULL, NULL, qmicro512_3, qmicro512_4,
+    NULL, NULL, NULL, NULL, qmicro512_4, /* from QMICRO512_MIN_M rows */
     qmicro512_5, qmicro512_6, qmicro512_7, qmicro512_8};
 
 /* As sb_linear_f32, with the weight given as (kind, scales, codes) above; K % 32 == 0.
@@ -435,12 +460,15 @@ int sb_linear_quant(const float *x, int64_t ldx, int kind, const float *scales,
     const int64_t panels = (N + NR - 1) / NR;
     const int64_t panel_size = K / 8 * NR * 8, nblk = K / 32, per = block_panels(panel_size);
     const int64_t blocks = (panels + per - 1) / per;
+    const int64_t ss = kind == Q4_1 ? 2 : 1, cs = kind == Q4_1 ? 16 : 32; /* per (block, col) */
+    const int avx512 = use_avx512();
+    /* up to QMICRO_MAX_M (AVX-512: QMICRO512_MAX_M) rows: straight from the codes, every pass
+     * over them rebuilding the weights in registers; more: a block of rebuilt panels */
+    const int from_codes = M <= (avx512 ? QMICRO512_MAX_M : QMICRO_MAX_M);
     int failed = 0;
 #pragma omp parallel
     {
-        /* up to QMICRO_MAX_M rows: straight from the codes (qmicro, each group of 4 rows
-         * rebuilding the weights in registers again); more: a block of rebuilt panels */
-        float *buf = M <= QMICRO_MAX_M ? (float *)scales : thread_buffer(per * panel_size);
+        float *buf = from_codes ? (float *)scales : thread_buffer(per * panel_size);
         if (!buf) {
 #pragma omp atomic write
             failed = 1;
@@ -449,32 +477,35 @@ int sb_linear_quant(const float *x, int64_t ldx, int kind, const float *scales,
         for (int64_t b = 0; b < blocks; b++) {
             if (!buf) continue;
             const int64_t p0 = b * per, p1 = p0 + per < panels ? p0 + per : panels;
-            if (M <= QMICRO_MAX_M) {
-                const int64_t ss = kind == Q4_1 ? 2 : 1, cs = kind == Q4_1 ? 16 : 32;
+            if (!from_codes) {
+                for (int64_t p = p0; p < p1; p++)
+                    dequant_panel(kind, scales, codes, p, nblk, buf + (p - p0) * panel_size);
+                panel_rows(x, ldx, buf, p0, p1, panel_size, bias, y, ldy, M, N, K);
+                continue;
+            }
+            for (int64_t m = 0; m < M; m += avx512 ? MR512 : M) {
+                /* rows m..m+mr: pairs of panels on AVX-512 (one pass), the rest on AVX2 */
+                const int64_t mr = !avx512 ? M : M - m < MR512 ? M - m : MR512;
                 int64_t p = p0;
-                if (M >= QMICRO512_MIN_M && use_avx512()) /* pairs of panels, M rows per pass */
+                if (avx512 && mr >= QMICRO512_MIN_M)
                     for (; p + 2 <= p1; p += 2) {
                         const int64_t n = p * NR, nb = N - n - NR < NR ? N - n - NR : NR;
                         const float *sa = scales + p * nblk * NR * ss;
                         const uint8_t *ca = codes + p * nblk * NR * cs;
-                        QMICROS512[M](kind, x, ldx, sa, ca, sa + nblk * NR * ss,
-                                      ca + nblk * NR * cs, nblk, bias ? bias + n : NULL,
-                                      y + n, ldy, nb);
+                        QMICROS512[mr](kind, x + m * ldx, ldx, sa, ca, sa + nblk * NR * ss,
+                                       ca + nblk * NR * cs, nblk, bias ? bias + n : NULL,
+                                       y + m * ldy + n, ldy, nb);
                     }
                 for (; p < p1; p++) {
                     const int64_t n = p * NR, ncols = N - n < NR ? N - n : NR;
-                    for (int64_t m = 0; m < M; m += MR_MAX) {
-                        const int64_t mr = M - m < MR_MAX ? M - m : MR_MAX;
-                        QMICROS[mr](kind, x + m * ldx, ldx, scales + p * nblk * NR * ss,
-                                    codes + p * nblk * NR * cs, nblk, bias ? bias + n : NULL,
-                                    y + m * ldy + n, ldy, ncols);
+                    for (int64_t i = m; i < m + mr; i += MR_MAX) {
+                        const int64_t r = m + mr - i < MR_MAX ? m + mr - i : MR_MAX;
+                        QMICROS[r](kind, x + i * ldx, ldx, scales + p * nblk * NR * ss,
+                                   codes + p * nblk * NR * cs, nblk, bias ? bias + n : NULL,
+                                   y + i * ldy + n, ldy, ncols);
                     }
                 }
-                continue;
             }
-            for (int64_t p = p0; p < p1; p++)
-                dequant_panel(kind, scales, codes, p, nblk, buf + (p - p0) * panel_size);
-            panel_rows(x, ldx, buf, p0, p1, panel_size, bias, y, ldy, M, N, K);
         }
     }
     return failed ? -1 : 0;

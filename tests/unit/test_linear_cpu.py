@@ -169,12 +169,13 @@ def test_weights_without_exact_codes_stay_float32():
 
 
 @pytest.mark.skipif(not linear_cpu.avx512(), reason="needs a CPU with AVX-512 F/VL/DQ")
-@pytest.mark.parametrize("quantised", [False, True])
+@pytest.mark.parametrize("quantised", [None, "Q4_1", "Q8_0"])
 def test_avx512_path_gives_the_avx2_bits(quantised):
-    """Where the CPU has AVX-512, matmuls of 8 rows and more (and code weights at 3-8 rows, read
-    straight from the codes) take the AVX-512 micro-kernels: every output element has the AVX2
-    kernels' bits (float32 and code weights; whole and partial groups of 8 rows, an odd panel
-    left over, a partial last chunk of k), so the two can share a run."""
+    """Where the CPU has AVX-512, matmuls of 8 rows and more (and code weights at 4-48 rows, read
+    straight from the codes in passes of up to 8 rows) take the AVX-512 micro-kernels: every
+    output element has the AVX2 kernels' bits (float32 and code weights; whole and partial
+    groups of 8 rows, passes of 1-3 rows left to AVX2, an odd panel left over, a partial last
+    chunk of k), so the two can share a run."""
     gen = torch.Generator().manual_seed(5)
     shapes = [(960, 576), (1536, 576), (576, 1536), (103, 64)] + (
         [] if quantised else [(17, 1000), (11, 13)])
@@ -182,11 +183,11 @@ def test_avx512_path_gives_the_avx2_bits(quantised):
         for n, k in shapes:
             w = torch.randn(n, k, generator=gen) / k ** 0.5
             if quantised:
-                w = _gguf_roundtrip(w, "Q4_1")
+                w = _gguf_roundtrip(w, quantised)
                 assert linear_cpu.pack_quantized(w) is not None
             b = torch.randn(n, generator=gen)
             x = torch.randn(97, k, generator=gen)
-            for rows in (1, 2, 5, 6, 8, 9, 13, 16, 21, 97):  # codes: <= 8 rows from the codes
+            for rows in (1, 2, 3, 4, 5, 7, 8, 9, 11, 12, 16, 17, 21, 48, 49, 97):
                 assert linear_cpu.avx512(False) is False
                 avx2 = linear_cpu.linear(x[:rows], w, b)
                 assert linear_cpu.avx512(True) is True
