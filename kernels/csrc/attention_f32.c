@@ -10,6 +10,10 @@
  *      arithmetic for every lane); l = the e_j summed in eight lanes over j in order (lanes past
  *      pos[t] add zero), then the horizontal sum above;
  *   3. o = (sum_j e_j v_j, one FMA per key in key order) * (1 / l).
+ * The query heads of one kv head (up to GMAX at a time) share each pass over the keys and the
+ * values: a key or value row is loaded once and feeds every head's own accumulators, which
+ * changes which sums share registers, never the order of one head's sums (grouped-query
+ * attention reads a third of the bytes it did one head at a time, session 9).
  * Nothing depends on other tokens, the number of tokens a row feeds this step, the cache
  * capacity or keys past pos[t]: a token's output has the same bits whatever shares the step
  * (two-pass softmax instead of the Triton kernel's online one: on a CPU the scores of a row fit
@@ -20,32 +24,38 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-/* dot products of q (D floats) with keys k_0 .. k_{nk-1} (row stride ldk), D a multiple of 8;
- * four keys at a time (independent chains), each key's sum the same ops whatever nk */
-static void scores(const float *q, const float *k, int64_t ldk, int64_t nk, int64_t D,
-                   float scale, float *s) {
+#define GMAX 3 /* query heads per pass over a kv head's keys and values */
+
+/* scores of G <= GMAX query heads q[g] (D floats each) with keys k_0 .. k_{nk-1} (row stride
+ * ldk) into s[g * lds + j]; D a multiple of 8. KB keys at a time (G * KB independent chains,
+ * within AVX2's 16 registers); each key's sum the same ops whatever G, KB and nk. */
+static inline __attribute__((always_inline)) void scores(
+        int G, int KB, const float *const *q, const float *k, int64_t ldk, int64_t nk,
+        int64_t D, float scale, float *s, int64_t lds) {
     int64_t j = 0;
-    for (; j + 4 <= nk; j += 4) {
+    for (; j + KB <= nk; j += KB) {
         const float *k0 = k + j * ldk;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        __m256 a[GMAX][4];
+        for (int g = 0; g < G; g++)
+            for (int u = 0; u < KB; u++) a[g][u] = _mm256_setzero_ps();
         for (int64_t d = 0; d < D; d += 8) {
-            __m256 qv = _mm256_loadu_ps(q + d);
-            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
-            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + ldk + d), a1);
-            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * ldk + d), a2);
-            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * ldk + d), a3);
+            __m256 kv[4];
+            for (int u = 0; u < KB; u++) kv[u] = _mm256_loadu_ps(k0 + u * ldk + d);
+            for (int g = 0; g < G; g++) {
+                const __m256 qv = _mm256_loadu_ps(q[g] + d);
+                for (int u = 0; u < KB; u++) a[g][u] = _mm256_fmadd_ps(qv, kv[u], a[g][u]);
+            }
         }
-        s[j] = hsum8(a0) * scale;
-        s[j + 1] = hsum8(a1) * scale;
-        s[j + 2] = hsum8(a2) * scale;
-        s[j + 3] = hsum8(a3) * scale;
+        for (int g = 0; g < G; g++)
+            for (int u = 0; u < KB; u++) s[g * lds + j + u] = hsum8(a[g][u]) * scale;
     }
-    for (; j < nk; j++) {
-        __m256 a0 = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d += 8)
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + j * ldk + d), a0);
-        s[j] = hsum8(a0) * scale;
-    }
+    for (; j < nk; j++)
+        for (int g = 0; g < G; g++) {
+            __m256 a0 = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8)
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + d), _mm256_loadu_ps(k + j * ldk + d), a0);
+            s[g * lds + j] = hsum8(a0) * scale;
+        }
 }
 
 /* s_j <- exp(s_j - max), returns their sum */
@@ -70,24 +80,55 @@ static float softmax_numerators(float *s, int64_t n) {
 }
 
 #define MAX_D 256
+#define SLICE 32 /* output dims per pass over the values: G * 4 accumulators */
 
-/* one query head: o = softmax(q k^T * scale) v over keys 0 .. n-1; s: n floats of scratch.
- * Inlined with D a constant for the common head sizes, so acc stays in registers. */
-static inline __attribute__((always_inline)) void attend_head(
-        const float *q, const float *k, const float *v, int64_t ldc, int64_t n, int64_t D,
-        float scale, float *s, float *out) {
-    scores(q, k, ldc, n, D, scale, s);
-    const float inv = 1.0f / softmax_numerators(s, n);
-    __m256 acc[MAX_D / 8];
-    for (int64_t d = 0; d < D / 8; d++) acc[d] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; j++) {
-        const __m256 p = _mm256_set1_ps(s[j]);
-        const float *vj = v + j * ldc;
-        for (int64_t d = 0; d < D / 8; d++)
-            acc[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * d), acc[d]);
+/* G <= GMAX query heads of one kv head: o[g] = softmax(q[g] k^T * scale) v over keys 0 .. n-1;
+ * s: G * n floats of scratch. Inlined with G and D constants for the common shapes, so the
+ * accumulators stay in registers. */
+static inline __attribute__((always_inline)) void attend_group(
+        int G, const float *const *q, const float *k, const float *v, int64_t ldc, int64_t n,
+        int64_t D, float scale, float *s, float *const *out) {
+    scores(G, G == 3 ? 3 : 4, q, k, ldc, n, D, scale, s, n);
+    float inv[GMAX];
+    for (int g = 0; g < G; g++) inv[g] = 1.0f / softmax_numerators(s + g * n, n);
+    for (int64_t d0 = 0; d0 < D; d0 += SLICE) { /* each value row's slice is read once */
+        const int w = (int)((D - d0 < SLICE ? D - d0 : SLICE) / 8);
+        __m256 acc[GMAX][SLICE / 8];
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < w; c++) acc[g][c] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j++) {
+            const float *vj = v + j * ldc + d0;
+            for (int c = 0; c < w; c++) {
+                const __m256 vv = _mm256_loadu_ps(vj + 8 * c);
+                for (int g = 0; g < G; g++)
+                    acc[g][c] = _mm256_fmadd_ps(_mm256_set1_ps(s[g * n + j]), vv, acc[g][c]);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            const __m256 iv = _mm256_set1_ps(inv[g]);
+            for (int c = 0; c < w; c++)
+                _mm256_storeu_ps(out[g] + d0 + 8 * c, _mm256_mul_ps(acc[g][c], iv));
+        }
     }
-    const __m256 iv = _mm256_set1_ps(inv);
-    for (int64_t d = 0; d < D / 8; d++) _mm256_storeu_ps(out + 8 * d, _mm256_mul_ps(acc[d], iv));
+}
+
+/* attend_group with G and D constants where they are common */
+static void attend_heads(int G, const float *const *q, const float *k, const float *v,
+                         int64_t ldc, int64_t n, int64_t D, float scale, float *s,
+                         float *const *out) {
+#define CASE(GG, DD)                                                                        \
+    if (G == GG && D == DD) {                                                               \
+        attend_group(GG, q, k, v, ldc, n, DD, scale, s, out);                               \
+        return;                                                                             \
+    }
+    CASE(3, 64) CASE(2, 64) CASE(1, 64) CASE(3, 128) CASE(2, 128) CASE(1, 128)
+#undef CASE
+    if (G == 3)
+        attend_group(3, q, k, v, ldc, n, D, scale, s, out);
+    else if (G == 2)
+        attend_group(2, q, k, v, ldc, n, D, scale, s, out);
+    else
+        attend_group(1, q, k, v, ldc, n, D, scale, s, out);
 }
 
 /* q: [T, H, D] (strides s_qt, s_qh; d contiguous); caches: [R, Hkv, C, D] (strides s_cr, s_ch,
@@ -103,22 +144,23 @@ int sb_attention_f32(const float *q, int64_t s_qt, int64_t s_qh, const float *kc
     for (int64_t t = 0; t < T; t++)
         for (int64_t hk = 0; hk < Hkv; hk++) {
             const int64_t n = pos[t] + 1;
-            float *s = malloc(sizeof(float) * (size_t)n);
+            const int64_t G = group < GMAX ? group : GMAX;
+            float *s = malloc(sizeof(float) * (size_t)(n * G));
             if (s == NULL) {
                 failed = 1;
                 continue;
             }
             const float *k = kc + rows[t] * s_cr + hk * s_ch;
             const float *v = vc + rows[t] * s_cr + hk * s_ch;
-            for (int64_t h = hk * group; h < (hk + 1) * group; h++) {
-                const float *qh = q + t * s_qt + h * s_qh;
-                float *oh = o + t * s_ot + h * s_oh;
-                if (D == 64)
-                    attend_head(qh, k, v, s_cc, n, 64, scale, s, oh);
-                else if (D == 128)
-                    attend_head(qh, k, v, s_cc, n, 128, scale, s, oh);
-                else
-                    attend_head(qh, k, v, s_cc, n, D, scale, s, oh);
+            for (int64_t h0 = hk * group; h0 < (hk + 1) * group; h0 += GMAX) {
+                const int g = (int)((hk + 1) * group - h0 < GMAX ? (hk + 1) * group - h0 : GMAX);
+                const float *qh[GMAX];
+                float *oh[GMAX];
+                for (int i = 0; i < g; i++) {
+                    qh[i] = q + t * s_qt + (h0 + i) * s_qh;
+                    oh[i] = o + t * s_ot + (h0 + i) * s_oh;
+                }
+                attend_heads(g, qh, k, v, s_cc, n, D, scale, s, oh);
             }
             free(s);
         }

@@ -458,13 +458,16 @@ int sb_linear_quant(const float *x, int64_t ldx, int kind, const float *scales,
                     const uint8_t *codes, const float *bias, float *y, int64_t ldy, int64_t M,
                     int64_t N, int64_t K) {
     const int64_t panels = (N + NR - 1) / NR;
-    const int64_t panel_size = K / 8 * NR * 8, nblk = K / 32, per = block_panels(panel_size);
-    const int64_t blocks = (panels + per - 1) / per;
+    const int64_t panel_size = K / 8 * NR * 8, nblk = K / 32;
     const int64_t ss = kind == Q4_1 ? 2 : 1, cs = kind == Q4_1 ? 16 : 32; /* per (block, col) */
     const int avx512 = use_avx512();
     /* up to QMICRO_MAX_M (AVX-512: QMICRO512_MAX_M) rows: straight from the codes, every pass
-     * over them rebuilding the weights in registers; more: a block of rebuilt panels */
+     * over them rebuilding the weights in registers, PANELS panels per block (an even count,
+     * so none is left to the AVX2 kernel; their codes are 55 KB at K = 1536); more: a block of
+     * rebuilt float32 panels, as many as fit the L2 budget */
     const int from_codes = M <= (avx512 ? QMICRO512_MAX_M : QMICRO_MAX_M);
+    const int64_t per = from_codes ? PANELS : block_panels(panel_size);
+    const int64_t blocks = (panels + per - 1) / per;
     int failed = 0;
 #pragma omp parallel
     {
