@@ -273,6 +273,11 @@ class SpecConfig:
                "draft or auto to draft with a model)")
         _check(_is_int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= 32,
                "num_speculative_tokens", self.num_speculative_tokens, "an integer in [0, 32]")
+        # 0 would run plain decoding under a speculative method's name (and its stats)
+        _check(self.method == "none" or self.num_speculative_tokens >= 1,
+               "num_speculative_tokens", self.num_speculative_tokens,
+               f"an integer in [1, 32] with method {self.method} (0 drafts nothing: use method "
+               "none)")
         _check(_is_int(self.prompt_lookup_min) and self.prompt_lookup_min >= 1,
                "prompt_lookup_min", self.prompt_lookup_min, "an integer >= 1")
         _check(_is_int(self.prompt_lookup_max) and self.prompt_lookup_max >= self.prompt_lookup_min,

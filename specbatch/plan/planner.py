@@ -26,6 +26,8 @@ Outputs are identical to ``--method none``: only how many drafts are verified ch
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from specbatch.plan.costmodel import CostModel
@@ -111,9 +113,11 @@ class Plan:
         return self.policy
 
     def table(self) -> str:
-        lines = [f"plan: k_max {self.k_max}, batch size {self.batch_size}; buckets are the "
-                 f"thirds of this job by predicted acceptance length (copy-heavy >= "
-                 f"{self.copy_heavy_from:.2f}, novel < {self.novel_below:.2f})",
+        cutoffs = (f"buckets are the thirds of this job by predicted acceptance length "
+                   f"(copy-heavy >= {self.copy_heavy_from:.2f}, novel < {self.novel_below:.2f})"
+                   if math.isfinite(self.copy_heavy_from) else
+                   "one bucket (fewer than 3 records)")
+        lines = [f"plan: k_max {self.k_max}, batch size {self.batch_size}; {cutoffs}",
                  f"{'bucket':<12}{'records':>8}{'prompt tok':>11}{'pred acc len':>13}"
                  f"{'range':>12}{'proposer':>9}{'k':>4}{'pred speedup':>14}"]
         for b in self.buckets.values():

@@ -205,6 +205,7 @@ def test_predictor_features_and_buckets():
     assert plan.bucket_of == {i: plan.bucket(plan.predictions[i].acceptance_length(5))
                               for i in (0, 1)}
     assert plan.bucket_of == {0: "mixed", 1: "mixed"}  # two records: no thirds to split
+    assert "one bucket (fewer than 3 records)" in plan.table() and "inf" not in plan.table()
     assert bucket_for(1.2, 1.5, 2.2) == "novel" and bucket_for(1.8, 1.5, 2.2) == "mixed"
     assert bucket_for(2.2, 1.5, 2.2) == "copy-heavy"
     recs.append(SimpleNamespace(index=2, prompt="Write a poem about the sea.", messages=None,

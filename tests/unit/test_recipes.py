@@ -85,6 +85,8 @@ def test_shipped_recipes():
     ('name = "x"\nversion = 1\n[sampling]\nstop = 5', "stop=5"),
     ('name = "x"\nversion = 1\n[speculation]\nk = 99', "[speculation] k=99: expected an "
      "integer in [0, 32]"),
+    ('name = "x"\nversion = 1\n[speculation]\nmethod = "ngram"\nk = 0', "[speculation] k=0: "
+     "expected an integer in [1, 32] with method ngram (0 drafts nothing: use method none)"),
     ('name = "x"\nversion = 1\n[model]\nname = ""', "[model] name='': expected a non-empty "
      "string"),
     ('name = "x"\nversion = 1\n[speculation]\nmethod = "magic"', "method='magic'"),
