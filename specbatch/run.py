@@ -348,7 +348,8 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     elapsed = time.perf_counter() - tput.start
     # the result goes to stdout (``specbatch run ... > log`` keeps it); progress and warnings
     # stay on stderr
-    click.echo(f"wrote {n} records to {opts.output_path} ({tput.num_tokens} new output tokens "
+    noun = "record" if n == 1 else "records"
+    click.echo(f"wrote {n} {noun} to {opts.output_path} ({tput.num_tokens} new output tokens "
                f"in {elapsed:.1f} s, {tput.tokens_per_second:.1f} tok/s; model load "
                f"{llm.load_seconds:.1f} s)")
     if failed:  # written, with finish_reason "error", but the user must hear of them

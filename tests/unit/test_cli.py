@@ -219,7 +219,7 @@ def test_result_goes_to_stdout_progress_and_warnings_to_stderr(tmp_path):
                                        "--max-tokens", "4", "--on-error", "skip"])
     assert result.exit_code == 0, result.output
     stdout = result.stdout.splitlines()
-    assert stdout[0].startswith(f"wrote 1 records to {out} ("), result.stdout
+    assert stdout[0].startswith(f"wrote 1 record to {out} ("), result.stdout
     assert stdout[1].split()[:3] == ["category", "records", "out"], result.stdout
     assert stdout[2].split()[:2] == ["qa", "1"] and stdout[3].startswith("memory: ")
     assert len(stdout) == 4, result.stdout
