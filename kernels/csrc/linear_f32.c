@@ -468,17 +468,18 @@ int sb_linear_quant(const float *x, int64_t ldx, int kind, const float *scales,
     const int from_codes = M <= (avx512 ? QMICRO512_MAX_M : QMICRO_MAX_M);
     const int64_t per = from_codes ? PANELS : block_panels(panel_size);
     const int64_t blocks = (panels + per - 1) / per;
+    const int64_t group = avx512 ? MR512 : M; /* rows per pass over a block's codes */
     int failed = 0;
 #pragma omp parallel
     {
-        float *buf = from_codes ? (float *)scales : thread_buffer(per * panel_size);
-        if (!buf) {
+        float *buf = from_codes ? NULL : thread_buffer(per * panel_size);
+        if (!from_codes && !buf) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
-            if (!buf) continue;
+            if (!from_codes && !buf) continue;
             const int64_t p0 = b * per, p1 = p0 + per < panels ? p0 + per : panels;
             if (!from_codes) {
                 for (int64_t p = p0; p < p1; p++)
@@ -486,9 +487,9 @@ int sb_linear_quant(const float *x, int64_t ldx, int kind, const float *scales,
                 panel_rows(x, ldx, buf, p0, p1, panel_size, bias, y, ldy, M, N, K);
                 continue;
             }
-            for (int64_t m = 0; m < M; m += avx512 ? MR512 : M) {
+            for (int64_t m = 0; m < M; m += group) {
                 /* rows m..m+mr: pairs of panels on AVX-512 (one pass), the rest on AVX2 */
-                const int64_t mr = !avx512 ? M : M - m < MR512 ? M - m : MR512;
+                const int64_t mr = M - m < group ? M - m : group;
                 int64_t p = p0;
                 if (avx512 && mr >= QMICRO512_MIN_M)
                     for (; p + 2 <= p1; p += 2) {
