@@ -6,7 +6,8 @@ Times every dense matmul of one SmolLM2-135M step (30 layers of q/k/v, o, gate/u
 plus lm_head; float32, random weights of the model's shapes) at each row count, with the
 kernel the engine uses for float32 on CPU (specbatch's own, ``kernels/linear_cpu.c``, where it
 builds) on the weights' exact 4-bit / 8-bit codes (the weights are made exactly Q4_1, lm_head
-Q8_0, as in the bundled GGUF model) and on the same weights in float32, oneDNN's inner product on prepacked weights (the fall-back, ``models/dense.py``) and
+Q8_0, as in the bundled GGUF model), on the same codes with 8-bit activations
+(``--dtype int8``, ``kernels/csrc/linear_q8.c``) and on the same weights in float32, oneDNN's inner product on prepacked weights (the fall-back, ``models/dense.py``) and
 ``F.linear`` (MKL sgemm, not row-invariant) beside it; mean of the best 3 of 5 passes,
 milliseconds, the three interleaved per row count. At batch 1 a verify step of n fed tokens runs these matmuls with n rows (at least
 2), so the growth from 2 to 16 rows is what a draft token costs; a kernel bound by streaming the
@@ -93,7 +94,12 @@ def main() -> None:
             linear_cpu.packed(w)  # cached as float32 panels
         del os.environ["SPECBATCH_CPU_WEIGHTS"]
         kernels["kernel, float32"] = linear_cpu.linear
-    sets = {name: f32 if name == "kernel, float32" else (weights, lm_head) for name in kernels}
+        x8 = [[w.clone() for w in layer] for layer in weights], lm_head.clone()
+        for w in [w for layer in x8[0] for w in layer] + [x8[1]]:
+            linear_cpu.use_int8_activations(w)  # cached in linear_q8.c's layout
+        kernels["codes, int8 x"] = linear_cpu.linear
+    sets = {name: f32 if name == "kernel, float32" else x8 if name == "codes, int8 x"
+            else (weights, lm_head) for name in kernels}
     print(f"{'rows':>5}" + "".join(f" {name + ' ms':>20}" for name in kernels))
     for rows in args.rows:
         cells = [step_ms(rows, fn, *sets[name]) if fn is not None else float("nan")

@@ -30,6 +30,7 @@ from kernels import cpu_build
 NR = 3  # weight rows per packed panel (csrc/linear_f32.c)
 BLOCK = 32  # k per quantisation block (GGUF's Q4_1 / Q8_0)
 Q4_1, Q8_0 = 1, 2  # the C kernel's codes for the two storage kinds
+Q4_1_X8, Q8_0_X8 = 3, 4  # the same codes with 8-bit activations (csrc/linear_q8.c)
 
 
 def _library():
@@ -145,21 +146,86 @@ def pack_quantized(weight: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tenso
             codes.view(panels, NR, nblk, 16).transpose(1, 2).contiguous())
 
 
+GROUP = 16  # output columns per group in linear_q8.c's layout
+
+
+def pack_q8(weight: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    """``weight`` ``[N, K]`` float32 as exact codes in the 8-bit-activation kernel's layout
+    (``csrc/linear_q8.c``): (``Q4_1_X8`` or ``Q8_0_X8``, scales, codes), None where it has no
+    exact codes (as ``pack_quantized``). Columns in groups of 16 (zero weights past N):
+    Q4_1 codes ``[G, K / 32, 4, 16, 4]`` uint8 (k 4r..4r+3 in the low nibble, 16 + 4r.. in the
+    high one), scales ``[G, K / 32, 2, 16]`` (d, m); Q8_0 codes ``[G, K / 32, 8, 16, 4]`` uint8
+    (q + 128), scales ``[G, K / 32, 16]``."""
+    n, k = weight.shape
+    if k % BLOCK or n == 0 or weight.dtype != torch.float32:
+        return None
+    v = weight.detach().contiguous().reshape(-1, BLOCK)
+    groups, nblk = -(-n // GROUP), k // BLOCK
+    pad = groups * GROUP
+
+    def by_group(t: torch.Tensor, *tail: int) -> torch.Tensor:
+        """[n, nblk, *tail] -> zero-padded [G, nblk, 16, *tail]"""
+        out = t.new_zeros(pad, nblk, *tail)
+        out[:n] = t
+        return out.view(groups, GROUP, nblk, *tail).transpose(1, 2)
+
+    found = _q8_0_codes(v)
+    if found is not None:
+        d, q = found
+        q = by_group((q.to(torch.int16) + 128).to(torch.uint8).view(n, nblk, 8, 4), 8, 4)
+        codes = q.permute(0, 1, 3, 2, 4).contiguous()  # [G, nblk, r, c, j]
+        return Q8_0_X8, by_group(d.view(n, nblk)).contiguous(), codes
+    found = _q4_1_codes(v)
+    if found is None:
+        return None
+    d, m, q = found
+    q = by_group(q.view(n, nblk, 2, 4, 4), 2, 4, 4).permute(0, 1, 3, 4, 2, 5)  # [G, nb, h, r, c, j]
+    codes = (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous()
+    scales = torch.stack([by_group(d.view(n, nblk)), by_group(m.view(n, nblk))], dim=2)
+    return Q4_1_X8, scales.contiguous(), codes
+
+
+# weights whose matmuls take 8-bit activations (``use_int8_activations``)
+_INT8 = WeakIdKeyDictionary()
+
+
+def use_int8_activations(weight: torch.Tensor) -> bool:
+    """From now on ``linear(x, weight)`` rounds x to 8 bits per block of 32 and runs integer
+    dot products on the weight's exact codes (``csrc/linear_q8.c``; the dtype ``int8``).
+    Returns whether the weight has such codes: one without them keeps the float32 panels."""
+    _INT8[weight] = True
+    return packed(weight)[0] in (Q4_1_X8, Q8_0_X8)
+
+
+def vnni(enable: bool | None = None) -> bool:
+    """Whether the 8-bit-activation matmuls run on AVX-512 VNNI (else a portable C loop with
+    the same bits, far slower; ``SPECBATCH_CPU_VNNI=0`` starts it off). ``enable`` turns it on
+    or off first (tests and A/B timings)."""
+    lib = _library()
+    if lib is None:
+        return False
+    return bool(lib.sb_linear_q8_vnni(-1 if enable is None else int(enable)))
+
+
 def _quantized_weights() -> bool:
     return os.environ.get("SPECBATCH_CPU_WEIGHTS", "").lower() != "float32"
 
 
 def packed(weight: torch.Tensor) -> tuple:
     """The kernel's form of ``weight``: ``(Q4_1 or Q8_0, scales, codes)`` where it is exactly
-    representable (``pack_quantized``), else ``(0, pack_weight(weight))``. Cached per weight
-    until it changes in place (``_version``)."""
+    representable (``pack_quantized``; ``(Q4_1_X8 or Q8_0_X8, scales, codes)``, ``pack_q8``,
+    for a weight marked by ``use_int8_activations``), else ``(0, pack_weight(weight))``.
+    Cached per weight until it changes in place (``_version``)."""
+    int8 = _INT8.get(weight) is not None
     entry = _PACKED.get(weight)
-    if entry is not None and entry[0] == weight._version:
+    if entry is not None and entry[0] == (weight._version, int8):
         return entry[1]
-    form = pack_quantized(weight) if _quantized_weights() else None
+    form = None
+    if _quantized_weights():
+        form = pack_q8(weight) if int8 else pack_quantized(weight)
     if form is None:
         form = (0, pack_weight(weight))
-    _PACKED[weight] = (weight._version, form)
+    _PACKED[weight] = ((weight._version, int8), form)
     return form
 
 

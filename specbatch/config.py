@@ -13,7 +13,9 @@ from dataclasses import dataclass, field, fields, replace
 
 METHODS = ("none", "ngram", "draft", "auto", "suffix")
 SUFFIX_CAP_FACTOR = 3  # suffix drafts may reach this many times k where a match is long
-DTYPES = ("float32", "bfloat16", "float64", "float16")
+# int8: float32, except that the matmuls with a GGUF model's 4/8-bit code weights round their
+# input to 8 bits per block of 32 (llama.cpp's Q8 activations; CPU only, kernels/csrc/linear_q8.c)
+DTYPES = ("float32", "bfloat16", "float64", "float16", "int8")
 # The integers a JSON file holds exactly (orjson reads and writes -2**63 .. 2**64 - 1; it reads
 # a longer integer as a float): the range of a seed, which the output's config saves.
 MIN_INT, MAX_INT = -2**63, 2**64 - 1
@@ -310,7 +312,8 @@ class EngineConfig:
     prompts packed); while rows are decoding, one such forward runs per step.
     device: ``auto`` (cuda when available, else cpu), ``cpu``, ``cuda`` or ``cuda:N``; stored
     resolved (``auto`` never remains). Raises ``ValueError`` for cuda without a usable GPU.
-    dtype: one of ``DTYPES`` or ``auto`` (see ``resolve_dtype``); stored resolved.
+    dtype: one of ``DTYPES`` or ``auto`` (see ``resolve_dtype``); stored resolved. ``int8``
+    (float32 with 8-bit activations into the code-weight matmuls) is for the CPU only.
     """
 
     max_batch_size: int = 16
@@ -334,6 +337,9 @@ class EngineConfig:
                f"auto or one of {', '.join(DTYPES)}")
         object.__setattr__(self, "device", resolve_device(self.device))
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.device))
+        _check(self.dtype != "int8" or self.device.startswith("cpu"), "dtype", self.dtype,
+               f"auto, bfloat16, float16, float32 or float64 on {self.device} (int8 "
+               "activations run on specbatch's CPU kernels only)")
 
 
 def resolve_dtype(name: str, device: str) -> str:

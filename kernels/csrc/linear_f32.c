@@ -452,11 +452,20 @@ static const qmicro512_fn QMICROS512[MR512 + 1] = {
     NULL, NULL, NULL, NULL, qmicro512_4, /* from QMICRO512_MIN_M rows */
     qmicro512_5, qmicro512_6, qmicro512_7, qmicro512_8};
 
+#define Q4_1_X8 3 /* the kinds of linear_q8.c: the same codes, 8-bit activations */
+#define Q8_0_X8 4
+int sb_linear_q8(const float *x, int64_t ldx, int kind, const float *scales,
+                 const uint8_t *codes, const float *bias, float *y, int64_t ldy, int64_t M,
+                 int64_t N, int64_t K);
+
 /* As sb_linear_f32, with the weight given as (kind, scales, codes) above; K % 32 == 0.
+ * Kinds Q4_1_X8 / Q8_0_X8 go to linear_q8.c (its own layout, 8-bit activations).
  * Returns 0, or -1 when a thread's buffer could not be allocated (y is then incomplete). */
 int sb_linear_quant(const float *x, int64_t ldx, int kind, const float *scales,
                     const uint8_t *codes, const float *bias, float *y, int64_t ldy, int64_t M,
                     int64_t N, int64_t K) {
+    if (kind == Q4_1_X8 || kind == Q8_0_X8) /* 8-bit activations: linear_q8.c */
+        return sb_linear_q8(x, ldx, kind, scales, codes, bias, y, ldy, M, N, K);
     const int64_t panels = (N + NR - 1) / NR;
     const int64_t panel_size = K / 8 * NR * 8, nblk = K / 32;
     const int64_t ss = kind == Q4_1 ? 2 : 1, cs = kind == Q4_1 ? 16 : 32; /* per (block, col) */

@@ -90,6 +90,11 @@ class LlamaForward:
                     if a.q_proj.bias is not None else None)
             self.qkv.append((fused_weight(tuple(m.weight for m in projs)), bias))
             self.gate_up.append(fused_weight((mlp.gate_proj.weight, mlp.up_proj.weight)))
+        # dtype int8 (models/loader.py marks the model): the code-weight matmuls take 8-bit
+        # activations; marked before DecodeLayers takes the weights' kernel forms
+        self.activations = getattr(hf_model, "specbatch_activations", "float32")
+        if self.activations == "int8":
+            _use_int8_activations(self)
         # ... and every layer of such a step in one C call (kernels/decode_cpu.py)
         self.cpu_decode = cpu_decode_for(self)
 
@@ -508,6 +513,25 @@ class LlamaForward:
         if h.shape[0] * h.shape[1] < 2 and self.min_dense_rows > 1:
             return self.linear(h.expand(2, -1, -1), self.lm_head)[:1]
         return self.linear(h, self.lm_head)
+
+
+def _use_int8_activations(forward: LlamaForward) -> None:
+    """Mark every dense weight of ``forward`` (fused q/k/v, o, fused gate/up, down, lm_head) for
+    8-bit activations (``kernels.linear_cpu.use_int8_activations``). Raises ``ValueError`` where
+    the C matmul cannot run (int8 needs it: a float32 CPU model, x86-64 with AVX2)."""
+    try:
+        from kernels import linear_cpu
+    except ImportError:
+        linear_cpu = None
+    if (linear_cpu is None or forward.linear is not linear_cpu.linear
+            or not linear_cpu.available()):
+        raise ValueError("dtype int8 needs specbatch's C kernels (an x86-64 CPU with AVX2 + FMA "
+                         "and a C compiler); use float32")
+    weights = [w for w, _ in forward.qkv] + forward.gate_up + [forward.lm_head]
+    for layer in forward.layers:
+        weights += [layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight]
+    for w in weights:
+        linear_cpu.use_int8_activations(w)
 
 
 def cpu_decode_for(forward: LlamaForward):

@@ -41,7 +41,8 @@ logger = logging.getLogger("specbatch")
 
 KINDS = ("registry", "gguf", "hf_folder")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                "float16": torch.float16, "float64": torch.float64}
+                "float16": torch.float16, "float64": torch.float64,
+                "int8": torch.float32}  # float32 weights, 8-bit activations (LlamaForward)
 CACHE_ENV = "SPECBATCH_CACHE"
 # Bump when the cache layout or conversion changes: entries of an old layout are then ignored.
 _GGUF_CACHE_DIR = "gguf-v1"
@@ -131,6 +132,8 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu",
 
     name: see ``resolve_model``.
     dtype: "float32", "bfloat16", "float16" or "float64"; weights are cast while loading.
+        "int8": float32 weights, and the model is marked (``specbatch_activations = "int8"``)
+        so that ``LlamaForward`` runs its code-weight matmuls with 8-bit activations.
     device: a torch device string ("cpu", "cuda", "cuda:1").
     cache_dir: root of the GGUF cache; else env ``SPECBATCH_CACHE``; else ``~/.cache/specbatch``.
 
@@ -146,6 +149,8 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu",
     source = resolve_model(name, cache_dir)
     folder, digest = _model_folder(source, cache_root(cache_dir))
     model, tokenizer = _load_folder(folder, TORCH_DTYPES[dtype], torch_device)
+    if dtype == "int8":
+        model.specbatch_activations = "int8"
     return LoadedModel(model=model, tokenizer=tokenizer, source=source,
                        eos_token_ids=_eos_token_ids(model, tokenizer),
                        max_model_len=_max_model_len(model.config),

@@ -1,0 +1,278 @@
+/* Code weights times 8-bit activations: y = x w^T (+ bias), integer dot products per block.
+ *
+ * Built by kernels/cpu_build.py, called through sb_linear_quant (linear_f32.c) for the weight
+ * kinds Q4_1_X8 and Q8_0_X8 (kernels/linear_cpu.py, pack_q8, documents the layout). The
+ * scheme is llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0 dot products (ggml-quants.c):
+ *
+ *   each row of x, per block of 32 k:  d_x = max |x| / 127,  q_x = rint(x * (1 / d_x)) (int8,
+ *                                      round to nearest even),  S = sum q_x (int32);
+ *   Q4_1 weight block (d_w, m_w, q_w in 0..15, w = d_w q_w + m_w), per output element:
+ *       acc = fma(float(sum q_w q_x), d_w * d_x, acc);  acc = fma(m_w, d_x * float(S), acc)
+ *   Q8_0 weight block (d_w, q_w in -127..127, w = d_w q_w):
+ *       acc = fma(float(sum q_w q_x), d_w * d_x, acc)
+ *
+ * over the blocks in order, then y = acc + bias. The integer sums are exact (|sum| < 2^20, so
+ * float(sum) is exact too) and every float operation is one element's own, in a fixed order:
+ * an output element has the same bits whatever M, the row's place in x, the tiling, the thread
+ * count and the instruction set (the AVX-512 VNNI kernel below and the portable C one agree bit
+ * for bit; tests/unit/test_linear_q8.py). So the batch invariance of docs/design.md holds by
+ * construction, as with the float32 kernels; the numbers differ from float32's (activations
+ * are rounded to 8 bits per block, as llama.cpp does).
+ *
+ * Layout (16 output columns per group, one 32-bit lane of a 512-bit register each; N padded to
+ * a multiple of 16 with zero weights): for group g and block b,
+ *   Q4_1: codes [4][16][4] bytes, byte (r, c, j) = q(c, 4r + j) | q(c, 16 + 4r + j) << 4;
+ *         scales [2][16] floats (d_w, then m_w, per column);
+ *   Q8_0: codes [8][16][4] bytes, byte (r, c, j) = q(c, 4r + j) + 128 (unsigned for VPDPBUSD:
+ *         sum (q_w + 128) q_x - 128 S = sum q_w q_x, exact); scales [16] floats (d_w).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QB 32      /* k per block */
+#define GC 16      /* output columns per group */
+#define MRQ 8      /* rows of x per tile */
+#define Q4_1_X8 3
+#define Q8_0_X8 4
+
+/* bytes of codes and floats of scales per (group, block) */
+static inline int64_t codes_per(int kind) { return kind == Q4_1_X8 ? 256 : 512; }
+static inline int64_t scales_per(int kind) { return kind == Q4_1_X8 ? 32 : 16; }
+
+/* ---- the rows of x in 8 bits: q [M][K] int8, d [M][K / 32] float, s [M][K / 32] int32 ---- */
+
+static void quantize_scalar(const float *x, int64_t K, int8_t *q, float *d, int32_t *s) {
+    for (int64_t b = 0; b < K / QB; b++) {
+        const float *xb = x + b * QB;
+        float amax = 0.0f;
+        for (int j = 0; j < QB; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        const float db = amax / 127.0f, id = db > 0.0f ? 1.0f / db : 0.0f;
+        int32_t sum = 0;
+        for (int j = 0; j < QB; j++) {
+            const int v = (int)nearbyintf(xb[j] * id);
+            q[b * QB + j] = (int8_t)v;
+            sum += v;
+        }
+        d[b] = db;
+        s[b] = sum;
+    }
+}
+
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+
+/* quantize_scalar's arithmetic, 16 lanes at a time (max is exact, the product and the rounding
+ * to nearest even are one element's own): the same bytes */
+VNNI static void quantize_512(const float *x, int64_t K, int8_t *q, float *d, int32_t *s) {
+    const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    for (int64_t b = 0; b < K / QB; b++) {
+        const float *xb = x + b * QB;
+        const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+        const float amax = _mm512_reduce_max_ps(
+            _mm512_max_ps(_mm512_and_ps(v0, sign), _mm512_and_ps(v1, sign)));
+        const float db = amax / 127.0f, id = db > 0.0f ? 1.0f / db : 0.0f;
+        const __m512 vid = _mm512_set1_ps(id);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
+        _mm_storeu_si128((__m128i *)(q + b * QB), _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(q + b * QB + 16), _mm512_cvtsepi32_epi8(q1));
+        d[b] = db;
+        s[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    }
+}
+
+/* ---- the portable kernel: one element at a time, the documented arithmetic ---- */
+
+static void group_scalar(int kind, int64_t mr, const int8_t *xq, const float *xd,
+                         const int32_t *xs, int64_t K, const uint8_t *codes,
+                         const float *scales, const float *bias, float *y, int64_t ldy,
+                         int64_t ncols) {
+    const int64_t nblk = K / QB, cp = codes_per(kind), sp = scales_per(kind);
+    for (int64_t i = 0; i < mr; i++)
+        for (int64_t c = 0; c < ncols; c++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nblk; b++) {
+                const uint8_t *cb = codes + b * cp;
+                const float *sb = scales + b * sp;
+                const int8_t *q = xq + i * K + b * QB;
+                int32_t dot = 0;
+                if (kind == Q4_1_X8) {
+                    for (int r = 0; r < 4; r++)
+                        for (int j = 0; j < 4; j++) {
+                            const uint8_t byte = cb[r * 64 + c * 4 + j];
+                            dot += (byte & 15) * q[4 * r + j] + (byte >> 4) * q[16 + 4 * r + j];
+                        }
+                } else {
+                    for (int r = 0; r < 8; r++)
+                        for (int j = 0; j < 4; j++)
+                            dot += ((int32_t)cb[r * 64 + c * 4 + j] - 128) * q[4 * r + j];
+                }
+                const float dx = xd[i * nblk + b];
+                acc = fmaf((float)dot, sb[c] * dx, acc);
+                if (kind == Q4_1_X8) acc = fmaf(sb[GC + c], dx * (float)xs[i * nblk + b], acc);
+            }
+            y[i * ldy + c] = bias ? acc + bias[c] : acc;
+        }
+}
+
+/* ---- AVX-512 VNNI: 16 columns x up to 8 rows per call, VPDPBUSD on 4 k per lane ---- */
+
+VNNI static inline __attribute__((always_inline)) void group_512(
+        int kind, int mr, const int8_t *xq, const float *xd, const int32_t *xs, int64_t K,
+        const uint8_t *codes, const float *scales, const float *bias, float *y, int64_t ldy,
+        int64_t ncols) {
+    const int64_t nblk = K / QB, cp = codes_per(kind), sp = scales_per(kind);
+    __m512 acc[MRQ];
+#pragma GCC unroll 8
+    for (int i = 0; i < MRQ; i++) acc[i] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nblk; b++) {
+        const uint8_t *cb = codes + b * cp;
+        __m512i w[8];
+        if (kind == Q4_1_X8) {
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(cb + 64 * r));
+                w[r] = _mm512_and_si512(v, low);
+                w[r + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+        } else {
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; r++) w[r] = _mm512_loadu_si512((const void *)(cb + 64 * r));
+        }
+        const __m512 dw = _mm512_loadu_ps(scales + b * sp);
+        __m512i dot[MRQ];
+#pragma GCC unroll 8
+        for (int i = 0; i < mr; i++) dot[i] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; r++)
+#pragma GCC unroll 8
+            for (int i = 0; i < mr; i++) {
+                int32_t quad;
+                memcpy(&quad, xq + i * K + b * QB + 4 * r, 4);
+                dot[i] = _mm512_dpbusd_epi32(dot[i], w[r], _mm512_set1_epi32(quad));
+            }
+#pragma GCC unroll 8
+        for (int i = 0; i < mr; i++) {
+            const float dx = xd[i * nblk + b];
+            if (kind == Q8_0_X8)
+                dot[i] = _mm512_sub_epi32(dot[i], _mm512_set1_epi32(128 * xs[i * nblk + b]));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]),
+                                     _mm512_mul_ps(dw, _mm512_set1_ps(dx)), acc[i]);
+            if (kind == Q4_1_X8)
+                acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(scales + b * sp + GC),
+                                         _mm512_set1_ps(dx * (float)xs[i * nblk + b]), acc[i]);
+        }
+    }
+    const __mmask16 m = (__mmask16)((1u << ncols) - 1);
+#pragma GCC unroll 8
+    for (int i = 0; i < mr; i++) {
+        __m512 out = acc[i];
+        if (bias) out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(m, bias));
+        _mm512_mask_storeu_ps(y + i * ldy, m, out);
+    }
+}
+
+/* group_512 with the kind and the row count constants (accumulators in registers) */
+#define GROUP512(MR)                                                                          \
+    VNNI static void group512_##MR(int kind, const int8_t *xq, const float *xd,               \
+                                   const int32_t *xs, int64_t K, const uint8_t *codes,        \
+                                   const float *scales, const float *bias, float *y,          \
+                                   int64_t ldy, int64_t ncols) {                              \
+        if (kind == Q4_1_X8)                                                                  \
+            group_512(Q4_1_X8, MR, xq, xd, xs, K, codes, scales, bias, y, ldy, ncols);        \
+        else                                                                                  \
+            group_512(Q8_0_X8, MR, xq, xd, xs, K, codes, scales, bias, y, ldy, ncols);        \
+    }
+GROUP512(1)
+GROUP512(2)
+GROUP512(3)
+GROUP512(4)
+GROUP512(5)
+GROUP512(6)
+GROUP512(7)
+GROUP512(8)
+
+typedef void (*group512_fn)(int, const int8_t *, const float *, const int32_t *, int64_t,
+                            const uint8_t *, const float *, const float *, float *, int64_t,
+                            int64_t);
+static const group512_fn GROUPS512[MRQ + 1] = {NULL,        group512_1, group512_2,
+                                               group512_3,  group512_4, group512_5,
+                                               group512_6,  group512_7, group512_8};
+
+static int vnni_state = -1; /* -1: not decided yet; 0 / 1 */
+
+static int cpu_vnni(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
+/* Whether the AVX-512 VNNI kernel runs (the CPU has it and it is not switched off: enable 0 /
+ * 1 sets, -1 only asks; SPECBATCH_CPU_VNNI=0 starts it off). Same bits either way. */
+int sb_linear_q8_vnni(int enable) {
+    if (vnni_state < 0) {
+        const char *env = getenv("SPECBATCH_CPU_VNNI");
+        vnni_state = cpu_vnni() && !(env && env[0] == '0');
+    }
+    if (enable >= 0) vnni_state = enable && cpu_vnni();
+    return vnni_state;
+}
+
+/* Groups of 16 columns per thread block: weights of 16 groups at K = 1536 are 96 KB of codes
+ * and scales, read once per tile of 8 rows from L2. */
+#define GROUPS_PER_BLOCK 4
+
+/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) w^T (+ bias [N]) for the kinds above;
+ * K % 32 == 0; codes and scales in the layout above. Returns 0, or -1 when the buffer for x's
+ * codes could not be allocated. */
+int sb_linear_q8(const float *x, int64_t ldx, int kind, const float *scales,
+                 const uint8_t *codes, const float *bias, float *y, int64_t ldy, int64_t M,
+                 int64_t N, int64_t K) {
+    const int64_t nblk = K / QB, groups = (N + GC - 1) / GC;
+    const int vnni = sb_linear_q8_vnni(-1);
+    int8_t *xq = malloc((size_t)(M * K));
+    float *xd = malloc(sizeof(float) * (size_t)(M * nblk));
+    int32_t *xs = malloc(sizeof(int32_t) * (size_t)(M * nblk));
+    if (!xq || !xd || !xs) {
+        free(xq);
+        free(xd);
+        free(xs);
+        return -1;
+    }
+#pragma omp parallel for schedule(static) if (M >= 16)
+    for (int64_t m = 0; m < M; m++) {
+        if (vnni)
+            quantize_512(x + m * ldx, K, xq + m * K, xd + m * nblk, xs + m * nblk);
+        else
+            quantize_scalar(x + m * ldx, K, xq + m * K, xd + m * nblk, xs + m * nblk);
+    }
+    const int64_t cg = nblk * codes_per(kind), sg = nblk * scales_per(kind);
+    const int64_t nblocks = (groups + GROUPS_PER_BLOCK - 1) / GROUPS_PER_BLOCK;
+#pragma omp parallel for schedule(static)
+    for (int64_t blk = 0; blk < nblocks; blk++) {
+        const int64_t g0 = blk * GROUPS_PER_BLOCK;
+        const int64_t g1 = g0 + GROUPS_PER_BLOCK < groups ? g0 + GROUPS_PER_BLOCK : groups;
+        for (int64_t m = 0; m < M; m += MRQ) {
+            const int64_t mr = M - m < MRQ ? M - m : MRQ;
+            for (int64_t g = g0; g < g1; g++) {
+                const int64_t n = g * GC, ncols = N - n < GC ? N - n : GC;
+                const float *bg = bias ? bias + n : NULL;
+                if (vnni)
+                    GROUPS512[mr](kind, xq + m * K, xd + m * nblk, xs + m * nblk, K,
+                                  codes + g * cg, scales + g * sg, bg, y + m * ldy + n, ldy,
+                                  ncols);
+                else
+                    group_scalar(kind, mr, xq + m * K, xd + m * nblk, xs + m * nblk, K,
+                                 codes + g * cg, scales + g * sg, bg, y + m * ldy + n, ldy,
+                                 ncols);
+            }
+        }
+    }
+    free(xq);
+    free(xd);
+    free(xs);
+    return 0;
+}
