@@ -37,7 +37,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """Query token t attends to ``k_cache[rows[t], :, :positions[t] + 1]``.
 
     q: ``[T, H, D]`` float32 CPU (last dim contiguous); k_cache, v_cache: ``[R, Hkv, C, D]``
-    float32, last dim contiguous, the same strides; H a multiple of Hkv (query head h reads kv
+    float32 or float16 (widened exactly as they are read), last dim contiguous, the same strides; H a multiple of Hkv (query head h reads kv
     head ``h // (H // Hkv)``); D a multiple of 8, at most 256; rows, positions: ``[T]`` int64
     (``0 <= positions[t] < C``, ``0 <= rows[t] < R``: checked here, since the C code trusts
     them; ``validate=False`` skips that pass for a caller that checked them already, as the
@@ -50,7 +50,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise RuntimeError("the CPU attention kernel is not available here")
     if not _fits(q, k_cache, v_cache):  # the message is built only for a bad call
         raise ValueError(
-            f"q: [T, H, D] and caches [R, Hkv, C, D] alike, float32 on the CPU, last dims "
+            f"q: [T, H, D] float32 and caches [R, Hkv, C, D] float32 or float16 on the CPU, last dims "
             f"contiguous, H a multiple of Hkv, D a multiple of 8 up to {MAX_HEAD_DIM}; got q "
             f"{tuple(q.shape)} {q.dtype} on {q.device}, caches {tuple(k_cache.shape)} "
             f"{k_cache.dtype} and {tuple(v_cache.shape)} {v_cache.dtype}")
@@ -73,7 +73,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
                             k_cache.stride(2), rows.data_ptr(), positions.data_ptr(),
                             out.data_ptr(), out.stride(0), out.stride(1), t, h, hkv, d,
-                            scale) != 0:
+                            scale, int(k_cache.dtype == torch.float16)) != 0:
         raise RuntimeError("the CPU attention kernel could not allocate its scratch memory")
     return out
 
@@ -85,6 +85,7 @@ def _fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool
     d = q.shape[2]
     return (k_cache.stride() == v_cache.stride() and k_cache.shape[3] == d
             and q.shape[1] % k_cache.shape[1] == 0 and d % 8 == 0 and d <= MAX_HEAD_DIM
-            and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+            and q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype
+            and k_cache.dtype in (torch.float32, torch.float16)
             and q.device.type == k_cache.device.type == v_cache.device.type == "cpu"
             and q.stride(2) == 1 and k_cache.stride(3) == 1)

@@ -29,7 +29,7 @@ _log = logging.getLogger(__name__)
 SOURCES = sorted(Path(__file__).with_name("csrc").glob("*.c"))
 HEADERS = sorted(Path(__file__).with_name("csrc").glob("*.h"))  # hashed too: a change rebuilds
 # -ffp-contract=off: a product and a sum written apart stay apart (the documented roundings)
-FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 
 def cache_dir() -> Path:
@@ -45,7 +45,7 @@ def cpu_has_avx2_fma() -> bool:
         flags = text.split("\nflags", 1)[1].split("\n", 1)[0].split()
     except (OSError, IndexError):
         return False
-    return "avx2" in flags and "fma" in flags
+    return "avx2" in flags and "fma" in flags and "f16c" in flags  # F16C: every AVX2 CPU
 
 
 def build() -> Path:
@@ -111,12 +111,12 @@ def library() -> ctypes.CDLL | None:
     lib.sb_linear_quant.restype = ctypes.c_int
     lib.sb_linear_avx512.argtypes = [ctypes.c_int]
     lib.sb_linear_avx512.restype = ctypes.c_int
-    lib.sb_linear_q8_vnni.argtypes = [ctypes.c_int]
-    lib.sb_linear_q8_vnni.restype = ctypes.c_int
+    lib.sb_linear_q8_isa.argtypes = [ctypes.c_int]
+    lib.sb_linear_q8_isa.restype = ctypes.c_int
     lib.sb_decode_f32.argtypes = [p, i64, p, i64, i64, p, p, p, p, i64, i64, i64, i64, i64, i64,
-                                  ctypes.c_float, ctypes.c_float]
+                                  ctypes.c_float, ctypes.c_float, ctypes.c_int]
     lib.sb_decode_f32.restype = ctypes.c_int
     lib.sb_attention_f32.argtypes = [p, i64, i64, p, p, i64, i64, i64, p, p, p, i64, i64,
-                                     i64, i64, i64, i64, ctypes.c_float]
+                                     i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     lib.sb_attention_f32.restype = ctypes.c_int
     return lib

@@ -102,7 +102,8 @@ class DecodeLayers:
         """Run every layer on h ``[T, hidden]`` float32 (updated in place and returned).
 
         cos, sin: ``[T, head_dim]`` float32 (``LlamaForward._rope``: sin's first half negated);
-        k_cache, v_cache: per layer ``[R, Hkv, C, head_dim]`` float32, all with the same strides
+        k_cache, v_cache: per layer ``[R, Hkv, C, head_dim]``, float32 or float16 (keys and values
+        rounded to float16 as they are written), all of one dtype and with the same strides
         (``KVCache``); rows, positions: ``[T]`` int64, token t's cache row and position (its keys
         and values are written there, and it attends to keys 0 .. its position). Raises
         ``ValueError`` for rows or positions outside the cache, ``MemoryError`` when the C code
@@ -124,6 +125,7 @@ class DecodeLayers:
         if t and lib.sb_decode_f32(array, len(self.layers), h.data_ptr(), t, hidden,
                                    cos.data_ptr(), sin.data_ptr(), rows.data_ptr(),
                                    positions.data_ptr(), self.num_heads, self.num_kv_heads, d,
-                                   s[0], s[1], s[2], self.eps, scale):
+                                   s[0], s[1], s[2], self.eps, scale,
+                                   int(k_cache[0].dtype == torch.float16)):
             raise MemoryError("the C decode step could not allocate its buffers")
         return h

@@ -197,14 +197,18 @@ def use_int8_activations(weight: torch.Tensor) -> bool:
     return packed(weight)[0] in (Q4_1_X8, Q8_0_X8)
 
 
-def vnni(enable: bool | None = None) -> bool:
-    """Whether the 8-bit-activation matmuls run on AVX-512 VNNI (else a portable C loop with
-    the same bits, far slower; ``SPECBATCH_CPU_VNNI=0`` starts it off). ``enable`` turns it on
-    or off first (tests and A/B timings)."""
+INT8_KERNELS = ("portable", "avx2", "vnni")  # csrc/linear_q8.c's kernels, slowest first
+
+
+def int8_kernel(name: str | None = None) -> str | None:
+    """Which kernel runs the 8-bit-activation matmuls: ``"vnni"`` (AVX-512 VNNI, where the CPU
+    has it), ``"avx2"`` (``SPECBATCH_CPU_VNNI=0`` starts there) or ``"portable"`` (plain C, for
+    tests); None without the C kernels. All give the same bits. ``name`` switches first
+    (``"vnni"`` falls back to ``"avx2"`` on a CPU without it)."""
     lib = _library()
     if lib is None:
-        return False
-    return bool(lib.sb_linear_q8_vnni(-1 if enable is None else int(enable)))
+        return None
+    return INT8_KERNELS[lib.sb_linear_q8_isa(-1 if name is None else INT8_KERNELS.index(name))]
 
 
 def _quantized_weights() -> bool:

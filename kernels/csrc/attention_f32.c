@@ -29,18 +29,25 @@
 /* scores of G <= GMAX query heads q[g] (D floats each) with keys k_0 .. k_{nk-1} (row stride
  * ldk) into s[g * lds + j]; D a multiple of 8. KB keys at a time (G * KB independent chains,
  * within AVX2's 16 registers); each key's sum the same ops whatever G, KB and nk. */
+/* eight cache elements from element index i of a float32 (F16 0) or float16 (F16 1) cache:
+ * float16 values widen to float32 exactly, so the arithmetic after the load is the same */
+static inline __attribute__((always_inline)) __m256 kv_load(int F16, const void *c, int64_t i) {
+    if (F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)c + i)));
+    return _mm256_loadu_ps((const float *)c + i);
+}
+
 static inline __attribute__((always_inline)) void scores(
-        int G, int KB, const float *const *q, const float *k, int64_t ldk, int64_t nk,
+        int G, int KB, int F16, const float *const *q, const void *k, int64_t ldk, int64_t nk,
         int64_t D, float scale, float *s, int64_t lds) {
     int64_t j = 0;
     for (; j + KB <= nk; j += KB) {
-        const float *k0 = k + j * ldk;
+        const int64_t k0 = j * ldk;
         __m256 a[GMAX][4];
         for (int g = 0; g < G; g++)
             for (int u = 0; u < KB; u++) a[g][u] = _mm256_setzero_ps();
         for (int64_t d = 0; d < D; d += 8) {
             __m256 kv[4];
-            for (int u = 0; u < KB; u++) kv[u] = _mm256_loadu_ps(k0 + u * ldk + d);
+            for (int u = 0; u < KB; u++) kv[u] = kv_load(F16, k, k0 + u * ldk + d);
             for (int g = 0; g < G; g++) {
                 const __m256 qv = _mm256_loadu_ps(q[g] + d);
                 for (int u = 0; u < KB; u++) a[g][u] = _mm256_fmadd_ps(qv, kv[u], a[g][u]);
@@ -53,7 +60,7 @@ static inline __attribute__((always_inline)) void scores(
         for (int g = 0; g < G; g++) {
             __m256 a0 = _mm256_setzero_ps();
             for (int64_t d = 0; d < D; d += 8)
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + d), _mm256_loadu_ps(k + j * ldk + d), a0);
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + d), kv_load(F16, k, j * ldk + d), a0);
             s[g * lds + j] = hsum8(a0) * scale;
         }
 }
@@ -86,9 +93,9 @@ static float softmax_numerators(float *s, int64_t n) {
  * s: G * n floats of scratch. Inlined with G and D constants for the common shapes, so the
  * accumulators stay in registers. */
 static inline __attribute__((always_inline)) void attend_group(
-        int G, const float *const *q, const float *k, const float *v, int64_t ldc, int64_t n,
-        int64_t D, float scale, float *s, float *const *out) {
-    scores(G, G == 3 ? 3 : 4, q, k, ldc, n, D, scale, s, n);
+        int G, int F16, const float *const *q, const void *k, const void *v, int64_t ldc,
+        int64_t n, int64_t D, float scale, float *s, float *const *out) {
+    scores(G, G == 3 ? 3 : 4, F16, q, k, ldc, n, D, scale, s, n);
     float inv[GMAX];
     for (int g = 0; g < G; g++) inv[g] = 1.0f / softmax_numerators(s + g * n, n);
     for (int64_t d0 = 0; d0 < D; d0 += SLICE) { /* each value row's slice is read once */
@@ -97,9 +104,9 @@ static inline __attribute__((always_inline)) void attend_group(
         for (int g = 0; g < G; g++)
             for (int c = 0; c < w; c++) acc[g][c] = _mm256_setzero_ps();
         for (int64_t j = 0; j < n; j++) {
-            const float *vj = v + j * ldc + d0;
+            const int64_t vj = j * ldc + d0;
             for (int c = 0; c < w; c++) {
-                const __m256 vv = _mm256_loadu_ps(vj + 8 * c);
+                const __m256 vv = kv_load(F16, v, vj + 8 * c);
                 for (int g = 0; g < G; g++)
                     acc[g][c] = _mm256_fmadd_ps(_mm256_set1_ps(s[g * n + j]), vv, acc[g][c]);
             }
@@ -113,34 +120,39 @@ static inline __attribute__((always_inline)) void attend_group(
 }
 
 /* attend_group with G and D constants where they are common */
-static void attend_heads(int G, const float *const *q, const float *k, const float *v,
-                         int64_t ldc, int64_t n, int64_t D, float scale, float *s,
-                         float *const *out) {
-#define CASE(GG, DD)                                                                        \
-    if (G == GG && D == DD) {                                                               \
-        attend_group(GG, q, k, v, ldc, n, DD, scale, s, out);                               \
-        return;                                                                             \
+#define ATTEND_HEADS(F16)                                                                   \
+    static void attend_heads_##F16(int G, const float *const *q, const void *k,             \
+                                   const void *v, int64_t ldc, int64_t n, int64_t D,         \
+                                   float scale, float *s, float *const *out) {               \
+        if (G == 3 && D == 64) attend_group(3, F16, q, k, v, ldc, n, 64, scale, s, out);     \
+        else if (G == 2 && D == 64) attend_group(2, F16, q, k, v, ldc, n, 64, scale, s, out); \
+        else if (G == 1 && D == 64) attend_group(1, F16, q, k, v, ldc, n, 64, scale, s, out); \
+        else if (G == 3 && D == 128) attend_group(3, F16, q, k, v, ldc, n, 128, scale, s, out); \
+        else if (G == 2 && D == 128) attend_group(2, F16, q, k, v, ldc, n, 128, scale, s, out); \
+        else if (G == 1 && D == 128) attend_group(1, F16, q, k, v, ldc, n, 128, scale, s, out); \
+        else if (G == 3) attend_group(3, F16, q, k, v, ldc, n, D, scale, s, out);            \
+        else if (G == 2) attend_group(2, F16, q, k, v, ldc, n, D, scale, s, out);            \
+        else attend_group(1, F16, q, k, v, ldc, n, D, scale, s, out);                        \
     }
-    CASE(3, 64) CASE(2, 64) CASE(1, 64) CASE(3, 128) CASE(2, 128) CASE(1, 128)
-#undef CASE
-    if (G == 3)
-        attend_group(3, q, k, v, ldc, n, D, scale, s, out);
-    else if (G == 2)
-        attend_group(2, q, k, v, ldc, n, D, scale, s, out);
-    else
-        attend_group(1, q, k, v, ldc, n, D, scale, s, out);
-}
+ATTEND_HEADS(0)
+ATTEND_HEADS(1)
 
 /* q: [T, H, D] (strides s_qt, s_qh; d contiguous); caches: [R, Hkv, C, D] (strides s_cr, s_ch,
- * s_cc; d contiguous); rows, pos: [T]; o: [T, H, D] (strides s_ot, s_oh). D a multiple of 8,
- * <= MAX_D. Returns 0, or -1 if a scratch allocation failed (o then undefined). */
-int sb_attention_f32(const float *q, int64_t s_qt, int64_t s_qh, const float *kc,
-                     const float *vc, int64_t s_cr, int64_t s_ch, int64_t s_cc,
+ * s_cc, in elements; d contiguous), float32, or float16 with kv_f16 (widened exactly on load:
+ * the same arithmetic on the stored values); rows, pos: [T]; o: [T, H, D] (strides s_ot,
+ * s_oh). D a multiple of 8, <= MAX_D. Returns 0, or -1 if a scratch allocation failed (o then
+ * undefined). */
+int sb_attention_f32(const float *q, int64_t s_qt, int64_t s_qh, const void *kc,
+                     const void *vc, int64_t s_cr, int64_t s_ch, int64_t s_cc,
                      const int64_t *rows, const int64_t *pos, float *o, int64_t s_ot,
-                     int64_t s_oh, int64_t T, int64_t H, int64_t Hkv, int64_t D, float scale) {
+                     int64_t s_oh, int64_t T, int64_t H, int64_t Hkv, int64_t D, float scale,
+                     int kv_f16) {
+    const int64_t esize = kv_f16 ? 2 : 4;
     const int64_t group = H / Hkv;
     int failed = 0;
-#pragma omp parallel for collapse(2) schedule(static) reduction(| : failed)
+    /* tasks round-robin over the threads: a prefill's tokens read 1 .. n keys each, so
+     * contiguous halves would leave one thread the long half (the schedule changes no bits) */
+#pragma omp parallel for collapse(2) schedule(static, 1) reduction(| : failed)
     for (int64_t t = 0; t < T; t++)
         for (int64_t hk = 0; hk < Hkv; hk++) {
             const int64_t n = pos[t] + 1;
@@ -150,8 +162,8 @@ int sb_attention_f32(const float *q, int64_t s_qt, int64_t s_qh, const float *kc
                 failed = 1;
                 continue;
             }
-            const float *k = kc + rows[t] * s_cr + hk * s_ch;
-            const float *v = vc + rows[t] * s_cr + hk * s_ch;
+            const int64_t at = (rows[t] * s_cr + hk * s_ch) * esize;
+            const void *k = (const char *)kc + at, *v = (const char *)vc + at;
             for (int64_t h0 = hk * group; h0 < (hk + 1) * group; h0 += GMAX) {
                 const int g = (int)((hk + 1) * group - h0 < GMAX ? (hk + 1) * group - h0 : GMAX);
                 const float *qh[GMAX];
@@ -160,7 +172,10 @@ int sb_attention_f32(const float *q, int64_t s_qt, int64_t s_qh, const float *kc
                     qh[i] = q + t * s_qt + (h0 + i) * s_qh;
                     oh[i] = o + t * s_ot + (h0 + i) * s_oh;
                 }
-                attend_heads(g, qh, k, v, s_cc, n, D, scale, s, oh);
+                if (kv_f16)
+                    attend_heads_1(g, qh, k, v, s_cc, n, D, scale, s, oh);
+                else
+                    attend_heads_0(g, qh, k, v, s_cc, n, D, scale, s, oh);
             }
             free(s);
         }

@@ -28,10 +28,11 @@ void sb_linear_f32(const float *x, int64_t ldx, const float *packed, const float
 int sb_linear_quant(const float *x, int64_t ldx, int kind, const float *scales,
                     const uint8_t *codes, const float *bias, float *y, int64_t ldy, int64_t M,
                     int64_t N, int64_t K);
-int sb_attention_f32(const float *q, int64_t s_qt, int64_t s_qh, const float *kc,
-                     const float *vc, int64_t s_cr, int64_t s_ch, int64_t s_cc,
+int sb_attention_f32(const float *q, int64_t s_qt, int64_t s_qh, const void *kc,
+                     const void *vc, int64_t s_cr, int64_t s_ch, int64_t s_cc,
                      const int64_t *rows, const int64_t *pos, float *o, int64_t s_ot,
-                     int64_t s_oh, int64_t T, int64_t H, int64_t Hkv, int64_t D, float scale);
+                     int64_t s_oh, int64_t T, int64_t H, int64_t Hkv, int64_t D, float scale,
+                     int kv_f16);
 
 /* a weight as linear_f32.c takes it: kind 0 float32 panels (data), else Q4_1 / Q8_0 (data =
  * scales, codes); bias [N] or NULL */
@@ -46,7 +47,7 @@ typedef struct {
 typedef struct {
     sb_weight qkv, o, gate_up, down;
     const float *input_norm, *post_norm; /* [hidden] */
-    float *k_cache, *v_cache;            /* [R, Hkv, C, D], strides given to sb_decode_f32 */
+    void *k_cache, *v_cache; /* [R, Hkv, C, D] float32 or float16, strides to sb_decode_f32 */
 } sb_layer;
 
 static int linear(const sb_weight *w, const float *x, float *y, int64_t M) {
@@ -108,13 +109,27 @@ static inline __m256 silu_ps(__m256 g) {
     return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
+/* D floats of x into the cache at dst: as they are, or (f16) rounded to float16, nearest even */
+static void cache_store(void *dst, const float *x, int64_t D, int f16) {
+    if (!f16) {
+        memcpy(dst, x, sizeof(float) * (size_t)D);
+        return;
+    }
+    for (int64_t i = 0; i < D; i += 8)
+        _mm_storeu_si128((__m128i *)((uint16_t *)dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+}
+
 /* h [T, hidden] in place through every layer; cos, sin [T, D]; rows, pos [T] (checked by the
- * caller); caches' strides s_cr, s_ch, s_cc (d contiguous). hidden a multiple of 8, D a
- * multiple of 16 up to 256. Returns 0, or -1 when memory ran out (h is then undefined). */
+ * caller); caches' strides s_cr, s_ch, s_cc in elements (d contiguous), float32 or, with
+ * kv_f16, float16 (keys and values rounded to float16 as they are written). hidden a multiple
+ * of 8, D a multiple of 16 up to 256. Returns 0, or -1 when memory ran out (h is then
+ * undefined). */
 int sb_decode_f32(const sb_layer *layers, int64_t L, float *h, int64_t T, int64_t hidden,
                   const float *cos, const float *sin, const int64_t *rows, const int64_t *pos,
                   int64_t H, int64_t Hkv, int64_t D, int64_t s_cr, int64_t s_ch, int64_t s_cc,
-                  float eps, float scale) {
+                  float eps, float scale, int kv_f16) {
+    const int64_t esize = kv_f16 ? 2 : 4;
     const int64_t nq = H * D, nkv = Hkv * D, nqkv = nq + 2 * nkv;
     const int64_t inter = layers[0].gate_up.N / 2;
     float *x = malloc(sizeof(float) * (size_t)(T * hidden));
@@ -134,13 +149,14 @@ int sb_decode_f32(const sb_layer *layers, int64_t L, float *h, int64_t T, int64_
             rope(qt, H + Hkv, D, cos + t * D, sin + t * D); /* q heads, then k heads */
             const int64_t at = rows[t] * s_cr + pos[t] * s_cc;
             for (int64_t g = 0; g < Hkv; g++) {
-                memcpy(ly->k_cache + at + g * s_ch, qt + nq + g * D, sizeof(float) * (size_t)D);
-                memcpy(ly->v_cache + at + g * s_ch, qt + nq + nkv + g * D,
-                       sizeof(float) * (size_t)D);
+                cache_store((char *)ly->k_cache + (at + g * s_ch) * esize, qt + nq + g * D, D,
+                            kv_f16);
+                cache_store((char *)ly->v_cache + (at + g * s_ch) * esize,
+                            qt + nq + nkv + g * D, D, kv_f16);
             }
         }
         failed |= sb_attention_f32(qkv, nqkv, D, ly->k_cache, ly->v_cache, s_cr, s_ch, s_cc,
-                                   rows, pos, att, nq, D, T, H, Hkv, D, scale);
+                                   rows, pos, att, nq, D, T, H, Hkv, D, scale, kv_f16);
         failed |= linear(&ly->o, att, tmp, T);
         add_rows(h, tmp, T, hidden);
         rms_norm(h, ly->post_norm, x, T, hidden, eps);

@@ -117,6 +117,97 @@ static void group_scalar(int kind, int64_t mr, const int8_t *xq, const float *xd
         }
 }
 
+/* ---- AVX2 (no VNNI): VPMADDUBSW + VPMADDWD, each 256-bit half of a group in turn ----
+ * The integer sums are those of the portable kernel (exact: a Q4_1 pair of products is at most
+ * 2 * 15 * 127, and Q8_0 runs |q_w| times sign-adjusted q_x, at most 2 * 127 * 127, both within
+ * int16), the float operations the same per element: the same bits. */
+
+#define MRA 4 /* rows per call: 16 ymm registers */
+
+static inline __attribute__((always_inline)) void group_256(
+        int kind, int mr, const int8_t *xq, const float *xd, const int32_t *xs, int64_t K,
+        const uint8_t *codes, const float *scales, const float *bias, float *y, int64_t ldy,
+        int64_t ncols) {
+    const int64_t nblk = K / QB, cp = codes_per(kind), sp = scales_per(kind);
+    __m256 acc[MRA][2];
+    for (int i = 0; i < MRA; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    for (int64_t b = 0; b < nblk; b++) {
+        const uint8_t *cb = codes + b * cp;
+        for (int h = 0; h < 2; h++) { /* columns 8h .. 8h + 7 */
+            __m256i dot[MRA];
+            for (int i = 0; i < mr; i++) dot[i] = _mm256_setzero_si256();
+            if (kind == Q4_1_X8) {
+                for (int r = 0; r < 4; r++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(cb + 64 * r + 32 * h));
+                    const __m256i wl = _mm256_and_si256(v, low);
+                    const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    for (int i = 0; i < mr; i++) {
+                        const int8_t *q = xq + i * K + b * QB;
+                        int32_t ql, qh;
+                        memcpy(&ql, q + 4 * r, 4);
+                        memcpy(&qh, q + 16 + 4 * r, 4);
+                        const __m256i pl = _mm256_maddubs_epi16(wl, _mm256_set1_epi32(ql));
+                        const __m256i ph = _mm256_maddubs_epi16(wh, _mm256_set1_epi32(qh));
+                        dot[i] = _mm256_add_epi32(dot[i], _mm256_madd_epi16(
+                            _mm256_add_epi16(pl, ph), ones));
+                    }
+                }
+            } else {
+                for (int r = 0; r < 8; r++) {
+                    const __m256i sw = _mm256_xor_si256(
+                        _mm256_loadu_si256((const __m256i *)(cb + 64 * r + 32 * h)), flip);
+                    const __m256i aw = _mm256_abs_epi8(sw);
+                    for (int i = 0; i < mr; i++) {
+                        int32_t qx;
+                        memcpy(&qx, xq + i * K + b * QB + 4 * r, 4);
+                        const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(qx), sw);
+                        dot[i] = _mm256_add_epi32(dot[i], _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(aw, sx), ones));
+                    }
+                }
+            }
+            const __m256 dw = _mm256_loadu_ps(scales + b * sp + 8 * h);
+            for (int i = 0; i < mr; i++) {
+                const float dx = xd[i * (K / QB) + b];
+                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i]),
+                                            _mm256_mul_ps(dw, _mm256_set1_ps(dx)), acc[i][h]);
+                if (kind == Q4_1_X8)
+                    acc[i][h] = _mm256_fmadd_ps(
+                        _mm256_loadu_ps(scales + b * sp + GC + 8 * h),
+                        _mm256_set1_ps(dx * (float)xs[i * (K / QB) + b]), acc[i][h]);
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        float out[GC];
+        _mm256_storeu_ps(out, acc[i][0]);
+        _mm256_storeu_ps(out + 8, acc[i][1]);
+        for (int64_t c = 0; c < ncols; c++) y[i * ldy + c] = bias ? out[c] + bias[c] : out[c];
+    }
+}
+
+#define GROUP256(MR)                                                                          \
+    static void group256_##MR(int kind, const int8_t *xq, const float *xd, const int32_t *xs, \
+                              int64_t K, const uint8_t *codes, const float *scales,           \
+                              const float *bias, float *y, int64_t ldy, int64_t ncols) {      \
+        if (kind == Q4_1_X8)                                                                  \
+            group_256(Q4_1_X8, MR, xq, xd, xs, K, codes, scales, bias, y, ldy, ncols);        \
+        else                                                                                  \
+            group_256(Q8_0_X8, MR, xq, xd, xs, K, codes, scales, bias, y, ldy, ncols);        \
+    }
+GROUP256(1)
+GROUP256(2)
+GROUP256(3)
+GROUP256(4)
+
+typedef void (*group_fn)(int, const int8_t *, const float *, const int32_t *, int64_t,
+                         const uint8_t *, const float *, const float *, float *, int64_t,
+                         int64_t);
+static const group_fn GROUPS256[MRA + 1] = {NULL, group256_1, group256_2, group256_3,
+                                            group256_4};
+
 /* ---- AVX-512 VNNI: 16 columns x up to 8 rows per call, VPDPBUSD on 4 k per lane ---- */
 
 VNNI static inline __attribute__((always_inline)) void group_512(
@@ -195,30 +286,29 @@ GROUP512(6)
 GROUP512(7)
 GROUP512(8)
 
-typedef void (*group512_fn)(int, const int8_t *, const float *, const int32_t *, int64_t,
-                            const uint8_t *, const float *, const float *, float *, int64_t,
-                            int64_t);
-static const group512_fn GROUPS512[MRQ + 1] = {NULL,        group512_1, group512_2,
+static const group_fn GROUPS512[MRQ + 1] = {NULL,        group512_1, group512_2,
                                                group512_3,  group512_4, group512_5,
                                                group512_6,  group512_7, group512_8};
 
-static int vnni_state = -1; /* -1: not decided yet; 0 / 1 */
+static int isa_state = -1; /* -1: not decided yet; else 2 VNNI, 1 AVX2, 0 portable C */
 
 static int cpu_vnni(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512vnni");
 }
 
-/* Whether the AVX-512 VNNI kernel runs (the CPU has it and it is not switched off: enable 0 /
- * 1 sets, -1 only asks; SPECBATCH_CPU_VNNI=0 starts it off). Same bits either way. */
-int sb_linear_q8_vnni(int enable) {
-    if (vnni_state < 0) {
+/* Which kernel runs: 2 AVX-512 VNNI (where the CPU has it), 1 AVX2, 0 the portable C loop
+ * (tests). isa >= 0 asks for one (VNNI only where the CPU has it), -1 only asks;
+ * SPECBATCH_CPU_VNNI=0 starts on AVX2. The same bits whichever runs. */
+int sb_linear_q8_isa(int isa) {
+    if (isa_state < 0) {
         const char *env = getenv("SPECBATCH_CPU_VNNI");
-        vnni_state = cpu_vnni() && !(env && env[0] == '0');
+        isa_state = cpu_vnni() && !(env && env[0] == '0') ? 2 : 1;
     }
-    if (enable >= 0) vnni_state = enable && cpu_vnni();
-    return vnni_state;
+    if (isa >= 0) isa_state = isa >= 2 ? (cpu_vnni() ? 2 : 1) : isa;
+    return isa_state;
 }
 
 /* Groups of 16 columns per thread block: weights of 16 groups at K = 1536 are 96 KB of codes
@@ -232,7 +322,7 @@ int sb_linear_q8(const float *x, int64_t ldx, int kind, const float *scales,
                  const uint8_t *codes, const float *bias, float *y, int64_t ldy, int64_t M,
                  int64_t N, int64_t K) {
     const int64_t nblk = K / QB, groups = (N + GC - 1) / GC;
-    const int vnni = sb_linear_q8_vnni(-1);
+    const int isa = sb_linear_q8_isa(-1), vnni = isa == 2;
     int8_t *xq = malloc((size_t)(M * K));
     float *xd = malloc(sizeof(float) * (size_t)(M * nblk));
     int32_t *xs = malloc(sizeof(int32_t) * (size_t)(M * nblk));
@@ -264,6 +354,12 @@ int sb_linear_q8(const float *x, int64_t ldx, int kind, const float *scales,
                     GROUPS512[mr](kind, xq + m * K, xd + m * nblk, xs + m * nblk, K,
                                   codes + g * cg, scales + g * sg, bg, y + m * ldy + n, ldy,
                                   ncols);
+                else if (isa == 1)
+                    for (int64_t i = 0; i < mr; i += MRA)
+                        GROUPS256[mr - i < MRA ? mr - i : MRA](
+                            kind, xq + (m + i) * K, xd + (m + i) * nblk, xs + (m + i) * nblk,
+                            K, codes + g * cg, scales + g * sg, bg, y + (m + i) * ldy + n,
+                            ldy, ncols);
                 else
                     group_scalar(kind, mr, xq + m * K, xd + m * nblk, xs + m * nblk, K,
                                  codes + g * cg, scales + g * sg, bg, y + m * ldy + n, ldy,

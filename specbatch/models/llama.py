@@ -97,15 +97,21 @@ class LlamaForward:
             _use_int8_activations(self)
         # ... and every layer of such a step in one C call (kernels/decode_cpu.py)
         self.cpu_decode = cpu_decode_for(self)
+        # the KV cache's dtype: the model's, except that int8 keeps keys and values in float16
+        # (as llama.cpp does: half the bytes a decode step's attention reads), which only the C
+        # step reads (prefill and decode/verify both run it then)
+        self.kv_dtype = (torch.float16 if self.activations == "int8" and self._c_decode()
+                         else self.dtype)
 
     @property
     def kv_bytes_per_token(self) -> int:
         """KV cache bytes one token of one row takes (all layers, keys and values)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.embed.element_size()
+        return (2 * self.num_layers * self.num_kv_heads * self.head_dim
+                * torch.empty(0, dtype=self.kv_dtype).element_size())
 
     def new_cache(self, num_rows: int, capacity: int) -> KVCache:
         return KVCache(self.num_layers, num_rows, self.num_kv_heads, capacity, self.head_dim,
-                       self.dtype, self.device)
+                       self.kv_dtype, self.device)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused op, the same bits as the lines below
@@ -272,6 +278,8 @@ class LlamaForward:
             last token).
         Returns logits ``[len(logits_at), vocab]``, float32 (float64 for a float64 model).
         """
+        if self._c_decode() or (self.cpu_decode is not None and self.kv_dtype != self.dtype):
+            return self._prefill_c(input_ids, cache, chunks, logits_at)  # (float16 KV: C only)
         group = self.num_heads // self.num_kv_heads
         num_tokens = input_ids.shape[0]
         dev = input_ids.device
@@ -327,6 +335,25 @@ class LlamaForward:
         logits = self.linear(h if h.shape[0] >= 2 else h.expand(2, -1),
                              self.lm_head)[:len(logits_at)]
         return logits if logits.dtype == torch.float64 else logits.float()
+
+    def _prefill_c(self, input_ids: torch.Tensor, cache: KVCache,
+                   chunks: list[tuple[int, int, int]], logits_at: list[int]) -> torch.Tensor:
+        """``forward_prefill`` (same arguments and result) as one C call over every prompt
+        token (``self.cpu_decode``, the decode/verify step's own code): token t of a chunk is a
+        token at position ``start + t`` of its row, and attends to keys ``0 .. start + t`` of
+        that row (this chunk's own are written before attention in every layer). A prompt
+        token's bits then depend on its own row alone, never on the chunks beside it, and its
+        keys and values are the ones a decode step would write for it."""
+        positions = torch.cat([torch.arange(start, start + n) for _, start, n in chunks])
+        rows = torch.cat([torch.full((n,), row, dtype=torch.int64) for row, _, n in chunks])
+        cos, sin = self._rope(positions[None])  # [1, T, 1, D]
+        h = F.embedding(input_ids, self.embed)  # [T, hidden], updated in place
+        self.cpu_decode(h, cos[0].flatten(1), sin[0].flatten(1), cache.k, cache.v, rows,
+                        positions, self.head_dim ** -0.5)
+        if not logits_at:
+            return h.new_zeros(0, self.vocab_size)
+        h = self._rms_norm(h[torch.tensor(logits_at, dtype=torch.int64)], self.norm.weight)
+        return self.linear(h, self.lm_head)
 
     def _qkv(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              num_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -523,8 +550,7 @@ def _use_int8_activations(forward: LlamaForward) -> None:
         from kernels import linear_cpu
     except ImportError:
         linear_cpu = None
-    if (linear_cpu is None or forward.linear is not linear_cpu.linear
-            or not linear_cpu.available()):
+    if linear_cpu is None or not linear_cpu.available():
         raise ValueError("dtype int8 needs specbatch's C kernels (an x86-64 CPU with AVX2 + FMA "
                          "and a C compiler); use float32")
     weights = [w for w, _ in forward.qkv] + forward.gate_up + [forward.lm_head]

@@ -43,8 +43,10 @@ NOISY_REJECTED_SHARE = 0.2  # more timings than this share left out: too noisy t
 # (2026-12-02); 6 = the AVX-512 matmul micro-kernels (8+ rows, and 3-8 rows on code weights,
 # 1.4-1.6x faster where the CPU has them, 2026-12-02); 7 = code weights at 4-48 rows on
 # AVX-512 with the accumulators in registers (8-row step 17 -> 9.5 ms, session 9); 8 = the
-# query heads of a kv head share one pass over its keys and values, codes in blocks of 16 panels.
-ENGINE_REVISION = 8
+# query heads of a kv head share one pass over its keys and values, codes in blocks of 16 panels;
+# 9 = prefill through the same C step (attention in C, tasks round-robin over threads), dtype
+# int8 (8-bit activations into the code-weight matmuls, float16 KV cache; session 10).
+ENGINE_REVISION = 9
 
 
 def engine_fingerprint() -> str:

@@ -122,3 +122,15 @@ def test_float32_forward_on_it(make):
         out = fwd.forward(ids, pos, cache, torch.tensor([0, 1]),
                           num_fed=torch.tensor([5, 2]) if packed else None)
         assert torch.equal(out[0], one), packed
+
+
+def test_float16_caches_give_the_bits_of_their_values_in_float32():
+    """A float16 cache (dtype int8's) is widened exactly as it is read: the same outputs as a
+    float32 cache holding the same values."""
+    gen = torch.Generator().manual_seed(31)
+    k = torch.randn(3, 2, 40, 64, generator=gen).half()
+    v = torch.randn(3, 2, 40, 64, generator=gen).half()
+    q = torch.randn(5, 6, 64, generator=gen)
+    rows, pos = torch.tensor([0, 2, 1, 2, 0]), torch.tensor([0, 39, 17, 5, 22])
+    half = attention_cpu.attention(q, k, v, rows, pos)
+    assert torch.equal(half, attention_cpu.attention(q, k.float(), v.float(), rows, pos))

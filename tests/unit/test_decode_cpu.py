@@ -140,3 +140,23 @@ def test_a_lone_decode_step_feeds_one_token_only_in_c(monkeypatch):
     monkeypatch.setenv("SPECBATCH_CPU_DECODE", "torch")
     runner = ModelRunner(LlamaForward(model), 2, 64)
     assert [runner.query_len(d) for d in ([[]], [[5, 6]], [[], []])] == [2, 3, 1]
+
+
+def test_prefill_runs_the_decode_step_so_a_prompt_prefilled_equals_one_fed_token_by_token():
+    """Prefill is the C step over every prompt token: a prompt prefilled at once, in two
+    chunks, or fed one token a step gives the same last logits and the same keys, bit for bit."""
+    fwd = LlamaForward(tiny_llama(96, seed=21).float())
+    assert fwd._c_decode()
+    seq = torch.randint(1, 96, (20,), generator=torch.Generator().manual_seed(22))
+    whole = fwd.new_cache(1, 32)
+    at_once = fwd.forward_prefill(seq, whole, [(0, 0, 20)], [19])
+    split = fwd.new_cache(1, 32)
+    fwd.forward_prefill(seq[:7], split, [(0, 0, 7)], [])
+    chunked = fwd.forward_prefill(seq[7:], split, [(0, 7, 13)], [12])
+    stepped = fwd.new_cache(1, 32)
+    fwd.forward_prefill(seq[:1], stepped, [(0, 0, 1)], [])
+    for p in range(1, 20):
+        last = fwd.forward(seq[None, p:p + 1], torch.tensor([[p]]), stepped, torch.tensor([0]))
+    assert torch.equal(at_once[0], chunked[0]) and torch.equal(at_once[0], last[0, 0])
+    assert all(torch.equal(a[:, :, :20], b[:, :, :20])
+               for a, b in zip(whole.k + whole.v, stepped.k + stepped.v))

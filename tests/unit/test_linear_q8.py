@@ -1,5 +1,5 @@
 """The 8-bit-activation matmul (kernels/csrc/linear_q8.c, ``--dtype int8``): the documented
-arithmetic, the same bits on AVX-512 VNNI and in portable C, a row's bits independent of the
+arithmetic, the same bits on AVX-512 VNNI, AVX2 and in portable C, a row's bits independent of the
 rows beside it and of the thread count, and an engine whose outputs do not depend on the
 proposer or the batch."""
 
@@ -78,21 +78,26 @@ def test_documented_arithmetic_and_row_invariance(kind, n, k):
         assert torch.equal(linear_cpu.linear(x[pick], w, b), full[pick]), rows
 
 
-@pytest.mark.skipif(not linear_cpu.vnni(), reason="needs a CPU with AVX-512 VNNI")
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-def test_vnni_and_portable_kernels_give_the_same_bits(kind):
+def test_every_kernel_gives_the_same_bits(kind):
+    """AVX-512 VNNI (where the CPU has it), AVX2 and the portable C loop: equal outputs, 1-21
+    rows (the AVX2 kernel's tiles of 4, VNNI's of 8, partial column groups)."""
     gen = torch.Generator().manual_seed(7)
     w = _gguf_roundtrip(torch.randn(200, 576, generator=gen) / 24, kind)
     linear_cpu.use_int8_activations(w)
     x = torch.randn(21, 576, generator=gen) * torch.rand(21, 1, generator=gen) * 10
+    before = linear_cpu.int8_kernel()
+    kernels = ["portable", "avx2"] + (["vnni"] if linear_cpu.int8_kernel("vnni") == "vnni" else [])
     try:
-        outs = []
-        for enable in (True, False):
-            linear_cpu.vnni(enable)
-            outs.append(linear_cpu.linear(x, w))
+        outs = {}
+        for name in kernels:
+            assert linear_cpu.int8_kernel(name) == name
+            outs[name] = [linear_cpu.linear(x[:m], w) for m in (1, 3, 5, 8, 21)]
     finally:
-        linear_cpu.vnni(True)
-    assert torch.equal(outs[0], outs[1])
+        linear_cpu.int8_kernel(before)
+    for name in kernels[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[name], outs["portable"])), name
+    assert all(torch.equal(o, outs["portable"][-1][:o.shape[0]]) for o in outs["portable"])
 
 
 def test_thread_count_and_unmarked_weights():
@@ -118,14 +123,16 @@ def test_thread_count_and_unmarked_weights():
 
 
 def test_int8_engine_outputs_do_not_depend_on_proposer_or_batch():
-    """A tiny model with exact Q4_1 / Q8_0 weights, marked int8 as the loader marks it: greedy
-    outputs equal for none / ngram k 3 at batch 1 and 4, and not the float32 ones' logits."""
+    """A tiny model with exact Q4_1 / Q8_0 weights, marked int8 as the loader marks it (float16
+    KV cache): greedy outputs equal for none / ngram k 3 at batch 1 and 4, and logits near the
+    float32 ones but not equal."""
     base = _gguf_exact(tiny_llama(96, seed=11).float())
     base.specbatch_activations = "int8"
     fwd = LlamaForward(base)
     assert fwd.activations == "int8"
     assert linear_cpu._PACKED[fwd.gate_up[0]][1][0] == linear_cpu.Q4_1_X8
     assert linear_cpu._PACKED[fwd.lm_head][1][0] == linear_cpu.Q8_0_X8
+    assert fwd.new_cache(1, 16).k[0].dtype == torch.float16  # keys and values in float16
     gen = torch.Generator().manual_seed(12)
     prompts = [torch.randint(1, 96, (int(n),), generator=gen).tolist()
                for n in torch.randint(4, 30, (6,), generator=gen)]
