@@ -272,7 +272,7 @@ def test_hf_folder_model_id_tracks_content(hf_folder: Path, tmp_path: Path) -> N
 
 def test_bad_dtype_and_device(hf_folder: Path) -> None:
     with pytest.raises(ValueError, match="dtype must be one of"):
-        load_model(str(hf_folder), dtype="int8")
+        load_model(str(hf_folder), dtype="int4")
     with pytest.raises(ValueError, match="not a torch device"):
         load_model(str(hf_folder), device="gpu0")
 

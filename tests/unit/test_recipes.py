@@ -92,7 +92,7 @@ def test_shipped_recipes():
     ('name = "x"\nversion = 1\n[speculation]\nmethod = "magic"', "method='magic'"),
     ('name = "x"\nversion = 1\n[speculation]\nmethod = "draft"',
      "method draft needs a draft model"),
-    ('name = "x"\nversion = 1\n[model]\ndtype = "int8"', "dtype='int8'"),
+    ('name = "x"\nversion = 1\n[model]\ndtype = "int4"', "dtype='int4'"),
     ('name = "x"\nversion = 1\n[model]\nmax_batch_size = 0', "[model] max_batch_size=0"),
     ('name = "x"\nversion = 1\n[input]\ntemplate = "{code"', "template '{code'"),
     ('name = "x"\nversion = 1\n[input]\ntemplate = "no fields"', "uses no record field"),
