@@ -156,3 +156,17 @@ def run_engine(model, prompts: list[list[int]], k: int, batch_size: int,
 
 def total(completions: list[Completion], counter: str) -> int:
     return sum(getattr(c.stats, counter) for c in completions)
+
+
+def at_thread_counts(fn, counts=(1, 2, 3)) -> list:
+    """``fn()`` under each torch intra-op thread count (the C kernels share torch's OpenMP
+    pool), the count restored afterwards: one result per count."""
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in counts:
+            torch.set_num_threads(threads)
+            outs.append(fn())
+    finally:
+        torch.set_num_threads(before)
+    return outs

@@ -188,15 +188,19 @@ static inline __attribute__((always_inline)) void group_256(
     }
 }
 
-#define GROUP256(MR)                                                                          \
-    static void group256_##MR(int kind, const int8_t *xq, const float *xd, const int32_t *xs, \
-                              int64_t K, const uint8_t *codes, const float *scales,           \
-                              const float *bias, float *y, int64_t ldy, int64_t ncols) {      \
+/* NAME_MR: IMPL (group_256 or group_512) with the kind and the row count MR constants, so
+ * the accumulators stay in registers; ATTR its target attribute */
+#define GROUP_FN(NAME, ATTR, IMPL, MR)                                                        \
+    ATTR static void NAME##_##MR(int kind, const int8_t *xq, const float *xd,                 \
+                                 const int32_t *xs, int64_t K, const uint8_t *codes,          \
+                                 const float *scales, const float *bias, float *y,            \
+                                 int64_t ldy, int64_t ncols) {                                \
         if (kind == Q4_1_X8)                                                                  \
-            group_256(Q4_1_X8, MR, xq, xd, xs, K, codes, scales, bias, y, ldy, ncols);        \
+            IMPL(Q4_1_X8, MR, xq, xd, xs, K, codes, scales, bias, y, ldy, ncols);             \
         else                                                                                  \
-            group_256(Q8_0_X8, MR, xq, xd, xs, K, codes, scales, bias, y, ldy, ncols);        \
+            IMPL(Q8_0_X8, MR, xq, xd, xs, K, codes, scales, bias, y, ldy, ncols);             \
     }
+#define GROUP256(MR) GROUP_FN(group256, , group_256, MR)
 GROUP256(1)
 GROUP256(2)
 GROUP256(3)
@@ -266,17 +270,7 @@ VNNI static inline __attribute__((always_inline)) void group_512(
     }
 }
 
-/* group_512 with the kind and the row count constants (accumulators in registers) */
-#define GROUP512(MR)                                                                          \
-    VNNI static void group512_##MR(int kind, const int8_t *xq, const float *xd,               \
-                                   const int32_t *xs, int64_t K, const uint8_t *codes,        \
-                                   const float *scales, const float *bias, float *y,          \
-                                   int64_t ldy, int64_t ncols) {                              \
-        if (kind == Q4_1_X8)                                                                  \
-            group_512(Q4_1_X8, MR, xq, xd, xs, K, codes, scales, bias, y, ldy, ncols);        \
-        else                                                                                  \
-            group_512(Q8_0_X8, MR, xq, xd, xs, K, codes, scales, bias, y, ldy, ncols);        \
-    }
+#define GROUP512(MR) GROUP_FN(group512, VNNI, group_512, MR)
 GROUP512(1)
 GROUP512(2)
 GROUP512(3)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import linear_cpu
+from tests.helpers import at_thread_counts
 
 pytestmark = pytest.mark.skipif(not linear_cpu.available(),
                                 reason="needs an AVX2/FMA CPU and a C compiler")
@@ -38,14 +39,7 @@ def test_thread_count_does_not_change_bits():
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(1000, 576, generator=gen) / 24
     x = torch.randn(9, 576, generator=gen)
-    before = torch.get_num_threads()
-    try:
-        outs = []
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            outs.append(linear_cpu.linear(x, w))
-    finally:
-        torch.set_num_threads(before)
+    outs = at_thread_counts(lambda: linear_cpu.linear(x, w))
     assert all(torch.equal(o, outs[0]) for o in outs)
 
 

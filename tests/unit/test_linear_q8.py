@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels import linear_cpu
-from tests.helpers import run_engine, tiny_llama
+from tests.helpers import at_thread_counts, run_engine, tiny_llama
 from tests.unit.test_decode_cpu import _gguf_exact
 from tests.unit.test_linear_cpu import _gguf_roundtrip
 
@@ -106,14 +106,7 @@ def test_thread_count_and_unmarked_weights():
     x = torch.randn(19, 576, generator=gen)
     float32 = linear_cpu.linear(x, w.clone())  # unmarked: the exact float32 codes path
     linear_cpu.use_int8_activations(w)
-    before = torch.get_num_threads()
-    try:
-        outs = []
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            outs.append(linear_cpu.linear(x, w))
-    finally:
-        torch.set_num_threads(before)
+    outs = at_thread_counts(lambda: linear_cpu.linear(x, w))
     assert all(torch.equal(o, outs[0]) for o in outs)
     assert not torch.equal(outs[0], float32)
     # a weight without exact codes keeps the float32 panels
