@@ -44,11 +44,24 @@ static inline int64_t scales_per(int kind) { return kind == Q4_1_X8 ? 32 : 16; }
 
 /* ---- the rows of x in 8 bits: q [M][K] int8, d [M][K / 32] float, s [M][K / 32] int32 ---- */
 
+/* A block holding a NaN or an infinity gets codes 0 and d = NaN, so every output of its row
+ * is NaN, as a float32 matmul would give (the engine then ends that record with an error
+ * instead of sampling from finite garbage). */
 static void quantize_scalar(const float *x, int64_t K, int8_t *q, float *d, int32_t *s) {
     for (int64_t b = 0; b < K / QB; b++) {
         const float *xb = x + b * QB;
         float amax = 0.0f;
-        for (int j = 0; j < QB; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        int finite = 1;
+        for (int j = 0; j < QB; j++) {
+            amax = fmaxf(amax, fabsf(xb[j]));
+            finite &= isfinite(xb[j]) != 0;
+        }
+        if (!finite) {
+            memset(q + b * QB, 0, QB);
+            d[b] = NAN;
+            s[b] = 0;
+            continue;
+        }
         const float db = amax / 127.0f, id = db > 0.0f ? 1.0f / db : 0.0f;
         int32_t sum = 0;
         for (int j = 0; j < QB; j++) {
@@ -70,6 +83,14 @@ VNNI static void quantize_512(const float *x, int64_t K, int8_t *q, float *d, in
     for (int64_t b = 0; b < K / QB; b++) {
         const float *xb = x + b * QB;
         const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+        const __m512 zero = _mm512_setzero_ps(); /* x * 0 is +-0 for finite x, else NaN */
+        if (_mm512_cmp_ps_mask(_mm512_add_ps(_mm512_mul_ps(v0, zero), _mm512_mul_ps(v1, zero)),
+                               zero, _CMP_NEQ_UQ)) {
+            memset(q + b * QB, 0, QB);
+            d[b] = NAN;
+            s[b] = 0;
+            continue;
+        }
         const float amax = _mm512_reduce_max_ps(
             _mm512_max_ps(_mm512_and_ps(v0, sign), _mm512_and_ps(v1, sign)));
         const float db = amax / 127.0f, id = db > 0.0f ? 1.0f / db : 0.0f;

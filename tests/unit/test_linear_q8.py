@@ -142,3 +142,23 @@ def test_int8_engine_outputs_do_not_depend_on_proposer_or_batch():
                         f.new_cache(1, 16), torch.tensor([0])) for f in (fwd, f32)]
     gap = (logits[0] - logits[1]).abs().max().item()
     assert 0 < gap < 0.05 * logits[1].abs().max().item()
+
+
+def test_a_row_with_a_nan_or_inf_gives_nan_outputs_and_leaves_the_others():
+    """As in float32: a non-finite input makes its row's outputs NaN (the engine then ends the
+    record with an error), on every kernel, and the other rows keep their bits."""
+    gen = torch.Generator().manual_seed(9)
+    w = _gguf_roundtrip(torch.randn(40, 64, generator=gen) / 8, "Q4_1")
+    linear_cpu.use_int8_activations(w)
+    x = torch.randn(5, 64, generator=gen)
+    clean = linear_cpu.linear(x, w)
+    x[1, 40], x[3, 2] = float("nan"), float("inf")
+    before = linear_cpu.int8_kernel()
+    try:
+        for name in ("portable", "avx2", "vnni"):
+            linear_cpu.int8_kernel(name)
+            out = linear_cpu.linear(x, w)
+            assert out[1].isnan().all() and out[3].isnan().all(), name
+            assert torch.equal(out[[0, 2, 4]], clean[[0, 2, 4]]), name
+    finally:
+        linear_cpu.int8_kernel(before)
