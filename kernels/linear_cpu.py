@@ -16,6 +16,10 @@ block of weights in float32 and runs the same float32 arithmetic on it. Outputs 
 kernel's bit for bit (the weights are the same numbers), so nothing about invariance changes;
 a batch-1 step reads ~6x fewer weight bytes. A weight that is not exactly representable keeps
 the float32 path; ``SPECBATCH_CPU_WEIGHTS=float32`` keeps it for every weight.
+
+**8-bit activations** (``--dtype int8``): a weight marked by ``use_int8_activations`` is packed
+by ``pack_q8`` for ``csrc/linear_q8.c``, which rounds each row of x to 8 bits per block of 32
+and sums exact integer products with the codes (llama.cpp's scheme; docs/design.md).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@
  * over the blocks in order, then y = acc + bias. The integer sums are exact (|sum| < 2^20, so
  * float(sum) is exact too) and every float operation is one element's own, in a fixed order:
  * an output element has the same bits whatever M, the row's place in x, the tiling, the thread
- * count and the instruction set (the AVX-512 VNNI kernel below and the portable C one agree bit
+ * count and the instruction set (the AVX-512 VNNI, AVX2 and portable C kernels below agree bit
  * for bit; tests/unit/test_linear_q8.py). So the batch invariance of docs/design.md holds by
  * construction, as with the float32 kernels; the numbers differ from float32's (activations
  * are rounded to 8 bits per block, as llama.cpp does).
