@@ -338,8 +338,12 @@ class EngineConfig:
         object.__setattr__(self, "device", resolve_device(self.device))
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.device))
         _check(self.dtype != "int8" or self.device.startswith("cpu"), "dtype", self.dtype,
-               f"auto, bfloat16, float16, float32 or float64 on {self.device} (int8 "
-               "activations run on specbatch's CPU kernels only)")
+               f"auto, bfloat16, float32 or float64 on {self.device} (int8 activations run "
+               "on specbatch's CPU kernels only)")
+        if self.dtype == "int8":
+            _check(_cpu_kernels(), "dtype", self.dtype, "float32 here: int8 needs specbatch's "
+                   "C kernels (x86-64 with AVX2 + FMA and a C compiler; not "
+                   "SPECBATCH_CPU_KERNELS=0)")
 
 
 def resolve_dtype(name: str, device: str) -> str:
@@ -370,6 +374,15 @@ def resolve_dtype(name: str, device: str) -> str:
     if {"avx2", "fma"} <= flags:
         return "float32"
     return "bfloat16" if "avx512_bf16" in flags else "float32"
+
+
+def _cpu_kernels() -> bool:
+    """Whether specbatch's C kernels load here (builds them on first call, ~3 s)."""
+    try:
+        from kernels import linear_cpu
+    except ImportError:
+        return False
+    return linear_cpu.available()
 
 
 def _cpu_flags() -> frozenset[str]:
