@@ -162,9 +162,8 @@ def _model_options(f, batch: bool = True):
         click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32", "float64",
                                                    "int8"]),
                      default="auto", show_default=True,
-                     help="Weights and activations dtype. auto: bfloat16 on GPUs and on CPUs "
-                     "with AMX, float32 on other x86-64 CPUs with AVX2 (specbatch's C "
-                     "kernels); both batch-invariant. int8 (CPU): float32, with a GGUF "
+                     help="Weights and activations dtype. auto: bfloat16 on GPUs, float32 on "
+                     "x86-64 CPUs with AVX2 (specbatch's C kernels); both batch-invariant. int8 (CPU): float32, with a GGUF "
                      "model's 4/8-bit weights multiplied by activations rounded to 8 bits, "
                      "as llama.cpp does (batch-invariant, ~2.5x faster matmuls)."),
         click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",

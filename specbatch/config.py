@@ -351,12 +351,14 @@ def resolve_dtype(name: str, device: str) -> str:
     (docs/design.md, "Which CPU"), from the CPU flags in /proc/cpuinfo:
 
     - a GPU: ``bfloat16``;
-    - a CPU with AMX: ``bfloat16`` (oneDNN's AMX matmuls);
-    - another x86-64 CPU with AVX2 and FMA: ``float32``, which runs on specbatch's C kernels
-      (``kernels/``; decode steps stream the weights as exact 4-bit codes). With AVX-512 BF16
-      but no AMX (an AMD EPYC with AVX-512 BF16, 2 cores, the 16 peer records,
-      docs/benchmarks.md, session 8) float32 was 3.4x bfloat16's speed at batch 1 (101 vs
-      30 tok/s with ``none``) and on par at batch 16 (138-152 vs 145-152 tok/s);
+    - an x86-64 CPU with AVX2 and FMA, AMX or not: ``float32``, which runs on specbatch's C
+      kernels (``kernels/``; decode steps stream the weights as exact 4-bit codes), invariant by
+      construction. bfloat16 is not taken on AMX CPUs: on an Intel Xeon with AMX and AVX-512
+      FP16 (2026-12-03, torch 2.13, docs/design.md "Which CPU") oneDNN's bfloat16 ``F.linear``
+      rounds rows differently with the row count (down_proj from 6 rows, lm_head from 1) and a
+      2-replica run wrote another token than one process. With AVX-512 BF16 but no AMX (an AMD
+      EPYC, 2 cores, the 16 peer records, docs/benchmarks.md, session 8) float32 was also 3.4x
+      bfloat16's speed at batch 1 and on par at batch 16;
     - any other CPU: ``bfloat16`` where it has native bfloat16 matmuls (AVX-512 BF16), else
       ``float32`` (torch's bfloat16 matmul runs at scalar speed on AVX2: SmolLM2-135M batch-16
       decode ~6x slower than float32 on a Zen 3).
@@ -369,8 +371,6 @@ def resolve_dtype(name: str, device: str) -> str:
     if not device.startswith("cpu"):
         return "bfloat16"
     flags = _cpu_flags()
-    if "amx_bf16" in flags:
-        return "bfloat16"
     if {"avx2", "fma"} <= flags:
         return "float32"
     return "bfloat16" if "avx512_bf16" in flags else "float32"

@@ -71,8 +71,8 @@ class LLM:
 
     model: registry name, ``.gguf`` path or Hugging Face folder (default: the packaged
         SmolLM2-135M). method: ``auto`` | ``none`` | ``ngram`` | ``draft``; k: draft tokens per
-        verify step (the cap for ``auto``). dtype: ``auto`` (as the CLI: bfloat16 on GPUs and
-        AMX CPUs, float32 on other x86-64 CPUs with AVX2; ``config.resolve_dtype``) |
+        verify step (the cap for ``auto``). dtype: ``auto`` (as the CLI: bfloat16 on GPUs,
+        float32 on x86-64 CPUs with AVX2; ``config.resolve_dtype``) |
         ``bfloat16`` | ``float32`` | ``float64`` | ``float16``; device: a torch device string. max_batch_size: rows decoded
         together (lowered to the records and to free memory per build). max_model_len: cap on
         prompt + output tokens. draft_model: for ``draft`` (or for ``auto`` to choose per row).

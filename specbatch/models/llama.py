@@ -72,8 +72,8 @@ class LlamaForward:
             if not row_invariant(self.dtype, shapes, self.head_dim):
                 _log.warning("%s matmuls on this CPU round a row differently with the number "
                              "of rows beside it: speculation or batch size may change greedy "
-                             "ties (see docs/design.md; bfloat16 is invariant on AVX2 and AMX "
-                             "CPUs)", str(self.dtype).removeprefix("torch."))
+                             "ties (see docs/design.md \"Which CPU\"; --dtype auto takes float32 "
+                             "on x86-64 CPUs, specbatch's invariant C kernels)", str(self.dtype).removeprefix("torch."))
         # decode/verify with the Triton kernels (CUDA; see models/llama_kernels.py)
         self.use_kernels = can_use_kernels(self)
         # decode/verify attention in C for float32 on an AVX2 CPU (kernels/attention_cpu.py)
