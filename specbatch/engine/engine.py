@@ -84,8 +84,12 @@ class Engine:
             drafts = self._propose(running)
             meta = StepMetadata.build(running, drafts, self.stop_rules, self.runner.device,
                                       self.runner.query_len(drafts))
-            logits = self._verify(running, drafts, meta)
+            on_verify = getattr(self.proposer, "on_verify", None)
+            t0 = time.perf_counter()
+            logits = self.runner.verify(running, drafts, meta)
             done += self._commit_step(running, drafts, logits, meta)
+            if on_verify is not None:  # auto's cost model learns this machine's steps
+                on_verify(running, drafts, time.perf_counter() - t0)
         return done
 
     # ---- stages -------------------------------------------------------------------------
@@ -120,19 +124,6 @@ class Engine:
         """The drafts to verify, at most each row's cap (``_draft_caps``)."""
         ks = self._draft_caps(seqs)
         return [d[:k] for d, k in zip(self.proposer.propose(seqs, ks), ks)]
-
-    def _verify(self, seqs: list[Sequence], drafts: list[list[int]],
-                meta: StepMetadata) -> torch.Tensor:
-        """The verify forward; timed (after a device sync) when the proposer wants the step's
-        wall time (its optional ``on_verify(seqs, drafts, seconds)``: ``auto``'s cost model)."""
-        on_verify = getattr(self.proposer, "on_verify", None)
-        t0 = time.perf_counter()
-        logits = self.runner.verify(seqs, drafts, meta)
-        if on_verify is not None:  # auto's cost model learns this machine's steps
-            if logits.device.type == "cuda":  # else it would time the kernel launches only
-                torch.cuda.synchronize(logits.device)
-            on_verify(seqs, drafts, time.perf_counter() - t0)
-        return logits
 
     def _draft_caps(self, seqs: list[Sequence]) -> list[int]:
         """Draft length per row: its k, capped so the step cannot pass ``max_tokens`` or the

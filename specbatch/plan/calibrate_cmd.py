@@ -31,10 +31,7 @@ def run_calibrate(model: str | None, dtype: str, cache_dir: str | None, output: 
     for (r, q, c, sec), note in rows:
         click.echo(f"{r:>5}{q:>4}{c:>6}{sec * 1e3:>13.1f}{cost.step_time(r, q, c) * 1e3:>9.1f}"
                    f"{note}")
-    c0, c1, c2, c3 = cost.coef
-    click.echo(f"fit: {c0 * 1e3:.2f} ms + {c1 * 1e3:.3f} ms per token + {c2 * 1e6:.3f} us per "
-               f"row x context + {c3 * 1e9:.3f} ns per token x context; median deviation "
-               f"{cost.median_residual:.1%}"
+    click.echo(f"fit: {cost.describe()}; median deviation {cost.median_residual:.1%}"
                + (f"; load average {cost.load_average:.1f}" if cost.load_average is not None
                   else ""))
     if output:

@@ -4,10 +4,16 @@
 a grid of rows in the batch, query tokens per row (k + 1) and context length, in interleaved
 sweeps (fastest of each shape), and fits
 
-    step_time(rows, q, ctx) = c0 + c1 * rows * q + c2 * rows * ctx + c3 * rows * q * ctx
+    step_time(rows, q, ctx) = c0 + dense(rows * q) + c2 * rows * ctx + c3 * rows * q * ctx
 
-by non-negative least squares: weight matmuls grow with the tokens in the batch (rows * q),
-attention with the keys read (rows * ctx) and scored (rows * q * ctx). Timings far above the
+by non-negative least squares: weight matmuls grow with the tokens in the batch (t = rows * q),
+attention with the keys read (rows * ctx) and scored (rows * q * ctx). ``dense`` is piecewise
+linear in t, one slope per segment between ``TOKEN_KNOTS`` (4, 8, 16, 32, 64 tokens): the
+matmul kernels fill their tiles as tokens grow, so a token costs more at 16 -> 32 tokens than
+at 64 -> 144 (SmolLM2-135M int8, 16 rows at 256 keys: q 1 -> 2 cost 1.4 ms a token, q 6 -> 9
+0.9 ms; one slope over-priced long drafts and under-priced the first, and ``auto`` drafted
+where it did not pay at batch 16, docs/benchmarks.md session 10). The slopes are non-negative,
+so a step never gets cheaper with more tokens. Timings far above the
 fit (another process took the CPU) are taken again, then left out; a fit that is still noisy
 is used for the run but not cached (``CostModel.problem``). A sound fit is cached as JSON per
 (model, dtype, device, host) under the cache directory; ``run --method auto`` calibrates on
@@ -30,7 +36,10 @@ import torch
 ROWS = (1, 4, 16)
 QUERY_LENS = (1, 2, 4, 6, 9)
 CONTEXTS = (256, 1024)
-CALIBRATION_VERSION = 2  # 1: plain least squares, no outlier check (not reused)
+CALIBRATION_VERSION = 3  # 1: plain least squares, no outlier check; 2: one token slope
+# token counts where the dense term's slope may change (segments [0, 4], [4, 8] ... [64, inf));
+# a fit keeps the knots its samples pass (``knots_for``)
+TOKEN_KNOTS = (4, 8, 16, 32, 64)
 OUTLIER_RESIDUAL = 0.25  # a timing this far above its fit is taken again, then left out
 OUTLIER_ROUNDS = 2  # times an outlier is timed again before it is left out
 MIN_SAMPLES = 12  # never leave out samples below this many (4 coefficients to fit)
@@ -68,12 +77,16 @@ def engine_fingerprint() -> str:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Fitted step time (seconds). coef: (c0, c1, c2, c3) as in the module docstring.
+    """Fitted step time (seconds). coef: ``(c0, s0, c2, c3, s1, ..., sm)`` as in the module
+    docstring: c0 seconds per step, s0 seconds per token up to ``knots[0]`` tokens (or for
+    every token when ``knots`` is empty: the linear model ``c0 + s0 t + ...``), c2 seconds per
+    row x key, c3 per token x key, s_i seconds per token between ``knots[i - 1]`` and
+    ``knots[i]`` tokens (the last slope from the last knot on).
 
     samples: the measurements ``[rows, q, ctx, seconds]`` the fit came from.
     """
 
-    coef: tuple[float, float, float, float]
+    coef: tuple[float, ...]
     model_id: str = ""
     dtype: str = ""
     device: str = ""
@@ -84,6 +97,12 @@ class CostModel:
     median_residual: float = 0.0  # median |measured / fitted - 1| over ``samples``
     load_average: float | None = None  # the 1-minute load average while measuring
     engine: str = ""  # engine_fingerprint() when measured ("" in files older than it)
+    knots: tuple[int, ...] = ()  # token counts where the dense slope changes (TOKEN_KNOTS)
+
+    def __post_init__(self) -> None:
+        if len(self.coef) != 4 + len(self.knots):
+            raise ValueError(f"a cost model with {len(self.knots)} knots has "
+                             f"{4 + len(self.knots)} coefficients, not {len(self.coef)}")
 
     def problem(self) -> str | None:
         """Why this calibration should not be cached or reused, or None if it is sound: a
@@ -93,7 +112,7 @@ class CostModel:
         if not all(math.isfinite(c) for c in self.coef) or any(c < 0 for c in self.coef):
             return f"a negative coefficient in the fit {tuple(round(c, 9) for c in self.coef)}"
         if self.version < CALIBRATION_VERSION:
-            return "written by an older specbatch, without outlier rejection"
+            return "written by an older specbatch, with another fit"
         if self.median_residual > NOISY_RESIDUAL:
             return (f"timings are {self.median_residual:.0%} off the fit at the median "
                     f"(at most {NOISY_RESIDUAL:.0%} is kept)")
@@ -109,14 +128,25 @@ class CostModel:
         new tokens, attending to ``context_len`` keys (tokens). num_tokens: the real tokens
         when rows feed different lengths and the dense layers run packed (``runner.verify``);
         default ``num_rows * query_len``. Attention always costs the padded shape."""
-        c0, c1, c2, c3 = self.coef
-        r, q, c = num_rows, query_len, context_len
-        t = r * q if num_tokens is None else num_tokens
-        return max(c0 + c1 * t + c2 * r * c + c3 * r * q * c, 1e-6)
+        t = num_rows * query_len if num_tokens is None else num_tokens
+        x = _features(num_rows, query_len, context_len, t, self.knots)
+        return max(sum(c * f for c, f in zip(self.coef, x)), 1e-6)
 
-    def token_cost(self) -> float:
-        """Seconds one more packed token adds to a step (the dense layers' share), >= 0."""
-        return max(self.coef[1], 0.0)
+    def token_cost(self, num_tokens: int = 0) -> float:
+        """Seconds one more packed token adds to a step of ``num_tokens`` tokens (the dense
+        layers' slope there), >= 0."""
+        segment = sum(1 for k in self.knots if num_tokens >= k)
+        return max(self.coef[1] if segment == 0 else self.coef[3 + segment], 0.0)
+
+    def describe(self) -> str:
+        """The fit in words: per-step, per-token (per segment), attention terms."""
+        c0, s0, c2, c3 = self.coef[:4]
+        slopes = (s0, *self.coef[4:])
+        edges = (0, *self.knots)
+        dense = ", ".join(f"{s * 1e3:.3f}" + (f" ({lo}-{hi})" if self.knots else "")
+                          for s, lo, hi in zip(slopes, edges, (*self.knots, "")))
+        return (f"{c0 * 1e3:.2f} ms + ms per token {dense} + {c2 * 1e6:.3f} us per row x "
+                f"context + {c3 * 1e9:.3f} ns per token x context")
 
     def speedup(self, num_rows: int, k: int, context_len: int, tokens_per_step: float) -> float:
         """Throughput with k drafts per row relative to plain decoding (k = 0)."""
@@ -147,15 +177,17 @@ class OnlineCost:
         self.model = base  # the current fit; ``coef`` replaced at each refit
         self.refit_every = refit_every
         self.num_observed = 0
-        self._a = torch.zeros(4, 4, dtype=torch.float64)
-        self._b = torch.zeros(4, dtype=torch.float64)
+        n = len(base.coef)
+        self._a = torch.zeros(n, n, dtype=torch.float64)
+        self._b = torch.zeros(n, dtype=torch.float64)
         # the calibration counts as ``prior_weight`` observed steps in all
         for r, q, c, sec in base.samples:
             self._add(r, q, c, r * q, sec, prior_weight / len(base.samples))
 
     def _add(self, rows: int, q: int, ctx: int, tokens: int, seconds: float,
              weight: float = 1.0) -> None:
-        x = torch.tensor([1.0, tokens, rows * ctx, rows * q * ctx], dtype=torch.float64) / seconds
+        x = torch.tensor(_features(rows, q, ctx, tokens, self.model.knots),
+                         dtype=torch.float64) / seconds
         self._a += weight * torch.outer(x, x)
         self._b += weight * x  # target: seconds / seconds = 1
 
@@ -175,8 +207,8 @@ class OnlineCost:
                   num_tokens: int | None = None) -> float:
         return self.model.step_time(num_rows, query_len, context_len, num_tokens)
 
-    def token_cost(self) -> float:
-        return self.model.token_cost()
+    def token_cost(self, num_tokens: int = 0) -> float:
+        return self.model.token_cost(num_tokens)
 
 
 def load(path: str | os.PathLike) -> CostModel:
@@ -190,53 +222,66 @@ def load(path: str | os.PathLike) -> CostModel:
                          version=int(d.get("version", 1)),
                          rejected=tuple(tuple(s) for s in d.get("rejected", ())),
                          median_residual=float(d.get("median_residual", 0.0)),
-                         load_average=d.get("load_average"), engine=d.get("engine", ""))
+                         load_average=d.get("load_average"), engine=d.get("engine", ""),
+                         knots=tuple(int(k) for k in d.get("knots", ())))
     except (OSError, KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: not a specbatch calibration file ({e})") from None
 
 
-def _features(rows: int, q: int, ctx: int, tokens: int | None = None) -> list[float]:
-    return [1.0, float(rows * q if tokens is None else tokens), float(rows * ctx),
-            float(rows * q * ctx)]
+def _features(rows: int, q: int, ctx: int, tokens: int | None = None,
+              knots: tuple[int, ...] = ()) -> list[float]:
+    """The regressors of ``CostModel.coef``: 1, the tokens in the first dense segment, rows x
+    keys, tokens x keys, then the tokens in each later segment."""
+    t = float(rows * q if tokens is None else tokens)
+    edges = (0, *knots, math.inf)
+    ramps = [min(max(t - lo, 0.0), hi - lo) for lo, hi in zip(edges, edges[1:])]
+    return [1.0, ramps[0], float(rows * ctx), float(rows * q * ctx), *ramps[1:]]
+
+
+def knots_for(samples, knots: tuple[int, ...] = TOKEN_KNOTS) -> tuple[int, ...]:
+    """The knots that some sample's token count (rows x q) passes: a segment no sample reaches
+    would get no slope of its own (and extrapolate as free)."""
+    top = max((r * q for r, q, *_ in samples), default=0)
+    return tuple(k for k in knots if k < top)
 
 
 def solve_nonnegative(a: torch.Tensor, b: torch.Tensor) -> tuple[float, ...]:
-    """Minimise ``x^T a x - 2 b^T x`` subject to ``x >= 0`` (the least-squares problem given by
-    its normal equations ``a = X^T X``, ``b = X^T y``), by trying every set of free
-    coefficients (4 coefficients: 16 small solves) and keeping the best feasible one (exact
-    non-negative least squares; Lawson & Hanson 1974 give the same optimum iteratively).
+    """Minimise ``x^T a x - 2 b^T x`` subject to ``x >= 0``: the least-squares problem given by
+    its normal equations (``a = X^T X``, ``b = X^T y``), solved as ``min |R x - R^-T b|`` with
+    ``a = R^T R`` (Cholesky) by scipy's Lawson-Hanson NNLS (``scipy.optimize.nnls``; Lawson &
+    Hanson, "Solving Least Squares Problems", 1974, ch. 23).
 
     a: ``[n, n]`` float64; b: ``[n]`` float64. Returns n floats >= 0 (all zero if nothing
     fits)."""
+    from scipy.optimize import nnls
+
     n = b.shape[0]
     # scale to a unit diagonal: the features span ~6 orders of magnitude (1 .. rows*q*ctx)
     diag = torch.diagonal(a)
     scale = torch.where(diag > 0, diag.clamp(min=1e-300).rsqrt(), torch.ones_like(diag))
     a, b = a * scale[:, None] * scale[None, :], b * scale
-    best, best_obj = torch.zeros(n, dtype=torch.float64), 0.0
-    for mask in range(1, 1 << n):
-        idx = [i for i in range(n) if mask >> i & 1]
-        try:
-            sub = torch.linalg.solve(a[idx][:, idx], b[idx])
-        except RuntimeError:  # singular: this set is not identifiable
-            continue
-        if not bool(torch.isfinite(sub).all()) or bool((sub < 0).any()):
-            continue
-        x = torch.zeros(n, dtype=torch.float64)
-        x[idx] = sub
-        obj = float(x @ a @ x - 2 * b @ x)
-        if obj < best_obj:
-            best, best_obj = x, obj
-    return tuple(float(v) for v in best * scale)
+    a = a + 1e-12 * torch.eye(n, dtype=torch.float64)  # a feature never seen: still definite
+    try:
+        r = torch.linalg.cholesky(a).T  # upper: a = r^T r
+    except RuntimeError:  # not positive definite (NaN timings): nothing fits
+        return (0.0,) * n
+    y = torch.linalg.solve_triangular(r.T, b[:, None], upper=False)[:, 0]
+    try:
+        x, _ = nnls(r.numpy(), y.numpy())
+    except RuntimeError:  # scipy: iteration limit (degenerate data)
+        return (0.0,) * n
+    return tuple(float(v) for v in torch.from_numpy(x) * scale)
 
 
-def fit(samples: list[tuple[int, int, int, float]]) -> tuple[float, float, float, float]:
-    """Non-negative least-squares fit of the four coefficients, relative error weighted (each
-    sample's row divided by its time) so small steps count as much as large ones. A step
-    cannot get cheaper with more tokens or context, so no coefficient is negative (an
-    unconstrained fit of noisy timings can make one so, and then mispredicts every shape far
-    from the samples)."""
-    feats = torch.tensor([_features(r, q, c) for r, q, c, _ in samples], dtype=torch.float64)
+def fit(samples: list[tuple[int, int, int, float]],
+        knots: tuple[int, ...] = ()) -> tuple[float, ...]:
+    """Non-negative least-squares fit of ``CostModel.coef`` (4 + len(knots) coefficients),
+    relative error weighted (each sample's row divided by its time) so small steps count as
+    much as large ones. A step cannot get cheaper with more tokens or context, so no
+    coefficient is negative (an unconstrained fit of noisy timings can make one so, and then
+    mispredicts every shape far from the samples)."""
+    feats = torch.tensor([_features(r, q, c, None, knots) for r, q, c, _ in samples],
+                         dtype=torch.float64)
     t = torch.tensor([s[3] for s in samples], dtype=torch.float64)
     x = feats / t[:, None]  # relative error: target t / t = 1
     return solve_nonnegative(x.T @ x, x.sum(0))
@@ -323,17 +368,19 @@ def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
             best[shape] = min(best.get(shape, t), t)
             if bar is not None:
                 bar.update(1)
-    kept, rejected = _reject_outliers(best)
+    knots = knots_for(shapes)
+    kept, rejected = _reject_outliers(best, knots)
     for _ in range(OUTLIER_ROUNDS):
         if not rejected:
             break
         for s in rejected:  # time it again: load comes and goes
             rejected[s] = min(rejected[s], one(*s, warm=False))
-        kept, rejected = _reject_outliers({**kept, **rejected})
-    coef = fit([(*s, t) for s, t in kept.items()])
+        kept, rejected = _reject_outliers({**kept, **rejected}, knots)
+    knots = knots_for(kept, knots)
+    coef = fit([(*s, t) for s, t in kept.items()], knots)
     if bar is not None:
         bar.close()
-    model = CostModel(coef)
+    model = CostModel(coef, knots=knots)
     residuals = sorted(abs(t / model.step_time(*s) - 1) for s, t in kept.items())
     loads = [x for x in (load_before, load_average()) if x is not None]
     return CostModel(coef, model_id=model_id, dtype=dtype, device=str(forward.device),
@@ -342,10 +389,10 @@ def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
                      rejected=tuple((*s, t) for s, t in rejected.items()),
                      median_residual=residuals[len(residuals) // 2] if residuals else 0.0,
                      load_average=max(loads) if loads else None,
-                     engine=engine_fingerprint())
+                     engine=engine_fingerprint(), knots=knots)
 
 
-def _reject_outliers(timings: dict[tuple[int, int, int], float],
+def _reject_outliers(timings: dict[tuple[int, int, int], float], knots: tuple[int, ...] = (),
                      ) -> tuple[dict[tuple[int, int, int], float], dict[tuple[int, int, int], float]]:
     """Split ``{(rows, q, ctx): seconds}`` into (kept, outliers): fit, drop the timing furthest
     above its fit if it is more than ``OUTLIER_RESIDUAL`` above, refit, repeat (one at a time,
@@ -353,7 +400,7 @@ def _reject_outliers(timings: dict[tuple[int, int, int], float],
     ``MIN_SAMPLES`` are kept. Only slow timings are outliers: load never makes a step faster."""
     kept, out = dict(timings), {}
     while len(kept) > MIN_SAMPLES:
-        model = CostModel(fit([(*s, t) for s, t in kept.items()]))
+        model = CostModel(fit([(*s, t) for s, t in kept.items()], knots), knots=knots)
         worst = max(kept, key=lambda s: kept[s] / model.step_time(*s))
         if kept[worst] <= model.step_time(*worst) * (1 + OUTLIER_RESIDUAL):
             break

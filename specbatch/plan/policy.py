@@ -10,8 +10,8 @@ E[tokens] = 1 + sum_{j=1..k_i} prod_{m<=j} p_m, where p_m is the row's condition
 at draft position m: a Beta posterior whose prior is the record's predicted acceptance
 (``predict``) and whose counts are the row's own recent history, decayed so a record whose
 text changes is followed. The runner packs the real tokens of a verify step for the dense
-layers, so a row's extra draft token costs ``CostModel.token_cost`` seconds; attention is
-padded to the longest row. For each step cap K in 0..k_max every row keeps draft position j
+layers, so a row's extra draft token costs ``CostModel.token_cost`` seconds (the dense slope at
+the step's token count); attention is padded to the longest row. For each step cap K in 0..k_max every row keeps draft position j
 only while the chance that positions 1..j are all accepted is worth that token at the step's
 rate (a fixed point of three rounds), and the cap with the best rate wins.
 
@@ -244,8 +244,9 @@ class AdaptivePolicy:
         is worth the packed token it costs at the step's rate (Dinkelbach-style fixed point,
         3 rounds from "keep everything")."""
         cuts = [min(k, len(d)) for d in drafts]
-        token_cost = self.cost.token_cost()
         for _ in range(3):
+            # a packed token's price: the dense slope at the step's token count
+            token_cost = self.cost.token_cost(len(seqs) + sum(cuts))
             threshold = self._rate(seqs, cuts, reach) * token_cost
             new = [min(c0, sum(1 for _ in takewhile(lambda x: x >= threshold, r)))
                    for r, c0 in zip(reach, (min(k, len(d)) for d in drafts))]
@@ -323,7 +324,7 @@ class AdaptivePolicy:
         is charged to the row's choice and to the step."""
         n = len(seqs)
         ctx = max(len(s.token_ids) for s in seqs)
-        value = lookup_rate * self.cost.token_cost()
+        value = lookup_rate * self.cost.token_cost(n + sum(len(d) for d in chosen))
         lookup_reach = self._reach(seqs, [len(d) for d in chosen])
         lookup_net = [sum(r) - len(r) * value for r in lookup_reach]
         model_reach = [self._model_reach(s, min(self.k_max, c)) for s, c in zip(seqs, caps)]
@@ -393,7 +394,7 @@ class AdaptivePolicy:
         self._suffix_drafts = {s.seq_id: d for s, d in zip(seqs, drafts) if d.ids}
         if not self._suffix_drafts:
             return chosen
-        value = lookup_rate * self.cost.token_cost()
+        value = lookup_rate * self.cost.token_cost(len(seqs) + sum(len(d) for d in chosen))
         reach = self._reach(seqs, [len(d) for d in chosen])
         out, use = list(chosen), set()
         for i, (s, d) in enumerate(zip(seqs, drafts)):

@@ -8,8 +8,9 @@ rows) keyed by ``Sequence.seq_id``, and hears about every sequence's lifecycle f
     on_commit(seq, n)     n tokens were appended to seq.token_ids (accepted + recovered/bonus)
     finish(seq)           drop the sequence's state
 
-and, if it defines it, ``on_verify(seqs, drafts, seconds)``: the verify step's wall time
-(``auto``'s ``spec_decode.router.Router`` learns the machine's step cost from it).
+and, if it defines it, ``on_verify(seqs, drafts, seconds)``: the verify step's wall time, the
+forward plus sampling, grammar masks and commit (``auto``'s ``spec_decode.router.Router`` learns
+the machine's step cost from it; a JSON-schema mask per fed token is part of that cost).
 
 Drafts must be a deterministic function of the committed tokens (and, for a draft model, of
 the record seed and positions; for suffix, of the answers finished before and of the rows in

@@ -47,8 +47,8 @@ class Router:
         return self.policy.select(seqs, proposed, ks)
 
     def on_verify(self, seqs: list[Sequence], drafts: list[list[int]], seconds: float) -> None:
-        """The verify step's wall time (seconds, after a device sync) for the policy's cost
-        model."""
+        """The verify step's wall time (seconds: forward, sampling and commit, ending with the
+        step's one device-to-host copy) for the policy's cost model."""
         observe_step = getattr(self.policy, "observe_step", None)
         if observe_step is not None:
             observe_step(seqs, drafts, seconds)
