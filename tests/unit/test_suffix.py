@@ -55,6 +55,71 @@ def test_match_and_counts_equal_brute_force(seed):
                 assert sam.occ[child] == _occurrences(docs, pattern + [tok])
 
 
+def _scanned_continuation(sam: SuffixAutomaton, state: int, max_len: int) -> list[int]:
+    """The documented greedy continuation with every state's children scanned (no cache)."""
+    ids, v = [], state
+    while len(ids) < max_len and sam.nxt[v] and sam.occ[v]:
+        tok, v = min(sam.nxt[v].items(), key=lambda kv: (-sam.occ[kv[1]], kv[0]))
+        ids.append(tok)
+    return ids
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_cached_continuations_equal_a_scan_as_documents_arrive(seed):
+    """The per-state best-continuation cache: drafts taken between documents (which change
+    counts, add transitions and clone states under cached entries) equal a fresh scan."""
+    rng = random.Random(seed)
+    sam = SuffixAutomaton()
+    for _ in range(40):
+        sam.add_document([rng.randrange(5) for _ in range(rng.randrange(1, 25))])
+        for _ in range(15):
+            state, n = sam.match([rng.randrange(5) for _ in range(rng.randrange(1, 6))])
+            got, _ = sam.continuation(state, 12, min_prob=0.0)
+            assert got == _scanned_continuation(sam, state, 12)
+    assert sam.best  # the cache was used
+
+
+def test_a_rows_match_advanced_by_its_new_tokens_equals_a_fresh_walk():
+    """The job-index match a row keeps between propose calls (advanced by the committed tokens,
+    cut to max_match, walked again after a document joins) equals a walk of its last max_match
+    tokens, and so do the drafts: a proposer that has followed the row drafts what a fresh one
+    drafts. Documents copy stretches of the row's text, so matches pass max_match."""
+    rng = random.Random(7)
+    index = SuffixIndex()
+    follower = SuffixProposer(index, max_match=4)
+    seq = Sequence(Request(0, [rng.randrange(3) for _ in range(40)], SamplingParams()),
+                   "suffix", 8)
+    index.add(seq.token_ids[5:30])
+    follower.start(seq)
+    capped = 0
+    for step in range(300):
+        seq.token_ids.extend(rng.randrange(3) for _ in range(rng.randrange(1, 4)))
+        follower.on_commit(seq, 0)
+        if step % 5 == 0:
+            i = rng.randrange(len(seq.token_ids) - 10)
+            index.add(seq.token_ids[i:i + rng.randrange(5, 30)])
+        fresh = SuffixProposer(index, max_match=4)
+        fresh.start(seq)
+        state, n = follower.rows[0].job_match(index, 4)
+        assert (state, n) == index.sam.match(seq.token_ids[-4:])
+        capped += n == 4
+        assert follower.draft(seq, 8) == fresh.draft(seq, 8)
+    assert capped > 100
+
+    # a join that clones the row's state: "2" sat with "7 1 2"; [1, 2, 4] splits "1 2", "2" off
+    # it, and a match advanced from the stale state would claim "1 2 4" for the text "5 2 4"
+    index = SuffixIndex()
+    index.add([7, 1, 2, 3])
+    follower = SuffixProposer(index, max_match=4)
+    seq = Sequence(Request(1, [5, 2], SamplingParams()), "suffix", 8)
+    follower.start(seq)
+    assert follower.rows[1].job_match(index, 4)[1] == 1
+    index.add([1, 2, 4])
+    seq.token_ids.append(4)
+    assert follower.rows[1].job_match(index, 4) == index.sam.match([5, 2, 4]) == (
+        index.sam.nxt[index.sam.nxt[0][2]][4], 2)
+
+
 def test_continuation_follows_frequency_hand_built():
     """After "1 2", 3 follows three times and 4 once: the draft takes 3 (p = 3/4) then, after
     "1 2 3", 5 twice and 6 once (p = 3/4 * 2/3 = 1/2), then 7 (p = 1/2 * 1/2 = 1/4: "1 2 3 5"
