@@ -11,10 +11,11 @@ step cost, where a step costs ``1 + token_cost * draft tokens`` (``--token-cost`
 token as a share of a step. Batch 1 on the 2-core VM: ~0.055, the calibration's 2.6 ms per token
 over a 47 ms step; a full batch-16 step: ~0.28 of a row's share). Rules:
 
-    ngram k5              prompt lookup, k = 5, prompt_lookup_min/max 2/4 (``NgramProposer``)
+    ngram k3, ngram k5    prompt lookup, k = 3 or 5, prompt_lookup_min/max 2/4 (``NgramProposer``)
     suffix (paper)        own text vs job index by the sum of path probabilities, factor 1
     suffix (1 row)        ``SuffixProposer`` as shipped, in steps of 1 row
-    suffix (16 rows)      ``SuffixProposer`` as shipped, in steps of 16 rows
+    suffix (16 rows)      ``SuffixProposer`` as ``--method suffix`` builds it at k 5, in steps
+                          of 16 rows (cut at k and path probability 0.7)
 
 The output file's ``OUT.config.json`` names the model (its tokenizer re-renders the prompts, as
 ``analyze --what-if`` does). Records ending in ``error`` and ``turns`` records' later turns are
@@ -109,10 +110,11 @@ def main() -> None:
     args = ap.parse_args()
     data = load(args.output)
     print(f"{len(data)} answers, {sum(len(o) for _, o in data)} output tokens")
-    rules = [("ngram k5", lambda: NgramProposer(2, 4), 5, 1),
+    rules = [("ngram k3", lambda: NgramProposer(2, 4), 3, 1),
+             ("ngram k5", lambda: NgramProposer(2, 4), 5, 1),
              ("suffix (paper)", PaperChoice, CAP, 1),
              ("suffix (1 row)", suffix.SuffixProposer, CAP, 1),
-             ("suffix (16 rows)", suffix.SuffixProposer, CAP, 16)]
+             ("suffix (16 rows)", lambda: suffix.SuffixProposer(many_rows_cap=5), CAP, 16)]
     head = " ".join(f"{'tok/cost @' + str(c):>14}" for c in args.token_cost)
     print(f"{'rule':18} {'tok/step':>8} {head}")
     for name, make, cap, rows in rules:

@@ -27,9 +27,12 @@ def _ngram(config: SpecConfig, draft_forward, num_rows: int) -> Proposer:
 
 
 def _suffix(config: SpecConfig, draft_forward, num_rows: int) -> Proposer:
+    """SuffixDecoding's drafts; steps of many rows cut at k (``suffix.SuffixProposer``), except
+    under ``auto``, whose policy cuts them by the measured step cost."""
     from specbatch.spec_decode.suffix import SuffixIndex, SuffixProposer
 
-    return SuffixProposer(SuffixIndex(config.suffix_max_tokens))
+    return SuffixProposer(SuffixIndex(config.suffix_max_tokens),
+                          many_rows_cap=None if config.method == "auto" else config.k)
 
 
 def _draft(config: SpecConfig, draft_forward, num_rows: int) -> Proposer:

@@ -31,9 +31,18 @@ model (acceptance is exact at temperature 0; docs/benchmarks.md, issue 14):
   higher sum of path probabilities (the paper's score) chooses.
 - in a verify step of at most ``FEW_ROWS`` rows the own-text draft may grow to
   ``OWN_FACTOR_FEW_ROWS`` (2) times its match length: such a step is bound by reading the
-  weights, so a longer draft costs little (batch 1: one fed token ~5% of a step), while in a
-  full batch-16 step each fed token costs about a quarter of a row's share. Drafts thus depend on
-  the rows in the step as well; outputs never do.
+  weights, so a longer draft costs little (batch 1: one fed token ~5-14% of a step), while in a
+  full batch-16 step each fed token costs about a quarter to a half of a row's share. Drafts
+  thus depend on the rows in the step as well; outputs never do.
+- ``--method suffix`` (not ``auto``'s suffix drafts, which auto cuts by its measured step cost)
+  cuts drafts in steps of more than ``FEW_ROWS`` rows at path probability
+  ``MANY_ROWS_MIN_TOKEN_PROB`` (0.7) and at k tokens (``many_rows_cap``): SuffixDecoding's 0.1
+  and 3k fit a GPU, where a step of 16 rows is still bound by reading the weights, not a CPU,
+  where it is compute-bound. Replayed at batch 16 with a fed token at 0.5 of a row's share
+  (int8 on an AMX Xeon; docs/benchmarks.md, session 11): on the 130-record Spec-Bench subset
+  output per unit of step cost rises from 0.868 to 0.973 (ngram k3 0.997), on the templated
+  extraction job from 1.045 to 1.178 (ngram k3 1.053). At batch 1 the same cut gains nothing
+  (1.873 vs 1.867 at 0.14 of a step per fed token), so few-row steps keep the paper's.
 
 Why a suffix automaton. It is the smallest structure that answers "longest suffix of the row's
 text that occurs in the index" and "how often is each continuation seen" exactly, and it is
@@ -75,6 +84,7 @@ MIN_TOKEN_PROB = 0.1  # SuffixDecoding's default min_token_prob
 MAX_SPEC_FACTOR = 1.0  # draft length <= factor * match length (SuffixDecoding max_spec_factor)
 OWN_FACTOR_FEW_ROWS = 2.0  # the own-text draft's factor in steps of <= FEW_ROWS rows
 FEW_ROWS = 2
+MANY_ROWS_MIN_TOKEN_PROB = 0.7  # --method suffix, steps of more than FEW_ROWS rows
 MAX_MATCH = 32  # tokens of the row's tail matched against the job-wide index
 DEFAULT_MAX_TOKENS = 1 << 20  # job-wide index bound (output tokens), ~1M
 
@@ -325,16 +335,23 @@ class _Row:
 
 class SuffixProposer:
     """``--method suffix``. index: the job-wide ``SuffixIndex`` (shared by the job's rows; a
-    fresh one per engine). Finished answers (not ``error`` ones) join it at ``finish``."""
+    fresh one per engine). Finished answers (not ``error`` ones) join it at ``finish``.
+    many_rows_cap: in steps of more than ``FEW_ROWS`` rows, drafts stop at this many tokens
+    and at path probability ``many_rows_min_prob`` (the module docstring); None: no such cut
+    (``auto``'s suffix drafts, which the policy cuts)."""
 
     name = "suffix"
 
     def __init__(self, index: SuffixIndex | None = None, min_token_prob: float = MIN_TOKEN_PROB,
-                 max_spec_factor: float = MAX_SPEC_FACTOR, max_match: int = MAX_MATCH) -> None:
+                 max_spec_factor: float = MAX_SPEC_FACTOR, max_match: int = MAX_MATCH,
+                 many_rows_cap: int | None = None,
+                 many_rows_min_prob: float = MANY_ROWS_MIN_TOKEN_PROB) -> None:
         self.index = index if index is not None else SuffixIndex()
         self.min_token_prob = min_token_prob
         self.max_spec_factor = max_spec_factor
         self.max_match = max_match
+        self.many_rows_cap = many_rows_cap
+        self.many_rows_min_prob = many_rows_min_prob
         self.rows: dict[int, _Row] = {}
         self.last: dict[int, Draft] = {}  # seq id -> its latest draft
 
@@ -345,16 +362,21 @@ class SuffixProposer:
         """The draft of the longer match, own text or job-wide (ties and both empty: own
         text), at most ``cap`` tokens. num_rows: rows in the verify step (the own-text factor,
         see the module docstring)."""
+        factor, min_prob = self.max_spec_factor, self.min_token_prob
+        if num_rows <= FEW_ROWS:
+            own_factor = max(factor, OWN_FACTOR_FEW_ROWS)
+        else:
+            own_factor = factor
+            if self.many_rows_cap is not None:
+                cap, min_prob = min(cap, self.many_rows_cap), self.many_rows_min_prob
         if cap <= 0:
             return _EMPTY
-        factor = self.max_spec_factor
-        own_factor = max(factor, OWN_FACTOR_FEW_ROWS) if num_rows <= FEW_ROWS else factor
-        own = self.rows[seq.seq_id].draft(cap, self.min_token_prob, own_factor)
+        own = self.rows[seq.seq_id].draft(cap, min_prob, own_factor)
         sam = self.index.sam
         if not sam.num_tokens:
             return own
         state, n = self.rows[seq.seq_id].job_match(self.index, self.max_match)
-        job = draft_from(sam, state, n, cap, "job", self.min_token_prob, factor)
+        job = draft_from(sam, state, n, cap, "job", min_prob, factor)
         return job if job.ids and (job.match_len > own.match_len or not own.ids) else own
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:

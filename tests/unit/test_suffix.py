@@ -201,6 +201,39 @@ def test_proposer_picks_the_longer_match_and_few_rows_draft_longer_own_text():
     assert prop.last_draft(own).source == "self"
 
 
+def test_method_suffix_cuts_many_row_drafts_at_k_and_probability_07():
+    """--method suffix: in a step of more than FEW_ROWS rows a draft stops at k tokens and where
+    its path probability drops below 0.7; at one row it keeps SuffixDecoding's 0.1 and the 3k
+    cap. auto's suffix drafts keep them at any row count (its policy cuts by step cost)."""
+    job = SuffixIndex()
+    for _ in range(4):
+        job.add(list(range(40, 60)))
+    job.add([40, 41, 42, 99])  # after "40 41 42": 43 four times, 99 once -> p 0.8 then 0.8
+    job.add([40, 41, 42, 43, 98])  # after "... 43": 44 four times, 98 once -> p 0.64
+    method = make_proposer(SpecConfig(method="suffix", num_speculative_tokens=3))
+    auto_suffix = make_proposer(SpecConfig(method="auto", num_speculative_tokens=3)).suffix
+    assert method.many_rows_cap == 3 and auto_suffix.many_rows_cap is None
+    for prop in (method, auto_suffix):
+        prop.index = job
+    seq = _seq([1, 2, 3, 4, 5, 6, 7, 8, 40, 41, 42, 43, 44, 45, 46, 47, 48], 9)
+    others = [_seq([100 + i], 1) for i in range(15)]
+    for prop in (method, auto_suffix):
+        for s in (seq, *others):
+            prop.start(s)
+    # one row: the 9-token match drafts to the 9-token cap (probabilities 1)
+    assert method.propose([seq], [9])[0] == list(range(49, 58))
+    # sixteen rows: at most k = 3
+    assert method.propose([seq, *others], [9] * 16)[0] == [49, 50, 51]
+    assert auto_suffix.draft(seq, 9, 16).ids == list(range(49, 58))
+    # a short match whose path falls under 0.7: "42" -> 43 (0.8), 44 (0.64) cut after one
+    short = _seq([7, 42], 9)
+    for prop in (method, auto_suffix):
+        prop.start(short)
+    assert method.propose([short, *others], [9] * 16)[0] == [43]
+    assert auto_suffix.draft(short, 9, 16).ids == [43]  # factor 1 x a 1-token match
+    assert method.propose([short], [9])[0] == [43]
+
+
 def test_eviction_keeps_index_under_bound():
     """Documents beyond the bound evict the oldest first; the automaton then holds exactly the
     documents kept (rebuilt), and a document's own text stops matching once it is evicted."""
@@ -242,7 +275,8 @@ def _suffix_engine(model, batch_size: int, k: int = 5):
                                         lambda: tiny_qwen2(VOCAB, seed=6)])
 def test_suffix_outputs_equal_plain_decoding(make_model):
     """Suffix speculation (own text + finished outputs) at batch 1 and 4 gives the tokens of
-    plain decoding; drafts were accepted, some from the job-wide index, some past k."""
+    plain decoding; drafts were accepted, some from the job-wide index, some past k at batch 1
+    (steps of more than FEW_ROWS rows cut them at k)."""
     model = make_model()
     prompts = repeating_prompts(VOCAB, 10, seed=7)
     prompts += [p[:6] for p in prompts]  # later records repeat earlier ones' beginnings
@@ -264,7 +298,8 @@ def test_suffix_outputs_equal_plain_decoding(make_model):
         assert [c.output_ids for c in out] == [b.output_ids for b in base]
         assert sum(c.stats.num_accepted_tokens for c in out) >= 20
         assert any(seen_job)
-        assert max(max(c.stats.k_histogram) for c in out) > 5  # a draft longer than k
+        if batch_size == 1:
+            assert max(max(c.stats.k_histogram) for c in out) > 5  # a draft longer than k
         assert len(engine.proposer.index.docs) == len(prompts)
 
 
