@@ -15,9 +15,11 @@
    the rows' prompts prefilled, timed ``ModelRunner.verify`` with no drafts: the cheapest step,
    so the ratio is an upper bound; it also pushes the index out of the CPU caches, as in a
    run) and one ``propose`` call for the 16 rows at the suffix cap (15), after which each row
-   commits its first draft token. Prints the step's median, the first propose call's time
-   (rows just started: a full walk of each row's tail) and the median of the later ones (each
-   row's match advanced by its new token), their ratios to the step and the load average.
+   commits its first draft token; in the last ``--rounds`` rounds one more synthetic answer
+   joins the index before the call (a record finished: every row's match is walked again).
+   Prints the step's median, the first propose call's time (rows just started: a full walk
+   of each row's tail), the median of the calls after a commit (each row's match advanced by
+   its new token) and of those after a join, their ratios to the step and the load average.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def main() -> None:
     texts = synthetic_outputs([r["article"] for r in recs], args.records)
     docs = [tok.encode(t, add_special_tokens=False) for t in texts]
     num_tokens = sum(map(len, docs))
-    index = SuffixIndex(max_tokens=num_tokens)
+    index = SuffixIndex(max_tokens=num_tokens + 10_000)  # room for the joins below
     t0 = time.perf_counter()
     for d in docs:
         index.add(d)
@@ -133,26 +135,32 @@ def main() -> None:
         p = Sequence(Request(s.seq_id, list(s.token_ids), SamplingParams()), "suffix", 15)
         prop.start(p)
         pseqs.append(p)
-    steps, lookups = [], []
-    for _ in range(args.rounds + 1):
+    steps, lookups, joined = [], [], []
+    extra = iter(synthetic_outputs([r["article"] for r in recs], 2 * args.rounds + 2, seed=1))
+    for r in range(2 * args.rounds + 1):
         with torch.no_grad():
             t0 = time.perf_counter()
             runner.verify(seqs, [[] for _ in seqs])
             steps.append(time.perf_counter() - t0)
         for s in seqs:
             runner.rollback(s)
+        if r > args.rounds:  # a record finished since the last step: every row walks again
+            index.add(tok.encode(next(extra), add_special_tokens=False))
         t0 = time.perf_counter()
         drafts = prop.propose(pseqs, [15] * 16)
-        lookups.append(time.perf_counter() - t0)
+        (joined if r > args.rounds else lookups).append(time.perf_counter() - t0)
         for p, d in zip(pseqs, drafts):  # commit the first draft token, as a verify step may
             p.token_ids.append(d[0] if d else 0)
             prop.on_commit(p, 1)
     step, first, look = statistics.median(steps), lookups[0], statistics.median(lookups[1:])
-    print(f"batch-16 decode step {1e3 * step:.1f} ms (median of {args.rounds + 1}); propose for "
+    join = statistics.median(joined)
+    print(f"batch-16 decode step {1e3 * step:.1f} ms (median of {len(steps)}); propose for "
           f"16 rows right after the step: {1e3 * look:.2f} ms ({100 * look / step:.2f}% of the "
-          f"step; median of the {args.rounds} calls after a commit), first call (rows just "
-          f"started) {1e3 * first:.2f} ms ({100 * first / step:.2f}%); mean draft "
-          f"{sum(map(len, drafts)) / 16:.1f} tokens; load average {os.getloadavg()}")
+          f"step; median of the {args.rounds} calls after a commit), after a record joined the "
+          f"index {1e3 * join:.2f} ms ({100 * join / step:.2f}%, median of {len(joined)}), "
+          f"first call (rows just started) {1e3 * first:.2f} ms ({100 * first / step:.2f}%); "
+          f"mean draft {sum(map(len, drafts)) / 16:.1f} tokens; load average "
+          f"{os.getloadavg()}")
 
 
 if __name__ == "__main__":
