@@ -100,7 +100,7 @@ def test_a_rows_match_advanced_by_its_new_tokens_equals_a_fresh_walk():
             index.add(seq.token_ids[i:i + rng.randrange(5, 30)])
         fresh = SuffixProposer(index, max_match=4)
         fresh.start(seq)
-        state, n = follower.rows[0].job_match(index, 4)
+        state, n = follower.rows[seq.seq_id].job_match(index, 4)
         assert (state, n) == index.sam.match(seq.token_ids[-4:])
         capped += n == 4
         assert follower.draft(seq, 8) == fresh.draft(seq, 8)
@@ -113,10 +113,10 @@ def test_a_rows_match_advanced_by_its_new_tokens_equals_a_fresh_walk():
     follower = SuffixProposer(index, max_match=4)
     seq = Sequence(Request(1, [5, 2], SamplingParams()), "suffix", 8)
     follower.start(seq)
-    assert follower.rows[1].job_match(index, 4)[1] == 1
+    assert follower.rows[seq.seq_id].job_match(index, 4)[1] == 1
     index.add([1, 2, 4])
     seq.token_ids.append(4)
-    assert follower.rows[1].job_match(index, 4) == index.sam.match([5, 2, 4]) == (
+    assert follower.rows[seq.seq_id].job_match(index, 4) == index.sam.match([5, 2, 4]) == (
         index.sam.nxt[index.sam.nxt[0][2]][4], 2)
 
 
