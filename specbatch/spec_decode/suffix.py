@@ -360,8 +360,8 @@ class SuffixProposer:
 
     def draft(self, seq: Sequence, cap: int, num_rows: int = 1) -> Draft:
         """The draft of the longer match, own text or job-wide (ties and both empty: own
-        text), at most ``cap`` tokens. num_rows: rows in the verify step (the own-text factor,
-        see the module docstring)."""
+        text), at most ``cap`` tokens. num_rows: rows in the verify step (the own-text factor
+        and, with ``many_rows_cap``, the many-row cut; see the module docstring)."""
         factor, min_prob = self.max_spec_factor, self.min_token_prob
         if num_rows <= FEW_ROWS:
             own_factor = max(factor, OWN_FACTOR_FEW_ROWS)
