@@ -259,22 +259,30 @@ VNNI static inline __attribute__((always_inline)) void group_512(
             for (int r = 0; r < 8; r++) w[r] = _mm512_loadu_si512((const void *)(cb + 64 * r));
         }
         const __m512 dw = _mm512_loadu_ps(scales + b * sp);
-        __m512i dot[MRQ];
+        /* two accumulation chains per row (even and odd r): VPDPBUSD's latency (~5 cycles)
+         * bound one chain of 8 at few rows; the integer sums are exact, so the order does not
+         * change a bit. Q8_0's - 128 S starts the even chain. */
+        __m512i dot[MRQ], dot2[MRQ];
 #pragma GCC unroll 8
-        for (int i = 0; i < mr; i++) dot[i] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-        for (int r = 0; r < 8; r++)
+        for (int i = 0; i < mr; i++) {
+            dot[i] = kind == Q8_0_X8 ? _mm512_set1_epi32(-128 * xs[i * nblk + b])
+                                     : _mm512_setzero_si512();
+            dot2[i] = _mm512_setzero_si512();
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < 8; r += 2)
 #pragma GCC unroll 8
             for (int i = 0; i < mr; i++) {
-                int32_t quad;
-                memcpy(&quad, xq + i * K + b * QB + 4 * r, 4);
-                dot[i] = _mm512_dpbusd_epi32(dot[i], w[r], _mm512_set1_epi32(quad));
+                int32_t q0, q1;
+                memcpy(&q0, xq + i * K + b * QB + 4 * r, 4);
+                memcpy(&q1, xq + i * K + b * QB + 4 * r + 4, 4);
+                dot[i] = _mm512_dpbusd_epi32(dot[i], w[r], _mm512_set1_epi32(q0));
+                dot2[i] = _mm512_dpbusd_epi32(dot2[i], w[r + 1], _mm512_set1_epi32(q1));
             }
 #pragma GCC unroll 8
         for (int i = 0; i < mr; i++) {
             const float dx = xd[i * nblk + b];
-            if (kind == Q8_0_X8)
-                dot[i] = _mm512_sub_epi32(dot[i], _mm512_set1_epi32(128 * xs[i * nblk + b]));
+            dot[i] = _mm512_add_epi32(dot[i], dot2[i]);
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]),
                                      _mm512_mul_ps(dw, _mm512_set1_ps(dx)), acc[i]);
             if (kind == Q4_1_X8)
