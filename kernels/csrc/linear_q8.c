@@ -36,6 +36,7 @@
 #define QB 32      /* k per block */
 #define GC 16      /* output columns per group */
 #define MRQ 8      /* rows of x per tile */
+#define CHAINS2_MAX_ROWS 4 /* two accumulation chains per row up to this many rows */
 #define Q4_1_X8 3
 #define Q8_0_X8 4
 
@@ -108,7 +109,7 @@ VNNI static void quantize_512(const float *x, int64_t K, int8_t *q, float *d, in
 /* ---- the portable kernel: one element at a time, the documented arithmetic ---- */
 
 static void group_scalar(int kind, int64_t mr, const int8_t *xq, const float *xd,
-                         const int32_t *xs, int64_t K, const uint8_t *codes,
+                         const int32_t *xs, const float *xds, const int32_t *xk, int64_t K, const uint8_t *codes,
                          const float *scales, const float *bias, float *y, int64_t ldy,
                          int64_t ncols) {
     const int64_t nblk = K / QB, cp = codes_per(kind), sp = scales_per(kind);
@@ -133,7 +134,7 @@ static void group_scalar(int kind, int64_t mr, const int8_t *xq, const float *xd
                 }
                 const float dx = xd[i * nblk + b];
                 acc = fmaf((float)dot, sb[c] * dx, acc);
-                if (kind == Q4_1_X8) acc = fmaf(sb[GC + c], dx * (float)xs[i * nblk + b], acc);
+                if (kind == Q4_1_X8) acc = fmaf(sb[GC + c], xds[i * nblk + b], acc);
             }
             y[i * ldy + c] = bias ? acc + bias[c] : acc;
         }
@@ -147,7 +148,8 @@ static void group_scalar(int kind, int64_t mr, const int8_t *xq, const float *xd
 #define MRA 4 /* rows per call: 16 ymm registers */
 
 static inline __attribute__((always_inline)) void group_256(
-        int kind, int mr, const int8_t *xq, const float *xd, const int32_t *xs, int64_t K,
+        int kind, int mr, const int8_t *xq, const float *xd, const int32_t *xs, const float *xds,
+        const int32_t *xk, int64_t K,
         const uint8_t *codes, const float *scales, const float *bias, float *y, int64_t ldy,
         int64_t ncols) {
     const int64_t nblk = K / QB, cp = codes_per(kind), sp = scales_per(kind);
@@ -198,7 +200,7 @@ static inline __attribute__((always_inline)) void group_256(
                 if (kind == Q4_1_X8)
                     acc[i][h] = _mm256_fmadd_ps(
                         _mm256_loadu_ps(scales + b * sp + GC + 8 * h),
-                        _mm256_set1_ps(dx * (float)xs[i * (K / QB) + b]), acc[i][h]);
+                        _mm256_set1_ps(xds[i * (K / QB) + b]), acc[i][h]);
             }
         }
     }
@@ -214,13 +216,13 @@ static inline __attribute__((always_inline)) void group_256(
  * the accumulators stay in registers; ATTR its target attribute */
 #define GROUP_FN(NAME, ATTR, IMPL, MR)                                                        \
     ATTR static void NAME##_##MR(int kind, const int8_t *xq, const float *xd,                 \
-                                 const int32_t *xs, int64_t K, const uint8_t *codes,          \
-                                 const float *scales, const float *bias, float *y,            \
-                                 int64_t ldy, int64_t ncols) {                                \
+                                 const int32_t *xs, const float *xds, const int32_t *xk,      \
+                                 int64_t K, const uint8_t *codes, const float *scales,        \
+                                 const float *bias, float *y, int64_t ldy, int64_t ncols) {   \
         if (kind == Q4_1_X8)                                                                  \
-            IMPL(Q4_1_X8, MR, xq, xd, xs, K, codes, scales, bias, y, ldy, ncols);             \
+            IMPL(Q4_1_X8, MR, xq, xd, xs, xds, xk, K, codes, scales, bias, y, ldy, ncols);    \
         else                                                                                  \
-            IMPL(Q8_0_X8, MR, xq, xd, xs, K, codes, scales, bias, y, ldy, ncols);             \
+            IMPL(Q8_0_X8, MR, xq, xd, xs, xds, xk, K, codes, scales, bias, y, ldy, ncols);    \
     }
 #define GROUP256(MR) GROUP_FN(group256, , group_256, MR)
 GROUP256(1)
@@ -228,16 +230,17 @@ GROUP256(2)
 GROUP256(3)
 GROUP256(4)
 
-typedef void (*group_fn)(int, const int8_t *, const float *, const int32_t *, int64_t,
-                         const uint8_t *, const float *, const float *, float *, int64_t,
-                         int64_t);
+typedef void (*group_fn)(int, const int8_t *, const float *, const int32_t *, const float *,
+                         const int32_t *, int64_t, const uint8_t *, const float *,
+                         const float *, float *, int64_t, int64_t);
 static const group_fn GROUPS256[MRA + 1] = {NULL, group256_1, group256_2, group256_3,
                                             group256_4};
 
 /* ---- AVX-512 VNNI: 16 columns x up to 8 rows per call, VPDPBUSD on 4 k per lane ---- */
 
 VNNI static inline __attribute__((always_inline)) void group_512(
-        int kind, int mr, const int8_t *xq, const float *xd, const int32_t *xs, int64_t K,
+        int kind, int mr, const int8_t *xq, const float *xd, const int32_t *xs, const float *xds,
+        const int32_t *xk, int64_t K,
         const uint8_t *codes, const float *scales, const float *bias, float *y, int64_t ldy,
         int64_t ncols) {
     const int64_t nblk = K / QB, cp = codes_per(kind), sp = scales_per(kind);
@@ -266,7 +269,7 @@ VNNI static inline __attribute__((always_inline)) void group_512(
         __m512i dot[MRQ], dot2[MRQ];
 #pragma GCC unroll 8
         for (int i = 0; i < mr; i++) {
-            dot[i] = kind == Q8_0_X8 ? _mm512_set1_epi32(-128 * xs[i * nblk + b])
+            dot[i] = kind == Q8_0_X8 ? _mm512_set1_epi32(xk[i * nblk + b])
                                      : _mm512_setzero_si512();
             dot2[i] = _mm512_setzero_si512();
         }
@@ -278,7 +281,10 @@ VNNI static inline __attribute__((always_inline)) void group_512(
                 memcpy(&q0, xq + i * K + b * QB + 4 * r, 4);
                 memcpy(&q1, xq + i * K + b * QB + 4 * r + 4, 4);
                 dot[i] = _mm512_dpbusd_epi32(dot[i], w[r], _mm512_set1_epi32(q0));
-                dot2[i] = _mm512_dpbusd_epi32(dot2[i], w[r + 1], _mm512_set1_epi32(q1));
+                if (mr <= CHAINS2_MAX_ROWS)
+                    dot2[i] = _mm512_dpbusd_epi32(dot2[i], w[r + 1], _mm512_set1_epi32(q1));
+                else
+                    dot[i] = _mm512_dpbusd_epi32(dot[i], w[r + 1], _mm512_set1_epi32(q1));
             }
 #pragma GCC unroll 8
         for (int i = 0; i < mr; i++) {
@@ -288,7 +294,7 @@ VNNI static inline __attribute__((always_inline)) void group_512(
                                      _mm512_mul_ps(dw, _mm512_set1_ps(dx)), acc[i]);
             if (kind == Q4_1_X8)
                 acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(scales + b * sp + GC),
-                                         _mm512_set1_ps(dx * (float)xs[i * nblk + b]), acc[i]);
+                                         _mm512_set1_ps(xds[i * nblk + b]), acc[i]);
         }
     }
     const __mmask16 m = (__mmask16)((1u << ncols) - 1);
@@ -359,10 +365,16 @@ int sb_linear_q8(const float *x, int64_t ldx, int kind, const float *scales,
     int8_t *xq = malloc((size_t)(M * K));
     float *xd = malloc(sizeof(float) * (size_t)(M * nblk));
     int32_t *xs = malloc(sizeof(int32_t) * (size_t)(M * nblk));
-    if (!xq || !xd || !xs) {
+    /* per (row, block), for the kernels' loops: d_x * S (Q4_1's offset term) and -128 S (Q8_0's
+     * unsigned-code correction), read as broadcasts from memory */
+    float *xds = malloc(sizeof(float) * (size_t)(M * nblk));
+    int32_t *xk = malloc(sizeof(int32_t) * (size_t)(M * nblk));
+    if (!xq || !xd || !xs || !xds || !xk) {
         free(xq);
         free(xd);
         free(xs);
+        free(xds);
+        free(xk);
         return -1;
     }
 #pragma omp parallel for schedule(static) if (M >= 16)
@@ -371,6 +383,10 @@ int sb_linear_q8(const float *x, int64_t ldx, int kind, const float *scales,
             quantize_512(x + m * ldx, K, xq + m * K, xd + m * nblk, xs + m * nblk);
         else
             quantize_scalar(x + m * ldx, K, xq + m * K, xd + m * nblk, xs + m * nblk);
+        for (int64_t b = m * nblk; b < (m + 1) * nblk; b++) {
+            xds[b] = xd[b] * (float)xs[b];
+            xk[b] = -128 * xs[b];
+        }
     }
     const int64_t cg = nblk * codes_per(kind), sg = nblk * scales_per(kind);
     const int64_t gpb = groups_per_block(groups), nblocks = (groups + gpb - 1) / gpb;
@@ -384,17 +400,20 @@ int sb_linear_q8(const float *x, int64_t ldx, int kind, const float *scales,
                 const int64_t n = g * GC, ncols = N - n < GC ? N - n : GC;
                 const float *bg = bias ? bias + n : NULL;
                 if (vnni)
-                    GROUPS512[mr](kind, xq + m * K, xd + m * nblk, xs + m * nblk, K,
+                    GROUPS512[mr](kind, xq + m * K, xd + m * nblk, xs + m * nblk,
+                                  xds + m * nblk, xk + m * nblk, K,
                                   codes + g * cg, scales + g * sg, bg, y + m * ldy + n, ldy,
                                   ncols);
                 else if (isa == 1)
                     for (int64_t i = 0; i < mr; i += MRA)
                         GROUPS256[mr - i < MRA ? mr - i : MRA](
                             kind, xq + (m + i) * K, xd + (m + i) * nblk, xs + (m + i) * nblk,
+                            xds + (m + i) * nblk, xk + (m + i) * nblk,
                             K, codes + g * cg, scales + g * sg, bg, y + (m + i) * ldy + n,
                             ldy, ncols);
                 else
-                    group_scalar(kind, mr, xq + m * K, xd + m * nblk, xs + m * nblk, K,
+                    group_scalar(kind, mr, xq + m * K, xd + m * nblk, xs + m * nblk,
+                                 xds + m * nblk, xk + m * nblk, K,
                                  codes + g * cg, scales + g * sg, bg, y + m * ldy + n, ldy,
                                  ncols);
             }
@@ -403,5 +422,7 @@ int sb_linear_q8(const float *x, int64_t ldx, int kind, const float *scales,
     free(xq);
     free(xd);
     free(xs);
+    free(xds);
+    free(xk);
     return 0;
 }
