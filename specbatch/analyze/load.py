@@ -72,10 +72,11 @@ def load_run(path: str | Path) -> RunFile:
                             f"{', '.join(missing)})")
         else:
             good.append(r)
-    if records and not good:
-        raise ValueError(f"{path}: none of its {len(records)} records is an output record (no "
-                         "spec, usage, finish_reason): analyze reads the OUT file `specbatch "
-                         "run` wrote, not its input")
+    if not good:  # an input file (its records may not even read as prompts: no prompt field)
+        lines = len(records) + len(errors)
+        raise ValueError(f"{path}: none of its {lines} lines is an output record (no spec, usage, "
+                         "finish_reason): analyze reads the OUT file `specbatch run` wrote, not "
+                         "its input")
     return RunFile(path, config, good, problems)
 
 

@@ -378,9 +378,14 @@ def test_cli_json_and_usage_errors(runs, tmp_path):
     assert doc["tables"]["category"][-1]["num_records"] == 36 and doc["what_if"] is None
     inp = tmp_path / "in.jsonl"
     inp.write_text('{"id": 1, "prompt": "a"}\n{"id": 2, "prompt": "b"}\n')
+    # an input whose records do not even read as prompts (the recipe's articles: the template
+    # makes the prompt at run time): found by a fresh user, it used to exit 0 with empty tables
+    articles = tmp_path / "articles.jsonl"
+    articles.write_text('{"id": 1, "article": "a"}\n{"id": 2, "article": "b"}\n')
     bad = [(["analyze", str(runs["ngram"]), "--compare"], "--compare needs exactly two"),
            (["analyze", str(tmp_path / "nope.jsonl")], "no such output file"),
-           (["analyze", str(inp)], "is an output record"),  # an input file, not an OUT
+           (["analyze", str(inp)], "none of its 2 lines is an output record"),
+           (["analyze", str(articles)], "none of its 2 lines is an output record"),
            (["analyze", str(runs["ngram"]), "--calibration", "x.json"], "add --what-if")]
     for args, msg in bad:
         result = _invoke(args)
