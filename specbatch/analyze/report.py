@@ -57,6 +57,18 @@ def build_document(files: list[RunFile], opts: AnalyzeOptions, cost=None,
     return doc
 
 
+def _cached_calibration(config: dict | None) -> str | None:
+    """The calibration `run`, `bench` and `calibrate` cached for the run's model and dtype on
+    this host (``plan.costmodel.find_cached``), or None."""
+    if not config or not config.get("model") or not config.get("dtype"):
+        return None
+    from specbatch.models.loader import cache_root
+    from specbatch.plan.costmodel import find_cached
+
+    path = find_cached(cache_root(), config["model"], config["dtype"], config.get("device"))
+    return str(path) if path else None
+
+
 def run_analyze(opts: AnalyzeOptions) -> int:
     if opts.compare and len(opts.paths) != 2:
         return _bad(f"--compare needs exactly two output files, got {len(opts.paths)}")
@@ -65,10 +77,16 @@ def run_analyze(opts: AnalyzeOptions) -> int:
     try:
         files = [load_run(p) for p in opts.paths]
         cost = None
-        if opts.calibration:
+        calibration = opts.calibration
+        if opts.what_if and not calibration:
+            calibration = _cached_calibration(files[0].config)
+            if calibration:
+                click.echo(f"what-if: step costs from the cached calibration {calibration} "
+                           "(--calibration FILE takes another)", err=True)
+        if calibration:
             from specbatch.plan.costmodel import load
 
-            cost = load(opts.calibration)
+            cost = load(calibration)
     except ValueError as e:
         return _bad(str(e))
     for f in files:
@@ -215,7 +233,8 @@ def _what_if_text(wi: dict) -> list[str]:
             lines.append(f"  best: {b['name']}, predicted speedup {b['value']:.2f}x")
         else:
             lines.append(f"  best: {b['name']}, {b['value']:.2f} tokens / decode step (no cost "
-                         "model: longer drafts look free; pass --calibration)")
+                         "model for this run's model and dtype on this host: longer drafts look "
+                         "free; run `specbatch calibrate` or pass --calibration)")
     return lines
 
 

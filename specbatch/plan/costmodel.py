@@ -418,6 +418,17 @@ def cache_path(cache_root: Path, model_id: str, dtype: str, device: str) -> Path
     return cache_root / "calibration" / f"{safe}.json"
 
 
+def find_cached(cache_root: Path, model_id: str, dtype: str,
+                device: str | None = None) -> Path | None:
+    """The cached calibration file of (model, dtype, device) on this host, or None. device None:
+    any device's (a run's config does not record it), CPU's first where there are several."""
+    if device is not None:
+        path = cache_path(cache_root, model_id, dtype, device)
+        return path if path.is_file() else None
+    found = [cache_path(cache_root, model_id, dtype, d) for d in ("cpu", "cuda", "cuda:0")]
+    return next((p for p in found if p.is_file()), None)
+
+
 def load_or_calibrate(forward, model_id: str, dtype: str, cache_root: Path,
                       recalibrate: bool = False, echo=None, progress: bool = True,
                       time_fn=None, purpose: str | None = None) -> tuple[CostModel, Path, bool]:

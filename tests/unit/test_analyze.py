@@ -428,3 +428,32 @@ def test_conditional_points_leave_out_tiny_support():
     nothing = {"num_drafts": 0, "num_accepted_tokens_per_pos": [],
                "conditional_acceptance_per_pos": []}
     assert conditional_points(nothing) == []
+
+
+def test_what_if_takes_the_cached_calibration(runs, tmp_path, monkeypatch):
+    """``analyze --what-if`` without --calibration prices the settings with the calibration that
+    run / bench / calibrate cached for the run's model and dtype on this host (a fresh user
+    was told to pass --calibration although one was cached), and says which file it read;
+    with none cached it still answers, in tokens per step, and says how to get one."""
+    from specbatch.plan.costmodel import CostModel, cache_path
+
+    out = tmp_path / "run.jsonl"
+    out.write_bytes(runs["ngram"].read_bytes())
+    cfg = json.loads(config_path(runs["ngram"]).read_text())
+    cfg["dtype"] = "float32"
+    config_path(out).write_text(json.dumps(cfg))
+    monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path / "cache"))
+    args = ["analyze", str(out), "--what-if", "--json"]
+
+    result = _invoke(args, tokenizer=True)
+    assert result.exit_code == 0, result.output
+    assert "cached calibration" not in result.output
+
+    cached = cache_path(tmp_path / "cache", cfg["model"], "float32", "cpu")
+    cached.parent.mkdir(parents=True)
+    CostModel((0.035, 0.0012, 2e-7, 1e-8), model_id=cfg["model"], dtype="float32").save(cached)
+    result = _invoke(args, tokenizer=True)
+    assert result.exit_code == 0, result.output
+    assert f"step costs from the cached calibration {cached}" in result.output
+    doc = json.loads(result.output[result.output.index("{"):])
+    assert {g["best"]["criterion"] for g in doc["what_if"]["groups"]} == {"predicted_speedup"}
