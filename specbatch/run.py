@@ -166,6 +166,14 @@ def _interrupted(job: _Job) -> int:
 
 
 def _run_job(opts: RunOptions, job: _Job) -> int:
+    from specbatch.io.writer import OutputWriter, check_output_path
+
+    try:  # first: a wrong output path is one line, before any record's errors or a model load
+        check_output_path(opts.output_path, opts.input_path,
+                          force=None if opts.plan_only else opts.force)
+    except ValueError as e:
+        _err(f"error: {e}")
+        return EXIT_BAD_INPUT
     records, errors = load_records(opts)
     if any(e.line == 0 for e in errors):  # the whole file: one line says it
         for e in errors:
@@ -183,14 +191,6 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
 
     if (warning := order_warning(records)) is not None:
         _err(f"warning: {warning}")
-    from specbatch.io.writer import OutputWriter, check_output_path
-
-    try:  # before the model loads: a wrong output path should not cost a load
-        check_output_path(opts.output_path, opts.input_path,
-                          force=None if opts.plan_only else opts.force)
-    except ValueError as e:
-        _err(f"error: {e}")
-        return EXIT_BAD_INPUT
 
     if opts.ray:  # before the model loads: without Ray, say how to install it
         from specbatch.ray import RayUnavailable, import_ray

@@ -107,6 +107,12 @@ def test_skipped_records_are_warnings_failing_ones_errors(tmp_path):
     fail = CliRunner().invoke(main, [*common, "-o", str(tmp_path / "f.jsonl")])
     assert fail.exit_code == 2
     assert f"error: {bad}" in fail.output and "warning:" not in fail.output
+    # -o naming the input: that one line first and alone, not the records' errors before it
+    # (a fresh user saw them first)
+    same = CliRunner().invoke(main, [*common, "-o", str(inp)])
+    assert same.exit_code == 2
+    assert same.output.strip().splitlines() == [
+        f"error: output {str(inp)!r} is the input file; choose another -o"], same.output
 
 
 def test_summary_table_tells_zero_acceptance_from_no_drafts():
