@@ -54,8 +54,11 @@ NOISY_REJECTED_SHARE = 0.2  # more timings than this share left out: too noisy t
 # AVX-512 with the accumulators in registers (8-row step 17 -> 9.5 ms, session 9); 8 = the
 # query heads of a kv head share one pass over its keys and values, codes in blocks of 16 panels;
 # 9 = prefill through the same C step (attention in C, tasks round-robin over threads), dtype
-# int8 (8-bit activations into the code-weight matmuls, float16 KV cache; session 10).
-ENGINE_REVISION = 9
+# int8 (8-bit activations into the code-weight matmuls, float16 KV cache; session 10); 10 =
+# four keys' score sums sharing their horizontal adds (a verify token's attention ~0.40 ->
+# ~0.29 ms at batch 1), two VPDPBUSD chains at few rows, thread blocks that split evenly
+# (session 12).
+ENGINE_REVISION = 10
 
 
 def engine_fingerprint() -> str:
