@@ -84,9 +84,15 @@ def run_analyze(opts: AnalyzeOptions) -> int:
                 click.echo(f"what-if: step costs from the cached calibration {calibration} "
                            "(--calibration FILE takes another)", err=True)
         if calibration:
-            from specbatch.plan.costmodel import load
+            from specbatch.plan.costmodel import engine_fingerprint, load
 
             cost = load(calibration)
+            if cost.engine != engine_fingerprint() or cost.problem():
+                why = cost.problem() or (f"measured with another engine build or setting "
+                                         f"({cost.engine or 'not recorded'})")
+                click.echo(f"warning: {calibration}: {why}; the predicted speedups may be off "
+                           "(`specbatch calibrate --recalibrate` measures this machine again)",
+                           err=True)
     except ValueError as e:
         return _bad(str(e))
     for f in files:

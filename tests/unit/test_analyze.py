@@ -435,7 +435,9 @@ def test_what_if_takes_the_cached_calibration(runs, tmp_path, monkeypatch):
     run / bench / calibrate cached for the run's model and dtype on this host (a fresh user
     was told to pass --calibration although one was cached), and says which file it read;
     with none cached it still answers, in tokens per step, and says how to get one."""
-    from specbatch.plan.costmodel import CostModel, cache_path
+    import dataclasses
+
+    from specbatch.plan.costmodel import CostModel, cache_path, engine_fingerprint
 
     out = tmp_path / "run.jsonl"
     out.write_bytes(runs["ngram"].read_bytes())
@@ -451,9 +453,17 @@ def test_what_if_takes_the_cached_calibration(runs, tmp_path, monkeypatch):
 
     cached = cache_path(tmp_path / "cache", cfg["model"], "float32", "cpu")
     cached.parent.mkdir(parents=True)
-    CostModel((0.035, 0.0012, 2e-7, 1e-8), model_id=cfg["model"], dtype="float32").save(cached)
+    fit = CostModel((0.035, 0.0012, 2e-7, 1e-8), model_id=cfg["model"], dtype="float32",
+                    engine=engine_fingerprint())
+    fit.save(cached)
     result = _invoke(args, tokenizer=True)
     assert result.exit_code == 0, result.output
     assert f"step costs from the cached calibration {cached}" in result.output
+    assert "warning" not in result.output
     doc = json.loads(result.output[result.output.index("{"):])
     assert {g["best"]["criterion"] for g in doc["what_if"]["groups"]} == {"predicted_speedup"}
+    # a fit of an older engine build still answers, with a warning saying so
+    dataclasses.replace(fit, engine="engine r1").save(cached)
+    result = _invoke(args, tokenizer=True)
+    assert result.exit_code == 0, result.output
+    assert "measured with another engine build" in result.output
