@@ -497,7 +497,8 @@ def bench(input_path, configs, draft_model, model, dtype, device, max_batch_size
 @click.option("--what-if", is_flag=True,
               help="Replay other n-gram settings (k 1..8, a few n-gram sizes) on the outputs.")
 @click.option("--calibration", type=click.Path(dir_okay=False), default=None,
-              help="Cost model from `specbatch calibrate`: predict each setting's speedup.")
+              help="Cost model (`specbatch calibrate -o`) with which --what-if predicts each "
+              "setting's speedup; default: the one cached for the run's model and dtype.")
 @click.option("--batch-size", type=click.IntRange(1), default=16, show_default=True,
               help="Rows per step assumed by the predicted speedup.")
 @click.option("--compare", is_flag=True, help="Compare two files of the same records.")

@@ -1,8 +1,9 @@
 """``specbatch analyze``: read output files, build one document of tables, print it as text or
 JSON, and optionally plot it. The document's fields are documented in docs/analyze.md.
 
-Exit status: 0 done; 2 bad input or options (a missing or unreadable file, ``--compare`` without
-exactly two files, an unreadable calibration file, no matplotlib for ``--plot``).
+Exit status: 0 done; 2 bad input or options (a missing or unreadable file, a file with no
+output record, as the run's input, ``--compare`` without exactly two files, an unreadable
+calibration file, no matplotlib for ``--plot``).
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ def run_analyze(opts: AnalyzeOptions) -> int:
         for p in f.problems:
             click.echo(f"warning: skipped {p}", err=True)
     doc = build_document(files, opts, cost)
+    if doc["what_if"] is not None:
+        doc["what_if"]["calibration"] = calibration
     if opts.plot_dir:
         from specbatch.analyze.plots import write_plots
 

@@ -450,6 +450,10 @@ def test_what_if_takes_the_cached_calibration(runs, tmp_path, monkeypatch):
     result = _invoke(args, tokenizer=True)
     assert result.exit_code == 0, result.output
     assert "cached calibration" not in result.output
+    doc = json.loads(result.output)
+    assert doc["what_if"]["calibration"] is None and not doc["what_if"]["has_cost_model"]
+    text = _invoke(args[:-1], tokenizer=True)  # none cached: the text says how to get one
+    assert text.exit_code == 0 and "pass --calibration" in text.output, text.output
 
     cached = cache_path(tmp_path / "cache", cfg["model"], "float32", "cpu")
     cached.parent.mkdir(parents=True)
@@ -462,8 +466,13 @@ def test_what_if_takes_the_cached_calibration(runs, tmp_path, monkeypatch):
     assert "warning" not in result.output
     doc = json.loads(result.output[result.output.index("{"):])
     assert {g["best"]["criterion"] for g in doc["what_if"]["groups"]} == {"predicted_speedup"}
+    assert doc["what_if"]["calibration"] == str(cached)
+    text = _invoke(args[:-1], tokenizer=True)  # one cached: no request for --calibration
+    assert text.exit_code == 0 and "predicted speedup" in text.output, text.output
+    assert "pass --calibration" not in text.output
     # a fit of an older engine build still answers, with a warning saying so
     dataclasses.replace(fit, engine="engine r1").save(cached)
     result = _invoke(args, tokenizer=True)
     assert result.exit_code == 0, result.output
     assert "measured with another engine build" in result.output
+
