@@ -476,3 +476,20 @@ def test_what_if_takes_the_cached_calibration(runs, tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert "measured with another engine build" in result.output
 
+
+def test_a_file_with_some_input_lines_keeps_its_output_records(runs, tmp_path):
+    """Only a file with no output record at all is refused (exit 2); one with some output
+    records and some input lines (one reading as a prompt, one not) is analysed: the output
+    records are counted and each other line is a ``warning: skipped`` line."""
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(runs["ngram"].read_text() + '{"id": "in-1", "prompt": "a"}\n'
+                     '{"id": "in-2", "article": "b"}\n')
+    config_path(mixed).write_text(config_path(runs["ngram"]).read_text())
+    result = _invoke(["analyze", str(mixed), "--json"])
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.output.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 2 and all("skipped" in w for w in warnings), result.output
+    assert any("id='in-1': not an output record" in w for w in warnings), warnings
+    assert any("id='in-2': no prompt" in w for w in warnings), warnings
+    doc = json.loads(result.output[result.output.index("{"):])
+    assert doc["files"][0]["num_records"] == 36 and doc["files"][0]["num_problems"] == 2
