@@ -109,7 +109,7 @@ VNNI static void quantize_512(const float *x, int64_t K, int8_t *q, float *d, in
 /* ---- the portable kernel: one element at a time, the documented arithmetic ---- */
 
 static void group_scalar(int kind, int64_t mr, const int8_t *xq, const float *xd,
-                         const int32_t *xs, const float *xds, const int32_t *xk, int64_t K, const uint8_t *codes,
+                         const float *xds, const int32_t *xk, int64_t K, const uint8_t *codes,
                          const float *scales, const float *bias, float *y, int64_t ldy,
                          int64_t ncols) {
     const int64_t nblk = K / QB, cp = codes_per(kind), sp = scales_per(kind);
@@ -148,10 +148,9 @@ static void group_scalar(int kind, int64_t mr, const int8_t *xq, const float *xd
 #define MRA 4 /* rows per call: 16 ymm registers */
 
 static inline __attribute__((always_inline)) void group_256(
-        int kind, int mr, const int8_t *xq, const float *xd, const int32_t *xs, const float *xds,
-        const int32_t *xk, int64_t K,
-        const uint8_t *codes, const float *scales, const float *bias, float *y, int64_t ldy,
-        int64_t ncols) {
+        int kind, int mr, const int8_t *xq, const float *xd, const float *xds, const int32_t *xk,
+        int64_t K, const uint8_t *codes, const float *scales, const float *bias, float *y,
+        int64_t ldy, int64_t ncols) {
     const int64_t nblk = K / QB, cp = codes_per(kind), sp = scales_per(kind);
     __m256 acc[MRA][2];
     for (int i = 0; i < MRA; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
@@ -216,13 +215,13 @@ static inline __attribute__((always_inline)) void group_256(
  * the accumulators stay in registers; ATTR its target attribute */
 #define GROUP_FN(NAME, ATTR, IMPL, MR)                                                        \
     ATTR static void NAME##_##MR(int kind, const int8_t *xq, const float *xd,                 \
-                                 const int32_t *xs, const float *xds, const int32_t *xk,      \
-                                 int64_t K, const uint8_t *codes, const float *scales,        \
+                                 const float *xds, const int32_t *xk, int64_t K,              \
+                                 const uint8_t *codes, const float *scales,                   \
                                  const float *bias, float *y, int64_t ldy, int64_t ncols) {   \
         if (kind == Q4_1_X8)                                                                  \
-            IMPL(Q4_1_X8, MR, xq, xd, xs, xds, xk, K, codes, scales, bias, y, ldy, ncols);    \
+            IMPL(Q4_1_X8, MR, xq, xd, xds, xk, K, codes, scales, bias, y, ldy, ncols);        \
         else                                                                                  \
-            IMPL(Q8_0_X8, MR, xq, xd, xs, xds, xk, K, codes, scales, bias, y, ldy, ncols);    \
+            IMPL(Q8_0_X8, MR, xq, xd, xds, xk, K, codes, scales, bias, y, ldy, ncols);        \
     }
 #define GROUP256(MR) GROUP_FN(group256, , group_256, MR)
 GROUP256(1)
@@ -230,8 +229,8 @@ GROUP256(2)
 GROUP256(3)
 GROUP256(4)
 
-typedef void (*group_fn)(int, const int8_t *, const float *, const int32_t *, const float *,
-                         const int32_t *, int64_t, const uint8_t *, const float *,
+typedef void (*group_fn)(int, const int8_t *, const float *, const float *, const int32_t *,
+                         int64_t, const uint8_t *, const float *,
                          const float *, float *, int64_t, int64_t);
 static const group_fn GROUPS256[MRA + 1] = {NULL, group256_1, group256_2, group256_3,
                                             group256_4};
@@ -239,10 +238,9 @@ static const group_fn GROUPS256[MRA + 1] = {NULL, group256_1, group256_2, group2
 /* ---- AVX-512 VNNI: 16 columns x up to 8 rows per call, VPDPBUSD on 4 k per lane ---- */
 
 VNNI static inline __attribute__((always_inline)) void group_512(
-        int kind, int mr, const int8_t *xq, const float *xd, const int32_t *xs, const float *xds,
-        const int32_t *xk, int64_t K,
-        const uint8_t *codes, const float *scales, const float *bias, float *y, int64_t ldy,
-        int64_t ncols) {
+        int kind, int mr, const int8_t *xq, const float *xd, const float *xds, const int32_t *xk,
+        int64_t K, const uint8_t *codes, const float *scales, const float *bias, float *y,
+        int64_t ldy, int64_t ncols) {
     const int64_t nblk = K / QB, cp = codes_per(kind), sp = scales_per(kind);
     __m512 acc[MRQ];
 #pragma GCC unroll 8
@@ -400,20 +398,17 @@ int sb_linear_q8(const float *x, int64_t ldx, int kind, const float *scales,
                 const int64_t n = g * GC, ncols = N - n < GC ? N - n : GC;
                 const float *bg = bias ? bias + n : NULL;
                 if (vnni)
-                    GROUPS512[mr](kind, xq + m * K, xd + m * nblk, xs + m * nblk,
-                                  xds + m * nblk, xk + m * nblk, K,
+                    GROUPS512[mr](kind, xq + m * K, xd + m * nblk, xds + m * nblk, xk + m * nblk, K,
                                   codes + g * cg, scales + g * sg, bg, y + m * ldy + n, ldy,
                                   ncols);
                 else if (isa == 1)
                     for (int64_t i = 0; i < mr; i += MRA)
                         GROUPS256[mr - i < MRA ? mr - i : MRA](
-                            kind, xq + (m + i) * K, xd + (m + i) * nblk, xs + (m + i) * nblk,
-                            xds + (m + i) * nblk, xk + (m + i) * nblk,
+                            kind, xq + (m + i) * K, xd + (m + i) * nblk, xds + (m + i) * nblk, xk + (m + i) * nblk,
                             K, codes + g * cg, scales + g * sg, bg, y + (m + i) * ldy + n,
                             ldy, ncols);
                 else
-                    group_scalar(kind, mr, xq + m * K, xd + m * nblk, xs + m * nblk,
-                                 xds + m * nblk, xk + m * nblk, K,
+                    group_scalar(kind, mr, xq + m * K, xd + m * nblk, xds + m * nblk, xk + m * nblk, K,
                                  codes + g * cg, scales + g * sg, bg, y + m * ldy + n, ldy,
                                  ncols);
             }

@@ -85,12 +85,11 @@ def run_analyze(opts: AnalyzeOptions) -> int:
                 click.echo(f"what-if: step costs from the cached calibration {calibration} "
                            "(--calibration FILE takes another)", err=True)
         if calibration:
-            from specbatch.plan.costmodel import engine_fingerprint, load
+            from specbatch.plan.costmodel import load, other_engine
 
             cost = load(calibration)
-            if cost.engine != engine_fingerprint() or cost.problem():
-                why = cost.problem() or (f"measured with another engine build or setting "
-                                         f"({cost.engine or 'not recorded'})")
+            why = cost.problem() or other_engine(cost)
+            if why:
                 click.echo(f"warning: {calibration}: {why}; the predicted speedups may be off "
                            "(`specbatch calibrate --recalibrate` measures this machine again)",
                            err=True)

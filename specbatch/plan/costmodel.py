@@ -421,6 +421,16 @@ def cache_path(cache_root: Path, model_id: str, dtype: str, device: str) -> Path
     return cache_root / "calibration" / f"{safe}.json"
 
 
+def other_engine(cost: CostModel) -> str | None:
+    """Why ``cost`` may not price this engine's steps: measured under another
+    ``engine_fingerprint`` (None when it is the same)."""
+    now = engine_fingerprint()
+    if cost.engine == now:
+        return None
+    return (f"measured with another engine build or setting ({cost.engine or 'not recorded'}; "
+            f"now {now})")
+
+
 def find_cached(cache_root: Path, model_id: str, dtype: str,
                 device: str | None = None) -> Path | None:
     """The cached calibration file of (model, dtype, device) on this host, or None. device None:
@@ -458,9 +468,8 @@ def load_or_calibrate(forward, model_id: str, dtype: str, cache_root: Path,
                     and now is not None and now < cpus):
                 why = (f"measured under load, {cached.load_average:.1f} on {cpus} CPUs; the "
                        f"machine is quieter now ({now:.1f})")
-            if why is None and cached.engine != engine_fingerprint():
-                why = (f"measured with another engine build or setting "
-                       f"({cached.engine or 'not recorded'}; now {engine_fingerprint()})")
+            if why is None:
+                why = other_engine(cached)
             if why is None:
                 return cached, path, False
             say(f"warning: the cached calibration {path} is not used ({why}); calibrating "
