@@ -176,6 +176,11 @@ def _model_options(f, batch: bool = True):
                          show_default=True, help="Rows decoded together (continuous batching)."),
             click.option("--max-model-len", type=click.IntRange(2), default=None,
                          help="Cap on prompt + output tokens (default: the model's context)."),
+            click.option("--no-prefix-caching", is_flag=True,
+                         help="Prefill every prompt from its first token (by default a prompt "
+                         "starts after the longest prefix of it a cache row already holds, "
+                         "e.g. a job's shared instruction; on the CPU kernels, where it "
+                         "changes no output bit)."),
         ]
     opts.append(click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
                              help="Where converted weights are cached (default: "
@@ -383,7 +388,8 @@ def _given(ctx: click.Context, name: str) -> bool:
               "else the CPUs divided among them).")
 @click.pass_context
 def run(ctx, input_path, output, recipe, template, model, dtype, device, max_batch_size,
-        max_model_len, cache_dir, method, draft_model, k, prompt_lookup_min, prompt_lookup_max,
+        max_model_len, no_prefix_caching, cache_dir, method, draft_model, k, prompt_lookup_min,
+        prompt_lookup_max,
         max_tokens, min_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
         ignore_eos, logprobs, prompt_field, id_field, split, limit, on_error, resume, force,
         no_progress, plan_only, use_ray, ray_address, replicas, input_format,
@@ -415,7 +421,8 @@ def run(ctx, input_path, output, recipe, template, model, dtype, device, max_bat
                           prompt_lookup_min=prompt_lookup_min,
                           prompt_lookup_max=prompt_lookup_max, draft_model=draft_model)
         engine = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_model_len,
-                              dtype=dtype, device=device)
+                              dtype=dtype, device=device,
+                              prefix_caching=not no_prefix_caching)
     except ValueError as e:
         raise click.UsageError(_as_flags(str(e))) from None
     if plan_only and method != "auto":  # before anything loads
@@ -458,7 +465,7 @@ def run(ctx, input_path, output, recipe, template, model, dtype, device, max_bat
               help="Render the user message from record fields, as `run --template` (e.g. a "
                    "recipe's [input] template).")
 def bench(input_path, configs, draft_model, model, dtype, device, max_batch_size, max_model_len,
-          cache_dir, max_tokens, min_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
+          no_prefix_caching, cache_dir, max_tokens, min_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
           ignore_eos, logprobs, prompt_field, id_field, split, limit, per_category, categories,
           repeats, groups, template, **more_sampling):
     """Time several configurations on the same records, interleaved; print output tok/s and
@@ -473,7 +480,8 @@ def bench(input_path, configs, draft_model, model, dtype, device, max_batch_size
                                   stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
                                   logprobs=logprobs, **_more_sampling(more_sampling))
         engine = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_model_len,
-                              dtype=dtype, device=device)
+                              dtype=dtype, device=device,
+                              prefix_caching=not no_prefix_caching)
         specs = parse_configs(configs, draft_model)
         named_groups = parse_groups(groups)
     except ValueError as e:

@@ -314,6 +314,9 @@ class EngineConfig:
     resolved (``auto`` never remains). Raises ``ValueError`` for cuda without a usable GPU.
     dtype: one of ``DTYPES`` or ``auto`` (see ``resolve_dtype``); stored resolved. ``int8``
     (float32 with 8-bit activations into the code-weight matmuls) is for the CPU only.
+    prefix_caching: a prompt starts its prefill after the longest prefix of it that a cache row
+    already holds (``ModelRunner.start``); on where prefill is per token (the CPU kernels:
+    float32 on AVX2 CPUs, int8), where it changes no bit; off elsewhere whatever this says.
     """
 
     max_batch_size: int = 16
@@ -322,6 +325,7 @@ class EngineConfig:
     max_prefill_tokens: int = 2048
     dtype: str = "auto"
     device: str = "auto"
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _check(_is_int(self.max_batch_size) and self.max_batch_size >= 1, "max_batch_size",
@@ -333,6 +337,8 @@ class EngineConfig:
                self.prefill_chunk, "an integer >= 16")
         _check(_is_int(self.max_prefill_tokens) and self.max_prefill_tokens >= 1,
                "max_prefill_tokens", self.max_prefill_tokens, "an integer >= 1")
+        _check(isinstance(self.prefix_caching, bool), "prefix_caching", self.prefix_caching,
+               "true or false")
         _check(self.dtype in DTYPES + ("auto",), "dtype", self.dtype,
                f"auto or one of {', '.join(DTYPES)}")
         object.__setattr__(self, "device", resolve_device(self.device))

@@ -77,6 +77,8 @@ class LLM:
         together (lowered to the records and to free memory per build). max_model_len: cap on
         prompt + output tokens. draft_model: for ``draft`` (or for ``auto`` to choose per row).
         seed: the run seed a record's seed is derived from (with its id), as ``--seed``.
+        enable_prefix_caching: vLLM's name; a prompt's prefill starts after the longest prefix
+        of it a cache row holds (``EngineConfig.prefix_caching``: exact, on the CPU kernels).
         echo: gets the human-readable notes (calibration, plan table, a lowered batch size);
         default: the ``specbatch`` logger at INFO.
 
@@ -88,13 +90,13 @@ class LLM:
                  dtype: str = "auto", device: str = "cpu", max_batch_size: int = 16,
                  max_model_len: int | None = None, prompt_lookup_min: int = 2,
                  prompt_lookup_max: int = 4, draft_model: str | None = None,
-                 cache_dir: str | None = None, seed: int = 0,
+                 cache_dir: str | None = None, seed: int = 0, enable_prefix_caching: bool = True,
                  echo: Callable[[str], None] | None = None) -> None:
         spec = SpecConfig(method=method, num_speculative_tokens=k,
                           prompt_lookup_min=prompt_lookup_min,
                           prompt_lookup_max=prompt_lookup_max, draft_model=draft_model)
         engine = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_model_len,
-                              dtype=dtype, device=device)
+                              dtype=dtype, device=device, prefix_caching=enable_prefix_caching)
         self._load(model, spec, engine, cache_dir, seed, echo)
 
     @classmethod
@@ -260,7 +262,8 @@ class LLM:
         max_model_len = min(self.loaded.max_model_len,
                             engine_config.max_model_len or self.loaded.max_model_len)
         runner = self.new_runner(rows, max_model_len, prefill_chunk=engine_config.prefill_chunk,
-                                 max_prefill_tokens=engine_config.max_prefill_tokens)
+                                 max_prefill_tokens=engine_config.max_prefill_tokens,
+                                 prefix_caching=engine_config.prefix_caching)
         stop_rules = StopRules(frozenset(self.loaded.eos_token_ids), max_model_len,
                                self.renderer.detokenize)
         use_draft = (self.draft is not None and spec.method in ("draft", "auto")

@@ -231,7 +231,8 @@ def fit_engine_config(engine_config, records, renderer: PromptRenderer, max_mode
 
 
 def memory_summary(engine: Engine) -> str:
-    """One line: weights and KV cache bytes of the target and, for a draft proposer, the draft.
+    """One line: weights and KV cache bytes of the target and, for a draft proposer, the draft;
+    with prefix caching on, how many prompt tokens it saved prefilling.
 
     KV bytes are the caches' size at the time of the call (they grow with the longest row)."""
     from specbatch.spec_decode.draft import DraftProposer, weight_bytes
@@ -244,6 +245,10 @@ def memory_summary(engine: Engine) -> str:
     if isinstance(proposer, DraftProposer):
         line += (f"; draft weights {_gib(proposer.weight_bytes)}, KV "
                  f"{_gib(proposer.cache.nbytes)}")
+    if runner.prefix_caching and runner.num_prompt_tokens:
+        line += (f"; prefix caching: {runner.num_prefix_reused} of {runner.num_prompt_tokens} "
+                 f"prompt tokens found in a cache row, not prefilled "
+                 f"({runner.num_prefix_reused / runner.num_prompt_tokens:.0%})")
     return line
 
 

@@ -122,12 +122,14 @@ def repeating_prompts(vocab_size: int, num: int, seed: int = 0, min_len: int = 6
 
 def make_engine(model, k: int, batch_size: int, *, eos_ids=(), max_model_len: int = 256,
                 detokenize=None, prompt_lookup: tuple[int, int] = (1, 3),
-                prefill_chunk: int = 1024, max_prefill_tokens: int = 2048) -> Engine:
+                prefill_chunk: int = 1024, max_prefill_tokens: int = 2048,
+                prefix_caching: bool = True) -> Engine:
     """An engine over ``model`` (a transformers model or a ``LlamaForward``-like object) with
     the n-gram proposer when k > 0, plain decoding when k = 0."""
     forward = LlamaForward(model) if isinstance(model, torch.nn.Module) else model
     runner = ModelRunner(forward, batch_size, max_model_len, initial_capacity=16,
-                         prefill_chunk=prefill_chunk, max_prefill_tokens=max_prefill_tokens)
+                         prefill_chunk=prefill_chunk, max_prefill_tokens=max_prefill_tokens,
+                         prefix_caching=prefix_caching)
     proposer = NgramProposer(*prompt_lookup) if k else NoProposer()
     stop_rules = StopRules(frozenset(eos_ids), max_model_len, detokenize)
     return Engine(runner, proposer, stop_rules, k, detokenize)

@@ -101,7 +101,13 @@ class Engine:
         done = []
         while True:
             while self.scheduler.waiting and self.scheduler.free_rows:
-                for seq in self.scheduler.admit(self._make_sequence):
+                admitted = self.scheduler.admit(self._make_sequence)
+                for i, seq in enumerate(admitted):
+                    # prefix caching: from rows that hold their own sequence's keys (not the
+                    # rows admitted after this one, which still hold their last occupant's)
+                    waiting = {id(s) for s in admitted[i:]}
+                    self.runner.start(seq, [s for s in self.scheduler.running_sequences()
+                                            if id(s) not in waiting])
                     if seq.num_prompt_tokens >= self.runner.max_model_len:
                         seq.finish_reason = "error"
                         seq.error = (f"prompt is {seq.num_prompt_tokens} tokens; the model's "
@@ -203,6 +209,7 @@ class Engine:
 
     def _finish(self, seq: Sequence) -> Completion:
         self.proposer.finish(seq)
+        self.runner.release(seq)
         self.scheduler.release(seq)
         out = seq.output_ids
         # the final EOS / stop id stays in output_ids but not in the text (a stop id may be an

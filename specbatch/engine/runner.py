@@ -26,7 +26,8 @@ class ModelRunner:
 
     def __init__(self, forward: LlamaForward, num_rows: int, max_model_len: int,
                  prefill_chunk: int = 1024, initial_capacity: int = 512,
-                 pack: bool = True, max_prefill_tokens: int = 2048) -> None:
+                 pack: bool = True, max_prefill_tokens: int = 2048,
+                 prefix_caching: bool = True) -> None:
         self.forward = forward
         self.pack = pack  # verify: dense layers on real tokens only (LlamaForward num_fed)
         self.max_model_len = max_model_len
@@ -36,10 +37,62 @@ class ModelRunner:
         self.max_prefill_tokens = max_prefill_tokens  # prompt tokens per prefill forward
         self.cache: KVCache = forward.new_cache(num_rows, initial_capacity)
         self.device = forward.device
+        # prefix caching (``start``): only where a prompt token's keys and values do not depend
+        # on where its prefill started (``LlamaForward.prefill_per_token``)
+        self.prefix_caching = prefix_caching and getattr(forward, "prefill_per_token", False)
+        self.held: list[list[int]] = [[] for _ in range(num_rows)]  # a free row's valid keys
+        self.num_prompt_tokens = 0  # prompt tokens of the sequences started (tokens)
+        self.num_prefix_reused = 0  # of those, not prefilled: their keys were in a row already
 
     @property
     def vocab_size(self) -> int:
         return self.forward.vocab_size
+
+    def start(self, seq: Sequence, others: list[Sequence]) -> int:
+        """Prefix caching: before ``seq`` (just given ``seq.row``) is prefilled, find the row
+        whose cache holds the longest prefix of its prompt, capped at all but the prompt's
+        last token (whose logits the first output token needs): ``seq.row`` itself (the keys
+        of the sequence it held before: a templated job's next record there shares the
+        instruction), a row another running sequence of ``others`` fills, or another free
+        row's leftovers. Copies those keys and values into ``seq.row`` when they are elsewhere
+        (one slice per layer) and starts the prefill after them (``seq.num_prefilled``).
+
+        Exact, not approximate: on the path where it is on (``LlamaForward.prefill_per_token``)
+        a token's keys and values are a function of the tokens up to it in its row, so the
+        copied ones are the bits its own prefill would write. Like vLLM's automatic prefix
+        caching, but over the rows' own caches (no block table): what a finished record leaves
+        in its row stays usable until another sequence writes there. Returns the prompt tokens
+        reused.
+        """
+        prompt = seq.token_ids[:seq.num_prompt_tokens]
+        self.num_prompt_tokens += len(prompt)
+        row = seq.row
+        best, src = 0, row
+        if self.prefix_caching and len(prompt) >= 2:
+            candidates = [(row, self.held[row])]
+            candidates += [(s.row, s.token_ids[:self.cache.seq_lens[s.row]]) for s in others
+                           if s.row != row]
+            candidates += [(r, held) for r, held in enumerate(self.held) if r != row and held]
+            limit = len(prompt) - 1
+            for r, tokens in candidates:  # the own row first: it wins ties (no copy)
+                n = _common_prefix(prompt, tokens, limit)
+                if n > best:
+                    best, src = n, r
+            if src != row:
+                for store in (self.cache.k, self.cache.v):
+                    for t in store:
+                        t[row, :, :best] = t[src, :, :best]
+        self.held[row] = []
+        self.cache.seq_lens[row] = best
+        seq.num_prefilled = best
+        self.num_prefix_reused += best
+        return best
+
+    def release(self, seq: Sequence) -> None:
+        """``seq`` leaves its row: what its cache holds (positions ``0 .. seq_lens - 1``, the
+        tokens it fed) stays for ``start`` to reuse. (A running row's ``held`` is empty:
+        ``start`` reads its tokens from its sequence.)"""
+        self.held[seq.row] = seq.token_ids[:self.cache.seq_lens[seq.row]]
 
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         """Write every prompt whole into its cache row (as many packed forwards as the token
@@ -135,7 +188,23 @@ class ModelRunner:
     def clear_row(self, row: int) -> None:
         """Zero a failed row's cache (see ``KVCache.clear``) before another sequence gets it."""
         self.cache.clear(row)
+        self.held[row] = []
 
     def rollback(self, seq: Sequence) -> None:
         """Restore the invariant after a commit: cache holds all but the last committed token."""
         self.cache.truncate(seq.row, len(seq.token_ids) - 1)
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the common prefix of ``a`` and ``b``, at most ``limit``."""
+    n = min(len(a), len(b), limit)
+    if a[:n] == b[:n]:  # the usual case for a shared template: one C-speed compare
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -278,8 +278,8 @@ class LlamaForward:
             last token).
         Returns logits ``[len(logits_at), vocab]``, float32 (float64 for a float64 model).
         """
-        if self._c_decode() or (self.cpu_decode is not None and self.kv_dtype != self.dtype):
-            return self._prefill_c(input_ids, cache, chunks, logits_at)  # (float16 KV: C only)
+        if self.prefill_per_token:
+            return self._prefill_c(input_ids, cache, chunks, logits_at)
         group = self.num_heads // self.num_kv_heads
         num_tokens = input_ids.shape[0]
         dev = input_ids.device
@@ -515,6 +515,16 @@ class LlamaForward:
         """Query slots a one-row decode step is padded to (``ModelRunner.query_len``): 1 where
         the step runs wholly in C (every op row-invariant from one token), else 2."""
         return 1 if self._c_decode() else 2
+
+    @property
+    def prefill_per_token(self) -> bool:
+        """Whether prefill runs the C decode step over each prompt token (``_prefill_c``; float16
+        keys and values run only there): a token's keys and values then depend on the tokens
+        before it in its row alone, not on where the prompt was cut, so a row may start its
+        prefill from keys another prompt with the same prefix wrote (``ModelRunner``'s prefix
+        caching). Elsewhere a prompt's first chunk runs one fused causal attention, whose
+        rounding depends on the chunk."""
+        return self._c_decode() or (self.cpu_decode is not None and self.kv_dtype != self.dtype)
 
     def _c_decode(self) -> bool:
         """Whether a float32 decode/verify step runs wholly in C (``self.cpu_decode``): only
