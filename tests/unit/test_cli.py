@@ -509,3 +509,34 @@ def test_a_swallowed_sigterm_still_stops_the_run_at_the_next_record(tmp_path, mo
     assert result.exit_code == 130, result.output
     work = tmp_path / "out.jsonl.work.jsonl"
     assert not out.exists() and len(work.read_text().splitlines()) == 1
+
+
+def test_prefix_caching_is_reported_and_no_prefix_caching_turns_it_off(tmp_path):
+    """Two prompts sharing their first words at batch 1: the memory line says how many prompt
+    tokens the second found in the row; --no-prefix-caching prefills both whole and the
+    outputs are the same."""
+    import json
+
+    from tests.unit.test_loader import write_tiny_gguf
+
+    model = tmp_path / "m.gguf"
+    write_tiny_gguf(model)
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": 1, "prompt": "the same long instruction, then one"}\n'
+                   '{"id": 2, "prompt": "the same long instruction, then two"}\n')
+    outs, lines = [], []
+    for extra in ([], ["--no-prefix-caching"]):
+        out = tmp_path / f"out{len(extra)}.jsonl"
+        result = CliRunner().invoke(main, ["run", str(src), "-o", str(out), "--model",
+                                           str(model), "--cache-dir", str(tmp_path / "c"),
+                                           "--method", "ngram", "--max-tokens", "4",
+                                           "--max-batch-size", "1", "--dtype", "float32",
+                                           *extra])
+        assert result.exit_code == 0, result.output
+        lines.append(result.stdout.splitlines()[-1])
+        outs.append([json.loads(x)["output_token_ids"] for x in out.read_text().splitlines()])
+    assert outs[0] == outs[1]
+    assert lines[0].startswith("memory: ") and "; prefix caching: " in lines[0], lines[0]
+    reused, total = lines[0].split("; prefix caching: ")[1].split(" prompt tokens")[0].split(" of ")
+    assert 0 < int(reused) < int(total)
+    assert lines[1].startswith("memory: ") and "prefix caching" not in lines[1]
