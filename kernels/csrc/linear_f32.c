@@ -245,6 +245,16 @@ void sb_linear_f32(const float *x, int64_t ldx, const float *packed, const float
 #define Q4_1 1
 #define Q8_0 2
 
+/* Software prefetch of a stream of codes or scales PREFETCH_BYTES ahead of where a pass over
+ * them reads (one line per call): as in linear_q8.c, a few-row matmul streams the weights
+ * from memory once and otherwise waits on each block's loads. Changes no arithmetic; an
+ * address past the end is dropped by the CPU, never a fault. */
+#define PREFETCH_BYTES 4096
+
+static inline __attribute__((always_inline)) void prefetch_ahead(const void *p) {
+    _mm_prefetch((const char *)((uintptr_t)p + PREFETCH_BYTES), _MM_HINT_T0);
+}
+
 static __thread float *tl_buf = NULL;
 static __thread int64_t tl_cap = 0;
 
@@ -310,6 +320,9 @@ static inline void fma_rows(int mr, const float *x, int64_t ldx, int64_t k, __m2
         const __m256i low = _mm256_set1_epi32(0x0F);                                        \
         for (int64_t b = 0; b < nblk; b++) {                                                \
             const int64_t k = 32 * b;                                                       \
+            prefetch_ahead(c + b * NR * (kind == Q4_1 ? 16 : 32)); /* 48 or 96 B a block */  \
+            if (kind == Q8_0) prefetch_ahead(c + b * NR * 32 + 64);                         \
+            prefetch_ahead(s + b * NR * (kind == Q4_1 ? 2 : 1)); /* 24 or 12 B a block */    \
             _Pragma("GCC unroll 3") for (int j = 0; j < NR; j++) {                          \
                 if (kind == Q4_1) {                                                         \
                     const float *sj = s + (b * NR + j) * 2;                                 \
@@ -391,6 +404,13 @@ AVX512 static inline __attribute__((always_inline)) void qmicro512(
         for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi32(0x0F);
     for (int64_t b = 0; b < nblk; b++) {
+        const int64_t cs = kind == Q4_1 ? 16 : 32, ss = kind == Q4_1 ? 2 : 1;
+        for (int64_t o = 0; o < NR * cs; o += 64) { /* 48 or 96 bytes of codes a block */
+            prefetch_ahead(ca + b * NR * cs + o);
+            prefetch_ahead(cb + b * NR * cs + o);
+        }
+        prefetch_ahead(sa + b * NR * ss);
+        prefetch_ahead(sb + b * NR * ss);
 #pragma GCC unroll 2
         for (int half = 0; half < 2; half++) { /* k + 16 * half + [0, 16) */
             const int64_t k = 32 * b + 16 * half;
