@@ -31,6 +31,18 @@ def available(head_dim: int) -> bool:
     return head_dim % 8 == 0 and 0 < head_dim <= MAX_HEAD_DIM and _library() is not None
 
 
+def avx512(enable: bool | None = None) -> bool:
+    """Whether the AVX-512 form runs (CPUs with AVX-512 F/VL/DQ; ``SPECBATCH_CPU_AVX512=0``
+    starts it off, as for the matmuls): two keys' sums or sixteen output dims per register, and
+    two consecutive tokens of a row (a verify step's, a prompt's) sharing each pass over the
+    keys and values they both read (``attend_run`` in the C file). The same bits as the AVX2
+    form. ``enable`` turns it on or off first (tests and A/B timings)."""
+    lib = _library()
+    if lib is None:
+        return False
+    return bool(lib.sb_attention_avx512(-1 if enable is None else int(enable)))
+
+
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               rows: torch.Tensor, positions: torch.Tensor, scale: float | None = None,
               out: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:

@@ -113,6 +113,8 @@ def library() -> ctypes.CDLL | None:
     lib.sb_linear_avx512.restype = ctypes.c_int
     lib.sb_linear_q8_isa.argtypes = [ctypes.c_int]
     lib.sb_linear_q8_isa.restype = ctypes.c_int
+    lib.sb_attention_avx512.argtypes = [ctypes.c_int]
+    lib.sb_attention_avx512.restype = ctypes.c_int
     lib.sb_decode_f32.argtypes = [p, i64, p, i64, i64, p, p, p, p, i64, i64, i64, i64, i64, i64,
                                   ctypes.c_float, ctypes.c_float, ctypes.c_int]
     lib.sb_decode_f32.restype = ctypes.c_int

@@ -14,6 +14,9 @@
  * values: a key or value row is loaded once and feeds every head's own accumulators, which
  * changes which sums share registers, never the order of one head's sums (grouped-query
  * attention reads a third of the bytes it did one head at a time, session 9).
+ * On AVX-512 CPUs the same operations run two keys' sums or sixteen output dims per register
+ * and two consecutive tokens of a row share a pass (attend_run, below; session 13: a batch-1
+ * verify step of 11 tokens at 600 cached, int8, 12.4 -> 11.5 ms).
  * Nothing depends on other tokens, the number of tokens a row feeds this step, the cache
  * capacity or keys past pos[t]: a token's output has the same bits whatever shares the step
  * (two-pass softmax instead of the Triton kernel's online one: on a CPU the scores of a row fit
@@ -25,6 +28,8 @@
 #include <stdlib.h>
 
 #define GMAX 3 /* query heads per pass over a kv head's keys and values */
+#define RMAX 2 /* tokens of one row per pass (attend_run) */
+#define PMAX (RMAX * GMAX) /* (token, head) pairs sharing a pass */
 
 /* scores of G <= GMAX query heads q[g] (D floats each) with keys k_0 .. k_{nk-1} (row stride
  * ldk) into s[g * lds + j]; D a multiple of 8. KB keys at a time (G * KB independent chains,
@@ -45,7 +50,7 @@ static inline __attribute__((always_inline)) void scores(
     int64_t j = 0;
     for (; j + KB <= nk; j += KB) {
         const int64_t k0 = j * ldk;
-        __m256 a[GMAX][4];
+        __m256 a[PMAX][4];
         for (int g = 0; g < G; g++)
             for (int u = 0; u < KB; u++) a[g][u] = _mm256_setzero_ps();
         for (int64_t d = 0; d < D; d += 8) {
@@ -138,6 +143,153 @@ static inline __attribute__((always_inline)) void attend_group(
     }
 }
 
+/* ---- AVX-512: the same arithmetic per key and per output element, in 512-bit registers ----
+ * Where the CPU has AVX-512 F/VL every task runs attend_run below instead of attend_group:
+ *   scores: two keys per register, each 256-bit half the eight lanes of one key's sum as above
+ *     (q's eight floats broadcast to both halves), so each half runs the FMAs of the AVX2 pass
+ *     in the same order, and the halves' sums go through hsum8_x4: the same bits at half the
+ *     FMA instructions;
+ *   values: sixteen output dims per register; an output dim's sum is its own lane, one FMA per
+ *     key in key order either way: the same bits;
+ *   softmax: softmax_numerators, unchanged.
+ * And R <= RMAX consecutive tokens of one row (positions n0 - 1 .. n0 + R - 2: token r sees keys
+ * 0 .. n0 - 1 + r: a verify step's draft tokens, a prompt's tokens) share each load (and float16
+ * widening) of a key or value row over keys 0 .. n0 - 1, which all of them see. A key's score is
+ * the same sum whichever keys or tokens share its pass, each token's softmax runs on its own
+ * scores, and each output accumulates its values in key order (keys 0 .. n0 - 1 for all, then
+ * token r's last r keys), so the bits equal one token's pass alone, and AVX2's
+ * (tests/unit/test_attention_cpu.py). q, out: R * G pointers, token-major; s: R * G * (n0 + R -
+ * 1) floats of scratch. */
+#define AVX512_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512dq")))
+
+/* keys i and i + ldk (element indices) at dims d .. d + 7 as the two halves of a register */
+AVX512_TARGET static inline __attribute__((always_inline)) __m512 kv_load_pair(
+        int F16, const void *c, int64_t i, int64_t ldk) {
+    if (F16) {
+        const uint16_t *h = (const uint16_t *)c;
+        const __m256i both = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(h + i))),
+            _mm_loadu_si128((const __m128i *)(h + i + ldk)), 1);
+        return _mm512_cvtph_ps(both);
+    }
+    const float *f = (const float *)c;
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(f + i)),
+                              _mm256_loadu_ps(f + i + ldk), 1);
+}
+
+/* sixteen cache elements from element index i, as kv_load */
+AVX512_TARGET static inline __attribute__((always_inline)) __m512 kv_load16(int F16, const void *c,
+                                                                            int64_t i) {
+    if (F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)c + i)));
+    return _mm512_loadu_ps((const float *)c + i);
+}
+
+/* scores() for P (token, head) pairs, four keys a pass as two pairs of keys */
+AVX512_TARGET static inline __attribute__((always_inline)) void scores512(
+        int P, int F16, const float *const *q, const void *k, int64_t ldk, int64_t nk,
+        int64_t D, float scale, float *s, int64_t lds) {
+    int64_t j = 0;
+    const __m128 sc = _mm_set1_ps(scale);
+    for (; j + 4 <= nk; j += 4) {
+        const int64_t k0 = j * ldk;
+        __m512 a[PMAX][2];
+        for (int p = 0; p < P; p++) a[p][0] = a[p][1] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+            const __m512 k01 = kv_load_pair(F16, k, k0 + d, ldk);
+            const __m512 k23 = kv_load_pair(F16, k, k0 + 2 * ldk + d, ldk);
+            for (int p = 0; p < P; p++) {
+                const __m512 qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(q[p] + d));
+                a[p][0] = _mm512_fmadd_ps(qv, k01, a[p][0]);
+                a[p][1] = _mm512_fmadd_ps(qv, k23, a[p][1]);
+            }
+        }
+        for (int p = 0; p < P; p++)
+            _mm_storeu_ps(s + p * lds + j, _mm_mul_ps(hsum8_x4(
+                _mm512_castps512_ps256(a[p][0]), _mm512_extractf32x8_ps(a[p][0], 1),
+                _mm512_castps512_ps256(a[p][1]), _mm512_extractf32x8_ps(a[p][1], 1)), sc));
+    }
+    if (j < nk) /* the last 1-3 keys: scores()'s one-key loop, the same sums */
+        scores(P, 4, F16, q, (const char *)k + j * ldk * (F16 ? 2 : 4), ldk, nk - j, D, scale,
+               s + j, lds);
+}
+
+#define SLICE512 64 /* output dims per pass over the values: P * 4 accumulators */
+
+AVX512_TARGET static inline __attribute__((always_inline)) void attend_run(
+        int R, int G, int F16, const float *const *q, const void *k, const void *v, int64_t ldc,
+        int64_t n0, int64_t D, float scale, float *s, float *const *out) {
+    const int P = R * G;
+    const int64_t lds = n0 + R - 1, esize = F16 ? 2 : 4;
+    scores512(P, F16, q, k, ldc, n0, D, scale, s, lds); /* keys every token sees */
+    for (int r = 1; r < R; r++) /* token r's own last r keys */
+        scores512(G, F16, q + r * G, (const char *)k + n0 * ldc * esize, ldc, r, D, scale,
+                  s + r * G * lds + n0, lds);
+    float inv[PMAX];
+    for (int p = 0; p < P; p++) inv[p] = 1.0f / softmax_numerators(s + p * lds, n0 + p / G);
+    for (int64_t d0 = 0; d0 < D; d0 += SLICE512) {
+        /* sixteen dims a register; a last 8 (D % 16 == 8) in the low half (the high half
+         * unused: its lanes are not stored) */
+        const int64_t left = D - d0 < SLICE512 ? D - d0 : SLICE512;
+        const int w = (int)((left + 15) / 16);
+        const __mmask16 last = left % 16 ? 0x00FF : 0xFFFF;
+        __m512 acc[PMAX][SLICE512 / 16];
+        for (int p = 0; p < P; p++)
+            for (int c = 0; c < w; c++) acc[p][c] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n0 + R - 1; j++) {
+            const int64_t vj = j * ldc + d0;
+            const int p0 = j < n0 ? 0 : (int)(j - n0 + 1) * G; /* the tokens that see key j */
+            for (int c = 0; c < w; c++) {
+                const __m512 vv = c == w - 1 && last != 0xFFFF
+                    ? _mm512_castps256_ps512(kv_load(F16, v, vj + 16 * c))
+                    : kv_load16(F16, v, vj + 16 * c);
+                for (int p = p0; p < P; p++)
+                    acc[p][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[p * lds + j]), vv, acc[p][c]);
+            }
+        }
+        for (int p = 0; p < P; p++) {
+            const __m512 iv = _mm512_set1_ps(inv[p]);
+            for (int c = 0; c < w; c++)
+                _mm512_mask_storeu_ps(out[p] + d0 + 16 * c, c == w - 1 ? last : 0xFFFF,
+                                      _mm512_mul_ps(acc[p][c], iv));
+        }
+    }
+}
+
+/* attend_run with R, G and D constants where they are common */
+#define ATTEND_RUN(F16)                                                                     \
+    AVX512_TARGET static void attend_run_##F16(int R, int G, const float *const *q,         \
+                                               const void *k, const void *v, int64_t ldc,   \
+                                               int64_t n0, int64_t D, float scale, float *s, \
+                                               float *const *out) {                         \
+        if (R == 2 && G == 3 && D == 64)                                                    \
+            attend_run(2, 3, F16, q, k, v, ldc, n0, 64, scale, s, out);                     \
+        else if (R == 1 && G == 3 && D == 64)                                               \
+            attend_run(1, 3, F16, q, k, v, ldc, n0, 64, scale, s, out);                     \
+        else if (R == 2)                                                                    \
+            attend_run(2, G, F16, q, k, v, ldc, n0, D, scale, s, out);                      \
+        else                                                                                \
+            attend_run(1, G, F16, q, k, v, ldc, n0, D, scale, s, out);                      \
+    }
+ATTEND_RUN(0)
+ATTEND_RUN(1)
+
+static int avx512_state = -1; /* attend_run in use: -1 not decided yet */
+
+/* Whether attend_run (AVX-512) runs the tasks: where the CPU has AVX-512 F/VL/DQ, unless
+ * SPECBATCH_CPU_AVX512=0 (as for the matmuls); enable >= 0 sets it (tests, A/B timings). The
+ * same bits either way. */
+int sb_attention_avx512(int enable) {
+    __builtin_cpu_init();
+    const int cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                    __builtin_cpu_supports("avx512dq");
+    if (avx512_state < 0) {
+        const char *env = getenv("SPECBATCH_CPU_AVX512");
+        avx512_state = cpu && !(env && env[0] == '0');
+    }
+    if (enable >= 0) avx512_state = enable && cpu;
+    return avx512_state;
+}
+
 /* attend_group with G and D constants where they are common */
 #define ATTEND_HEADS(F16)                                                                   \
     static void attend_heads_##F16(int G, const float *const *q, const void *k,             \
@@ -169,20 +321,48 @@ int sb_attention_f32(const float *q, int64_t s_qt, int64_t s_qh, const void *kc,
     const int64_t esize = kv_f16 ? 2 : 4;
     const int64_t group = H / Hkv;
     int failed = 0;
+    /* AVX-512: tasks of up to RMAX tokens (same row, consecutive positions) that share
+     * passes (attend_run); task u starts at token first[u]. AVX2 (or more than GMAX query
+     * heads per kv head): one token a task (attend_group). */
+    const int runs = group <= GMAX && sb_attention_avx512(-1);
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)(T + 1));
+    if (first == NULL) return -1;
+    int64_t U = 0;
+    for (int64_t t = 0; t < T; t++)
+        if (t == 0 || !runs || t == first[U - 1] + RMAX || rows[t] != rows[t - 1] ||
+            pos[t] != pos[t - 1] + 1)
+            first[U++] = t;
+    first[U] = T;
     /* tasks round-robin over the threads: a prefill's tokens read 1 .. n keys each, so
      * contiguous halves would leave one thread the long half (the schedule changes no bits) */
 #pragma omp parallel for collapse(2) schedule(static, 1) reduction(| : failed)
-    for (int64_t t = 0; t < T; t++)
+    for (int64_t u = 0; u < U; u++)
         for (int64_t hk = 0; hk < Hkv; hk++) {
+            const int64_t t = first[u], R = first[u + 1] - t;
             const int64_t n = pos[t] + 1;
             const int64_t G = group < GMAX ? group : GMAX;
-            float *s = malloc(sizeof(float) * (size_t)(n * G));
+            float *s = malloc(sizeof(float) * (size_t)((n + R - 1) * G * R));
             if (s == NULL) {
                 failed = 1;
                 continue;
             }
             const int64_t at = (rows[t] * s_cr + hk * s_ch) * esize;
             const void *k = (const char *)kc + at, *v = (const char *)vc + at;
+            if (runs) { /* R <= RMAX tokens, group <= GMAX heads */
+                const float *qh[PMAX];
+                float *oh[PMAX];
+                for (int64_t r = 0; r < R; r++)
+                    for (int64_t g = 0; g < group; g++) {
+                        qh[r * group + g] = q + (t + r) * s_qt + (hk * group + g) * s_qh;
+                        oh[r * group + g] = o + (t + r) * s_ot + (hk * group + g) * s_oh;
+                    }
+                if (kv_f16)
+                    attend_run_1((int)R, (int)group, qh, k, v, s_cc, n, D, scale, s, oh);
+                else
+                    attend_run_0((int)R, (int)group, qh, k, v, s_cc, n, D, scale, s, oh);
+                free(s);
+                continue;
+            }
             for (int64_t h0 = hk * group; h0 < (hk + 1) * group; h0 += GMAX) {
                 const int g = (int)((hk + 1) * group - h0 < GMAX ? (hk + 1) * group - h0 : GMAX);
                 const float *qh[GMAX];
@@ -198,5 +378,6 @@ int sb_attention_f32(const float *q, int64_t s_qt, int64_t s_qh, const void *kc,
             }
             free(s);
         }
+    free(first);
     return failed ? -1 : 0;
 }

@@ -134,3 +134,35 @@ def test_float16_caches_give_the_bits_of_their_values_in_float32():
     rows, pos = torch.tensor([0, 2, 1, 2, 0]), torch.tensor([0, 39, 17, 5, 22])
     half = attention_cpu.attention(q, k, v, rows, pos)
     assert torch.equal(half, attention_cpu.attention(q, k.float(), v.float(), rows, pos))
+
+
+@pytest.mark.parametrize("heads,hkv,d,f16", [(9, 3, 64, True), (9, 3, 64, False),
+                                             (6, 3, 64, True), (3, 3, 96, False),
+                                             (6, 2, 32, True), (8, 2, 64, True),
+                                             (3, 1, 40, True), (4, 2, 24, False)])
+def test_avx512_and_avx2_forms_give_each_token_the_same_bits(heads, hkv, d, f16):
+    """The AVX-512 form (512-bit passes, two consecutive tokens of a row sharing them) and the
+    AVX2 one, on runs of consecutive tokens (a verify step: 1 + 10 tokens; a prompt: 1..37;
+    rows interleaved; a lone token) and on each token alone: the same bits."""
+    if not attention_cpu.avx512():
+        pytest.skip("no AVX-512 here: the AVX2 form only")
+    gen = torch.Generator().manual_seed(heads * d + hkv)
+    k = torch.randn(3, hkv, 80, d, generator=gen)
+    v = torch.randn(3, hkv, 80, d, generator=gen)
+    if f16:
+        k, v = k.half(), v.half()
+    rows = [0] * 11 + [1] * 37 + [2, 0, 0, 1]
+    pos = list(range(60, 71)) + list(range(37)) + [5, 71, 72, 40]
+    rows, pos = torch.tensor(rows), torch.tensor(pos)
+    q = torch.randn(len(rows), heads, d, generator=gen)
+    try:
+        shared = attention_cpu.attention(q, k, v, rows, pos)
+        attention_cpu.avx512(False)
+        alone = attention_cpu.attention(q, k, v, rows, pos)
+    finally:
+        attention_cpu.avx512(True)
+    assert torch.equal(shared, alone)
+    for t in (0, 1, 10, 11, 12, 47, 50):
+        one = attention_cpu.attention(q[t:t + 1], k, v, rows[t:t + 1], pos[t:t + 1])
+        assert torch.equal(one[0], shared[t])
+    assert (shared - attention_reference(q, k.float(), v.float(), rows, pos)).abs().max() < 1e-5
