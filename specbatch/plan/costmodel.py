@@ -57,8 +57,9 @@ NOISY_REJECTED_SHARE = 0.2  # more timings than this share left out: too noisy t
 # int8 (8-bit activations into the code-weight matmuls, float16 KV cache; session 10); 10 =
 # four keys' score sums sharing their horizontal adds (a verify token's attention ~0.40 ->
 # ~0.29 ms at batch 1), two VPDPBUSD chains at few rows, thread blocks that split evenly
-# (session 12).
-ENGINE_REVISION = 10
+# (session 12); 11 = the weights prefetched ahead of each pass (int8 b1 verify of 11 tokens 15.0
+# -> 12.4 ms), AVX-512 attention with two tokens a pass, prefix caching (session 13).
+ENGINE_REVISION = 11
 
 
 def engine_fingerprint() -> str:
