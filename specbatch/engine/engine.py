@@ -152,7 +152,7 @@ class Engine:
                 return logits_processing.process_logits(flat, seqs, drafts)
         want_logprobs = any(s.sampling.logprobs is not None for s in seqs)
         target, num_accepted, scaled = sample_and_accept(logits, meta, process, want_logprobs)
-        has_nan = torch.isnan(logits).flatten(1).any(dim=1)
+        has_nan = torch.isnan(logits.amax(dim=-1)).any(dim=1)  # amax keeps a NaN: [B]
         res = fetch_step_results(num_accepted, has_nan, target)
         if want_logprobs:
             scaled = scaled.cpu()

@@ -119,8 +119,8 @@ def mask_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            top_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-           banned: torch.Tensor | None = None,
-           min_p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           banned: torch.Tensor | None = None, min_p: torch.Tensor | None = None,
+           want_scaled: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Choose the token at each of N positions.
 
     logits: ``[N, V]`` float32/float64 target logits (penalties, bias and grammar masks already
@@ -128,9 +128,14 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     top_k: ``[N]`` int64; seeds, positions: ``[N]`` int64 (record seed, output position);
     banned: optional ``[N, V]`` bool, tokens that may not be chosen here (EOS before min_tokens);
     min_p: optional ``[N]`` float (``mask_min_p``; greedy rows ignore it, their argmax is kept).
-    Returns (token ids ``[N]`` int64, scaled logits ``[N, V]``: logits / T, or logits at T = 0,
-    with bans applied, before top-k/p and noise; the logprob source).
+    Returns (token ids ``[N]`` int64, scaled logits ``[N, V]`` float64: logits / T, or logits at
+    T = 0, with bans applied, before top-k/p and noise; the logprob source; None unless
+    ``want_scaled``).
     """
+    if banned is None and bool((temperature == 0).all()):
+        # all greedy: the argmax of the logits as they are (widening to float64 and dividing by
+        # 1 keep every value, so the order and the ties), without the [N, V] copies
+        return argmax_lowest(logits), logits.double() if want_scaled else None
     logits = logits.double()
     if banned is not None:
         logits = logits.masked_fill(banned, float("-inf"))

@@ -75,7 +75,7 @@ def sample_and_accept(logits: torch.Tensor, meta, process=None, want_scaled: boo
         flat = process(flat)
     ids, scaled = sampler.sample(flat, sm.temperature, sm.top_k, sm.top_p, sm.seeds,
                                  sm.output_positions, banned,
-                                 sm.min_p if sm.any_min_p else None)
+                                 sm.min_p if sm.any_min_p else None, want_scaled)
     target = torch.full((bsz * qlen,), -1, dtype=torch.int64, device=logits.device)
     target[meta.token_index] = ids
     target = target.view(bsz, qlen)

@@ -232,6 +232,20 @@ def test_greedy_ties_go_to_the_lowest_id():
     ids, _ = sampler.sample(mixed, temps, torch.tensor([2, 0, 0, 0]), torch.ones(4).double(),
                             torch.arange(4), torch.zeros(4, dtype=torch.int64))
     assert ids[:3].tolist() == [2, 0, 5]
+    # float32 logits, all greedy (the argmax without widening), with -inf and NaN rows: the
+    # ids and the scaled logits of the general path (a banned mask of nothing takes it)
+    f32 = torch.cat([logits, torch.tensor([[-math.inf, 2.0, -math.inf, 2.0, 1.0, 0.5],
+                                           [1.0, math.nan, 3.0, 3.0, 0.0, 0.0]],
+                                          dtype=torch.float64)]).float()
+    n = f32.shape[0]
+    args = (torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.int64),
+            torch.ones(n, dtype=torch.float64), torch.arange(n), torch.zeros(n, dtype=torch.int64))
+    fast_ids, fast_scaled = sampler.sample(f32, *args)
+    ids, scaled = sampler.sample(f32, *args, banned=torch.zeros(f32.shape, dtype=torch.bool))
+    assert fast_ids.tolist() == ids.tolist() == [2, 0, 5, 1, 1]
+    assert torch.equal(fast_scaled.nan_to_num(), scaled.nan_to_num())
+    assert fast_scaled.dtype == torch.float64
+    assert sampler.sample(f32, *args, want_scaled=False)[1] is None
 
 
 def test_sample_is_argmax_of_scaled_logits_plus_noise_within_kept_set():
