@@ -28,6 +28,34 @@ _log = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 
+_TORCH_KERNELS_SETTLED = False
+
+
+def settle_torch_kernels() -> None:
+    """Call torch's vectorised elementwise functions once each, on one thread, before a
+    forward or the sampler calls them on a tensor large enough to be split over threads.
+
+    Measured (torch 2.13 CPU, the AMX Xeon VM, 2 threads): the first ``cos`` of a process over a
+    ``[1, 1758, 64]`` float32 tensor gave, in about one run in three, values differing from
+    every later call in the half of the elements the calling thread computed (up to ~1e-4
+    relative: another implementation of cos), so a job's first prefill wrote other keys for
+    half its prompts and their outputs changed from run to run (the fresh-user check of
+    session 13: Spec-Bench question 90, 4 of 9 runs). A first call on a small tensor, which
+    stays on the calling thread, settles whatever torch picks lazily: 10 of 10 runs then
+    matched. Once per process; idempotent and cheap (microseconds)."""
+    global _TORCH_KERNELS_SETTLED
+    if _TORCH_KERNELS_SETTLED:
+        return
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        x = torch.linspace(0.1, 2.0, 64, dtype=dtype)
+        for fn in (torch.cos, torch.sin, torch.exp, torch.log, torch.rsqrt, torch.sqrt,
+                   torch.tanh, torch.sigmoid, F.silu, torch.log1p, torch.expm1):
+            fn(x)
+        torch.softmax(x, dim=0)
+        F.rms_norm(x[None], (64,), eps=1e-6)
+    _TORCH_KERNELS_SETTLED = True
+
+
 class LlamaForward:
     """Runs a transformers ``LlamaForCausalLM``-like model with our KV cache.
 
@@ -35,6 +63,7 @@ class LlamaForward:
     """
 
     def __init__(self, hf_model: torch.nn.Module) -> None:
+        settle_torch_kernels()
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {cfg.model_type!r} is not supported; "

@@ -330,3 +330,25 @@ def test_packed_prefill_equals_prefill_alone(model, dtype):
     if dtype == torch.float64:
         for r, p in enumerate(prompts):
             assert (ref[r] - hf_logits(model, p)[-1]).abs().max().item() < TOL
+
+
+def test_building_a_forward_settles_torchs_kernels_first(monkeypatch):
+    """Before any forward, torch's cos / sin / exp / log run once on a small tensor (one
+    thread): a process's first cos over a tensor split across threads gave other bits in part
+    of it (``settle_torch_kernels``; the subprocess check is tests/e2e/test_first_call.py)."""
+    from specbatch.models import llama
+
+    calls = []
+    for name in ("cos", "sin", "exp", "log"):
+        fn = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda x, _fn=fn, _n=name: (calls.append(
+            (_n, x.numel(), x.dtype)), _fn(x))[1])
+    monkeypatch.setattr(llama, "_TORCH_KERNELS_SETTLED", False)
+    LlamaForward(tiny_llama(96, seed=1).float())
+    for name in ("cos", "sin", "exp", "log"):
+        for dtype in (torch.float32, torch.float64):
+            assert (name, 64, dtype) in calls, (name, dtype, calls)
+    assert llama._TORCH_KERNELS_SETTLED
+    calls.clear()
+    LlamaForward(tiny_llama(96, seed=1).float())  # once per process
+    assert not calls
