@@ -69,13 +69,15 @@ class ModelRunner:
         row = seq.row
         best, src = 0, row
         if self.prefix_caching and len(prompt) >= 2:
-            candidates = [(row, self.held[row])]
-            candidates += [(s.row, s.token_ids[:self.cache.seq_lens[s.row]]) for s in others
+            # (row, its tokens, how many of them its cache holds); the own row first: it wins
+            # ties (no copy)
+            candidates = [(row, self.held[row], len(self.held[row]))]
+            candidates += [(s.row, s.token_ids, self.cache.seq_lens[s.row]) for s in others
                            if s.row != row]
-            candidates += [(r, held) for r, held in enumerate(self.held) if r != row and held]
-            limit = len(prompt) - 1
-            for r, tokens in candidates:  # the own row first: it wins ties (no copy)
-                n = _common_prefix(prompt, tokens, limit)
+            candidates += [(r, held, len(held)) for r, held in enumerate(self.held)
+                           if r != row and held]
+            for r, tokens, valid in candidates:
+                n = _common_prefix(prompt, tokens, min(valid, len(prompt) - 1))
                 if n > best:
                     best, src = n, r
             if src != row:
@@ -196,7 +198,8 @@ class ModelRunner:
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    """Length of the common prefix of ``a`` and ``b``, at most ``limit``."""
+    """Length of the common prefix of ``a`` and ``b``, at most ``limit`` (``b`` past it is
+    never read)."""
     n = min(len(a), len(b), limit)
     if a[:n] == b[:n]:  # the usual case for a shared template: one C-speed compare
         return n

@@ -132,16 +132,17 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     T = 0, with bans applied, before top-k/p and noise; the logprob source; None unless
     ``want_scaled``).
     """
-    if banned is None and bool((temperature == 0).all()):
-        # all greedy: the argmax of the logits as they are (widening to float64 and dividing by
-        # 1 keep every value, so the order and the ties), without the [N, V] copies
+    is_greedy = temperature == 0
+    all_greedy = bool(is_greedy.all())
+    if all_greedy and banned is None:
+        # the argmax of the logits as they are (widening to float64 and dividing by 1 keep
+        # every value, so the order and the ties), without the [N, V] copies
         return argmax_lowest(logits), logits.double() if want_scaled else None
     logits = logits.double()
     if banned is not None:
         logits = logits.masked_fill(banned, float("-inf"))
-    is_greedy = temperature == 0
     scaled = logits / torch.where(is_greedy, torch.ones_like(temperature), temperature)[:, None]
-    if bool(is_greedy.all()):
+    if all_greedy:
         return argmax_lowest(scaled), scaled
     scores = scaled if min_p is None else mask_min_p(scaled, min_p)
     scores = mask_top_k_top_p(scores, top_k, top_p)
