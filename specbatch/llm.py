@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from specbatch.config import EngineConfig, SamplingParams, SpecConfig
+from specbatch.config import ConfigError, EngineConfig, SamplingParams, SpecConfig
 from specbatch.outputs import RequestOutput
 from specbatch.prompts import PromptRenderer
 
@@ -95,6 +95,9 @@ class LLM:
         spec = SpecConfig(method=method, num_speculative_tokens=k,
                           prompt_lookup_min=prompt_lookup_min,
                           prompt_lookup_max=prompt_lookup_max, draft_model=draft_model)
+        if not isinstance(enable_prefix_caching, bool):  # named as the caller wrote it
+            raise ConfigError(f"enable_prefix_caching={enable_prefix_caching!r}: expected True "
+                              "or False", "enable_prefix_caching", "True or False")
         engine = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_model_len,
                               dtype=dtype, device=device, prefix_caching=enable_prefix_caching)
         self._load(model, spec, engine, cache_dir, seed, echo)

@@ -128,3 +128,13 @@ def test_common_prefix():
         a = list(range(40))
         b = a[:n] + [-1] + a[n + 1:]
         assert _common_prefix(a, b, 100) == n
+
+
+@pytest.mark.parametrize("bad", ["false", None, 0, 1])
+def test_llm_names_enable_prefix_caching_in_its_error(bad):
+    """A bad value is refused, before any model loads, under the name the caller used."""
+    from specbatch import LLM
+    from specbatch.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^enable_prefix_caching=.*expected True or False"):
+        LLM(method="none", enable_prefix_caching=bad)
