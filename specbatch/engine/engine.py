@@ -127,9 +127,14 @@ class Engine:
                 return done  # rows are decoding: the rest of the prefill waits a step
 
     def _propose(self, seqs: list[Sequence]) -> list[list[int]]:
-        """The drafts to verify, at most each row's cap (``_draft_caps``)."""
+        """The drafts to verify, at most each row's cap (``_draft_caps``), cut before the
+        first token a row's grammar refuses (``logits.valid_draft_prefix``)."""
         ks = self._draft_caps(seqs)
-        return [d[:k] for d, k in zip(self.proposer.propose(seqs, ks), ks)]
+        drafts = [d[:k] for d, k in zip(self.proposer.propose(seqs, ks), ks)]
+        for i, seq in enumerate(seqs):  # a draft token the grammar refuses cannot be accepted
+            if seq.matcher is not None and drafts[i]:
+                drafts[i] = drafts[i][:logits_processing.valid_draft_prefix(seq, drafts[i])]
+        return drafts
 
     def _draft_caps(self, seqs: list[Sequence]) -> list[int]:
         """Draft length per row: its k, capped so the step cannot pass ``max_tokens`` or the

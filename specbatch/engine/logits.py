@@ -127,6 +127,34 @@ def grammar_masks(seq: Sequence, drafts: list[int], vocab: int) -> torch.Tensor:
     return bitmask
 
 
+def valid_draft_prefix(seq: Sequence, draft: list[int]) -> int:
+    """How many leading tokens of ``draft`` the row's grammar accepts (``len(draft)`` without a
+    grammar). A draft token the grammar refuses is rejected in the verify step whatever the
+    target says (the target's masked token there cannot equal it), so feeding it and the
+    tokens after it costs the step without a chance of acceptance: the engine cuts the draft
+    here before the verify step (vLLM v1 does the same: ``validate_tokens`` on the draft in
+    its structured-output manager). Once the grammar is complete only a stop id fits. The
+    matcher ends where it started (``rollback``); outputs do not change."""
+    matcher = seq.matcher
+    if matcher is None or not draft:
+        return len(draft)
+    stop_ids = matcher.stop_token_ids
+    n = advanced = 0
+    for tok in draft:
+        if matcher.is_terminated():  # complete without a stop id: only one may follow
+            n += tok in stop_ids
+            break
+        if not matcher.accept_token(tok):
+            break
+        n += 1
+        advanced += 1
+        if tok in stop_ids:  # the row stops here: nothing after it is used
+            break
+    if advanced:
+        matcher.rollback(advanced)
+    return n
+
+
 def apply_bitmask(rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """In place: ``-inf`` at the tokens ``bitmask`` (``grammar_masks``) leaves out. rows:
     ``[n, V]`` float32 / float16 / bfloat16 through xgrammar's kernel (CPU or CUDA); other

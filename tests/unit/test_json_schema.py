@@ -155,3 +155,48 @@ def test_packed_bitmask_helpers_agree_with_xgrammar():
     ids = [0, 31, 32, 63, 99]
     assert unpack_bitmask(packed_tokens(ids + [100, -1], vocab)[None], vocab)[0].nonzero() \
         .flatten().tolist() == ids
+
+
+def test_valid_draft_prefix_cuts_at_the_first_refused_token(setup):
+    """Hand-built drafts against a matcher at ``{"name": "ab``: the cut is exactly before the
+    first token the grammar refuses (a stop id counts once the JSON is complete, and ends the
+    draft), and the matcher is left where it was."""
+    _, compiler, _ = setup
+    from specbatch.engine.grammar import allowed_tokens, new_matcher
+
+    class Row:
+        matcher = new_matcher(compiler.compile(SCHEMA), frozenset({EOS}))
+
+    seq = Row()
+    for tok in encode('{"name": "ab'):
+        assert seq.matcher.accept_token(tok)
+    before = allowed_tokens(seq.matcher, len(VOCAB))
+    cut = logits_processing.valid_draft_prefix
+    assert cut(seq, encode('c", "ok": true')) == len('c", "ok": true')
+    assert cut(seq, encode('c", "ok": x, "kind"')) == len('c", "ok": ')
+    assert cut(seq, encode('c"}')) == 2  # all four keys are required
+    assert cut(seq, encode("abcdefgh")) == len("abcdef")  # name: maxLength 8
+    assert cut(seq, []) == 0
+    assert allowed_tokens(seq.matcher, len(VOCAB)).equal(before)
+    rest = encode('c", "ok": true, "kind": "aa", "n": 7}')
+    assert cut(seq, rest + [EOS]) == len(rest) + 1
+    assert cut(seq, rest + [EOS] + encode(" x")) == len(rest) + 1  # nothing after a stop id
+    assert cut(seq, rest + encode("x")) == len(rest)
+    assert allowed_tokens(seq.matcher, len(VOCAB)).equal(before)
+
+    class Free:
+        matcher = None
+
+    assert cut(Free(), encode("anything")) == len("anything")
+
+
+def test_refused_draft_tokens_are_not_verified(setup, monkeypatch):
+    """The engine verifies only the grammar-valid prefix of each draft: fewer draft tokens
+    than with the cut turned off, the same accepted tokens and the same outputs."""
+    model, compiler, prompts = setup
+    cut = generate(model, compiler, prompts, 5, 8, 0.0)
+    monkeypatch.setattr(logits_processing, "valid_draft_prefix", lambda seq, d: len(d))
+    uncut = generate(model, compiler, prompts, 5, 8, 0.0)
+    assert [c.output_ids for c in cut] == [c.output_ids for c in uncut]
+    assert total(cut, "num_accepted_tokens") == total(uncut, "num_accepted_tokens")
+    assert total(cut, "num_draft_tokens") < total(uncut, "num_draft_tokens")
