@@ -27,8 +27,10 @@ def run_calibrate(model: str | None, dtype: str, cache_dir: str | None, output: 
     status = "cached" if not measured else "measured" if cost.problem() is None else "not cached"
     click.echo(f"{status}: {path}")
     click.echo(f"{'rows':>5}{'q':>4}{'ctx':>6}{'measured ms':>13}{'fit ms':>9}")
+    # one row per timed shape, by context, rows, q (files written before calibrate kept the
+    # grid's order list a shape timed again last), outliers labelled in their place
     rows = [(s, "") for s in cost.samples] + [(s, "  outlier, left out") for s in cost.rejected]
-    for (r, q, c, sec), note in rows:
+    for (r, q, c, sec), note in sorted(rows, key=lambda row: (row[0][2], row[0][0], row[0][1])):
         click.echo(f"{r:>5}{q:>4}{c:>6}{sec * 1e3:>13.1f}{cost.step_time(r, q, c) * 1e3:>9.1f}"
                    f"{note}")
     click.echo(f"fit: {cost.describe()}; median deviation {cost.median_residual:.1%}"

@@ -339,6 +339,7 @@ def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
     relative error (``fit``). A sample more than ``OUTLIER_RESIDUAL`` above its fit is timed
     again (up to ``OUTLIER_ROUNDS`` times) and, if still out, left out of the fit and kept in
     ``rejected``. ``CostModel.problem`` then says whether the result is fit to cache.
+    ``samples`` and ``rejected`` keep the grid's order (context, rows, q).
     progress: show a tqdm bar on stderr. time_fn(rows, q, ctx) -> seconds replaces the
     measurement (tests). Takes ~10-20 s on a 2-core CPU for SmolLM2-135M (quiet machine).
     """
@@ -381,6 +382,9 @@ def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
             rejected[s] = min(rejected[s], one(*s, warm=False))
         kept, rejected = _reject_outliers({**kept, **rejected}, knots)
     knots = knots_for(kept, knots)
+    # a shape timed again comes back last from the merge: back to its place in the grid
+    kept = {s: kept[s] for s in shapes if s in kept}
+    rejected = {s: rejected[s] for s in shapes if s in rejected}
     coef = fit([(*s, t) for s, t in kept.items()], knots)
     if bar is not None:
         bar.close()

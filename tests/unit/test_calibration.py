@@ -269,3 +269,39 @@ def test_a_fit_of_another_engine_build_or_setting_is_measured_again(tmp_path, mo
     _, _, measured = load_or_calibrate(FORWARD, "m", "bfloat16", tmp_path, echo=lines.append,
                                        progress=False, time_fn=_timer())
     assert measured and any("not recorded" in line for line in lines), lines
+
+
+GRID = [(r, max(q, 2) if r == 1 else q, c) for c in costmodel.CONTEXTS for r in costmodel.ROWS
+        for q in costmodel.QUERY_LENS if not (r == 1 and q == 1)]
+
+
+def test_a_timing_taken_again_keeps_its_place_in_the_grid():
+    """The first shape (1 row, 2 tokens, 256 keys) timed slow in every sweep, then quiet when
+    timed again: kept, in its place (it came after the 1024-key shapes, and ``specbatch
+    calibrate`` printed it as a stray ``1 2 256`` row below them)."""
+    timer = _timer({(1, 2, 256): (4.4, 4.4, 4.4)})
+    cost = calibrate(FORWARD, time_fn=timer)
+    assert timer.calls[(1, 2, 256)] == 4 and cost.rejected == ()
+    assert [s[:3] for s in cost.samples] == GRID
+
+
+def test_the_calibrate_table_lists_shapes_by_context(monkeypatch, capsys):
+    """``specbatch calibrate``'s table: one row per timed shape, by context, rows, q (also for
+    a cached file whose samples are out of order), an outlier labelled where it belongs."""
+    from specbatch import llm as llm_module
+    from specbatch.plan.calibrate_cmd import run_calibrate
+
+    samples = [(*s, TRUE.step_time(*s)) for s in GRID if s != (4, 6, 1024)]
+    samples.append(samples.pop(0))  # (1, 2, 256) last, as a re-timed shape was
+    cost = CostModel(TRUE.coef, samples=tuple(samples),
+                     rejected=((4, 6, 1024, 5 * TRUE.step_time(4, 6, 1024)),))
+    fake = SimpleNamespace(calibrate=lambda recalibrate, echo: (cost, "cal.json", False))
+    monkeypatch.setattr(llm_module.LLM, "from_config", staticmethod(lambda *a, **k: fake))
+    assert run_calibrate("m", "float32", None, None, False) == 0
+    out = capsys.readouterr().out.splitlines()
+    header = out.index(next(line for line in out if line.split()[:3] == ["rows", "q", "ctx"]))
+    table = [line.split() for line in out[header + 1:header + 1 + len(GRID)]]
+    assert [tuple(int(v) for v in row[:3]) for row in table] == GRID
+    assert [row[5:] for row in table if row[5:]] == [["outlier,", "left", "out"]]
+    assert table[GRID.index((4, 6, 1024))][5:] == ["outlier,", "left", "out"]
+    assert out[header + 1 + len(GRID)].startswith("fit: ")
