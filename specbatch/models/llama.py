@@ -24,6 +24,9 @@ from specbatch.models.dense import fused_weight, linear_for, min_attention_rows,
 from specbatch.models.llama_kernels import can_use_kernels, forward_with_kernels
 
 _log = logging.getLogger(__name__)
+# dtypes whose matmuls were found not row-invariant here and said so: once per process (a
+# run builds several forwards: the memory fit's, the runner's, a draft model's)
+_WARNED_NOT_INVARIANT: set[str] = set()
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -98,11 +101,14 @@ class LlamaForward:
             shapes = ((hidden, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim),
                       (hidden, self.num_heads * self.head_dim), (hidden, 2 * inter),
                       (inter, hidden), (hidden, min(self.vocab_size, 8192)))
-            if not row_invariant(self.dtype, shapes, self.head_dim):
+            name = str(self.dtype).removeprefix("torch.")
+            if not row_invariant(self.dtype, shapes, self.head_dim) and (
+                    name not in _WARNED_NOT_INVARIANT):
+                _WARNED_NOT_INVARIANT.add(name)
                 _log.warning("%s matmuls on this CPU round a row differently with the number "
                              "of rows beside it: speculation or batch size may change greedy "
                              "ties (see docs/design.md \"Which CPU\"; --dtype auto takes float32 "
-                             "on x86-64 CPUs, specbatch's invariant C kernels)", str(self.dtype).removeprefix("torch."))
+                             "on x86-64 CPUs, specbatch's invariant C kernels)", name)
         # decode/verify with the Triton kernels (CUDA; see models/llama_kernels.py)
         self.use_kernels = can_use_kernels(self)
         # decode/verify attention in C for float32 on an AVX2 CPU (kernels/attention_cpu.py)

@@ -130,3 +130,22 @@ def test_fused_qkv_and_gate_up_are_views_and_follow_weight_changes():
     mlp = model.model.layers[1].mlp
     gate_up = dense.fused_weight((mlp.gate_proj.weight, mlp.up_proj.weight))
     assert torch.equal(gate_up, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+
+
+def test_a_cpu_that_is_not_row_invariant_is_warned_about_once(monkeypatch, caplog):
+    """A run builds several forwards over one model (memory fit, runner, calibration, draft):
+    the warning that this CPU's bfloat16 matmuls round a row differently with the rows beside
+    it is said once per process, not once per forward (a fresh user saw it twice a run)."""
+    import logging
+
+    from specbatch.models import llama
+
+    monkeypatch.setattr(llama, "row_invariant", lambda *a: False)
+    monkeypatch.setattr(llama, "_WARNED_NOT_INVARIANT", set(), raising=False)
+    model = tiny_llama().to(torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="specbatch"):
+        LlamaForward(model)
+        LlamaForward(model)
+        LlamaForward(tiny_llama(seed=1).to(torch.bfloat16))  # a draft model in the same dtype
+    said = [r for r in caplog.records if "round a row differently" in r.getMessage()]
+    assert len(said) == 1 and said[0].getMessage().startswith("bfloat16 matmuls"), said
