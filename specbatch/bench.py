@@ -179,7 +179,8 @@ def format_table(labels, sizes: dict[str, int], seconds, tokens, stats, opts) ->
     """Markdown table: per category, per ``opts.groups`` group and overall, tok/s (the group's
     tokens over its seconds) and ratio to the baseline (``none``, else the first config; see
     ``baseline``), and the mean acceptance length of each drafting config. A group's categories
-    absent from the run are left out of it."""
+    absent from the run are left out of it. The line above it names the settings (``prefix
+    caching off`` with ``--no-prefix-caching``)."""
     cats = list(sizes)
     base = baseline(labels)
     others = [lb for lb in labels if lb != base]
@@ -211,7 +212,9 @@ def format_table(labels, sizes: dict[str, int], seconds, tokens, stats, opts) ->
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     cfg = (f"model {opts.model or 'default'}, dtype {opts.engine.dtype}, max_batch_size "
-           f"{opts.engine.max_batch_size}, max_tokens {opts.sampling.max_tokens}, T "
+           f"{opts.engine.max_batch_size}"
+           + ("" if opts.engine.prefix_caching else ", prefix caching off")
+           + f", max_tokens {opts.sampling.max_tokens}, T "
            f"{opts.sampling.temperature}, rounds {opts.repeats}; ratios to {base}"
            + ("" if base.split(":")[0] == "none" else " (no none configuration: add none to the "
               "--configs for speedups over plain decoding)"))

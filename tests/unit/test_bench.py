@@ -55,7 +55,8 @@ def test_table_groups_add_tokens_and_seconds():
     stats["ngram:k=5", "a"] = SpecStats(num_drafts=10, num_accepted_tokens=20)
     stats["ngram:k=5", "b"] = SpecStats(num_drafts=10, num_accepted_tokens=0)
     opts = SimpleNamespace(groups=(("ab", ("a", "b", "missing")),), model=None,
-                           engine=SimpleNamespace(dtype="bfloat16", max_batch_size=16),
+                           engine=SimpleNamespace(dtype="bfloat16", max_batch_size=16,
+                                                  prefix_caching=True),
                            sampling=SimpleNamespace(max_tokens=128, temperature=0.0), repeats=1)
     table = format_table(labels, {"a": 2, "b": 3, "c": 1}, seconds, tokens, stats, opts)
     ab = _row(table, "(ab)")
@@ -81,13 +82,14 @@ def test_bad_records_stop_bench_without_suggesting_run_flags(tmp_path):
     assert "--on-error" not in result.output
 
 
-def _table(labels, tps):
+def _table(labels, tps, prefix_caching=True):
     """A one-category table where config ``lb`` ran 100 tokens at ``tps[lb]`` tok/s."""
     seconds = {(lb, "a"): 100 / tps[lb] for lb in labels}
     tokens = {(lb, "a"): 100 for lb in labels}
     stats = defaultdict(SpecStats)
     opts = SimpleNamespace(groups=(), model=None, repeats=1,
-                           engine=SimpleNamespace(dtype="bfloat16", max_batch_size=16),
+                           engine=SimpleNamespace(dtype="bfloat16", max_batch_size=16,
+                                                  prefix_caching=prefix_caching),
                            sampling=SimpleNamespace(max_tokens=128, temperature=0.0))
     return format_table(labels, {"a": 1}, seconds, tokens, stats, opts)
 
@@ -106,6 +108,17 @@ def test_without_none_the_table_says_what_ratios_are_to():
     table = _table(["ngram:k=3", "ngram:k=5"], {"ngram:k=3": 10.0, "ngram:k=5": 15.0})
     assert "ratios to ngram:k=3 (no none configuration" in table.splitlines()[0]
     assert _row(table, "a")[4] == "1.50x"
+
+
+def test_header_says_when_prefix_caching_is_off():
+    """--no-prefix-caching changes the timings (every prompt prefilled whole): the header names
+    it; on, the default, it says nothing."""
+    tps = {"none": 10.0, "ngram:k=5": 20.0}
+    on = _table(["none", "ngram:k=5"], tps).splitlines()[0]
+    off = _table(["none", "ngram:k=5"], tps, prefix_caching=False).splitlines()[0]
+    assert "prefix caching" not in on, on
+    assert off.startswith("model default, dtype bfloat16, max_batch_size 16, prefix caching off, "
+                          "max_tokens 128,"), off
 
 
 def test_configs_given_twice_are_refused():
