@@ -393,7 +393,9 @@ def _progress(total: int, initial: int, enabled: bool, warmup: int = 1):
     """A tqdm bar over records on stderr. The time left is shown only once ``warmup`` records
     (a batch) finished in this run, and from the mean rate since the start: the first records
     finish after the prefill of the whole batch, and extrapolating from them (tqdm's default)
-    once said 2:24:13 for a job that took 22 minutes."""
+    once said 2:24:13 for a job that took 22 minutes. Closing it ends the last line drawn
+    when that already shows the final count (tqdm draws it again, so a log of stderr held the
+    final line twice)."""
     if not enabled:
         return None
     from tqdm import tqdm
@@ -405,6 +407,11 @@ def _progress(total: int, initial: int, enabled: bool, warmup: int = 1):
             if d["n"] - d["initial"] < min(warmup, d["total"] - d["initial"]):
                 d["bar_format"] = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<?{postfix}]"
             return d
+
+        def close(self):
+            if not self.disable and self.n == self.last_print_n:  # drawn as it stands
+                self.display = lambda *args, **kwargs: True  # close() then writes only "\n"
+            super().close()
 
     return _Bar(total=total, initial=initial, unit="rec", file=sys.stderr, dynamic_ncols=True,
                 smoothing=0)

@@ -368,6 +368,23 @@ def test_progress_shows_time_left_only_after_a_batch_from_the_mean_rate():
     resumed.close()
 
 
+def test_progress_prints_the_final_line_once(capsys):
+    """When the last record's update already drew ``N/N``, closing the bar ends that line
+    instead of drawing it again (a log of stderr showed the final line twice); when it did not
+    (too soon after the previous draw), closing draws it, once."""
+    from specbatch.run import _progress
+
+    for drawn_by_update in (True, False):
+        bar = _progress(2, 0, True, warmup=2)
+        bar.update(1)
+        bar.last_print_t -= 10.0 if drawn_by_update else 0.0  # tqdm redraws every 0.1 s
+        bar.update(1)
+        bar.close()
+        err = capsys.readouterr().err
+        assert err.count("2/2") == 1, repr(err)
+        assert err.endswith("\n") and err.count("\n") == 1, repr(err)
+
+
 def test_sampled_records_without_id_or_seed_are_warned_about_once(tmp_path, monkeypatch):
     """Their seed derives from the line number: reordering the file changes their output."""
     import os
