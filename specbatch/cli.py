@@ -529,7 +529,7 @@ def analyze(paths, by, what_if, calibration, batch_size, compare, as_json, plot_
 @click.option("--recalibrate", is_flag=True, help="Measure again even if cached.")
 def calibrate(model, dtype, device, cache_dir, output, recalibrate):
     """Measure this machine's step cost for the model and dtype (used by --method auto and
-    analyze --what-if); cached per (model, dtype, device, host)."""
+    analyze --what-if); cached per (model, dtype, device, CPU kernels, host)."""
     from specbatch.config import resolve_device
     from specbatch.plan.calibrate_cmd import run_calibrate
 

@@ -16,7 +16,7 @@ where it did not pay at batch 16, docs/benchmarks.md session 10). The slopes are
 so a step never gets cheaper with more tokens. Timings far above the
 fit (another process took the CPU) are taken again, then left out; a fit that is still noisy
 is used for the run but not cached (``CostModel.problem``). A sound fit is cached as JSON per
-(model, dtype, device, host) under the cache directory; ``run --method auto`` calibrates on
+(model, dtype, device, CPU kernel path, host) under the cache directory (``cache_path``); ``run --method auto`` calibrates on
 first use (~10-20 s for SmolLM2-135M on a quiet 2-core CPU).
 """
 
@@ -420,9 +420,32 @@ def host_id() -> str:
     return f"{platform.node()}/{platform.processor() or platform.machine()}/{os.cpu_count()}cpu"
 
 
+def kernel_path(dtype: str, device: str) -> str:
+    """Which kernels run a CPU step, a part of the calibration's key: ``"ckernels"`` where
+    specbatch's C kernels are in use (``kernels/csrc``), for dtype int8 with the 8-bit matmul
+    that ``kernels.linear_cpu.int8_kernel()`` reports (``"ckernels_vnni"``, ``_avx2``,
+    ``_portable``), else ``"torch"`` (``SPECBATCH_CPU_KERNELS=0``, a CPU without AVX2/FMA, no
+    compiler; batch-16 steps ~1.6x slower); ``""`` off the CPU. Builds the kernels on first use
+    (~3 s, once per machine), as the engine does."""
+    if not device.startswith("cpu"):
+        return ""
+    try:
+        from kernels import linear_cpu
+    except ImportError:  # an install without the kernels package
+        return "torch"
+    if not linear_cpu.available():
+        return "torch"
+    return f"ckernels_{linear_cpu.int8_kernel()}" if dtype == "int8" else "ckernels"
+
+
 def cache_path(cache_root: Path, model_id: str, dtype: str, device: str) -> Path:
+    """The cache file of (model, dtype, device, ``kernel_path``, host): runs on the C kernels
+    and on torch's (or on two int8 kernels) keep a fit each instead of measuring again at every
+    switch. Files named before the kernel path was in the key are not read (measured anew)."""
+    kernels = kernel_path(dtype, device)
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in
-                   f"{model_id}-{dtype}-{device}-{host_id()}")
+                   f"{model_id}-{dtype}-{device}-" + (f"{kernels}-" if kernels else "")
+                   + host_id())
     return cache_root / "calibration" / f"{safe}.json"
 
 
@@ -450,9 +473,9 @@ def find_cached(cache_root: Path, model_id: str, dtype: str,
 def load_or_calibrate(forward, model_id: str, dtype: str, cache_root: Path,
                       recalibrate: bool = False, echo=None, progress: bool = True,
                       time_fn=None, purpose: str | None = None) -> tuple[CostModel, Path, bool]:
-    """The cached cost model for this (model, dtype, device, host), measured if absent, stale
-    (an older format, or a fit that fails ``CostModel.problem``: such files were written
-    before the checks existed) or ``recalibrate``. A new fit is cached only if it passes
+    """The cached cost model for this (model, dtype, device, kernel path, host), measured if
+    absent, stale (an older format, or a fit that fails ``CostModel.problem``: such files were
+    written before the checks existed) or ``recalibrate``. A new fit is cached only if it passes
     ``problem``; otherwise it is used for this run only and ``echo`` gets a warning: line
     saying why (a busy machine). echo: a callable for the lines a person should see
     (``None``: silent), first of them the line that says it is calibrating (seconds to

@@ -305,3 +305,48 @@ def test_the_calibrate_table_lists_shapes_by_context(monkeypatch, capsys):
     assert [row[5:] for row in table if row[5:]] == [["outlier,", "left", "out"]]
     assert table[GRID.index((4, 6, 1024))][5:] == ["outlier,", "left", "out"]
     assert out[header + 1 + len(GRID)].startswith("fit: ")
+
+
+def test_each_cpu_kernel_path_keeps_its_own_calibration(tmp_path, monkeypatch):
+    """Runs with the C kernels and with ``SPECBATCH_CPU_KERNELS=0`` (torch's kernels, ~1.6x
+    slower batch-16 steps) each keep their own cached fit, as do int8 runs on the AVX2 and the
+    portable 8-bit matmul: switching back and forth measures each once (a shared file was
+    measured again at every switch, and int8's kernels read each other's step costs). A file
+    named before the kernel path was part of the key is ignored."""
+    from kernels import cpu_build, linear_cpu
+
+    if not linear_cpu.available():
+        pytest.skip("needs specbatch's C kernels (x86-64 with AVX2 + FMA, a C compiler)")
+    monkeypatch.setattr(costmodel, "load_average", lambda: None)  # no re-measuring when quiet
+    monkeypatch.setattr(cpu_build, "library", cpu_build.library.__wrapped__)  # reads the env
+    monkeypatch.delenv("SPECBATCH_CPU_LINEAR", raising=False)
+    old_name = "".join(ch if ch.isalnum() or ch in "-_." else "_"
+                       for ch in f"m-float32-cpu-{costmodel.host_id()}")
+    legacy = tmp_path / "calibration" / f"{old_name}.json"
+    legacy.parent.mkdir(parents=True)
+    legacy.write_text("{}")
+
+    def measured(dtype: str) -> tuple[bool, object]:
+        _, path, was_measured = load_or_calibrate(FORWARD, "m", dtype, tmp_path, progress=False,
+                                                  time_fn=_timer())
+        return was_measured, path
+
+    paths = {}
+    for kernels in ("", "0", "", "0"):
+        monkeypatch.setenv("SPECBATCH_CPU_KERNELS", kernels)
+        was_measured, path = measured("float32")
+        assert was_measured == (kernels not in paths), kernels  # each measured on first use
+        assert paths.setdefault(kernels, path) == path
+    assert paths[""] != paths["0"] and legacy.read_text() == "{}"
+    assert "-torch-" in paths["0"].name and "-ckernels-" in paths[""].name
+    monkeypatch.setenv("SPECBATCH_CPU_KERNELS", "")
+    was = linear_cpu.int8_kernel()
+    try:
+        first = {}
+        for name in ("avx2", "portable", "avx2", "portable"):
+            linear_cpu.int8_kernel(name)
+            was_measured, path = measured("int8")
+            assert was_measured == (name not in first), name
+            assert first.setdefault(name, path) == path and f"-ckernels_{name}-" in path.name, path.name
+    finally:
+        linear_cpu.int8_kernel(was)
