@@ -16,8 +16,8 @@ where it did not pay at batch 16, docs/benchmarks.md session 10). The slopes are
 so a step never gets cheaper with more tokens. Timings far above the
 fit (another process took the CPU) are taken again, then left out; a fit that is still noisy
 is used for the run but not cached (``CostModel.problem``). A sound fit is cached as JSON per
-(model, dtype, device, CPU kernel path, host) under the cache directory (``cache_path``); ``run --method auto`` calibrates on
-first use (~10-20 s for SmolLM2-135M on a quiet 2-core CPU).
+(model, dtype, device, CPU kernel path, host) under the cache directory (``cache_path``);
+``run --method auto`` calibrates on first use (~10-20 s for SmolLM2-135M on a quiet 2-core CPU).
 """
 
 from __future__ import annotations
