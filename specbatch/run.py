@@ -320,7 +320,8 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
                 raise KeyboardInterrupt
             by_category[str(rec.fields.get("category", ""))].append(out)
             if "error" in out:
-                failed.append(RecordError(str(opts.input_path), rec.line, rec.id, out["error"]))
+                failed.append(RecordError(str(opts.input_path), rec.line, rec.id, out["error"],
+                                          rec.unit))
             if bar is not None:
                 mal = tput.stats.mean_acceptance_length
                 bar.set_postfix_str(f"{tput.tokens_per_second:.1f} tok/s"

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specbatch.config import SamplingParams
-from specbatch.io.records import Record, read_records
+from specbatch.io.records import Record, RecordError, read_records
 from specbatch.spec_decode.stats import SpecStats
 
 
@@ -68,8 +68,8 @@ def load_run(path: str | Path) -> RunFile:
     for r in records:
         missing = [k for k in ("spec", "usage", "finish_reason") if k not in r.fields]
         if missing:
-            problems.append(f"{path}:{r.line}: id={r.id!r}: not an output record (no "
-                            f"{', '.join(missing)})")
+            problems.append(str(RecordError(str(path), r.line, r.id, "not an output record (no "
+                                            f"{', '.join(missing)})", r.unit)))
         else:
             good.append(r)
     if not good:  # an input file (its records may not even read as prompts: no prompt field)

@@ -2,11 +2,15 @@
 
 Formats, chosen by the path: ``.jsonl`` (read line by line here, so errors name the line),
 ``.json`` (a JSON array of objects, one object, or JSONL under a .json name), ``.parquet`` and
-``.csv`` (through ``datasets``), and a folder written by ``Dataset.save_to_disk``. For the
-formats without lines, ``Record.line`` is the 1-based row (element) number; a CSV header row is
-not counted.
+``.csv`` (through ``datasets``), and a folder written by ``Dataset.save_to_disk``. ``Record.line``
+is a 1-based position and ``Record.unit`` says of what: a ``line`` of JSON text (for one object
+in a .json file, the line it starts on), an ``element`` of a JSON array, or a ``row`` of a table
+(a CSV header row is not counted). Errors say ``path:N:`` for a line, ``path: element N:`` and
+``path: row N:`` otherwise.
 
-A ``.jsonl`` file that holds one JSON array instead of lines is accepted like ``.json``.
+Each line of a ``.jsonl`` file must be one JSON object: a line holding an array (or a string,
+a number...) is a bad record on that line, and a file holding one JSON array spread over
+several lines is refused as a whole (a ``.json`` file may hold an array of records).
 
 A bad record never stops the read: it becomes a ``RecordError`` and the other records are still
 returned, so ``--on-error skip`` can run them. A file-level problem (missing file, unknown
@@ -55,13 +59,15 @@ class Record:
     """One valid input record.
 
     index: 0-based position among the valid records, in input order (the output order).
-    line: 1-based line in a JSONL file, or 1-based row for the other formats.
+    line: 1-based position in the input, of the kind ``unit`` names.
     id: from ``--id-field``, else ``id``, else ``question_id``, else the line number.
     fields: the record as read, echoed into the output.
     Exactly one of ``prompt`` (plain text), ``messages`` (chat list of {role, content}) and
     ``turns`` (user turns, generated in order, each answer fed back) is set.
     sampling: the run defaults overridden by the record's own sampling fields.
     id_from_line: the record has no id, so ``id`` is its line number.
+    unit: what ``line`` counts: ``line`` (of JSON text), ``element`` (of a JSON array) or
+        ``row`` (of a table).
     """
 
     index: int
@@ -73,19 +79,27 @@ class Record:
     turns: list[str] | None
     sampling: SamplingParams
     id_from_line: bool = False
+    unit: str = "line"
 
 
 @dataclass(frozen=True)
 class RecordError:
-    """A record (or, with ``line == 0``, the whole file) that cannot run."""
+    """A record (or, with ``line == 0``, the whole file) that cannot run. unit: what ``line``
+    counts, as ``Record.unit``."""
 
     path: str
     line: int
     id: str | int | None
     reason: str
+    unit: str = "line"
 
     def __str__(self) -> str:
-        where = f"{self.path}:{self.line}" if self.line else self.path
+        if not self.line:
+            where = self.path
+        elif self.unit == "line":
+            where = f"{self.path}:{self.line}"
+        else:
+            where = f"{self.path}: {self.unit} {self.line}"
         who = f" id={self.id!r}:" if self.id is not None else ""
         return f"{where}:{who} {self.reason}"
 
@@ -118,7 +132,9 @@ def read_records(path: str | os.PathLike, *, prompt_field: str | None = None,
         return [], [RecordError(p, 0, None, str(e))]
     if not rows:
         return [], [RecordError(p, 0, None, "no records")]
-    return _validate(p, rows, prompt_field, id_field, defaults, template, input_format)
+    unit = rows[0][0]  # one kind per file
+    return _validate(p, [(n, row) for _, n, row in rows], prompt_field, id_field, defaults,
+                     template, input_format, unit)
 
 
 def records_from_rows(rows: Iterable[dict], *, prompt_field: str | None = None,
@@ -146,13 +162,15 @@ def records_from_rows(rows: Iterable[dict], *, prompt_field: str | None = None,
 
 def _validate(p: str, rows: list, prompt_field: str | None, id_field: str | None,
               defaults: SamplingParams | list[SamplingParams], template: str | None,
-              input_format: str = "auto") -> tuple[list[Record], list[RecordError]]:
-    """Records and errors of ``rows`` (``(line, row)`` pairs); see ``read_records``."""
+              input_format: str = "auto", unit: str = "line",
+              ) -> tuple[list[Record], list[RecordError]]:
+    """Records and errors of ``rows`` (``(line, row)`` pairs, ``line`` counting ``unit``s); see
+    ``read_records``."""
     records, errors, first_line = [], [], {}
     named = {prompt_field, id_field, *(template_fields(template) if template is not None else ())}
     for line, row in rows:
         if isinstance(row, _BadLine):
-            errors.append(RecordError(p, line, None, row.reason))
+            errors.append(RecordError(p, line, None, row.reason, unit))
             continue
         wide: dict[str, int] = {}
         if isinstance(row, _WideInts):
@@ -167,7 +185,7 @@ def _validate(p: str, rows: list, prompt_field: str | None, id_field: str | None
             seen = (line, rec_id, id_field is None and all(row.get(k) is None for k in ID_FIELDS))
             key = str(rec_id)
             if key in first_line:
-                raise ValueError(_duplicate(seen, first_line[key]))
+                raise ValueError(_duplicate(seen, first_line[key], unit))
             first_line[key] = seen
             _check_fields(row, named)
             if template is not None:
@@ -177,10 +195,10 @@ def _validate(p: str, rows: list, prompt_field: str | None, id_field: str | None
             sampling = _sampling(row, defaults[line - 1] if isinstance(
                 defaults, list) else defaults, wide)
         except ValueError as e:
-            errors.append(RecordError(p, line, rec_id, str(e)))
+            errors.append(RecordError(p, line, rec_id, str(e), unit))
             continue
         records.append(Record(len(records), line, rec_id, source, prompt, messages, turns,
-                              sampling, id_from_line=seen[2]))
+                              sampling, id_from_line=seen[2], unit=unit))
     return records, errors
 
 
@@ -188,13 +206,14 @@ def order_warning(records: Iterable[Record]) -> str | None:
     """A one-line warning when records sample (temperature > 0) with neither an id nor a
     seed: the id falls back to the line number and the seed derives from the id, so their
     output changes when their place in the file changes. None when no record is affected."""
-    lines = [r.line for r in records
-             if r.id_from_line and r.sampling.seed is None and not r.sampling.is_greedy]
-    if not lines:
+    affected = [r for r in records
+                if r.id_from_line and r.sampling.seed is None and not r.sampling.is_greedy]
+    if not affected:
         return None
-    where = ", ".join(map(str, lines[:3])) + (", ..." if len(lines) > 3 else "")
-    return (f"{len(lines)} record(s) sample at temperature > 0 with no id and no seed (line "
-            f"{where}): their seed derives from the line number, so their output changes if "
+    unit = affected[0].unit
+    where = ", ".join(str(r.line) for r in affected[:3]) + (", ..." if len(affected) > 3 else "")
+    return (f"{len(affected)} record(s) sample at temperature > 0 with no id and no seed ({unit} "
+            f"{where}): their seed derives from the {unit} number, so their output changes if "
             "their place in the file changes; give each an id or a seed")
 
 
@@ -229,7 +248,7 @@ def check_lengths(records: Iterable[Record], count_tokens: Callable[[Record], in
             if n >= max_model_len:
                 reason = f"prompt is {n} tokens; the model's context is {max_model_len}"
         if reason is not None:
-            errors.append(RecordError(str(path), r.line, r.id, reason))
+            errors.append(RecordError(str(path), r.line, r.id, reason, r.unit))
     return errors
 
 
@@ -290,7 +309,8 @@ def check_token_ids(records: Iterable[Record], vocab_size: int,
             if bad:
                 errors.append(RecordError(str(path), r.line, r.id,
                                           f"{name} {bad} are not token ids of this model "
-                                          f"(its vocabulary has ids 0..{vocab_size - 1})"))
+                                          f"(its vocabulary has ids 0..{vocab_size - 1})",
+                                          r.unit))
                 break
     return errors
 
@@ -337,7 +357,8 @@ class _WideInts:
 
 
 def _rows(path: Path, split: str | None
-          ) -> Iterator[tuple[int, dict | _BadLine | _WideInts]]:
+          ) -> Iterator[tuple[str, int, dict | _BadLine | _WideInts]]:
+    """(unit, position, row) of each record of ``path``; see ``Record.unit``."""
     if not path.exists():
         raise _FileError("no such file or folder")
     if path.is_dir():
@@ -386,17 +407,25 @@ def _load_from_disk(path: Path, split: str | None):
     return ds
 
 
-def _dataset_rows(ds) -> Iterator[tuple[int, dict]]:
+def _dataset_rows(ds) -> Iterator[tuple[str, int, dict]]:
     for i, row in enumerate(ds):
-        yield i + 1, row
+        yield "row", i + 1, row
 
 
 def _json_rows(data: bytes, suffix: str
-               ) -> Iterator[tuple[int, dict | _BadLine | _WideInts]]:
+               ) -> Iterator[tuple[str, int, dict | _BadLine | _WideInts]]:
     if data.startswith(_BOM):
         data = data[len(_BOM):]
     head = data.lstrip()
-    if suffix == ".json" or head.startswith(b"["):
+    ends = [i for i in (head.find(b"\n"), head.find(b"\r")) if i >= 0]
+    first = head[:min(ends, default=len(head))]  # the first line that is not blank
+    start = data[:len(data) - len(head)].count(_eol(data)) + 1  # its line number
+    if suffix == ".jsonl":
+        if head.startswith(b"[") and not _parses(first):
+            raise _FileError("expected one JSON object per line, got a JSON array over several "
+                             f"lines (from line {start}); a .json file may hold an array of "
+                             "records")
+    else:
         reason = ""
         try:
             whole = orjson.loads(data)
@@ -406,26 +435,25 @@ def _json_rows(data: bytes, suffix: str
             exact = None
             for i, item in enumerate(whole):
                 if not isinstance(item, dict):
-                    yield i + 1, _BadLine(f"array element is a JSON {_kind(item)}, not an object")
+                    yield "element", i + 1, _BadLine(
+                        f"expected a JSON object, got {_a(_kind(item))}")
                     continue
                 if exact is None and _may_be_wide(item):
                     exact = _exact(data)
-                yield i + 1, _with_wide_ints(item, exact[i] if exact else None)
+                yield "element", i + 1, _with_wide_ints(item, exact[i] if exact else None)
             return
         if isinstance(whole, dict):  # one object, possibly spread over several lines
-            yield 1, _with_wide_ints(whole, _exact(data) if _may_be_wide(whole) else None)
+            yield "line", start, _with_wide_ints(whole, _exact(data) if _may_be_wide(whole)
+                                                 else None)
             return
-        if whole is None and head.startswith(b"[") and not _parses(head.split(b"\n", 1)[0]):
+        if whole is None and head.startswith(b"[") and not _parses(first):
             raise _FileError(f"looks like a JSON array but is not valid JSON: {reason}")
-    yield from _jsonl_rows(data)
+    for n, row in _jsonl_rows(data):
+        yield "line", n, row
 
 
 def _jsonl_rows(data: bytes) -> Iterator[tuple[int, dict | _BadLine | _WideInts]]:
-    # a file with CR and no LF has classic Mac line endings (a raw CR cannot be inside a JSON
-    # string, so it can only end a line or be blank space); CRLF lines keep a CR that orjson
-    # reads as blank space
-    eol = b"\r" if b"\n" not in data and b"\r" in data else b"\n"
-    for n, raw in enumerate(data.split(eol), start=1):
+    for n, raw in enumerate(data.split(_eol(data)), start=1):
         if not raw.strip():
             continue
         try:
@@ -441,9 +469,18 @@ def _jsonl_rows(data: bytes) -> Iterator[tuple[int, dict | _BadLine | _WideInts]
             yield n, _BadLine(f"invalid JSON at column {e.colno}: {e.msg}{mixed}")
             continue
         if not isinstance(value, dict):
-            yield n, _BadLine(f"line is a JSON {_kind(value)}, not an object")
+            hint = (" (a .json file may hold an array of records)" if isinstance(value, list)
+                    and any(isinstance(x, dict) for x in value) else "")
+            yield n, _BadLine(f"expected one JSON object per line, got {_a(_kind(value))}{hint}")
             continue
         yield n, _with_wide_ints(value, _exact(text) if _may_be_wide(value) else None)
+
+
+def _eol(data: bytes) -> bytes:
+    """What ends the lines of ``data``: a file with CR and no LF has classic Mac line endings (a
+    raw CR cannot be inside a JSON string, so it can only end a line or be blank space); CRLF
+    lines keep a CR that orjson reads as blank space."""
+    return b"\r" if b"\n" not in data and b"\r" in data else b"\n"
 
 
 def _may_be_wide(obj: dict) -> bool:
@@ -485,13 +522,14 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _duplicate(this: tuple[int, str | int, bool], first: tuple[int, str | int, bool]) -> str:
+def _duplicate(this: tuple[int, str | int, bool], first: tuple[int, str | int, bool],
+               unit: str = "line") -> str:
     """Why a record whose id was seen before is refused. this, first: (line, id, whether the id
     is the line number, for want of one), e.g. ``duplicate id '7': first seen on line 1 as 7
-    (ids are compared as text)``."""
+    (ids are compared as text)``. unit: what the line numbers count (``Record.unit``)."""
     (_, rec_id, _), (first_line, first_id, _) = this, first
-    msg = f"duplicate id {rec_id!r}: first seen on line {first_line}"
-    notes = [f"line {n} has no id and takes its line number"
+    msg = f"duplicate id {rec_id!r}: first seen on {unit} {first_line}"
+    notes = [f"{unit} {n} has no id and takes its {unit} number"
              for n, _, by_line in (first, this) if by_line]
     if repr(first_id) != repr(rec_id):
         msg += f" as {first_id!r}"
@@ -711,6 +749,11 @@ def _shape(value) -> str:
         kinds = sorted({_kind(v) for v in value})
         return f"an array of {' and '.join(kinds)}" if kinds else "an empty list"
     return _kind(value)
+
+
+def _a(kind: str) -> str:
+    """``kind`` (a ``_kind``) with its article: ``an array``, ``a number``, ``null``."""
+    return kind if kind == "null" else f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
 
 
 def _kind(value) -> str:

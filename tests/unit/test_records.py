@@ -26,13 +26,14 @@ CASES = {
     "unknown_fields.jsonl": (2, [(2, "unsupported sampling parameters 'best_of', "
                                      "'use_beam_search': specbatch does not apply them"),
                                  (3, "unknown field 'temprature': did you mean 'temperature'?")]),
-    "json_array.jsonl": (2, []),
+    "json_array.jsonl": (0, [(0, "expected one JSON object per line, got a JSON array over "
+                                 "several lines (from line 1); a .json file may hold an array")]),
     "invalid_utf8.jsonl": (2, [(2, "invalid UTF-8 at byte")]),
     "truncated_json.jsonl": (2, [(3, "invalid JSON at column 32: ")]),  # then orjson's words
-    "not_object.jsonl": (2, [(2, "line is a JSON array, not an object"),
-                             (3, "line is a JSON string, not an object"),
-                             (4, "line is a JSON number, not an object")]),
-    "broken_array.jsonl": (0, [(0, "looks like a JSON array but is not valid JSON")]),
+    "not_object.jsonl": (2, [(2, "expected one JSON object per line, got an array"),
+                             (3, "expected one JSON object per line, got a string"),
+                             (4, "expected one JSON object per line, got a number")]),
+    "broken_array.json": (0, [(0, "looks like a JSON array but is not valid JSON")]),
     "missing_prompt.jsonl": (2, [(2, "no prompt: expected a field prompt, messages, turns")]),
     "bad_prompt_type.jsonl": (2, [(2, "a list of {role, content} messages; got null"),
                                   (3, "got number"), (4, "got object"),
@@ -106,6 +107,7 @@ def test_invalid_json_names_the_line_and_the_column_in_it(tmp_path):
     head, _, why = str(errors[0]).partition("invalid JSON at column 25: ")
     assert head == f"{path}:3: " and why.strip(), str(errors[0])
     assert '{"id": 2, "prompt": "é" x}'[25 - 1] == "x"
+    path = tmp_path / "in.json"
     path.write_text('[\n{"id": 1, "prompt": "a"},\n{"id": 2 "prompt": "b"}\n]\n')
     _, errors = read_records(path)  # a broken array: line and column in the file
     assert len(errors) == 1
@@ -126,14 +128,15 @@ def test_integers_beyond_64_bits_are_reported_as_written(tmp_path):
         path = tmp_path / name
         path.write_text(text)
         records, errors = read_records(path)
+        at = f"{path}:" if name == "in.jsonl" else f"{path}: element "
         assert [(r.id, r.sampling.seed) for r in records] == [(1, 2**64 - 1)]
         assert [str(e) for e in errors] == [
-            f"{path}:2: id=2: invalid sampling field: seed={big}: expected an integer that "
+            f"{at}2: id=2: invalid sampling field: seed={big}: expected an integer that "
             "fits in 64 bits",
-            f"{path}:3: id=3: invalid sampling field: max_tokens=-{big}: expected an integer "
+            f"{at}3: id=3: invalid sampling field: max_tokens=-{big}: expected an integer "
             "that fits in 64 bits",
-            f"{path}:4: id {big} does not fit in 64 bits; write it as a string",
-            f"{path}:5: id=5: invalid sampling field: seed=1e+30: expected an integer that "
+            f"{at}4: id {big} does not fit in 64 bits; write it as a string",
+            f"{at}5: id=5: invalid sampling field: seed=1e+30: expected an integer that "
             "fits in 64 bits"]
 
 
@@ -303,8 +306,8 @@ def _reference(tmp_path, rows):
     return _summary(records)
 
 
-@pytest.mark.parametrize("fmt", ["jsonl", "json-lines", "json-array", "jsonl-array", "parquet",
-                                 "disk", "disk-dict", "csv"])
+@pytest.mark.parametrize("fmt", ["jsonl", "json-lines", "json-array", "parquet", "disk",
+                                 "disk-dict", "csv"])
 def test_format_round_trip(tmp_path, fmt):
     rows = CSV_ROWS if fmt == "csv" else ROWS
     ds = _dataset(rows)
@@ -315,8 +318,8 @@ def test_format_round_trip(tmp_path, fmt):
     elif fmt == "json-lines":
         path = tmp_path / "in.json"
         ds.to_json(path)
-    elif fmt in ("json-array", "jsonl-array"):
-        path = tmp_path / ("in.json" if fmt == "json-array" else "in.jsonl")
+    elif fmt == "json-array":
+        path = tmp_path / "in.json"
         path.write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2))
     elif fmt == "parquet":
         path = tmp_path / "in.parquet"
@@ -357,6 +360,68 @@ def test_dataset_dict_splits(tmp_path):
     ds.save_to_disk(tmp_path / "single")
     records, errors = read_records(tmp_path / "single", split="train")
     assert records == [] and "single dataset" in errors[0].reason
+
+
+# ----- where a problem is: a line of JSON text, an element of a JSON array, a row of a table -----
+
+def test_a_jsonl_line_holding_an_array_is_refused_on_its_line(tmp_path):
+    """A JSONL line must be one JSON object. A one-line file holding an array of records was
+    read as an array, its second element reported as ``notobj.jsonl:2:``."""
+    path = tmp_path / "notobj.jsonl"
+    path.write_text('[{"prompt": "a"}, 5]\n')
+    records, errors = read_records(path)
+    assert records == []
+    assert [str(e) for e in errors] == [
+        f"{path}:1: expected one JSON object per line, got an array (a .json file may hold an "
+        "array of records)"]
+    path.write_text('{"id": 1, "prompt": "a"}\n\n[1, 2]\n"x"\n')
+    records, errors = read_records(path)
+    assert [r.id for r in records] == [1]
+    assert [str(e) for e in errors] == [
+        f"{path}:3: expected one JSON object per line, got an array",
+        f"{path}:4: expected one JSON object per line, got a string"]
+
+
+def test_a_jsonl_file_holding_an_array_over_several_lines_is_refused(tmp_path):
+    """Read line by line it would give an error per line and take the odd line that holds one
+    whole object: one file-level error says what the file is instead."""
+    path = tmp_path / "in.jsonl"
+    path.write_text('\n[\n  {"id": 1, "prompt": "a"},\n  {"id": 2, "prompt": "b"}\n]\n')
+    records, errors = read_records(path)
+    assert records == []
+    assert [str(e) for e in errors] == [
+        f"{path}: expected one JSON object per line, got a JSON array over several lines (from "
+        "line 2); a .json file may hold an array of records"]
+
+
+def test_json_array_problems_name_the_element_not_a_line(tmp_path):
+    """In a .json array a record's place is its element number, said as such (``path:N:``
+    reads as line N, and the array may be on one line)."""
+    path = tmp_path / "in.json"
+    path.write_text('[{"id": 1, "prompt": "a"}, 5,\n {"id": 1, "prompt": "b"}, {"prompt": ""}]')
+    records, errors = read_records(path)
+    assert [(r.id, r.line, r.unit) for r in records] == [(1, 1, "element")]
+    assert [str(e) for e in errors] == [
+        f"{path}: element 2: expected a JSON object, got a number",
+        f"{path}: element 3: id=1: duplicate id 1: first seen on element 1",
+        f"{path}: element 4: id=4: prompt is empty"]
+    path.write_text('\n\n{"id": 1,\n "prompt": ""}\n')  # one object: the line it starts on
+    _, errors = read_records(path)
+    assert [str(e) for e in errors] == [f"{path}:3: id=1: prompt is empty"]
+    path.write_text('{"id": 1, "prompt": "a"}\n{"id": 1, "prompt": "b"}\n')  # JSONL in .json
+    _, errors = read_records(path)
+    assert [str(e) for e in errors] == [f"{path}:2: id=1: duplicate id 1: first seen on line 1"]
+
+
+def test_table_problems_name_the_row_not_a_line(tmp_path):
+    """A CSV's row 2 is its third line (the header is not counted): said as ``row 2``."""
+    pytest.importorskip("datasets")
+    path = tmp_path / "in.csv"
+    path.write_text("id,prompt\n1,a\n1,b\n")
+    records, errors = read_records(path)
+    assert [(r.id, r.line, r.unit) for r in records] == [(1, 1, "row")]
+    assert [str(e) for e in errors] == [
+        f"{path}: row 2: id=1: duplicate id 1: first seen on row 1"]
 
 
 def test_unreadable_columnar_files(tmp_path):
@@ -502,9 +567,10 @@ def test_wide_stop_token_ids_are_reported_as_written(tmp_path):
         path = tmp_path / name
         path.write_text(text)
         records, errors = read_records(path)
+        at = f"{path}:" if name == "in.jsonl" else f"{path}: element "
         assert records == []
         assert [str(e) for e in errors] == [
-            f"{path}:1: id=1: invalid sampling field: stop_token_ids=[7, {big}]: expected token "
+            f"{at}1: id=1: invalid sampling field: stop_token_ids=[7, {big}]: expected token "
             "ids that fit in 64 bits"]
 
 
