@@ -60,7 +60,8 @@ def load_run(path: str | Path) -> RunFile:
     c = config or {}
     records, errors = read_records(path, prompt_field=c.get("prompt_field"),
                                    id_field=c.get("id_field"), defaults=defaults,
-                                   template=c.get("template"))
+                                   template=c.get("template"),
+                                   null_ids=True)  # echoed from a table's empty cell
     if any(e.line == 0 for e in errors):
         raise ValueError(str(errors[0]))
     problems = [str(e) for e in errors]

@@ -17,7 +17,9 @@ returned, so ``--on-error skip`` can run them. A file-level problem (missing fil
 format, unreadable dataset, no records) is one ``RecordError`` with ``line == 0`` and no records.
 
 A field whose value is null counts as absent (columnar formats fill missing cells with null),
-for the prompt, the id and the sampling fields alike.
+for the prompt, the id and the sampling fields alike; except that an id written as null in JSON
+(``"id": null``) is a bad record, as other ids that are neither a string nor an integer: the
+record would be known by its line number while its output says ``"id": null``.
 
 A ``template`` (``--template`` or a recipe's ``input.template``) builds the prompt from record
 fields instead: ``"{instruction}\n\n{code}"`` becomes the user message of a one-message chat,
@@ -107,7 +109,7 @@ class RecordError:
 def read_records(path: str | os.PathLike, *, prompt_field: str | None = None,
                  id_field: str | None = None, split: str | None = None,
                  defaults: SamplingParams = SamplingParams(), template: str | None = None,
-                 input_format: str = "auto",
+                 input_format: str = "auto", null_ids: bool = False,
                  ) -> tuple[list[Record], list[RecordError]]:
     """Read ``path`` and validate every record; never raises for bad input.
 
@@ -117,7 +119,9 @@ def read_records(path: str | os.PathLike, *, prompt_field: str | None = None,
     each record's user message from its fields; see the module docstring. input_format:
     ``openai-batch`` reads every line as an OpenAI batch request (``io.openai_batch``; the
     record's ``fields`` keep the request as read), ``records`` never does, ``auto`` does for
-    lines with ``custom_id`` and ``body``.
+    lines with ``custom_id`` and ``body``. null_ids: take an id written as null in JSON for no
+    id, as a table's empty cell always is (to read back an output, which echoes a table's
+    nulls), instead of refusing it.
     Raises ``ValueError`` only for a bad call: a malformed template, or both template and
     prompt_field.
     """
@@ -134,7 +138,7 @@ def read_records(path: str | os.PathLike, *, prompt_field: str | None = None,
         return [], [RecordError(p, 0, None, "no records")]
     unit = rows[0][0]  # one kind per file
     return _validate(p, [(n, row) for _, n, row in rows], prompt_field, id_field, defaults,
-                     template, input_format, unit)
+                     template, input_format, unit, null_ids=null_ids or unit == "row")
 
 
 def records_from_rows(rows: Iterable[dict], *, prompt_field: str | None = None,
@@ -162,10 +166,10 @@ def records_from_rows(rows: Iterable[dict], *, prompt_field: str | None = None,
 
 def _validate(p: str, rows: list, prompt_field: str | None, id_field: str | None,
               defaults: SamplingParams | list[SamplingParams], template: str | None,
-              input_format: str = "auto", unit: str = "line",
+              input_format: str = "auto", unit: str = "line", null_ids: bool = True,
               ) -> tuple[list[Record], list[RecordError]]:
     """Records and errors of ``rows`` (``(line, row)`` pairs, ``line`` counting ``unit``s); see
-    ``read_records``."""
+    ``read_records``. null_ids: an id field holding null counts as no id (else it is refused)."""
     records, errors, first_line = [], [], {}
     named = {prompt_field, id_field, *(template_fields(template) if template is not None else ())}
     for line, row in rows:
@@ -181,7 +185,7 @@ def _validate(p: str, rows: list, prompt_field: str | None, id_field: str | None
                                                   and is_batch_request(row)):
                 rec_id = row.get("custom_id")
                 row = openai_batch_record(row)  # ValueError names unsupported body fields
-            rec_id = _record_id(row, id_field, line, wide)
+            rec_id = _record_id(row, id_field, line, wide, null_ids)
             seen = (line, rec_id, id_field is None and all(row.get(k) is None for k in ID_FIELDS))
             key = str(rec_id)
             if key in first_line:
@@ -537,14 +541,22 @@ def _duplicate(this: tuple[int, str | int, bool], first: tuple[int, str | int, b
     return msg + (f" ({'; '.join(notes)})" if notes else "")
 
 
-def _record_id(row: dict, id_field: str | None, line: int, wide: dict[str, int]) -> str | int:
-    """wide: the record's integers beyond 64 bits (see ``_WideInts``)."""
+def _record_id(row: dict, id_field: str | None, line: int, wide: dict[str, int],
+               null_ids: bool = True) -> str | int:
+    """wide: the record's integers beyond 64 bits (see ``_WideInts``). null_ids: an id field
+    holding null counts as absent; else the first id field present holding null is refused."""
     if id_field is not None:
         if row.get(id_field) is None:
+            if id_field in row and not null_ids:
+                raise ValueError(f"{json.dumps(id_field)} is null; give a string or integer id")
             raise ValueError(f"missing id field {id_field!r}")
         key = id_field
     else:
-        key = next((k for k in ID_FIELDS if row.get(k) is not None), None)
+        present = [k for k in ID_FIELDS if k in row and (row[k] is not None or not null_ids)]
+        key = present[0] if present else None
+        if key is not None and row[key] is None:
+            raise ValueError(f"{json.dumps(key)} is null; give a string or integer id, or leave "
+                             "the field out")
     if key in wide and _is_int(wide[key]):
         raise ValueError(f"id {wide[key]} does not fit in 64 bits; write it as a string")
     value = line if key is None else row[key]

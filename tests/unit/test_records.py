@@ -45,7 +45,8 @@ CASES = {
                                (4, "messages has no user message")]),
     "duplicate_ids.jsonl": (3, [(3, "duplicate id 1: first seen on line 1"),
                                 (5, "duplicate id 1: first seen on line 1")]),
-    "bad_id.jsonl": (2, [(2, "id must be a string or an integer"), (3, "id is an empty string")]),
+    "bad_id.jsonl": (2, [(2, "id must be a string or an integer"), (3, "id is an empty string"),
+                         (5, '"id" is null; give a string or integer id, or leave the field out')]),
     "bad_sampling.jsonl": (2, [(2, "invalid sampling field: temperature=-1:"),
                                (3, "invalid sampling field: top_p=2:"),
                                (4, 'invalid sampling field: max_tokens="100"'),
@@ -262,6 +263,42 @@ def test_id_fallbacks_and_sampling_defaults(tmp_path):
     assert records[0].sampling is defaults
     assert records[1].sampling == SamplingParams(temperature=0.5, max_tokens=5, stop=("END",))
     assert records[2].sampling == defaults  # null means "not set"
+
+
+def test_a_null_id_in_json_is_a_bad_record(tmp_path):
+    """``"id": null`` was taken for no id: the line number became the id while the output kept
+    ``"id": null``. Written in JSON it is refused as other bad ids are (as OpenAI batch refuses
+    a null ``custom_id``); a missing id still takes the line number."""
+    rows = [{"id": 1, "prompt": "a"}, {"prompt": "b"}, {"id": None, "prompt": "c"},
+            {"question_id": None, "prompt": "d"}, {"id": 5, "question_id": None, "prompt": "e"},
+            {"id": None, "question_id": 6, "prompt": "f"}]
+    path = _write_jsonl(tmp_path / "in.jsonl", rows)
+    records, errors = read_records(path)
+    assert [(r.id, r.line) for r in records] == [(1, 1), (2, 2), (5, 5)]
+    why = "is null; give a string or integer id, or leave the field out"
+    assert [str(e) for e in errors] == [f'{path}:3: "id" {why}', f'{path}:4: "question_id" {why}',
+                                        f'{path}:6: "id" {why}']
+    array = tmp_path / "in.json"
+    array.write_bytes(orjson.dumps(rows[:3]))
+    _, errors = read_records(array)
+    assert [str(e) for e in errors] == [f'{array}: element 3: "id" {why}']
+    _, errors = read_records(_write_jsonl(tmp_path / "key.jsonl", [
+        {"key": None, "prompt": "a"}, {"prompt": "b"}]), id_field="key")
+    assert [e.reason for e in errors] == ['"key" is null; give a string or integer id',
+                                          "missing id field 'key'"]
+    # a specbatch output echoes its input's fields: analyze reads them back as they were
+    records, errors = read_records(path, null_ids=True)
+    assert errors == [] and [r.id for r in records] == [1, 2, 3, 4, 5, 6]
+
+
+def test_an_empty_id_cell_of_a_table_is_no_id(tmp_path):
+    """A table cannot leave a field out of one row: its empty cell reads as null, no id."""
+    datasets = pytest.importorskip("datasets")
+    path = tmp_path / "in.parquet"
+    datasets.Dataset.from_list([{"id": 1, "prompt": "a"},
+                                {"id": None, "prompt": "b"}]).to_parquet(str(path))
+    records, errors = read_records(path)
+    assert errors == [] and [(r.id, r.id_from_line) for r in records] == [(1, False), (2, True)]
 
 
 def test_missing_file(tmp_path):
