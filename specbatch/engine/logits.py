@@ -16,7 +16,11 @@ the committed tokens by ``commit`` (xgrammar ``GrammarMatcher.rollback``, as vLL
 output does for speculative decoding).
 
 Order, as vLLM v1's sampler: grammar mask, ``logit_bias``, then penalties (on the raw
-logits); temperature, ``min_p``, top-k / top-p follow in ``spec_decode.sampler.sample``.
+logits); temperature, ``min_p``, top-k / top-p follow in ``spec_decode.sampler.sample``. The
+masks of all rows are applied in one call after the bias and penalties, which gives the same
+values: a masked logit is ``-inf`` either way (bias in [-100, 100], penalties finite, the
+repetition penalty > 0 keep ``-inf``), an unmasked one is untouched by the mask (one xgrammar
+call per step instead of one per row: ~0.15 ms each on the 2-core VM at 49,152 tokens).
 Penalty formulas are vLLM's ``apply_penalties`` (repetition: Keskar et al. 2019, arXiv
 1909.05858; presence / frequency: OpenAI's definition).
 """
@@ -46,19 +50,26 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence],
     out = logits.clone()
     vocab = logits.shape[-1]
     start = 0
+    bitmask = None  # [T, ceil(V / 32)] int32 for the rows with a grammar, all set elsewhere
     for seq, d in zip(seqs, drafts):
         n = len(d) + 1
         rows = out[start:start + n]  # a view: edits land in ``out``
-        start += n
         sp = seq.sampling
         if seq.matcher is not None:
-            apply_bitmask(rows, grammar_masks(seq, d, vocab))
+            if bitmask is None:
+                from specbatch.engine import grammar
+
+                bitmask = grammar._xgr().allocate_token_bitmask(out.shape[0], vocab)
+            bitmask[start:start + n] = grammar_masks(seq, d, vocab)
+        start += n
         if sp.logit_bias:
             ids = torch.tensor([t for t, _ in sp.logit_bias if t < vocab], dtype=torch.int64)
             bias = torch.tensor([b for t, b in sp.logit_bias if t < vocab], dtype=rows.dtype)
             rows[:, ids.to(rows.device)] += bias.to(rows.device)
         if sp.has_penalties:
             _apply_penalties(rows, seq, d)
+    if bitmask is not None:
+        apply_bitmask(out, bitmask)
     return out
 
 
