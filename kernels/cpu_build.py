@@ -121,4 +121,6 @@ def library() -> ctypes.CDLL | None:
     lib.sb_attention_f32.argtypes = [p, i64, i64, p, p, i64, i64, i64, p, p, p, i64, i64,
                                      i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     lib.sb_attention_f32.restype = ctypes.c_int
+    lib.sb_greedy_select.argtypes = [p, i64, p, i64, i64, p, i64, p, p]
+    lib.sb_greedy_select.restype = None
     return lib

@@ -30,7 +30,7 @@ from specbatch.engine.step_metadata import StepMetadata, fetch_step_results
 from specbatch.spec_decode.caps import draft_cap
 from specbatch.spec_decode.proposer import Proposer
 from specbatch.spec_decode.stats import SpecStats
-from specbatch.spec_decode.verify import sample_and_accept
+from specbatch.spec_decode.verify import greedy_accept, sample_and_accept
 
 
 @dataclass
@@ -150,14 +150,23 @@ class Engine:
         logits: ``[B, Q, vocab]``; row i uses its first ``len(drafts[i]) + 1`` queries.
         Sampling and acceptance run on the logits' device; one copy brings the results back.
         """
-        # grammar masks, logit_bias, penalties (engine.logits), when any row has them
-        process = None
-        if logits_processing.needs_processing(seqs):
-            def process(flat):
-                return logits_processing.process_logits(flat, seqs, drafts)
         want_logprobs = any(s.sampling.logprobs is not None for s in seqs)
-        target, num_accepted, scaled = sample_and_accept(logits, meta, process, want_logprobs)
-        has_nan = torch.isnan(logits.amax(dim=-1)).any(dim=1)  # amax keeps a NaN: [B]
+        bitmask = logits_processing.step_bitmask(seqs, drafts, logits.shape[-1])
+        greedy = None
+        if not want_logprobs and not logits_processing.needs_bias_or_penalties(seqs):
+            greedy = greedy_accept(logits, meta, bitmask)  # all-greedy on the CPU: one pass
+        if greedy is not None:
+            target, num_accepted, has_nan = greedy
+            scaled = None
+        else:
+            # grammar masks, logit_bias, penalties (engine.logits), when any row has them
+            process = None
+            if bitmask is not None or logits_processing.needs_bias_or_penalties(seqs):
+                def process(flat):
+                    return logits_processing.process_logits(flat, seqs, drafts, bitmask)
+            target, num_accepted, scaled = sample_and_accept(logits, meta, process,
+                                                             want_logprobs)
+            has_nan = torch.isnan(logits.amax(dim=-1)).any(dim=1)  # amax keeps a NaN: [B]
         res = fetch_step_results(num_accepted, has_nan, target)
         if want_logprobs:
             scaled = scaled.cpu()

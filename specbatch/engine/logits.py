@@ -34,40 +34,58 @@ from specbatch.engine.sequence import Sequence
 
 def needs_processing(seqs: list[Sequence]) -> bool:
     """Whether any row has a grammar, a ``logit_bias`` or a penalty (else logits pass as is)."""
-    return any(s.matcher is not None or s.sampling.logit_bias or s.sampling.has_penalties
-               for s in seqs)
+    return any(s.matcher is not None for s in seqs) or needs_bias_or_penalties(seqs)
 
 
-def process_logits(logits: torch.Tensor, seqs: list[Sequence],
-                   drafts: list[list[int]]) -> torch.Tensor:
+def needs_bias_or_penalties(seqs: list[Sequence]) -> bool:
+    """Whether any row has a ``logit_bias`` or a penalty (processing beyond grammar masks)."""
+    return any(s.sampling.logit_bias or s.sampling.has_penalties for s in seqs)
+
+
+def step_bitmask(seqs: list[Sequence], drafts: list[list[int]],
+                 vocab: int) -> torch.Tensor | None:
+    """``[T, ceil(V / 32)]`` int32, the packed grammar masks (``grammar_masks``) at every fed
+    position of the step, row-major as ``process_logits``'s rows, all bits set for rows without
+    a grammar; None when no row has one."""
+    if all(s.matcher is None for s in seqs):
+        return None
+    from specbatch.engine import grammar
+
+    bitmask = grammar._xgr().allocate_token_bitmask(sum(len(d) + 1 for d in drafts), vocab)
+    start = 0
+    for seq, d in zip(seqs, drafts):
+        if seq.matcher is not None:
+            bitmask[start:start + len(d) + 1] = grammar_masks(seq, d, vocab)
+        start += len(d) + 1
+    return bitmask
+
+
+def process_logits(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],
+                   bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """The logits plain decoding would sample from, at every fed position.
 
     logits: ``[T, V]`` float, the target's logits at the fed positions of every row, row-major
         (row i has ``len(drafts[i]) + 1`` of them, T = sum of those).
-    seqs: the rows' sequences; drafts: each row's draft ids (as verified).
+    seqs: the rows' sequences; drafts: each row's draft ids (as verified); bitmask: the step's
+        ``step_bitmask``, when the caller has it already.
     Returns a new ``[T, V]`` tensor of the same dtype; ``logits`` is not modified.
     """
     out = logits.clone()
     vocab = logits.shape[-1]
     start = 0
-    bitmask = None  # [T, ceil(V / 32)] int32 for the rows with a grammar, all set elsewhere
     for seq, d in zip(seqs, drafts):
         n = len(d) + 1
         rows = out[start:start + n]  # a view: edits land in ``out``
-        sp = seq.sampling
-        if seq.matcher is not None:
-            if bitmask is None:
-                from specbatch.engine import grammar
-
-                bitmask = grammar._xgr().allocate_token_bitmask(out.shape[0], vocab)
-            bitmask[start:start + n] = grammar_masks(seq, d, vocab)
         start += n
+        sp = seq.sampling
         if sp.logit_bias:
             ids = torch.tensor([t for t, _ in sp.logit_bias if t < vocab], dtype=torch.int64)
             bias = torch.tensor([b for t, b in sp.logit_bias if t < vocab], dtype=rows.dtype)
             rows[:, ids.to(rows.device)] += bias.to(rows.device)
         if sp.has_penalties:
             _apply_penalties(rows, seq, d)
+    if bitmask is None:
+        bitmask = step_bitmask(seqs, drafts, vocab)
     if bitmask is not None:
         apply_bitmask(out, bitmask)
     return out

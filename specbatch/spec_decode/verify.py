@@ -83,6 +83,39 @@ def sample_and_accept(logits: torch.Tensor, meta, process=None, want_scaled: boo
             scaled if want_scaled else None)
 
 
+def greedy_accept(logits: torch.Tensor, meta, bitmask: torch.Tensor | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """An all-greedy step on the CPU in one pass per fed position (``kernels.select_cpu``, C):
+    the argmax among the tokens ``bitmask`` allows (``engine.logits.step_bitmask``; None: all),
+    as ``sample_and_accept`` with the masks as its ``process`` would choose, and each row's NaN
+    flag from its fed positions.
+
+    logits: ``[B, Q, V]`` float32 on the CPU; meta: the step's ``StepMetadata``.
+    Returns (target ids ``[B, Q]`` int64, padded slots -1; accepted draft tokens ``[B]``
+    int64; has_nan ``[B]`` bool), or None where it does not apply: another device or dtype, a
+    row sampling at T > 0, a banned token (``min_tokens``), min_p, or no C kernels.
+    """
+    sm = meta.sampling
+    if (logits.device.type != "cpu" or logits.dtype != torch.float32 or not sm.all_greedy
+            or sm.num_banned or sm.any_min_p):
+        return None
+    try:
+        from kernels import select_cpu
+    except ImportError:  # an install without the kernels package
+        return None
+    if not select_cpu.available():
+        return None
+    bsz, qlen, vocab = logits.shape
+    ids, nan = select_cpu.greedy_select(logits.reshape(bsz * qlen, vocab), meta.token_index,
+                                        bitmask)
+    target = torch.full((bsz * qlen,), -1, dtype=torch.int64)
+    target[meta.token_index] = ids
+    target = target.view(bsz, qlen)
+    has_nan = torch.zeros(bsz, dtype=torch.bool)
+    has_nan[meta.token_index[nan] // qlen] = True
+    return target, count_accepted(target, meta.draft_ids, meta.num_draft), has_nan
+
+
 def _use_kernel(logits: torch.Tensor) -> bool:
     if logits.dtype not in (torch.float32, torch.float64):
         return False

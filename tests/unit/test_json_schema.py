@@ -242,3 +242,39 @@ def test_one_mask_call_after_bias_and_penalties_gives_the_rows_in_order(setup):
     assert torch.equal(out, expected)
     assert torch.isinf(out[0]).sum() > 50 and not torch.isinf(out[len(drafts[0]) + 1]).any()
     assert out[0, VOCAB.index("x")] == float("-inf")  # refused: the +100 bias does not revive it
+
+
+def test_cpu_greedy_path_equals_masked_sampling(setup, monkeypatch):
+    """float32 on the CPU: all-greedy steps take the C greedy choice (``verify.greedy_accept``)
+    with the step's grammar masks; outputs equal those of the torch path (masks applied, then
+    the sampler), with and without a grammar, at k = 0 and 5."""
+    from specbatch.engine import engine as engine_module
+
+    model, compiler, prompts = setup
+    model = tiny_llama(len(VOCAB), seed=5).float()
+    taken = []
+
+    def counting(*args):
+        res = orig(*args)
+        taken.append(res is not None)
+        return res
+
+    orig = engine_module.greedy_accept
+    monkeypatch.setattr(engine_module, "greedy_accept", counting)
+    sp = SamplingParams(max_tokens=40)
+    free = [Request(i, p, sp, seed=i) for i, p in enumerate(prompts[:6])]
+    fast = [generate(model, compiler, prompts, k, 8, 0.0) for k in (0, 5)]
+    fast_free = sorted(make_engine(model, 5, 4, eos_ids=(EOS,)).generate(free),
+                       key=lambda c: c.request.request_id)
+    assert taken and all(taken)
+    monkeypatch.setattr(engine_module, "greedy_accept", lambda *args: None)
+    slow = [generate(model, compiler, prompts, k, 8, 0.0) for k in (0, 5)]
+    free = [Request(i, p, sp, seed=i) for i, p in enumerate(prompts[:6])]
+    slow_free = sorted(make_engine(model, 5, 4, eos_ids=(EOS,)).generate(free),
+                       key=lambda c: c.request.request_id)
+    for a, b in zip(fast + [fast_free], slow + [slow_free]):
+        assert [c.output_ids for c in a] == [c.output_ids for c in b]
+    assert [c.output_ids for c in fast[0]] == [c.output_ids for c in fast[1]]
+    for c in fast[0]:
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.text), SCHEMA)

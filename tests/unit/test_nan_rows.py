@@ -78,8 +78,9 @@ def _prompts() -> list[list[int]]:
 
 @pytest.mark.parametrize("into_cache", [False, True])
 @pytest.mark.parametrize("k", [0, 3])
-def test_nan_fails_only_its_record(into_cache, k):
-    model = tiny_llama(VOCAB, seed=5)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])  # float32: the C greedy path
+def test_nan_fails_only_its_record(into_cache, k, dtype):
+    model = tiny_llama(VOCAB, seed=5).to(dtype)
     prompts = _prompts()
     sampling = SamplingParams(max_tokens=12, ignore_eos=True)
     # 7 prompts over 3 rows: the poisoned row is reused by later requests
