@@ -5,7 +5,9 @@ plain-torch reference, and C for x86-64 CPUs (``csrc/``, built by ``cpu_build``)
 - ``attention``: decode/verify attention over the KV cache in place, batch-invariant.
 - ``kv_write``: a step's keys and values into their cache rows and positions.
 - ``linear_cpu`` (C): the float32 dense layers on CPU, a row's bits independent of the rows
-  beside it; ``attention_cpu`` (C): ``attention``'s contract for float32 on CPU. Used whenever
+  beside it; ``attention_cpu`` (C): ``attention``'s contract for float32 on CPU;
+  ``select_cpu`` (C): an all-greedy step's choice at every fed position (masked argmax with
+  the grammar bitmask, NaN flag) in one pass over the logits. Used whenever
   they build (AVX2 + FMA and a C compiler; ``SPECBATCH_CPU_KERNELS=0`` turns them off).
 
 The engine uses a Triton kernel when ``enabled(device)``: the device is CUDA and Triton imports (or
