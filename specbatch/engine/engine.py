@@ -218,7 +218,8 @@ class Engine:
         if request.grammar is not None:
             from specbatch.engine.grammar import new_matcher
 
-            seq.matcher = new_matcher(request.grammar, self.stop_rules.stop_ids(request.sampling))
+            seq.matcher = new_matcher(request.grammar,
+                                      self.stop_rules.grammar_stop_ids(request.sampling))
         return seq
 
     def _finish(self, seq: Sequence) -> Completion:

@@ -78,8 +78,9 @@ class GrammarCompiler:
 
 
 def new_matcher(compiled, stop_ids: frozenset[int]):
-    """A fresh ``xgrammar.GrammarMatcher``; ``stop_ids`` (EOS and ``stop_token_ids``) are the
-    tokens allowed once the JSON is complete."""
+    """A fresh ``xgrammar.GrammarMatcher``; ``stop_ids`` (the EOS ids,
+    ``StopRules.grammar_stop_ids``) are the tokens allowed once the JSON is complete; without
+    any, the matcher terminates at the JSON's end (ignore_eos)."""
     xgr = _xgr()
     if stop_ids:
         return xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_ids))

@@ -141,13 +141,19 @@ def grammar_masks(seq: Sequence, drafts: list[int], vocab: int) -> torch.Tensor:
     n = len(drafts) + 1
     bitmask = xgr.allocate_token_bitmask(n, vocab)  # all bits set: every token allowed
     num_accepted = 0
+    stop_ids = matcher.stop_token_ids
     for j in range(n):
         if matcher.is_terminated():
             # finished JSON with nothing left to accept: only a stop id may follow, and
-            # xgrammar allows those in the mask of the position that finishes, not after
-            bitmask[j] = grammar.packed_tokens(matcher.stop_token_ids, vocab)
-        else:
-            matcher.fill_next_token_bitmask(bitmask, j)
+            # xgrammar allows those in the mask of the position that finishes, not after. A
+            # stop id drafted here leaves the matcher as it is (plain decoding commits it
+            # without advancing the matcher, ``commit``; with ignore_eos the row goes on), so
+            # the next position is masked the same way; any other draft is rejected here.
+            bitmask[j] = grammar.packed_tokens(stop_ids, vocab)
+            if j == n - 1 or drafts[j] not in stop_ids:
+                break
+            continue
+        matcher.fill_next_token_bitmask(bitmask, j)
         if j == n - 1 or not matcher.accept_token(drafts[j]):
             break
         num_accepted += 1
@@ -162,23 +168,24 @@ def valid_draft_prefix(seq: Sequence, draft: list[int]) -> int:
     target says (the target's masked token there cannot equal it), so feeding it and the
     tokens after it costs the step without a chance of acceptance: the engine cuts the draft
     here before the verify step (vLLM v1 does the same: ``validate_tokens`` on the draft in
-    its structured-output manager). Once the grammar is complete only a stop id fits. The
-    matcher ends where it started (``rollback``); outputs do not change."""
+    its structured-output manager). Once the grammar is complete only stop ids fit (with
+    ignore_eos the row goes on after one, so a run of them is kept). The matcher ends where it
+    started (``rollback``); outputs do not change."""
     matcher = seq.matcher
     if matcher is None or not draft:
         return len(draft)
     stop_ids = matcher.stop_token_ids
     n = advanced = 0
     for tok in draft:
-        if matcher.is_terminated():  # complete without a stop id: only one may follow
-            n += tok in stop_ids
-            break
+        if matcher.is_terminated():  # complete: only stop ids follow (grammar_masks)
+            if tok not in stop_ids:
+                break
+            n += 1
+            continue
         if not matcher.accept_token(tok):
             break
         n += 1
         advanced += 1
-        if tok in stop_ids:  # the row stops here: nothing after it is used
-            break
     if advanced:
         matcher.rollback(advanced)
     return n
@@ -207,10 +214,16 @@ def commit(seq: Sequence, new_ids: list[int]) -> None:
     matcher = seq.matcher
     if matcher is None or not new_ids:
         return
-    for tok in new_ids:
+    for i, tok in enumerate(new_ids):
         if matcher.is_terminated():
             break
         if not matcher.accept_token(tok):
             seq.finish_reason = "error"
-            seq.error = f"token {tok} does not fit the response_format grammar"
+            at = seq.num_output_tokens - len(new_ids) + i  # output tokens before ``tok``
+            if at < seq.sampling.min_tokens and matcher.is_completed():
+                seq.error = (f"min_tokens={seq.sampling.min_tokens} cannot be met: the "
+                             f"response_format JSON is complete after {at} tokens and only a "
+                             f"stop token may follow")
+            else:
+                seq.error = f"token {tok} does not fit the response_format grammar"
             return

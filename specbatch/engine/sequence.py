@@ -110,6 +110,12 @@ class StopRules:
             self._cache[key] = frozenset(ids)
         return self._cache[key]
 
+    def grammar_stop_ids(self, sp: SamplingParams) -> frozenset[int]:
+        """The ids a response_format grammar allows once its JSON is complete: the EOS ids,
+        none with ignore_eos. ``stop_token_ids`` are ordinary tokens to the grammar (allowed
+        where the JSON allows them) that stop the row where the model emits them, as in vLLM."""
+        return frozenset() if sp.ignore_eos else self.eos_ids
+
     def commit(self, seq: Sequence, new_ids: list[int]) -> int:
         """Append ``new_ids`` to ``seq`` one at a time, as if each had been decoded alone.
 

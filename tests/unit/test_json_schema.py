@@ -48,9 +48,10 @@ def setup():
 
 
 def generate(model, compiler, prompts, k, batch_size, temperature, schema=SCHEMA,
-             response_format=None):
+             response_format=None, **sampling):
     rf = response_format or {"type": "json_schema", "json_schema": {"schema": schema}}
-    sp = SamplingParams(max_tokens=80, temperature=temperature, response_format=rf)
+    sp = SamplingParams(**{"max_tokens": 80, "temperature": temperature, "response_format": rf,
+                           **sampling})
     grammar = compiler.compile(sp.json_schema)
     engine = make_engine(model, k, batch_size, eos_ids=(EOS,), detokenize=detokenize)
     requests = [Request(i, p, sp, seed=i, grammar=grammar) for i, p in enumerate(prompts)]
@@ -180,7 +181,8 @@ def test_valid_draft_prefix_cuts_at_the_first_refused_token(setup):
     assert allowed_tokens(seq.matcher, len(VOCAB)).equal(before)
     rest = encode('c", "ok": true, "kind": "aa", "n": 7}')
     assert cut(seq, rest + [EOS]) == len(rest) + 1
-    assert cut(seq, rest + [EOS] + encode(" x")) == len(rest) + 1  # nothing after a stop id
+    assert cut(seq, rest + [EOS] + encode(" x")) == len(rest) + 1  # only stop ids after one
+    assert cut(seq, rest + [EOS, EOS, EOS]) == len(rest) + 3  # (ignore_eos: the row goes on)
     assert cut(seq, rest + encode("x")) == len(rest)
     assert allowed_tokens(seq.matcher, len(VOCAB)).equal(before)
 
@@ -278,3 +280,49 @@ def test_cpu_greedy_path_equals_masked_sampling(setup, monkeypatch):
     for c in fast[0]:
         if c.finish_reason == "stop":
             jsonschema.validate(json.loads(c.text), SCHEMA)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_ignore_eos_after_the_json_is_the_same_whatever_the_drafts(setup, temperature):
+    """With ignore_eos the JSON ends and only EOS may follow, position after position: drafts
+    of EOS are accepted, and the position after one is masked as plain decoding masks it (a
+    fresh-user defect: it was left unmasked, so ngram, suffix, batch size and order changed
+    the tokens after the JSON)."""
+    model, compiler, prompts = setup
+    outs = [generate(model, compiler, prompts, k, b, temperature, ignore_eos=True)
+            for k, b in ((0, 1), (5, 8), (5, 3))]
+    for out in outs[1:]:
+        assert [c.output_ids for c in out] == [c.output_ids for c in outs[0]]
+    padded = 0
+    for c in outs[0]:
+        assert c.finish_reason == "length"
+        end = c.output_ids.index(EOS) if EOS in c.output_ids else len(c.output_ids)
+        jsonschema.validate(json.loads(detokenize(c.output_ids[:end])), SCHEMA)
+        assert set(c.output_ids[end:]) <= {EOS}
+        padded += len(c.output_ids) - end
+    assert padded > 50
+    assert total(outs[1], "num_accepted_tokens") > 0
+
+
+def test_stop_token_ids_stop_inside_the_json(setup):
+    """A stop_token_id that is an ordinary JSON token stops the row where the model emits it
+    (vLLM's meaning), not only after the JSON: the grammar's end tokens are the EOS ids."""
+    model, compiler, prompts = setup
+    comma = VOCAB.index(",")
+    outs = [generate(model, compiler, prompts, k, b, 0.0, stop_token_ids=[comma])
+            for k, b in ((0, 1), (5, 8))]
+    assert [c.output_ids for c in outs[1]] == [c.output_ids for c in outs[0]]
+    for c in outs[0]:
+        assert c.finish_reason == "stop" and c.stop_reason == comma
+        assert detokenize(c.output_ids).startswith('{"name": "') and "," not in c.text
+
+
+def test_min_tokens_past_the_json_is_a_clear_error(setup):
+    """min_tokens longer than the JSON answer cannot be met (only EOS may follow the JSON, and
+    EOS is banned until min_tokens): the record's error says so."""
+    model, compiler, prompts = setup
+    outs = generate(model, compiler, prompts[:2], 0, 1, 0.0, min_tokens=79)
+    for c in outs:
+        assert c.finish_reason == "error"
+        assert c.error.startswith("min_tokens=79 cannot be met: the response_format JSON is "
+                                  "complete after "), c.error
