@@ -5,7 +5,10 @@ Formats, chosen by the path: ``.jsonl`` (read line by line here, so errors name 
 ``.csv`` (through ``datasets``), and a folder written by ``Dataset.save_to_disk``. ``Record.line``
 is a 1-based position and ``Record.unit`` says of what: a ``line`` of JSON text (for one object
 in a .json file, the line it starts on), an ``element`` of a JSON array, or a ``row`` of a table
-(a CSV header row is not counted). Errors say ``path:N:`` for a line, ``path: element N:`` and
+(a CSV header row is not counted). A CSV file's id columns keep their text as written (only an
+empty cell is no id), read as integers when each cell is a plain integer (``_id_column``); its
+other columns, and the columns of Parquet files and folders, keep the types the reader gives
+them. Errors say ``path:N:`` for a line, ``path: element N:`` and
 ``path: row N:`` otherwise.
 
 Each line of a ``.jsonl`` file must be one JSON object: a line holding an array (or a string,
@@ -32,6 +35,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 import string
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
@@ -131,7 +135,7 @@ def read_records(path: str | os.PathLike, *, prompt_field: str | None = None,
         if prompt_field is not None:
             raise ValueError("give a prompt field or a template, not both")
     try:
-        rows = list(_rows(Path(path), split))
+        rows = list(_rows(Path(path), split, ID_FIELDS if id_field is None else (id_field,)))
     except _FileError as e:
         return [], [RecordError(p, 0, None, str(e))]
     if not rows:
@@ -360,9 +364,10 @@ class _WideInts:
     ints: dict[str, int | list]
 
 
-def _rows(path: Path, split: str | None
+def _rows(path: Path, split: str | None, id_fields: tuple[str, ...] = ID_FIELDS,
           ) -> Iterator[tuple[str, int, dict | _BadLine | _WideInts]]:
-    """(unit, position, row) of each record of ``path``; see ``Record.unit``."""
+    """(unit, position, row) of each record of ``path``; see ``Record.unit``. id_fields: the
+    columns that may hold the id, which a CSV file keeps as text (``_csv_id_options``)."""
     if not path.exists():
         raise _FileError("no such file or folder")
     if path.is_dir():
@@ -384,11 +389,55 @@ def _rows(path: Path, split: str | None
 
     load = datasets.Dataset.from_parquet if suffix == ".parquet" else datasets.Dataset.from_csv
     try:
+        options = _csv_id_options(path, id_fields) if suffix == ".csv" else {}
         with tempfile.TemporaryDirectory() as cache_dir:  # keep the user's HF cache clean
-            ds = load(str(path), cache_dir=cache_dir, keep_in_memory=True)
+            ds = load(str(path), cache_dir=cache_dir, keep_in_memory=True, **options)
     except Exception as e:  # any reader failure is bad input, reported, not a crash
         raise _FileError(f"cannot read {suffix} file: {type(e).__name__}: {e}") from e
-    yield from _dataset_rows(ds)
+    ids = options.get("converters", {})
+    yield from _dataset_rows(ds, {name: _id_column(ds[name]) for name in ids})
+
+
+def _csv_id_options(path: Path, id_fields: tuple[str, ...]) -> dict:
+    """Options of ``datasets.Dataset.from_csv`` (those of ``pandas.read_csv``) that read the id
+    columns of the CSV file ``path`` (``converters``' keys) as text, exactly as written, an
+    empty cell as "" (so a column is text in every chunk pandas reads); the other columns are
+    typed as pandas infers them, with its missing-value words ("NA", "null", ...). Left alone,
+    pandas made an id column with an empty cell float (1.0) and read "007" as 7."""
+    import pandas
+
+    names = list(pandas.read_csv(path, nrows=0).columns)  # the header, named as from_csv will
+    ids = [c for c in names if c in id_fields]
+    if not ids:
+        return {}
+    options: dict = {"converters": {c: str for c in ids}}
+    try:  # pandas' default missing-value words, kept for the other columns
+        from pandas._libs.parsers import STR_NA_VALUES
+    except ImportError:  # not where pandas kept them: its words are missing ids too
+        return options
+    return {**options, "keep_default_na": False,
+            "na_values": {c: [] if c in ids else sorted(STR_NA_VALUES) for c in names}}
+
+
+_PLAIN_INTEGER = re.compile(r"-?[1-9][0-9]*|0")
+
+
+def _id_column(cells: Iterable[str | None]) -> list[str | int | None]:
+    """The ids of a CSV id column, from its cells' text: an empty cell is None (no id). When
+    every other cell is an integer written plainly (its text is ``str(int(text))``: no '+', no
+    leading zero, no blank) and they all fit one 64-bit integer column (signed, or unsigned when
+    none is negative), they are those integers, as pandas typed such a column and as a Parquet
+    integer column reads (so the output echoes them as JSON integers, read back the same);
+    otherwise every id is its text, so "007" and "7" are two ids."""
+    values = [None if v is None or v == "" else v for v in cells]
+    written = [v for v in values if v is not None]
+    if not written or not all(_PLAIN_INTEGER.fullmatch(v) for v in written):
+        return values
+    numbers = [int(v) for v in written]
+    low, high = min(numbers), max(numbers)
+    if not (-2**63 <= low and high < 2**63 or 0 <= low and high < 2**64):
+        return values
+    return [None if v is None else int(v) for v in values]
 
 
 def _load_from_disk(path: Path, split: str | None):
@@ -411,8 +460,12 @@ def _load_from_disk(path: Path, split: str | None):
     return ds
 
 
-def _dataset_rows(ds) -> Iterator[tuple[str, int, dict]]:
+def _dataset_rows(ds, columns: dict[str, list] | None = None
+                  ) -> Iterator[tuple[str, int, dict]]:
+    """columns: name -> every row's value, in place of what ``ds`` holds (``_id_column``)."""
     for i, row in enumerate(ds):
+        for name, values in (columns or {}).items():
+            row[name] = values[i]
         yield "row", i + 1, row
 
 

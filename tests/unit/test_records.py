@@ -301,6 +301,63 @@ def test_an_empty_id_cell_of_a_table_is_no_id(tmp_path):
     assert errors == [] and [(r.id, r.id_from_line) for r in records] == [(1, False), (2, True)]
 
 
+def _read_csv(tmp_path, text: str, **kwargs):
+    path = tmp_path / "in.csv"
+    path.write_text(text)
+    return read_records(path, **kwargs)
+
+
+def test_a_csv_id_column_keeps_its_text(tmp_path):
+    """A CSV's id column was typed by inference: an empty cell made it float (every id "got
+    number 1.0", a bad record) and "007" became 7 (then a duplicate of "7"). An id column is
+    read as text: an empty cell is no id; a column of plain integers (no sign, leading zero or
+    blank, 64 bits) is read as integers, as a Parquet integer column and the JSON ids they are
+    written as in the output; any other column keeps its text as written."""
+    pytest.importorskip("datasets")
+    records, errors = _read_csv(tmp_path, "id,prompt\n1,hello\n,world\n3,again\n")
+    assert errors == []
+    assert [(r.id, r.id_from_line, r.fields["id"]) for r in records] == [
+        (1, False, 1), (2, True, None), (3, False, 3)]
+    records, errors = _read_csv(tmp_path, "id,prompt\n007,hello\n7,world\n")
+    assert errors == [] and [r.id for r in records] == ["007", "7"]
+    assert [r.fields["id"] for r in records] == ["007", "7"]
+    # only an empty cell is no id: pandas' other missing-value words are ids as written
+    records, errors = _read_csv(tmp_path, "id,prompt\nNA,a\nnull,b\n,c\nNone,d\n-0,e\n")
+    assert errors == [] and [r.id for r in records] == ["NA", "null", 3, "None", "-0"]
+    records, errors = _read_csv(tmp_path, "id,prompt\n-5,a\n+6,b\n")
+    assert errors == [] and [r.id for r in records] == ["-5", "+6"]
+    records, errors = _read_csv(tmp_path, "id,prompt\n-5,a\n6,b\n1.0,c\n")
+    assert errors == [] and [r.id for r in records] == ["-5", "6", "1.0"]
+    records, errors = _read_csv(tmp_path, f"id,prompt\n-5,a\n{2**63},b\n")
+    assert errors == [] and [r.id for r in records] == ["-5", str(2**63)]
+    records, errors = _read_csv(tmp_path, f"id,prompt\n5,a\n{2**64 - 1},b\n")
+    assert errors == [] and [r.id for r in records] == [5, 2**64 - 1]
+    # the question_id fallback and --id-field columns alike; other columns are typed as before
+    records, errors = _read_csv(tmp_path, "question_id,prompt,n\n01,a,1\n,b,2\n")
+    assert errors == [] and [r.id for r in records] == ["01", 2]
+    assert [r.fields["n"] for r in records] == [1, 2]
+    records, errors = _read_csv(tmp_path, "key,id,prompt\n0042,5,a\n,5.5,b\n", id_field="key")
+    assert [r.id for r in records] == ["0042"] and [e.reason for e in errors] == [
+        "missing id field 'key'"]
+    assert records[0].fields["id"] == 5.0  # not the id column: inferred, as before
+    records, errors = _read_csv(tmp_path, "id,prompt\n,a\n,b\n")
+    assert errors == [] and [(r.id, r.fields["id"]) for r in records] == [(1, None), (2, None)]
+
+
+def test_a_csv_id_column_keeps_one_type_over_reader_chunks(tmp_path):
+    """pandas reads a CSV in chunks of 10,000 rows: a chunk of empty ids must not change the
+    column's type."""
+    pytest.importorskip("datasets")
+    n = 10_001
+    text = "id,prompt\n" + "".join(f"{i:03d},p\n" for i in range(5)) + ",p\n" * (n - 5)
+    records, errors = _read_csv(tmp_path, text)
+    assert errors == [] and len(records) == n
+    assert [r.id for r in records[:6]] == ["000", "001", "002", "003", "004", 6]
+    text = "id,prompt\n" + ",p\n" * (n - 1) + "x,p\n"
+    records, errors = _read_csv(tmp_path, text)
+    assert errors == [] and records[-1].id == "x" and records[0].id == 1
+
+
 def test_missing_file(tmp_path):
     records, errors = read_records(tmp_path / "nope.jsonl")
     assert records == [] and errors[0].reason == "no such file or folder"
