@@ -22,7 +22,10 @@ format, unreadable dataset, no records) is one ``RecordError`` with ``line == 0`
 A field whose value is null counts as absent (columnar formats fill missing cells with null),
 for the prompt, the id and the sampling fields alike; except that an id written as null in JSON
 (``"id": null``) is a bad record, as other ids that are neither a string nor an integer: the
-record would be known by its line number while its output says ``"id": null``.
+record would be known by its line number while its output says ``"id": null``. A record of a
+specbatch output (``is_output``) is the exception: it echoes a table row's empty id cell as
+null, so an output read back (``analyze``, ``predict-eval``, the input of another job) takes it
+for no id.
 
 A ``template`` (``--template`` or a recipe's ``input.template``) builds the prompt from record
 fields instead: ``"{instruction}\n\n{code}"`` becomes the user message of a one-message chat,
@@ -50,6 +53,8 @@ from specbatch.io.openai_batch import to_record as openai_batch_record
 
 PROMPT_FIELDS = ("prompt", "messages", "turns")
 ID_FIELDS = ("id", "question_id")
+# fields `specbatch run` adds to every record of its output (docs/output.md)
+OUTPUT_FIELDS = ("output", "output_token_ids", "finish_reason", "usage", "spec")
 ROLES = ("system", "user", "assistant")
 FORMATS = (".jsonl", ".json", ".parquet", ".csv")
 _BOM = b"\xef\xbb\xbf"
@@ -124,8 +129,8 @@ def read_records(path: str | os.PathLike, *, prompt_field: str | None = None,
     ``openai-batch`` reads every line as an OpenAI batch request (``io.openai_batch``; the
     record's ``fields`` keep the request as read), ``records`` never does, ``auto`` does for
     lines with ``custom_id`` and ``body``. null_ids: take an id written as null in JSON for no
-    id, as a table's empty cell always is (to read back an output, which echoes a table's
-    nulls), instead of refusing it.
+    id, as a table's empty cell always is, instead of refusing it; a record of a specbatch
+    output (``is_output``), which echoes a table's nulls, is always read so.
     Raises ``ValueError`` only for a bad call: a malformed template, or both template and
     prompt_field.
     """
@@ -189,7 +194,7 @@ def _validate(p: str, rows: list, prompt_field: str | None, id_field: str | None
                                                   and is_batch_request(row)):
                 rec_id = row.get("custom_id")
                 row = openai_batch_record(row)  # ValueError names unsupported body fields
-            rec_id = _record_id(row, id_field, line, wide, null_ids)
+            rec_id = _record_id(row, id_field, line, wide, null_ids or is_output(row))
             seen = (line, rec_id, id_field is None and all(row.get(k) is None for k in ID_FIELDS))
             key = str(rec_id)
             if key in first_line:
@@ -208,6 +213,13 @@ def _validate(p: str, rows: list, prompt_field: str | None, id_field: str | None
         records.append(Record(len(records), line, rec_id, source, prompt, messages, turns,
                               sampling, id_from_line=seen[2], unit=unit))
     return records, errors
+
+
+def is_output(row: dict) -> bool:
+    """Whether ``row`` is a record of a specbatch output (it has every ``OUTPUT_FIELDS``): its
+    other fields echo an input record, so an id field holding null is a table's empty cell,
+    no id, not a null the user wrote."""
+    return all(k in row for k in OUTPUT_FIELDS)
 
 
 def order_warning(records: Iterable[Record]) -> str | None:
@@ -828,5 +840,5 @@ def _kind(value) -> str:
 
 
 __all__ = ["Record", "RecordError", "read_records", "check_lengths", "template_fields",
-           "order_warning", "unsupported_fields",
-           "PROMPT_FIELDS", "ID_FIELDS"]
+           "order_warning", "unsupported_fields", "is_output",
+           "PROMPT_FIELDS", "ID_FIELDS", "OUTPUT_FIELDS"]

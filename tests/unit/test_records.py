@@ -358,6 +358,52 @@ def test_a_csv_id_column_keeps_one_type_over_reader_chunks(tmp_path):
     assert errors == [] and records[-1].id == "x" and records[0].id == 1
 
 
+def test_an_output_of_a_table_job_with_missing_ids_reads_back(tmp_path):
+    """A table row with no id (an empty cell) is echoed as ``"id": null`` in the output. Reading
+    that output back works: a resume gives the bytes of an uninterrupted run, ``analyze``
+    reads every record, and the output read as records (``predict-eval``, or as the input of
+    another job) takes the null for no id, since a specbatch output only echoes a table's
+    empty cell: it was a bad record (``"id" is null``). A null id written by hand is still
+    one."""
+    import json
+
+    from click.testing import CliRunner
+
+    from specbatch.analyze.load import load_run
+    from specbatch.cli import main
+    from tests.unit.test_loader import write_tiny_gguf
+
+    model = tmp_path / "m.gguf"
+    write_tiny_gguf(model)
+    src = tmp_path / "in.csv"
+    src.write_text("id,prompt\n007,hello\n,world\n7,again\n")
+    out = tmp_path / "out.jsonl"
+    args = ["run", str(src), "-o", str(out), "--model", str(model), "--cache-dir",
+            str(tmp_path / "c"), "--method", "ngram", "--max-tokens", "4", "--no-progress"]
+    first = CliRunner().invoke(main, args)
+    assert first.exit_code == 0, first.output
+    whole = out.read_bytes()
+    lines = whole.decode().splitlines()
+    assert [json.loads(line)["id"] for line in lines] == ["007", None, "7"]
+    out.unlink()  # as if killed after the first two records
+    (tmp_path / "out.jsonl.work.jsonl").write_text("".join(
+        json.dumps({"index": i, "record": json.loads(lines[i])}) + "\n" for i in (1, 0)))
+    resumed = CliRunner().invoke(main, args)
+    assert resumed.exit_code == 0, resumed.output
+    assert "resuming: 2 of 3 records" in resumed.output and out.read_bytes() == whole
+
+    run = load_run(out)
+    assert run.problems == [] and [r.id for r in run.records] == ["007", 2, "7"]
+    records, errors = read_records(out)
+    assert errors == [] and [(r.id, r.id_from_line) for r in records] == [
+        ("007", False), (2, True), ("7", False)]
+    assert records[1].fields["id"] is None  # echoed again as it was
+    path = _write_jsonl(tmp_path / "hand.jsonl", [{"id": None, "prompt": "a", "output": "x"}])
+    _, errors = read_records(path)
+    assert [e.reason for e in errors] == [
+        '"id" is null; give a string or integer id, or leave the field out']
+
+
 def test_missing_file(tmp_path):
     records, errors = read_records(tmp_path / "nope.jsonl")
     assert records == [] and errors[0].reason == "no such file or folder"
