@@ -160,7 +160,9 @@ def run_bench(opts: BenchOptions) -> int:
                     stats[label, cat].merge(SpecStats.from_dict(out["spec"]))
                 click.echo(f"  {cat:<14} {label:<22} {tokens[label, cat] / seconds[label, cat]:7.1f}"
                            f" tok/s (round {rnd + 1})", err=True)
-    click.echo(format_table(labels, {c: len(r) for c, r in groups.items()}, seconds, tokens, stats, opts))
+    sizes = {c: len(r) for c, r in groups.items()}
+    click.echo(format_table(labels, sizes, seconds, tokens, stats, opts,
+                            model=llm.model_id.split("@sha256:")[0]))  # the name, not the digest
     base = baseline(labels)
     for label in (lb for lb in labels if lb != base):
         diff = [i for i in outputs[base] if outputs[label].get(i) != outputs[base][i]]
@@ -175,12 +177,18 @@ def replace_sampling(record, **changes):
     return replace(record, sampling=replace(record.sampling, **changes))
 
 
-def format_table(labels, sizes: dict[str, int], seconds, tokens, stats, opts) -> str:
+def format_table(labels, sizes: dict[str, int], seconds, tokens, stats, opts,
+                 model: str | None = None) -> str:
     """Markdown table: per category, per ``opts.groups`` group and overall, tok/s (the group's
     tokens over its seconds) and ratio to the baseline (``none``, else the first config; see
     ``baseline``), and the mean acceptance length of each drafting config. A group's categories
     absent from the run are left out of it. The line above it names the settings (``prefix
-    caching off`` with ``--no-prefix-caching``)."""
+    caching off`` with ``--no-prefix-caching``). model: the model that ran (its registry name
+    or path, without the weights' digest); default: ``opts.model``, else the default model."""
+    if model is None:
+        from specbatch.models.registry import DEFAULT_MODEL
+
+        model = opts.model or DEFAULT_MODEL
     cats = list(sizes)
     base = baseline(labels)
     others = [lb for lb in labels if lb != base]
@@ -211,7 +219,7 @@ def format_table(labels, sizes: dict[str, int], seconds, tokens, stats, opts) ->
         rows.append(row)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
-    cfg = (f"model {opts.model or 'default'}, dtype {opts.engine.dtype}, max_batch_size "
+    cfg = (f"model {model}, dtype {opts.engine.dtype}, max_batch_size "
            f"{opts.engine.max_batch_size}"
            + ("" if opts.engine.prefix_caching else ", prefix caching off")
            + f", max_tokens {opts.sampling.max_tokens}, T "

@@ -82,6 +82,26 @@ def test_bad_records_stop_bench_without_suggesting_run_flags(tmp_path):
     assert "--on-error" not in result.output
 
 
+def test_header_names_the_model_that_ran_when_model_is_not_given(tmp_path, monkeypatch):
+    """Without --model the settings line said ``model default``: it names the model loaded."""
+    from click.testing import CliRunner
+
+    from specbatch.cli import main
+    from specbatch.models import registry
+    from tests.unit.test_loader import write_tiny_gguf
+
+    model = tmp_path / "m.gguf"
+    write_tiny_gguf(model)
+    monkeypatch.setattr(registry, "DEFAULT_MODEL", str(model))  # what LLM loads without --model
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": 1, "prompt": "hello hello hello"}\n')
+    result = CliRunner().invoke(main, ["bench", str(src), "--configs", "none,ngram:k=3",
+                                       "--max-tokens", "4", "--cache-dir", str(tmp_path / "c")])
+    assert result.exit_code == 0, result.output
+    settings = next(line for line in result.stdout.splitlines() if line.startswith("model "))
+    assert settings.startswith(f"model {model}, dtype float32, "), settings
+
+
 def _table(labels, tps, prefix_caching=True):
     """A one-category table where config ``lb`` ran 100 tokens at ``tps[lb]`` tok/s."""
     seconds = {(lb, "a"): 100 / tps[lb] for lb in labels}
@@ -117,8 +137,8 @@ def test_header_says_when_prefix_caching_is_off():
     on = _table(["none", "ngram:k=5"], tps).splitlines()[0]
     off = _table(["none", "ngram:k=5"], tps, prefix_caching=False).splitlines()[0]
     assert "prefix caching" not in on, on
-    assert off.startswith("model default, dtype bfloat16, max_batch_size 16, prefix caching off, "
-                          "max_tokens 128,"), off
+    assert off.startswith("model smollm2-135m, dtype bfloat16, max_batch_size 16, prefix "
+                          "caching off, max_tokens 128,"), off
 
 
 def test_configs_given_twice_are_refused():
