@@ -7,8 +7,9 @@ is a 1-based position and ``Record.unit`` says of what: a ``line`` of JSON text 
 in a .json file, the line it starts on), an ``element`` of a JSON array, or a ``row`` of a table
 (a CSV header row is not counted). A CSV file's id columns keep their text as written (only an
 empty cell is no id), read as integers when each cell is a plain integer (``_id_column``); its
-other columns, and the columns of Parquet files and folders, keep the types the reader gives
-them. Errors say ``path:N:`` for a line, ``path: element N:`` and
+integer sampling columns (``INT_SAMPLING_FIELDS``) are read cell by cell, an empty cell absent
+(``_int_column``); its other columns, and the columns of Parquet files and folders, keep the
+types the reader gives them. Errors say ``path:N:`` for a line, ``path: element N:`` and
 ``path: row N:`` otherwise.
 
 Each line of a ``.jsonl`` file must be one JSON object: a line holding an array (or a string,
@@ -406,29 +407,63 @@ def _rows(path: Path, split: str | None, id_fields: tuple[str, ...] = ID_FIELDS,
             ds = load(str(path), cache_dir=cache_dir, keep_in_memory=True, **options)
     except Exception as e:  # any reader failure is bad input, reported, not a crash
         raise _FileError(f"cannot read {suffix} file: {type(e).__name__}: {e}") from e
-    ids = options.get("converters", {})
-    yield from _dataset_rows(ds, {name: _id_column(ds[name]) for name in ids})
+    text = options.get("converters", {})
+    yield from _dataset_rows(ds, {name: _id_column(ds[name]) if name in id_fields
+                                  else _int_column(ds[name]) for name in text})
 
 
 def _csv_id_options(path: Path, id_fields: tuple[str, ...]) -> dict:
     """Options of ``datasets.Dataset.from_csv`` (those of ``pandas.read_csv``) that read the id
-    columns of the CSV file ``path`` (``converters``' keys) as text, exactly as written, an
-    empty cell as "" (so a column is text in every chunk pandas reads); the other columns are
-    typed as pandas infers them, with its missing-value words ("NA", "null", ...). Left alone,
-    pandas made an id column with an empty cell float (1.0) and read "007" as 7."""
+    columns and the integer sampling columns (``INT_SAMPLING_FIELDS``) of the CSV file ``path``
+    (``converters``' keys) as text, exactly as written, an empty cell as "" (so a column is
+    text in every chunk pandas reads); the other columns are typed as pandas infers them, with
+    its missing-value words ("NA", "null", ...). Left alone, pandas made an id column with an
+    empty cell float (1.0) and read "007" as 7, and made an integer sampling column with an
+    empty cell float (``max_tokens=5.0: expected an integer``)."""
     import pandas
 
     names = list(pandas.read_csv(path, nrows=0).columns)  # the header, named as from_csv will
     ids = [c for c in names if c in id_fields]
-    if not ids:
+    ints = [c for c in names if c in INT_SAMPLING_FIELDS and c not in ids]
+    if not ids and not ints:
         return {}
-    options: dict = {"converters": {c: str for c in ids}}
+    options: dict = {"converters": {c: str for c in ids + ints}}
     try:  # pandas' default missing-value words, kept for the other columns
         from pandas._libs.parsers import STR_NA_VALUES
     except ImportError:  # not where pandas kept them: its words are missing ids too
         return options
     return {**options, "keep_default_na": False,
-            "na_values": {c: [] if c in ids else sorted(STR_NA_VALUES) for c in names}}
+            "na_values": {c: [] if c in ids or c in ints else sorted(STR_NA_VALUES)
+                          for c in names}}
+
+
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+_DECIMAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
+def _int_column(cells: Iterable[str | None]) -> list[int | float | str | None]:
+    """The values of a CSV integer sampling column (``max_tokens``, ``seed``...), from its
+    cells' text, each on its own (pandas typed the whole column by inference, so one empty cell
+    made every value float): an empty cell or one of pandas' missing-value words ("NA",
+    "null"...) is None (the field is absent: the job's default), an integer is that int (exact,
+    however large: the range is checked with the field), another number is a float and any
+    other text stays text, both refused as not integers by the field's check."""
+    try:
+        from pandas._libs.parsers import STR_NA_VALUES
+    except ImportError:
+        STR_NA_VALUES = set()
+    values: list[int | float | str | None] = []
+    for cell in cells:
+        text = None if cell is None else cell.strip()
+        if text is None or text == "" or cell in STR_NA_VALUES or text in STR_NA_VALUES:
+            values.append(None)
+        elif _INTEGER.fullmatch(text):
+            values.append(int(text))
+        elif _DECIMAL.fullmatch(text):
+            values.append(float(text))
+        else:
+            values.append(cell)
+    return values
 
 
 _PLAIN_INTEGER = re.compile(r"-?[1-9][0-9]*|0")

@@ -358,6 +358,39 @@ def test_a_csv_id_column_keeps_one_type_over_reader_chunks(tmp_path):
     assert errors == [] and records[-1].id == "x" and records[0].id == 1
 
 
+def test_a_csv_integer_sampling_column_with_an_empty_cell_stays_integer(tmp_path):
+    """pandas typed a CSV's sampling columns by inference: an empty cell made an integer column
+    float, so ``max_tokens`` 5 became 5.0, a bad record (``max_tokens=5.0: expected an
+    integer``). Each integer field's cell is read on its own: an empty cell (or a missing-value
+    word) is the field absent (the job default), ``5`` is 5; a float field stays float."""
+    pytest.importorskip("datasets")
+    text = ("prompt,max_tokens,seed,top_k,n,min_tokens,logprobs,temperature\n"
+            "a,5,,3,,2,,0.5\n"
+            f"b,,{2**63 + 1},,2,,1,\n"
+            "c,NA,7,null,1,,,1\n")
+    defaults = SamplingParams(max_tokens=9, top_k=4)
+    records, errors = _read_csv(tmp_path, text, defaults=defaults)
+    assert errors == []
+    got = [(s.max_tokens, s.seed, s.top_k, s.n, s.min_tokens, s.logprobs, s.temperature)
+           for s in (r.sampling for r in records)]
+    assert got == [(5, None, 3, 1, 2, None, 0.5), (9, 2**63 + 1, 4, 2, 0, 1, 0.0),
+                   (9, 7, 4, 1, 0, None, 1.0)]
+    assert all(type(v) is int for v in got[1][:5] if v is not None)
+    assert records[0].fields["max_tokens"] == 5 and records[1].fields["max_tokens"] is None
+    assert type(records[0].fields["max_tokens"]) is int
+    # a cell that is not an integer is still a bad record, shown as written
+    records, errors = _read_csv(tmp_path, "prompt,max_tokens\na,5\nb,\nc,5.5\nd,many\n")
+    assert [r.sampling.max_tokens for r in records] == [5, 128]
+    assert [(e.line, e.reason) for e in errors] == [
+        (3, "invalid sampling field: max_tokens=5.5: expected an integer >= 1"),
+        (4, 'invalid sampling field: max_tokens="many": expected an integer >= 1')]
+    # a reader chunk (10,000 rows) of empty cells does not change the column's type
+    n = 10_001
+    records, errors = _read_csv(tmp_path, "prompt,seed\n" + "p,\n" * (n - 1) + "p,3\n")
+    assert errors == [] and len(records) == n
+    assert records[0].sampling.seed is None and records[-1].sampling.seed == 3
+
+
 def test_an_output_of_a_table_job_with_missing_ids_reads_back(tmp_path):
     """A table row with no id (an empty cell) is echoed as ``"id": null`` in the output. Reading
     that output back works: a resume gives the bytes of an uninterrupted run, ``analyze``
