@@ -421,9 +421,31 @@ def _diff(a: dict, b: dict, prefix: str = "") -> list[str]:
 
 
 def _to_parquet(rows: list[dict], f) -> None:
+    """Write ``rows`` as a Parquet table: one column per field of any row, in the order fields
+    first appear (a row without one holds null: ``Dataset.from_list`` took only the first
+    row's fields). A column whose values share no Arrow type (ids ``1`` and ``"a"``, a
+    ``stop_reason`` that is an id in one row and a stop string in another, a string ``output``
+    beside an ``n`` > 1 list) is written as text: a string as it is, any other value as its
+    JSON (docs/output.md); pyarrow refused such a column at the end of the run."""
     import datasets  # slow import; only parquet output needs it
+    import pyarrow
 
-    datasets.Dataset.from_list(rows).to_parquet(f)
+    columns = {}
+    for name in dict.fromkeys(k for row in rows for k in row):
+        values = [row.get(name) for row in rows]
+        try:
+            pyarrow.array(values)
+        except (pyarrow.ArrowInvalid, pyarrow.ArrowTypeError, TypeError, OverflowError):
+            values = [_as_text(v) for v in values]
+        columns[name] = values
+    datasets.Dataset.from_dict(columns).to_parquet(f)
+
+
+def _as_text(value) -> str | None:
+    """A value of a mixed Parquet column: a string as it is, null as null, else its JSON."""
+    if value is None or isinstance(value, str):
+        return value
+    return orjson.dumps(value, option=JSON_OPTIONS).decode()
 
 
 def _beside(path: Path, suffix: str) -> Path:

@@ -261,6 +261,30 @@ def test_parquet_round_trip(tmp_path):
     assert rows == [_out(i) for i in range(N)]
 
 
+def test_parquet_output_with_mixed_column_types(tmp_path):
+    """pyarrow refused a column whose values share no type (ids 1 and "a" from a JSONL input,
+    a stop_reason that is an EOS id in one row and a stop string in another) with ArrowInvalid
+    when OUT.parquet was written, at the end of the run. Such a column is written as text (a
+    string as it is, another value as its JSON); a field only some rows have is kept (null in
+    the others), where ``Dataset.from_list`` took the first row's fields only."""
+    datasets = pytest.importorskip("datasets")
+    out = tmp_path / "out.parquet"
+    rows = [{**_out(0), "id": 1, "stop_reason": 2, "meta": {"k": 1}},
+            {**_out(1), "id": "a", "stop_reason": "###", "meta": [1, 2]},
+            {**_out(2), "id": None, "stop_reason": None, "error": "NaN logits"}]
+    w = OutputWriter(out, CONFIG, resume=False, force=False, num_records=3)
+    for i, row in enumerate(rows):
+        w.write(i, row)
+    assert w.finish() == 3
+    assert not w.work_path.exists()
+    back = list(datasets.Dataset.from_parquet(str(out), cache_dir=str(tmp_path / "cache")))
+    assert [r["id"] for r in back] == ["1", "a", None]
+    assert [r["stop_reason"] for r in back] == ["2", "###", None]
+    assert [r["meta"] for r in back] == ['{"k":1}', "[1,2]", None]
+    assert [r["error"] for r in back] == [None, None, "NaN logits"]
+    assert [(r["text"], r["stats"]) for r in back] == [(o["text"], o["stats"]) for o in rows]
+
+
 def test_errors_file(tmp_path):
     w = OutputWriter(tmp_path / "out.jsonl", CONFIG, resume=False, force=False, num_records=1)
     w.write_errors([RecordError("in.jsonl", 3, 7, "prompt is empty"),
