@@ -152,8 +152,9 @@ class Engine:
         """
         want_logprobs = any(s.sampling.logprobs is not None for s in seqs)
         bitmask = logits_processing.step_bitmask(seqs, drafts, logits.shape[-1])
+        bias_or_penalties = logits_processing.needs_bias_or_penalties(seqs)
         greedy = None
-        if not want_logprobs and not logits_processing.needs_bias_or_penalties(seqs):
+        if not want_logprobs and not bias_or_penalties:
             greedy = greedy_accept(logits, meta, bitmask)  # all-greedy on the CPU: one pass
         if greedy is not None:
             target, num_accepted, has_nan = greedy
@@ -161,7 +162,7 @@ class Engine:
         else:
             # grammar masks, logit_bias, penalties (engine.logits), when any row has them
             process = None
-            if bitmask is not None or logits_processing.needs_bias_or_penalties(seqs):
+            if bitmask is not None or bias_or_penalties:
                 def process(flat):
                     return logits_processing.process_logits(flat, seqs, drafts, bitmask)
             target, num_accepted, scaled = sample_and_accept(logits, meta, process,

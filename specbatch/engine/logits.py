@@ -32,11 +32,6 @@ import torch
 from specbatch.engine.sequence import Sequence
 
 
-def needs_processing(seqs: list[Sequence]) -> bool:
-    """Whether any row has a grammar, a ``logit_bias`` or a penalty (else logits pass as is)."""
-    return any(s.matcher is not None for s in seqs) or needs_bias_or_penalties(seqs)
-
-
 def needs_bias_or_penalties(seqs: list[Sequence]) -> bool:
     """Whether any row has a ``logit_bias`` or a penalty (processing beyond grammar masks)."""
     return any(s.sampling.logit_bias or s.sampling.has_penalties for s in seqs)

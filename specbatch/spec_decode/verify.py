@@ -76,11 +76,17 @@ def sample_and_accept(logits: torch.Tensor, meta, process=None, want_scaled: boo
     ids, scaled = sampler.sample(flat, sm.temperature, sm.top_k, sm.top_p, sm.seeds,
                                  sm.output_positions, banned,
                                  sm.min_p if sm.any_min_p else None, want_scaled)
-    target = torch.full((bsz * qlen,), -1, dtype=torch.int64, device=logits.device)
-    target[meta.token_index] = ids
-    target = target.view(bsz, qlen)
+    target = _target_grid(ids, meta, bsz, qlen)
     return (target, count_accepted(target, meta.draft_ids, meta.num_draft),
             scaled if want_scaled else None)
+
+
+def _target_grid(ids: torch.Tensor, meta, bsz: int, qlen: int) -> torch.Tensor:
+    """``[B, Q]`` int64: the chosen ids ``[T]`` at their fed slots (``meta.token_index``), -1
+    in the padded ones."""
+    target = torch.full((bsz * qlen,), -1, dtype=torch.int64, device=ids.device)
+    target[meta.token_index] = ids
+    return target.view(bsz, qlen)
 
 
 def greedy_accept(logits: torch.Tensor, meta, bitmask: torch.Tensor | None = None,
@@ -93,11 +99,11 @@ def greedy_accept(logits: torch.Tensor, meta, bitmask: torch.Tensor | None = Non
     logits: ``[B, Q, V]`` float32 on the CPU; meta: the step's ``StepMetadata``.
     Returns (target ids ``[B, Q]`` int64, padded slots -1; accepted draft tokens ``[B]``
     int64; has_nan ``[B]`` bool), or None where it does not apply: another device or dtype, a
-    row sampling at T > 0, a banned token (``min_tokens``), min_p, or no C kernels.
+    row sampling at T > 0, a banned token (``min_tokens``), or no C kernels.
     """
     sm = meta.sampling
     if (logits.device.type != "cpu" or logits.dtype != torch.float32 or not sm.all_greedy
-            or sm.num_banned or sm.any_min_p):
+            or sm.num_banned):  # (min_p leaves a greedy row's argmax as it is: sampler.sample)
         return None
     try:
         from kernels import select_cpu
@@ -108,9 +114,7 @@ def greedy_accept(logits: torch.Tensor, meta, bitmask: torch.Tensor | None = Non
     bsz, qlen, vocab = logits.shape
     ids, nan = select_cpu.greedy_select(logits.reshape(bsz * qlen, vocab), meta.token_index,
                                         bitmask)
-    target = torch.full((bsz * qlen,), -1, dtype=torch.int64)
-    target[meta.token_index] = ids
-    target = target.view(bsz, qlen)
+    target = _target_grid(ids, meta, bsz, qlen)
     has_nan = torch.zeros(bsz, dtype=torch.bool)
     has_nan[meta.token_index[nan] // qlen] = True
     return target, count_accepted(target, meta.draft_ids, meta.num_draft), has_nan
