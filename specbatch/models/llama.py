@@ -540,6 +540,13 @@ class LlamaForward:
         return self._cpu_logits(h[:num_tokens], bsz, qlen, real, logits_index)
 
     @property
+    def packed_attention(self) -> bool:
+        """Whether a packed verify step (``forward`` with ``num_fed``) runs attention on its real
+        tokens only (the CPU C attention: each token reads its own row), so a step's attention
+        costs by its tokens, not by its rows padded to the longest (``CostModel.packed``)."""
+        return self.cpu_attention is not None and not self.use_kernels
+
+    @property
     def min_dense_rows(self) -> int:
         """Rows a dense matmul is padded to: 1 on the C kernel (row-invariant from one row),
         else 2 (oneDNN and bfloat16 round a one-row matmul differently; models/dense.py)."""

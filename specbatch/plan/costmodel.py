@@ -7,7 +7,12 @@ sweeps (fastest of each shape), and fits
     step_time(rows, q, ctx) = c0 + dense(rows * q) + c2 * rows * ctx + c3 * rows * q * ctx
 
 by non-negative least squares: weight matmuls grow with the tokens in the batch (t = rows * q),
-attention with the keys read (rows * ctx) and scored (rows * q * ctx). ``dense`` is piecewise
+attention with the keys read (rows * ctx) and scored (rows * q * ctx). Where the forward packs
+a verify step whose rows feed different lengths (``CostModel.packed``: the CPU C attention, each
+real token reads its own row), the last term counts the real tokens, ``c3 * t * ctx``, not
+every row padded to the longest: with one row drafting 15 tokens and fifteen drafting 2, the
+padded term priced a batch-16 step of the extraction job at 49 ms where it took 37 (session 15),
+and ``auto`` cut long drafts that paid. ``dense`` is piecewise
 linear in t, one slope per segment between ``TOKEN_KNOTS`` (4, 8, 16, 32, 64 tokens): the
 matmul kernels fill their tiles as tokens grow, so a token costs more at 16 -> 32 tokens than
 at 64 -> 144 (SmolLM2-135M int8, 16 rows at 256 keys: q 1 -> 2 cost 1.4 ms a token, q 6 -> 9
@@ -59,7 +64,9 @@ NOISY_REJECTED_SHARE = 0.2  # more timings than this share left out: too noisy t
 # ~0.29 ms at batch 1), two VPDPBUSD chains at few rows, thread blocks that split evenly
 # (session 12); 11 = the weights prefetched ahead of each pass (int8 b1 verify of 11 tokens 15.0
 # -> 12.4 ms), AVX-512 attention with two tokens a pass, prefix caching (session 13).
-ENGINE_REVISION = 11
+# 12 = the calibration records whether attention runs on the real tokens of a packed step
+# (``CostModel.packed``; session 15).
+ENGINE_REVISION = 12
 
 
 def engine_fingerprint() -> str:
@@ -102,6 +109,9 @@ class CostModel:
     load_average: float | None = None  # the 1-minute load average while measuring
     engine: str = ""  # engine_fingerprint() when measured ("" in files older than it)
     knots: tuple[int, ...] = ()  # token counts where the dense slope changes (TOKEN_KNOTS)
+    # attention runs on the real tokens of a packed step (c3 per real token x key), not on
+    # every row padded to the longest (``LlamaForward.packed_attention``)
+    packed: bool = False
 
     def __post_init__(self) -> None:
         if len(self.coef) != 4 + len(self.knots):
@@ -133,14 +143,16 @@ class CostModel:
         when rows feed different lengths and the dense layers run packed (``runner.verify``);
         default ``num_rows * query_len``. Attention always costs the padded shape."""
         t = num_rows * query_len if num_tokens is None else num_tokens
-        x = _features(num_rows, query_len, context_len, t, self.knots)
+        x = _features(num_rows, query_len, context_len, t, self.knots, self.packed)
         return max(sum(c * f for c, f in zip(self.coef, x)), 1e-6)
 
-    def token_cost(self, num_tokens: int = 0) -> float:
+    def token_cost(self, num_tokens: int = 0, context_len: int = 0) -> float:
         """Seconds one more packed token adds to a step of ``num_tokens`` tokens (the dense
-        layers' slope there), >= 0."""
+        layers' slope there; where attention is ``packed``, plus scoring ``context_len`` keys),
+        >= 0. A row that is not the longest adds no attention where it is padded."""
         segment = sum(1 for k in self.knots if num_tokens >= k)
-        return max(self.coef[1] if segment == 0 else self.coef[3 + segment], 0.0)
+        slope = max(self.coef[1] if segment == 0 else self.coef[3 + segment], 0.0)
+        return slope + (self.coef[3] * context_len if self.packed else 0.0)
 
     def describe(self) -> str:
         """The fit in words: per-step, per-token (per segment), attention terms."""
@@ -150,7 +162,8 @@ class CostModel:
         dense = ", ".join(f"{s * 1e3:.3f}" + (f" ({lo}-{hi})" if self.knots else "")
                           for s, lo, hi in zip(slopes, edges, (*self.knots, "")))
         return (f"{c0 * 1e3:.2f} ms + ms per token {dense} + {c2 * 1e6:.3f} us per row x "
-                f"context + {c3 * 1e9:.3f} ns per token x context")
+                f"context + {c3 * 1e9:.3f} ns per " + ("real" if self.packed else "padded")
+                + " token x context")
 
     def speedup(self, num_rows: int, k: int, context_len: int, tokens_per_step: float) -> float:
         """Throughput with k drafts per row relative to plain decoding (k = 0)."""
@@ -190,7 +203,7 @@ class OnlineCost:
 
     def _add(self, rows: int, q: int, ctx: int, tokens: int, seconds: float,
              weight: float = 1.0) -> None:
-        x = torch.tensor(_features(rows, q, ctx, tokens, self.model.knots),
+        x = torch.tensor(_features(rows, q, ctx, tokens, self.model.knots, self.model.packed),
                          dtype=torch.float64) / seconds
         self._a += weight * torch.outer(x, x)
         self._b += weight * x  # target: seconds / seconds = 1
@@ -211,8 +224,8 @@ class OnlineCost:
                   num_tokens: int | None = None) -> float:
         return self.model.step_time(num_rows, query_len, context_len, num_tokens)
 
-    def token_cost(self, num_tokens: int = 0) -> float:
-        return self.model.token_cost(num_tokens)
+    def token_cost(self, num_tokens: int = 0, context_len: int = 0) -> float:
+        return self.model.token_cost(num_tokens, context_len)
 
 
 def load(path: str | os.PathLike) -> CostModel:
@@ -227,19 +240,22 @@ def load(path: str | os.PathLike) -> CostModel:
                          rejected=tuple(tuple(s) for s in d.get("rejected", ())),
                          median_residual=float(d.get("median_residual", 0.0)),
                          load_average=d.get("load_average"), engine=d.get("engine", ""),
-                         knots=tuple(int(k) for k in d.get("knots", ())))
+                         knots=tuple(int(k) for k in d.get("knots", ())),
+                         packed=bool(d.get("packed", False)))
     except (OSError, KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: not a specbatch calibration file ({e})") from None
 
 
 def _features(rows: int, q: int, ctx: int, tokens: int | None = None,
-              knots: tuple[int, ...] = ()) -> list[float]:
+              knots: tuple[int, ...] = (), packed: bool = False) -> list[float]:
     """The regressors of ``CostModel.coef``: 1, the tokens in the first dense segment, rows x
-    keys, tokens x keys, then the tokens in each later segment."""
+    keys, query tokens x keys (the real tokens where attention is ``packed``, else rows x q),
+    then the tokens in each later segment."""
     t = float(rows * q if tokens is None else tokens)
     edges = (0, *knots, math.inf)
     ramps = [min(max(t - lo, 0.0), hi - lo) for lo, hi in zip(edges, edges[1:])]
-    return [1.0, ramps[0], float(rows * ctx), float(rows * q * ctx), *ramps[1:]]
+    scored = t if packed else float(rows * q)
+    return [1.0, ramps[0], float(rows * ctx), scored * ctx, *ramps[1:]]
 
 
 def knots_for(samples, knots: tuple[int, ...] = TOKEN_KNOTS) -> tuple[int, ...]:
@@ -397,7 +413,8 @@ def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
                      rejected=tuple((*s, t) for s, t in rejected.items()),
                      median_residual=residuals[len(residuals) // 2] if residuals else 0.0,
                      load_average=max(loads) if loads else None,
-                     engine=engine_fingerprint(), knots=knots)
+                     engine=engine_fingerprint(), knots=knots,
+                     packed=bool(getattr(forward, "packed_attention", False)))
 
 
 def _reject_outliers(timings: dict[tuple[int, int, int], float], knots: tuple[int, ...] = (),

@@ -11,9 +11,11 @@ at draft position m: a Beta posterior whose prior is the record's predicted acce
 (``predict``) and whose counts are the row's own recent history, decayed so a record whose
 text changes is followed. The runner packs the real tokens of a verify step for the dense
 layers, so a row's extra draft token costs ``CostModel.token_cost`` seconds (the dense slope at
-the step's token count); attention is padded to the longest row. For each step cap K in 0..k_max every row keeps draft position j
-only while the chance that positions 1..j are all accepted is worth that token at the step's
-rate (a fixed point of three rounds), and the cap with the best rate wins.
+the step's token count, plus its attention over the row's keys where the forward packs attention
+too, ``CostModel.packed``; elsewhere attention is padded to the longest row). For each step cap
+K in 0..k_max every row keeps draft position j only while the chance that positions 1..j are
+all accepted is worth that token at the step's rate (a fixed point of three rounds), and the
+cap with the best rate wins.
 
 The policy also learns while it drafts nothing: a lookup draft is computed every step anyway, so
 comparing it with the tokens the target then emits tells whether it would have been accepted
@@ -245,11 +247,14 @@ class AdaptivePolicy:
         3 rounds from "keep everything")."""
         cuts = [min(k, len(d)) for d in drafts]
         for _ in range(3):
-            # a packed token's price: the dense slope at the step's token count
-            token_cost = self.cost.token_cost(len(seqs) + sum(cuts))
-            threshold = self._rate(seqs, cuts, reach) * token_cost
-            new = [min(c0, sum(1 for _ in takewhile(lambda x: x >= threshold, r)))
-                   for r, c0 in zip(reach, (min(k, len(d)) for d in drafts))]
+            # a packed token's price: the dense slope at the step's token count (plus scoring
+            # the row's keys where attention is packed)
+            rate = self._rate(seqs, cuts, reach)
+            tokens = len(seqs) + sum(cuts)
+            new = []
+            for s, r, c0 in zip(seqs, reach, (min(k, len(d)) for d in drafts)):
+                threshold = rate * self.cost.token_cost(tokens, len(s.token_ids))
+                new.append(min(c0, sum(1 for _ in takewhile(lambda x: x >= threshold, r))))
             if new == cuts:
                 break
             cuts = new
@@ -324,7 +329,7 @@ class AdaptivePolicy:
         is charged to the row's choice and to the step."""
         n = len(seqs)
         ctx = max(len(s.token_ids) for s in seqs)
-        value = lookup_rate * self.cost.token_cost(n + sum(len(d) for d in chosen))
+        value = lookup_rate * self.cost.token_cost(n + sum(len(d) for d in chosen), ctx)
         lookup_reach = self._reach(seqs, [len(d) for d in chosen])
         lookup_net = [sum(r) - len(r) * value for r in lookup_reach]
         model_reach = [self._model_reach(s, min(self.k_max, c)) for s, c in zip(seqs, caps)]
@@ -394,7 +399,8 @@ class AdaptivePolicy:
         self._suffix_drafts = {s.seq_id: d for s, d in zip(seqs, drafts) if d.ids}
         if not self._suffix_drafts:
             return chosen
-        value = lookup_rate * self.cost.token_cost(len(seqs) + sum(len(d) for d in chosen))
+        ctx = max(len(s.token_ids) for s in seqs)
+        value = lookup_rate * self.cost.token_cost(len(seqs) + sum(len(d) for d in chosen), ctx)
         reach = self._reach(seqs, [len(d) for d in chosen])
         out, use = list(chosen), set()
         for i, (s, d) in enumerate(zip(seqs, drafts)):
@@ -407,7 +413,6 @@ class AdaptivePolicy:
                 use.add(s.seq_id)
         if not use:
             return chosen
-        ctx = max(len(s.token_ids) for s in seqs)
         fed = [len(d) for d in out]
         step = self.cost.step_time(len(seqs), 1 + max(fed), ctx, num_tokens=len(seqs) + sum(fed))
         rate = (len(seqs) + sum(sum(r) for r in reach)) / (step + self.suffix_seconds)

@@ -351,3 +351,47 @@ def test_each_cpu_kernel_path_keeps_its_own_calibration(tmp_path, monkeypatch):
             assert f"-ckernels_{name}-" in path.name, path.name
     finally:
         linear_cpu.int8_kernel(was)
+
+
+def test_packed_attention_prices_the_real_tokens_not_the_padded_rows(tmp_path):
+    """Where the forward runs attention on a packed step's real tokens (the CPU C attention),
+    a step with one long row costs by its tokens x keys, not every row padded to the longest;
+    a row's extra token then also pays its own attention. The flag survives save/load and an
+    online refit, and calibrate takes it from the forward."""
+    coef = (0.004, 0.0003, 1e-6, 5e-7)
+    padded, packed = CostModel(coef), CostModel(coef, packed=True)
+    # 16 rows, one drafting 15 tokens, fifteen drafting 2: 61 real tokens, q = 16
+    t, ctx = 16 + 15 + 15 * 2, 450
+    dense_and_rows = 0.004 + 0.0003 * t + 1e-6 * 16 * ctx
+    assert packed.step_time(16, 16, ctx, t) == pytest.approx(dense_and_rows + 5e-7 * t * ctx)
+    assert padded.step_time(16, 16, ctx, t) == pytest.approx(dense_and_rows + 5e-7 * 16 * 16 * ctx)
+    # uniform rows: the two agree (the calibration grid cannot tell them apart)
+    assert packed.step_time(16, 3, ctx) == pytest.approx(padded.step_time(16, 3, ctx))
+    assert padded.token_cost(t, ctx) == pytest.approx(0.0003)
+    assert packed.token_cost(t, ctx) == pytest.approx(0.0003 + 5e-7 * ctx)
+    packed.save(tmp_path / "c.json")
+    assert load(tmp_path / "c.json").packed
+    padded.save(tmp_path / "p.json")
+    assert not load(tmp_path / "p.json").packed
+    assert OnlineCost(packed).step_time(16, 16, ctx, t) == packed.step_time(16, 16, ctx, t)
+    forward = SimpleNamespace(device=torch.device("cpu"), packed_attention=True)
+    assert calibrate(forward, time_fn=_timer()).packed
+    assert not calibrate(FORWARD, time_fn=_timer()).packed
+
+
+def test_the_online_refit_of_packed_steps_recovers_the_token_key_term():
+    """Steps whose rows feed different lengths, timed as a packed forward costs them: the
+    online fit of a packed model predicts them; the same steps read as padded do not."""
+    true = CostModel((0.004, 0.0003, 1e-6, 5e-7), packed=True)
+    samples = tuple((r, q, c, true.step_time(r, q, c)) for c in (256, 1024)
+                    for r in (1, 4, 16) for q in (1, 2, 4, 6, 9))
+    online = OnlineCost(CostModel(fit([s for s in samples]), samples=samples, packed=True))
+    steps = [(16, q, c, 16 + (q - 1) + 15 * d) for q in (8, 12, 16) for d in (1, 2)
+             for c in (300, 600)]
+    for _ in range(4):
+        for r, q, c, t in steps:
+            online.observe(r, q, c, t, true.step_time(r, q, c, t))
+    for r, q, c, t in steps:
+        assert online.step_time(r, q, c, t) == pytest.approx(true.step_time(r, q, c, t), rel=1e-3)
+    padded = CostModel(true.coef)
+    assert padded.step_time(16, 16, 600, 46) > 1.5 * true.step_time(16, 16, 600, 46)

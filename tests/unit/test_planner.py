@@ -114,6 +114,24 @@ def test_rows_in_one_step_get_their_own_draft_length():
     assert policy._rate(seqs, cuts) > policy.rate(seqs, [draft] * 3, 0)
 
 
+def test_one_copying_row_drafts_long_where_attention_is_packed():
+    """Sixteen rows at 450 keys; one copies (p = 0.95), fifteen accept half their drafts. Where
+    attention runs on the real tokens (the CPU C kernels), the copying row's long draft costs
+    its own tokens and it keeps all 10; where every row is padded to the longest, that draft
+    would make all sixteen rows pay 10 more positions of attention, and it is cut short."""
+    coef = (0.004, 0.0003, 1e-6, 5e-7)
+    priors = {i: (0.5 * 10, 0.5 * 10) for i in range(2, 17)} | {1: (19.0, 1.0)}
+    seqs = [_seq(i, length=450) for i in range(1, 17)]
+    draft = list(range(10))
+
+    def cuts(cost):
+        policy = AdaptivePolicy(cost, k_max=10, prior_for=lambda s: [priors[s.seq_id]] * 10)
+        return [len(d) for d in policy.select(seqs, [draft] * 16)]
+    packed, padded = cuts(CostModel(coef, packed=True)), cuts(CostModel(coef))
+    assert packed[0] == 10 and max(packed[1:]) <= 2, packed
+    assert padded[0] < 6, padded
+
+
 def test_longer_lookup_matches_get_longer_drafts():
     """Two rows with the same history; this step one drafts from a 4-gram match, the other
     from a 2-gram one. Once the pooled counts show 4-gram drafts accepted more often at every
