@@ -152,7 +152,13 @@ class CostModel:
         >= 0. A row that is not the longest adds no attention where it is padded."""
         segment = sum(1 for k in self.knots if num_tokens >= k)
         slope = max(self.coef[1] if segment == 0 else self.coef[3 + segment], 0.0)
-        return slope + (self.coef[3] * context_len if self.packed else 0.0)
+        return slope + self.token_key_cost * context_len
+
+    @property
+    def token_key_cost(self) -> float:
+        """Seconds a packed token adds per key of its row: scoring them where attention is
+        ``packed``, else 0 (a row shorter than the longest is padded anyway)."""
+        return self.coef[3] if self.packed else 0.0
 
     def describe(self) -> str:
         """The fit in words: per-step, per-token (per segment), attention terms."""
@@ -226,6 +232,10 @@ class OnlineCost:
 
     def token_cost(self, num_tokens: int = 0, context_len: int = 0) -> float:
         return self.model.token_cost(num_tokens, context_len)
+
+    @property
+    def token_key_cost(self) -> float:
+        return self.model.token_key_cost
 
 
 def load(path: str | os.PathLike) -> CostModel:

@@ -250,10 +250,10 @@ class AdaptivePolicy:
             # a packed token's price: the dense slope at the step's token count (plus scoring
             # the row's keys where attention is packed)
             rate = self._rate(seqs, cuts, reach)
-            tokens = len(seqs) + sum(cuts)
+            slope, per_key = self.cost.token_cost(len(seqs) + sum(cuts)), self.cost.token_key_cost
             new = []
             for s, r, c0 in zip(seqs, reach, (min(k, len(d)) for d in drafts)):
-                threshold = rate * self.cost.token_cost(tokens, len(s.token_ids))
+                threshold = rate * (slope + per_key * len(s.token_ids))
                 new.append(min(c0, sum(1 for _ in takewhile(lambda x: x >= threshold, r))))
             if new == cuts:
                 break
