@@ -36,6 +36,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROWS = (1, 4, 16)
@@ -189,39 +190,49 @@ class OnlineCost:
 
     The calibration grid is measured in a few seconds on synthetic batches; the steps of a real
     run (other shapes, a warmer or busier machine, the engine's own work) can cost more or less.
-    Each verify step's wall time is added to the calibration samples and the four coefficients
-    are refitted (weighted least squares on relative error, as ``fit``; the normal equations are
-    accumulated, so an update is O(1)). The calibration samples, worth ``prior_weight`` steps in
+    Each verify step's wall time is added to the calibration samples and the coefficients are
+    refitted every ``refit_every`` steps, and at steps 8 and 16 (weighted least squares on relative error, as ``fit``;
+    the normal equations are accumulated, so an update is O(1): a step appends its features,
+    a refit folds them in with one matrix product and solves). The calibration samples, worth ``prior_weight`` steps in
     all, keep the fit sane for shapes the run has not tried yet; after a few dozen steps the
     run's own timings dominate. Same interface as ``CostModel`` (``step_time``, ``token_cost``).
     """
 
-    def __init__(self, base: CostModel, prior_weight: float = 8.0, refit_every: int = 8) -> None:
+    def __init__(self, base: CostModel, prior_weight: float = 8.0, refit_every: int = 32) -> None:
         self.model = base  # the current fit; ``coef`` replaced at each refit
         self.refit_every = refit_every
         self.num_observed = 0
         n = len(base.coef)
-        self._a = torch.zeros(n, n, dtype=torch.float64)
-        self._b = torch.zeros(n, dtype=torch.float64)
+        # normal equations in numpy; steps not folded in yet wait in ``_pending`` (features over
+        # seconds): a step costs a list append, not ~100 us of small-array work between forwards
+        self._a = np.zeros((n, n))
+        self._b = np.zeros(n)
+        self._pending: list[list[float]] = []
         # the calibration counts as ``prior_weight`` observed steps in all
-        for r, q, c, sec in base.samples:
-            self._add(r, q, c, r * q, sec, prior_weight / len(base.samples))
+        if base.samples:
+            x = np.array([_features(r, q, c, r * q, base.knots, base.packed)
+                          for r, q, c, _ in base.samples])
+            x /= np.array([sec for *_, sec in base.samples])[:, None]
+            self._fold(x, prior_weight / len(base.samples))
 
-    def _add(self, rows: int, q: int, ctx: int, tokens: int, seconds: float,
-             weight: float = 1.0) -> None:
-        x = torch.tensor(_features(rows, q, ctx, tokens, self.model.knots, self.model.packed),
-                         dtype=torch.float64) / seconds
-        self._a += weight * torch.outer(x, x)
-        self._b += weight * x  # target: seconds / seconds = 1
+    def _fold(self, x: np.ndarray, weight: float = 1.0) -> None:
+        """Add rows ``x`` (features / seconds, ``[m, n]``) to the normal equations."""
+        self._a += weight * (x.T @ x)
+        self._b += weight * x.sum(0)  # target: seconds / seconds = 1
 
     def observe(self, num_rows: int, query_len: int, context_len: int, num_tokens: int,
                 seconds: float) -> None:
         """One measured step (shape as in ``step_time``; seconds of wall time)."""
         if seconds <= 0:
             return
-        self._add(num_rows, query_len, context_len, num_tokens, seconds)
+        self._pending.append([f / seconds for f in _features(
+            num_rows, query_len, context_len, num_tokens, self.model.knots, self.model.packed)])
         self.num_observed += 1
-        if self.num_observed % self.refit_every == 0:
+        n = self.num_observed
+        # every refit_every steps, and early at steps 8, 16 (a refit is ~0.3 ms between forwards)
+        if n % self.refit_every == 0 or (n < self.refit_every and n in (8, 16)):
+            self._fold(np.array(self._pending))
+            self._pending.clear()
             coef = solve_nonnegative(self._a, self._b)  # never a negative coefficient
             if any(coef):  # all zero: nothing fits yet (no calibration samples); keep the last
                 self.model = replace(self.model, coef=coef)
@@ -275,32 +286,36 @@ def knots_for(samples, knots: tuple[int, ...] = TOKEN_KNOTS) -> tuple[int, ...]:
     return tuple(k for k in knots if k < top)
 
 
-def solve_nonnegative(a: torch.Tensor, b: torch.Tensor) -> tuple[float, ...]:
+def solve_nonnegative(a, b) -> tuple[float, ...]:
     """Minimise ``x^T a x - 2 b^T x`` subject to ``x >= 0``: the least-squares problem given by
     its normal equations (``a = X^T X``, ``b = X^T y``), solved as ``min |R x - R^-T b|`` with
     ``a = R^T R`` (Cholesky) by scipy's Lawson-Hanson NNLS (``scipy.optimize.nnls``; Lawson &
     Hanson, "Solving Least Squares Problems", 1974, ch. 23).
 
-    a: ``[n, n]`` float64; b: ``[n]`` float64. Returns n floats >= 0 (all zero if nothing
-    fits)."""
+    a: ``[n, n]``; b: ``[n]`` (numpy arrays or CPU tensors, as float64). Returns n floats >= 0
+    (all zero if nothing fits)."""
+    from scipy.linalg import solve_triangular
     from scipy.optimize import nnls
 
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     n = b.shape[0]
     # scale to a unit diagonal: the features span ~6 orders of magnitude (1 .. rows*q*ctx)
-    diag = torch.diagonal(a)
-    scale = torch.where(diag > 0, diag.clamp(min=1e-300).rsqrt(), torch.ones_like(diag))
+    diag = np.diagonal(a)
+    scale = np.where(diag > 0, 1.0 / np.sqrt(np.maximum(diag, 1e-300)), 1.0)
     a, b = a * scale[:, None] * scale[None, :], b * scale
-    a = a + 1e-12 * torch.eye(n, dtype=torch.float64)  # a feature never seen: still definite
-    try:
-        r = torch.linalg.cholesky(a).T  # upper: a = r^T r
-    except RuntimeError:  # not positive definite (NaN timings): nothing fits
+    a = a + 1e-12 * np.eye(n)  # a feature never seen: still definite
+    if not np.all(np.isfinite(a)):  # NaN timings: nothing fits
         return (0.0,) * n
-    y = torch.linalg.solve_triangular(r.T, b[:, None], upper=False)[:, 0]
     try:
-        x, _ = nnls(r.numpy(), y.numpy())
+        r = np.linalg.cholesky(a).T  # upper: a = r^T r
+    except np.linalg.LinAlgError:  # not positive definite: nothing fits
+        return (0.0,) * n
+    y = solve_triangular(r.T, b, lower=True)
+    try:
+        x, _ = nnls(r, y)
     except RuntimeError:  # scipy: iteration limit (degenerate data)
         return (0.0,) * n
-    return tuple(float(v) for v in torch.from_numpy(x) * scale)
+    return tuple(float(v) for v in x * scale)
 
 
 def fit(samples: list[tuple[int, int, int, float]],
@@ -310,9 +325,8 @@ def fit(samples: list[tuple[int, int, int, float]],
     much as large ones. A step cannot get cheaper with more tokens or context, so no
     coefficient is negative (an unconstrained fit of noisy timings can make one so, and then
     mispredicts every shape far from the samples)."""
-    feats = torch.tensor([_features(r, q, c, None, knots) for r, q, c, _ in samples],
-                         dtype=torch.float64)
-    t = torch.tensor([s[3] for s in samples], dtype=torch.float64)
+    feats = np.array([_features(r, q, c, None, knots) for r, q, c, _ in samples])
+    t = np.array([s[3] for s in samples], dtype=np.float64)
     x = feats / t[:, None]  # relative error: target t / t = 1
     return solve_nonnegative(x.T @ x, x.sum(0))
 
