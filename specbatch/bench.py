@@ -162,7 +162,8 @@ def run_bench(opts: BenchOptions) -> int:
                            f" tok/s (round {rnd + 1})", err=True)
     sizes = {c: len(r) for c, r in groups.items()}
     click.echo(format_table(labels, sizes, seconds, tokens, stats, opts,
-                            model=llm.model_id.split("@sha256:")[0]))  # the name, not the digest
+                            model=llm.model_id.split("@sha256:")[0],  # the name, not the digest
+                            max_batch_size=engine_config.max_batch_size))
     base = baseline(labels)
     for label in (lb for lb in labels if lb != base):
         diff = [i for i in outputs[base] if outputs[label].get(i) != outputs[base][i]]
@@ -178,13 +179,15 @@ def replace_sampling(record, **changes):
 
 
 def format_table(labels, sizes: dict[str, int], seconds, tokens, stats, opts,
-                 model: str | None = None) -> str:
+                 model: str | None = None, max_batch_size: int | None = None) -> str:
     """Markdown table: per category, per ``opts.groups`` group and overall, tok/s (the group's
     tokens over its seconds) and ratio to the baseline (``none``, else the first config; see
     ``baseline``), and the mean acceptance length of each drafting config. A group's categories
     absent from the run are left out of it. The line above it names the settings (``prefix
     caching off`` with ``--no-prefix-caching``). model: the model that ran (its registry name
-    or path, without the weights' digest); default: ``opts.model``, else the default model."""
+    or path, without the weights' digest); default: ``opts.model``, else the default model.
+    max_batch_size: the batch size that ran (``fit_engine_config``: at most the records, and
+    what fits in memory); default: ``opts.engine.max_batch_size``, as asked."""
     if model is None:
         from specbatch.models.registry import DEFAULT_MODEL
 
@@ -219,8 +222,11 @@ def format_table(labels, sizes: dict[str, int], seconds, tokens, stats, opts,
         rows.append(row)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
-    cfg = (f"model {model}, dtype {opts.engine.dtype}, max_batch_size "
-           f"{opts.engine.max_batch_size}"
+    asked = opts.engine.max_batch_size
+    ran = asked if max_batch_size is None else max_batch_size
+    cfg = (f"model {model}, dtype {opts.engine.dtype}, max_batch_size {ran}"
+           + ("" if ran == asked else f" (--max-batch-size {asked} fitted to the records and "
+              "memory)")
            + ("" if opts.engine.prefix_caching else ", prefix caching off")
            + f", max_tokens {opts.sampling.max_tokens}, T "
            f"{opts.sampling.temperature}, rounds {opts.repeats}; ratios to {base}"

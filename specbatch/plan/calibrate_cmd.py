@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
-from pathlib import Path
 
 import click
 
@@ -58,7 +56,7 @@ def run_predict_eval(paths, k: int, model: str | None, cache_dir: str | None,
     ``refit``: also fit the prompt weights to these files by least squares on logit(alpha) and
     report the rank correlation of the refitted predictor out of sample (2-fold: fit on even
     records, score odd, and back)."""
-    from specbatch.io.records import read_records
+    from specbatch.analyze.load import load_run
     from specbatch.models.loader import load_model
     from specbatch.models.registry import DEFAULT_MODEL
     from specbatch.prompts import PromptRenderer
@@ -72,8 +70,14 @@ def run_predict_eval(paths, k: int, model: str | None, cache_dir: str | None,
     probe_pred, probe_meas = [], []
     tokenizer = None
     for path in paths:
-        cfg_path = Path(str(path) + ".config.json")  # written beside OUT by the writer
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        # as analyze reads it: the run's config (beside OUT) gives the prompt field or template
+        # and the sampling defaults, so a recipe's or a --template job's records render again
+        try:
+            run = load_run(path)
+        except ValueError as e:
+            click.echo(f"error: {e}", err=True)
+            return 2
+        cfg = run.config or {}
         if tokenizer is None:
             name = model or (cfg.get("model", "").split("@")[0] or DEFAULT_MODEL)
             tokenizer = load_model(name, cache_dir=cache_dir).tokenizer
@@ -81,8 +85,7 @@ def run_predict_eval(paths, k: int, model: str | None, cache_dir: str | None,
         lookup_min = cfg.get("prompt_lookup_min", 2)
         lookup_max = cfg.get("prompt_lookup_max", 4)
         max_model_len = cfg.get("max_model_len") or 1 << 30
-        records, errors = read_records(path)
-        for rec in records:
+        for rec in run.records:
             mal = rec.fields.get("spec", {}).get("mean_acceptance_length")
             if mal is None:
                 continue

@@ -463,13 +463,16 @@ def host_id() -> str:
 
 def kernel_path(dtype: str, device: str) -> str:
     """Which kernels run a CPU step, a part of the calibration's key: ``"ckernels"`` where
-    specbatch's C kernels are in use (``kernels/csrc``), for dtype int8 with the 8-bit matmul
-    that ``kernels.linear_cpu.int8_kernel()`` reports (``"ckernels_vnni"``, ``_avx2``,
-    ``_portable``), else ``"torch"`` (``SPECBATCH_CPU_KERNELS=0``, a CPU without AVX2/FMA, no
-    compiler; batch-16 steps ~1.6x slower); ``""`` off the CPU. Builds the kernels on first use
+    specbatch's C kernels are in use (``kernels/csrc``; float32 and int8 only), for dtype int8
+    with the 8-bit matmul that ``kernels.linear_cpu.int8_kernel()`` reports
+    (``"ckernels_vnni"``, ``_avx2``, ``_portable``), else ``"torch"`` (bfloat16, float64,
+    ``SPECBATCH_CPU_KERNELS=0``, a CPU without AVX2/FMA, no compiler; batch-16 steps ~1.6x
+    slower); ``""`` off the CPU. Builds the kernels on first use
     (~3 s, once per machine), as the engine does."""
     if not device.startswith("cpu"):
         return ""
+    if dtype not in ("float32", "int8"):  # bfloat16 and float64 run on torch's kernels
+        return "torch"
     try:
         from kernels import linear_cpu
     except ImportError:  # an install without the kernels package

@@ -100,6 +100,9 @@ def test_header_names_the_model_that_ran_when_model_is_not_given(tmp_path, monke
     assert result.exit_code == 0, result.output
     settings = next(line for line in result.stdout.splitlines() if line.startswith("model "))
     assert settings.startswith(f"model {model}, dtype float32, "), settings
+    # one record ran one row: the header says the batch size that ran, and what was asked
+    assert ", max_batch_size 1 (--max-batch-size 16 fitted to the records and memory), " \
+        in settings, settings
 
 
 def _table(labels, tps, prefix_caching=True):

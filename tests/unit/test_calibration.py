@@ -339,6 +339,9 @@ def test_each_cpu_kernel_path_keeps_its_own_calibration(tmp_path, monkeypatch):
         assert paths.setdefault(kernels, path) == path
     assert paths[""] != paths["0"] and legacy.read_text() == "{}"
     assert "-torch-" in paths["0"].name and "-ckernels-" in paths[""].name
+    # bfloat16 and float64 never run on the C kernels: their files say torch
+    for dtype in ("bfloat16", "float64"):
+        assert f"-{dtype}-cpu-torch-" in costmodel.cache_path(tmp_path, "m", dtype, "cpu").name
     monkeypatch.setenv("SPECBATCH_CPU_KERNELS", "")
     was = linear_cpu.int8_kernel()
     try:

@@ -557,3 +557,28 @@ def test_prefix_caching_is_reported_and_no_prefix_caching_turns_it_off(tmp_path)
     reused, total = lines[0].split("; prefix caching: ")[1].split(" prompt tokens")[0].split(" of ")
     assert 0 < int(reused) < int(total)
     assert lines[1].startswith("memory: ") and "prefix caching" not in lines[1]
+
+
+def test_predict_eval_reads_a_template_job_as_run_read_it(tmp_path):
+    """``predict-eval`` on the output of a ``--template`` job: the records have no prompt
+    field, only the template's fields; it renders them with the run's template (from the
+    config beside OUT), as ``analyze`` does, instead of finding no record to score."""
+    import json
+
+    from tests.unit.test_loader import write_tiny_gguf
+
+    model = tmp_path / "tiny.gguf"
+    write_tiny_gguf(model)
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "text": f"abc abc abc {i} abc abc"}) + "\n"
+                           for i in range(4)))
+    out = tmp_path / "out.jsonl"
+    common = ["--model", str(model), "--cache-dir", str(tmp_path / "c")]
+    ran = CliRunner().invoke(main, ["run", str(inp), "-o", str(out), "--template",
+                                    "Repeat: {text}", "--method", "ngram", "--k", "3",
+                                    "--max-tokens", "24", "--no-progress", *common])
+    assert ran.exit_code == 0, ran.output
+    result = CliRunner().invoke(main, ["predict-eval", str(out), *common])
+    assert result.exit_code == 0, result.output
+    assert "from the prompt, before generation:" in result.output
+    assert "(4 records, vs the whole answer)" in result.output
