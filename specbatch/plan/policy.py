@@ -73,6 +73,9 @@ from specbatch.spec_decode.stats import SpecStats
 MODEL_PRIOR = 0.7  # a draft model's conditional acceptance before it has drafted anything
 MODEL_PRIOR_STRENGTH = 4.0  # pseudo-trials behind the pooled acceptance in a row's estimate
 POOL_DECAY = 0.995  # per observed row-step, for acceptance pooled over all rows
+# per verify step, for the suffix pool: decayed per row-step, its memory at batch 16 was ~12
+# steps, the cell estimates noisy, and auto took suffix drafts where a cell read high by chance
+SUFFIX_POOL_DECAY = 0.995
 SUFFIX_BUCKETS = (0.2, 0.4, 0.6, 0.8, 0.95)  # edges: a suffix draft position's frequency
 SUFFIX_PRIOR_STRENGTH = 2.0  # pseudo-trials at the frequency itself, per bucket
 SUFFIX_MATCH_BINS = 8  # matched tokens behind a suffix draft position: 1 .. 8 (8 and more)
@@ -411,6 +414,9 @@ class AdaptivePolicy:
         self.suffix_seconds = (seconds if self.suffix_seconds is None
                                else 0.8 * self.suffix_seconds + 0.2 * seconds)
         self._suffix_drafts = {s.seq_id: d for s, d in zip(seqs, drafts) if d.ids}
+        for cell in self.suffix_pool.values():  # once per step (SUFFIX_POOL_DECAY)
+            cell[0] *= SUFFIX_POOL_DECAY
+            cell[1] *= SUFFIX_POOL_DECAY
         if not self._suffix_drafts:
             return chosen
         ctx = max(len(s.token_ids) for s in seqs)
@@ -440,9 +446,6 @@ class AdaptivePolicy:
         draft = self._suffix_drafts.pop(seq.seq_id, None)
         if draft is None:
             return
-        for cell in self.suffix_pool.values():
-            cell[0] *= POOL_DECAY
-            cell[1] *= POOL_DECAY
         prev = 1.0
         for j in range(min(len(draft.ids), len(emitted))):
             key = _suffix_cell(draft.match_len + j, draft.probs[j] / prev)
