@@ -81,3 +81,17 @@ def pytest_unconfigure(config) -> None:
 
 def pytest_report_header(config) -> str:
     return f"SPECBATCH_CACHE={os.environ.get(_CACHE_ENV)} (this session's own; see tests/conftest.py)"
+
+
+import pytest  # noqa: E402  (after the cache setup above, which must not import torch)
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path: Path) -> Path:
+    """A 2-layer random Llama GGUF (``tests/unit/test_loader.write_tiny_gguf``) at
+    ``tmp_path / "tiny.gguf"``: the model of the command-line tests."""
+    from tests.unit.test_loader import write_tiny_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    return path

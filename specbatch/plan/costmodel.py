@@ -191,10 +191,11 @@ class OnlineCost:
     The calibration grid is measured in a few seconds on synthetic batches; the steps of a real
     run (other shapes, a warmer or busier machine, the engine's own work) can cost more or less.
     Each verify step's wall time is added to the calibration samples and the coefficients are
-    refitted every ``refit_every`` steps, and at steps 8 and 16 (weighted least squares on relative error, as ``fit``;
-    the normal equations are accumulated, so an update is O(1): a step appends its features,
-    a refit folds them in with one matrix product and solves). The calibration samples, worth ``prior_weight`` steps in
-    all, keep the fit sane for shapes the run has not tried yet; after a few dozen steps the
+    refitted every 8 steps up to the 64th, then every ``refit_every`` (weighted least squares on
+    relative error, as ``fit``; the normal equations are accumulated, so an update is O(1): a
+    step appends its features, a refit folds them in with one matrix product and solves). The
+    calibration samples, worth ``prior_weight`` steps in all, keep the fit sane for shapes the
+    run has not tried yet; after a few dozen steps the
     run's own timings dominate. Same interface as ``CostModel`` (``step_time``, ``token_cost``).
     """
 
@@ -229,8 +230,10 @@ class OnlineCost:
             num_rows, query_len, context_len, num_tokens, self.model.knots, self.model.packed)])
         self.num_observed += 1
         n = self.num_observed
-        # every refit_every steps, and early at steps 8, 16 (a refit is ~0.3 ms between forwards)
-        if n % self.refit_every == 0 or (n < self.refit_every and n in (8, 16)):
+        # every 8 steps for the first 64 (a short job, e.g. a bench category of 10 records,
+        # must leave the calibration's bias behind quickly), then every refit_every (a refit
+        # is ~0.3 ms between forwards)
+        if n % (8 if n <= 64 else self.refit_every) == 0:
             self._fold(np.array(self._pending))
             self._pending.clear()
             coef = solve_nonnegative(self._a, self._b)  # never a negative coefficient

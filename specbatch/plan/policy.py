@@ -47,15 +47,15 @@ probability. A position's chance of acceptance is its conditional frequency (the
 probability over the previous position's) calibrated by acceptance pooled over all rows per
 frequency bucket (``SUFFIX_BUCKETS``) and matched length (the draft's match plus the positions
 before it, up to ``SUFFIX_MATCH_BINS`` tokens), with a Beta prior of ``SUFFIX_PRIOR_STRENGTH``
-pseudo-trials at the frequency itself. The match length matters as much as the frequency: on
-the 130-record Spec-Bench subset a first draft token seen after every earlier occurrence of its
-context (frequency >= 0.95) was accepted 34% of the time after a 1-token match and 92% after
-8+ tokens (session 15); pooled by frequency alone, auto expected 0.71 tokens from a 1-token
-suffix draft that gave 0.45. Like lookup drafts, suffix drafts are checked against the emitted
-tokens every step, verified or not. A row takes its suffix draft when it is worth more than its lookup
-draft at the step's token value, and the step uses suffix drafts only if its predicted rate
-beats lookup alone. The lookup's own time is measured every step (``suffix_seconds``, an
-exponential mean) and counted in that comparison.
+pseudo-trials at the frequency itself. The match length matters as much as the frequency: on the
+130-record Spec-Bench subset a first draft token seen after every earlier occurrence of its
+context (frequency >= 0.95) was accepted 34% of the time after a 1-token match and 92% after 8+
+tokens (session 15); pooled by frequency alone, auto expected 0.71 tokens from a 1-token suffix
+draft that gave 0.45. Like lookup drafts, suffix drafts are checked against the emitted tokens
+every step, verified or not (the pool decays once per step, ``SUFFIX_POOL_DECAY``). A row takes
+its suffix draft when it is worth more than its lookup draft at the step's token value, and the
+step uses suffix drafts only if its predicted rate beats lookup alone. The lookup's own time is
+measured every step (``suffix_seconds``, an exponential mean) and counted in that comparison.
 """
 
 from __future__ import annotations

@@ -82,16 +82,13 @@ def test_bad_records_stop_bench_without_suggesting_run_flags(tmp_path):
     assert "--on-error" not in result.output
 
 
-def test_header_names_the_model_that_ran_when_model_is_not_given(tmp_path, monkeypatch):
+def test_header_names_the_model_that_ran_when_model_is_not_given(tmp_path, monkeypatch, tiny_gguf):
     """Without --model the settings line said ``model default``: it names the model loaded."""
     from click.testing import CliRunner
 
     from specbatch.cli import main
     from specbatch.models import registry
-    from tests.unit.test_loader import write_tiny_gguf
-
-    model = tmp_path / "m.gguf"
-    write_tiny_gguf(model)
+    model = tiny_gguf
     monkeypatch.setattr(registry, "DEFAULT_MODEL", str(model))  # what LLM loads without --model
     src = tmp_path / "in.jsonl"
     src.write_text('{"id": 1, "prompt": "hello hello hello"}\n')

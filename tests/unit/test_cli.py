@@ -88,13 +88,10 @@ def test_version_of_a_checkout_that_is_not_installed(monkeypatch):
     assert _version() == f"{expected} (not installed)"
 
 
-def test_skipped_records_are_warnings_failing_ones_errors(tmp_path):
+def test_skipped_records_are_warnings_failing_ones_errors(tmp_path, tiny_gguf):
     """``--on-error skip`` runs the good records: the bad ones are ``warning:`` lines; with
     ``--on-error fail`` the same records stop the run and are ``error:`` lines."""
-    from tests.unit.test_loader import write_tiny_gguf
-
-    model = tmp_path / "tiny.gguf"
-    write_tiny_gguf(model)
+    model = tiny_gguf
     inp = tmp_path / "in.jsonl"
     inp.write_text('{"id": 1, "prompt": "abc abc"}\n{"id": 2}\n{"id": 3, "prompt": "x"}\n')
     common = ["run", str(inp), "--model", str(model), "--cache-dir", str(tmp_path / "c"),
@@ -129,15 +126,12 @@ def test_summary_table_tells_zero_acceptance_from_no_drafts():
     assert rows["plain"][-2:] == ["-", "-"]  # nothing drafted
 
 
-def test_records_that_stop_with_an_error_are_reported(tmp_path):
+def test_records_that_stop_with_an_error_are_reported(tmp_path, tiny_gguf):
     """A later turn that no longer fits the context ends its record with an error: the record
     is written (finish_reason "error"), and the run says so instead of a silent success."""
     import json
 
-    from tests.unit.test_loader import write_tiny_gguf
-
-    model = tmp_path / "m.gguf"
-    write_tiny_gguf(model)
+    model = tiny_gguf
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps({"id": "t", "turns": ["abc", "x" * 40]}) + "\n"
                    + json.dumps({"id": "ok", "prompt": "hello"}) + "\n")
@@ -158,13 +152,10 @@ def test_records_that_stop_with_an_error_are_reported(tmp_path):
     assert usage["prompt_tokens"] + usage["completion_tokens"] <= 40, usage
 
 
-def test_resume_with_changed_options_is_refused_before_the_model_loads(tmp_path):
+def test_resume_with_changed_options_is_refused_before_the_model_loads(tmp_path, tiny_gguf):
     """A work file left by a killed run, rerun with another --k: refused in one line, exit 2,
     without loading the model first (it could take minutes)."""
-    from tests.unit.test_loader import write_tiny_gguf
-
-    model = tmp_path / "m.gguf"
-    write_tiny_gguf(model)
+    model = tiny_gguf
     src = tmp_path / "in.jsonl"
     src.write_text('{"id": 1, "prompt": "hello"}\n')
     out = tmp_path / "out.jsonl"
@@ -180,15 +171,12 @@ def test_resume_with_changed_options_is_refused_before_the_model_loads(tmp_path)
     assert CliRunner().invoke(main, args + ["--k", "5"]).exit_code == 0  # same options: resumes
 
 
-def test_summary_after_a_resume_covers_the_whole_job(tmp_path):
+def test_summary_after_a_resume_covers_the_whole_job(tmp_path, tiny_gguf):
     """Killed after one of three records, then resumed: the summary table counts all three
     records, the ``wrote`` line the new tokens only."""
     import json
 
-    from tests.unit.test_loader import write_tiny_gguf
-
-    model = tmp_path / "m.gguf"
-    write_tiny_gguf(model)
+    model = tiny_gguf
     src = tmp_path / "in.jsonl"
     src.write_text("".join(f'{{"id": {i}, "prompt": "hello {i}", "category": "qa"}}\n'
                            for i in range(3)))
@@ -210,13 +198,10 @@ def test_summary_after_a_resume_covers_the_whole_job(tmp_path):
     assert resumed.stdout.splitlines()[2].split() == whole, resumed.stdout
 
 
-def test_result_goes_to_stdout_progress_and_warnings_to_stderr(tmp_path):
+def test_result_goes_to_stdout_progress_and_warnings_to_stderr(tmp_path, tiny_gguf):
     """``specbatch run ... > log`` keeps the result: the ``wrote`` line, the summary table and
     the memory line; a skipped record's warning stays on stderr."""
-    from tests.unit.test_loader import write_tiny_gguf
-
-    model = tmp_path / "m.gguf"
-    write_tiny_gguf(model)
+    model = tiny_gguf
     src = tmp_path / "in.jsonl"
     src.write_text('{"id": 1, "prompt": "hello", "category": "qa"}\n{"id": 2}\n')
     out = tmp_path / "out.jsonl"
@@ -385,16 +370,13 @@ def test_progress_prints_the_final_line_once(capsys):
         assert err.endswith("\n") and err.count("\n") == 1, repr(err)
 
 
-def test_sampled_records_without_id_or_seed_are_warned_about_once(tmp_path, monkeypatch):
+def test_sampled_records_without_id_or_seed_are_warned_about_once(tmp_path, monkeypatch, tiny_gguf):
     """Their seed derives from the line number: reordering the file changes their output."""
     import os
 
-    from tests.unit.test_loader import write_tiny_gguf
-
     monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # no busy-machine warning
 
-    model = tmp_path / "m.gguf"
-    write_tiny_gguf(model)
+    model = tiny_gguf
     src = tmp_path / "in.jsonl"
     src.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"id": 3, "prompt": "c"}\n'
                    '{"prompt": "d", "seed": 4}\n{"prompt": "e", "temperature": 0}\n')
@@ -466,16 +448,13 @@ def test_busy_machine_warning(monkeypatch):
     assert busy_machine_warning() is None
 
 
-def test_run_and_bench_warn_once_on_a_busy_machine(tmp_path, monkeypatch):
+def test_run_and_bench_warn_once_on_a_busy_machine(tmp_path, monkeypatch, tiny_gguf):
     """The warning goes to the ``specbatch`` logger, shown as one ``warning:`` line on stderr
     before ``loading model ...``."""
     import os
 
-    from tests.unit.test_loader import write_tiny_gguf
-
     monkeypatch.setattr(os, "getloadavg", lambda: (64.0, 64.0, 64.0))
-    model = tmp_path / "m.gguf"
-    write_tiny_gguf(model)
+    model = tiny_gguf
     src = tmp_path / "in.jsonl"
     src.write_text('{"id": 1, "prompt": "a"}\n')
     common = ["--model", str(model), "--cache-dir", str(tmp_path / "c"), "--max-tokens", "2"]
@@ -491,7 +470,8 @@ def test_run_and_bench_warn_once_on_a_busy_machine(tmp_path, monkeypatch):
         assert len(busy) == 1 and busy[0] < loading[0], result.output
 
 
-def test_a_swallowed_sigterm_still_stops_the_run_at_the_next_record(tmp_path, monkeypatch):
+def test_a_swallowed_sigterm_still_stops_the_run_at_the_next_record(tmp_path, monkeypatch,
+                                                                   tiny_gguf):
     """Python drops an exception raised inside a weakref callback, so the KeyboardInterrupt of
     the SIGTERM handler can be lost; the recorded signal then stops the run after the next
     finished record: exit 130, that record kept, the rest left for ``--resume``."""
@@ -500,10 +480,7 @@ def test_a_swallowed_sigterm_still_stops_the_run_at_the_next_record(tmp_path, mo
 
     import specbatch.pipeline as pipeline
     import specbatch.run as run_mod
-    from tests.unit.test_loader import write_tiny_gguf
-
-    model = tmp_path / "m.gguf"
-    write_tiny_gguf(model)
+    model = tiny_gguf
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"id": i, "prompt": f"hello {i}"}) + "\n"
                            for i in range(4)))
@@ -528,16 +505,13 @@ def test_a_swallowed_sigterm_still_stops_the_run_at_the_next_record(tmp_path, mo
     assert not out.exists() and len(work.read_text().splitlines()) == 1
 
 
-def test_prefix_caching_is_reported_and_no_prefix_caching_turns_it_off(tmp_path):
+def test_prefix_caching_is_reported_and_no_prefix_caching_turns_it_off(tmp_path, tiny_gguf):
     """Two prompts sharing their first words at batch 1: the memory line says how many prompt
     tokens the second found in the row; --no-prefix-caching prefills both whole and the
     outputs are the same."""
     import json
 
-    from tests.unit.test_loader import write_tiny_gguf
-
-    model = tmp_path / "m.gguf"
-    write_tiny_gguf(model)
+    model = tiny_gguf
     src = tmp_path / "in.jsonl"
     src.write_text('{"id": 1, "prompt": "the same long instruction, then one"}\n'
                    '{"id": 2, "prompt": "the same long instruction, then two"}\n')
@@ -559,16 +533,13 @@ def test_prefix_caching_is_reported_and_no_prefix_caching_turns_it_off(tmp_path)
     assert lines[1].startswith("memory: ") and "prefix caching" not in lines[1]
 
 
-def test_predict_eval_reads_a_template_job_as_run_read_it(tmp_path):
+def test_predict_eval_reads_a_template_job_as_run_read_it(tmp_path, tiny_gguf):
     """``predict-eval`` on the output of a ``--template`` job: the records have no prompt
     field, only the template's fields; it renders them with the run's template (from the
     config beside OUT), as ``analyze`` does, instead of finding no record to score."""
     import json
 
-    from tests.unit.test_loader import write_tiny_gguf
-
-    model = tmp_path / "tiny.gguf"
-    write_tiny_gguf(model)
+    model = tiny_gguf
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps({"id": i, "text": f"abc abc abc {i} abc abc"}) + "\n"
                            for i in range(4)))

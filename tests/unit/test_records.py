@@ -391,7 +391,7 @@ def test_a_csv_integer_sampling_column_with_an_empty_cell_stays_integer(tmp_path
     assert records[0].sampling.seed is None and records[-1].sampling.seed == 3
 
 
-def test_an_output_of_a_table_job_with_missing_ids_reads_back(tmp_path):
+def test_an_output_of_a_table_job_with_missing_ids_reads_back(tmp_path, tiny_gguf):
     """A table row with no id (an empty cell) is echoed as ``"id": null`` in the output. Reading
     that output back works: a resume gives the bytes of an uninterrupted run, ``analyze``
     reads every record, and the output read as records (``predict-eval``, or as the input of
@@ -404,10 +404,7 @@ def test_an_output_of_a_table_job_with_missing_ids_reads_back(tmp_path):
 
     from specbatch.analyze.load import load_run
     from specbatch.cli import main
-    from tests.unit.test_loader import write_tiny_gguf
-
-    model = tmp_path / "m.gguf"
-    write_tiny_gguf(model)
+    model = tiny_gguf
     src = tmp_path / "in.csv"
     src.write_text("id,prompt\n007,hello\n,world\n7,again\n")
     out = tmp_path / "out.jsonl"
