@@ -182,6 +182,7 @@ def _validate(p: str, rows: list, prompt_field: str | None, id_field: str | None
     ``read_records``. null_ids: an id field holding null counts as no id (else it is refused)."""
     records, errors, first_line = [], [], {}
     named = {prompt_field, id_field, *(template_fields(template) if template is not None else ())}
+    taken = _output_ids(rows, id_field)
     for line, row in rows:
         if isinstance(row, _BadLine):
             errors.append(RecordError(p, line, None, row.reason, unit))
@@ -197,6 +198,9 @@ def _validate(p: str, rows: list, prompt_field: str | None, id_field: str | None
                 row = openai_batch_record(row)  # ValueError names unsupported body fields
             rec_id = _record_id(row, id_field, line, wide, null_ids or is_output(row))
             seen = (line, rec_id, id_field is None and all(row.get(k) is None for k in ID_FIELDS))
+            if seen[2] and str(rec_id) in taken and is_output(row):  # see _output_ids
+                rec_id = f"{unit} {line}"
+                seen = (line, rec_id, True)
             key = str(rec_id)
             if key in first_line:
                 raise ValueError(_duplicate(seen, first_line[key], unit))
@@ -214,6 +218,24 @@ def _validate(p: str, rows: list, prompt_field: str | None, id_field: str | None
         records.append(Record(len(records), line, rec_id, source, prompt, messages, turns,
                               sampling, id_from_line=seen[2], unit=unit))
     return records, errors
+
+
+def _output_ids(rows: list, id_field: str | None) -> set[str]:
+    """The explicit ids (as text) of the output records among ``rows``. A specbatch output
+    keeps its records' order but not their input lines: an id-less record is known by its
+    line in the output, which (after ``--on-error skip`` dropped earlier lines) can be another
+    record's explicit id; such a record is then known as ``"line N"`` instead of being
+    refused as a duplicate. In an input file the line is the record's own, and a clash is
+    refused (its seed derives from its id)."""
+    taken = set()
+    for _, row in rows:
+        row = row.row if isinstance(row, _WideInts) else row
+        if isinstance(row, dict) and is_output(row):
+            keys = (id_field,) if id_field is not None else ID_FIELDS
+            value = next((row[k] for k in keys if row.get(k) is not None), None)
+            if value is not None:
+                taken.add(str(value))
+    return taken
 
 
 def is_output(row: dict) -> bool:

@@ -404,6 +404,7 @@ def test_an_output_of_a_table_job_with_missing_ids_reads_back(tmp_path, tiny_ggu
 
     from specbatch.analyze.load import load_run
     from specbatch.cli import main
+
     model = tiny_gguf
     src = tmp_path / "in.csv"
     src.write_text("id,prompt\n007,hello\n,world\n7,again\n")
@@ -432,6 +433,26 @@ def test_an_output_of_a_table_job_with_missing_ids_reads_back(tmp_path, tiny_ggu
     _, errors = read_records(path)
     assert [e.reason for e in errors] == [
         '"id" is null; give a string or integer id, or leave the field out']
+
+
+def test_an_id_less_output_record_never_clashes_with_an_explicit_id(tmp_path):
+    """An output keeps its records' order, not their input lines: after ``--on-error skip``
+    the id-less record on output line 1 would take id 1, which the next record has; ``analyze``
+    dropped one as a duplicate. It is known as ``"line 1"`` instead (only where it clashes);
+    in an input file the same clash is still refused (a record's seed derives from its id)."""
+    from specbatch.analyze.load import load_run
+
+    out = {"output": "x", "output_token_ids": [1], "finish_reason": "length",
+           "usage": {"prompt_tokens": 1, "completion_tokens": 1},
+           "spec": {"num_steps": 1, "num_drafts": 0, "num_draft_tokens": 0,
+                    "num_accepted_tokens": 0}}
+    rows = [{"prompt": "a"}, {"id": 1, "prompt": "b"}, {"prompt": "c"}]
+    path = _write_jsonl(tmp_path / "out.jsonl", [{**r, **out} for r in rows])
+    records, errors = read_records(path)
+    assert errors == [] and [r.id for r in records] == ["line 1", 1, 3]
+    assert [r.id for r in load_run(path).records] == ["line 1", 1, 3]
+    _, errors = read_records(_write_jsonl(tmp_path / "in.jsonl", rows))
+    assert [e.line for e in errors] == [2] and "duplicate id 1" in errors[0].reason
 
 
 def test_missing_file(tmp_path):
