@@ -163,7 +163,9 @@ def run_bench(opts: BenchOptions) -> int:
     sizes = {c: len(r) for c, r in groups.items()}
     click.echo(format_table(labels, sizes, seconds, tokens, stats, opts,
                             model=llm.model_id.split("@sha256:")[0],  # the name, not the digest
-                            max_batch_size=engine_config.max_batch_size))
+                            # each category runs on its own: at most its rows (records x n)
+                            max_batch_size=min(engine_config.max_batch_size, max(
+                                sum(r.sampling.n for r in recs) for recs in groups.values()))))
     base = baseline(labels)
     for label in (lb for lb in labels if lb != base):
         diff = [i for i in outputs[base] if outputs[label].get(i) != outputs[base][i]]
@@ -186,8 +188,9 @@ def format_table(labels, sizes: dict[str, int], seconds, tokens, stats, opts,
     absent from the run are left out of it. The line above it names the settings (``prefix
     caching off`` with ``--no-prefix-caching``). model: the model that ran (its registry name
     or path, without the weights' digest); default: ``opts.model``, else the default model.
-    max_batch_size: the batch size that ran (``fit_engine_config``: at most the records, and
-    what fits in memory); default: ``opts.engine.max_batch_size``, as asked."""
+    max_batch_size: the largest batch that ran (each category runs on its own, so at most the
+    largest category's rows, and what fits in memory); default: ``opts.engine.max_batch_size``,
+    as asked."""
     if model is None:
         from specbatch.models.registry import DEFAULT_MODEL
 
@@ -225,8 +228,8 @@ def format_table(labels, sizes: dict[str, int], seconds, tokens, stats, opts,
     asked = opts.engine.max_batch_size
     ran = asked if max_batch_size is None else max_batch_size
     cfg = (f"model {model}, dtype {opts.engine.dtype}, max_batch_size {ran}"
-           + ("" if ran == asked else f" (--max-batch-size {asked} fitted to the records and "
-              "memory)")
+           + ("" if ran == asked else f" (--max-batch-size {asked}; each category runs on its "
+              "own, at most its records and what fits in memory)")
            + ("" if opts.engine.prefix_caching else ", prefix caching off")
            + f", max_tokens {opts.sampling.max_tokens}, T "
            f"{opts.sampling.temperature}, rounds {opts.repeats}; ratios to {base}"

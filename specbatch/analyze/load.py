@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specbatch.config import SamplingParams
-from specbatch.io.records import Record, RecordError, read_records
+from specbatch.io.records import OUTPUT_FIELDS, Record, RecordError, read_records
 from specbatch.spec_decode.stats import SpecStats
 
 
@@ -73,12 +73,25 @@ def load_run(path: str | Path) -> RunFile:
                                             f"{', '.join(missing)})", r.unit)))
         else:
             good.append(r)
+    if not records and errors and config is None and _outputs_without_prompts(path):
+        raise ValueError(f"{path}: none of its lines reads as a record ({errors[0].reason}, "
+                         f"line {errors[0].line}) and the run's config {cpath.name} is not "
+                         "beside it: the output of a --template, recipe or --prompt-field job "
+                         "needs it to read its records; keep or copy it beside the file")
     if not good:  # an input file (its records may not even read as prompts: no prompt field)
         lines = len(records) + len(errors)
         raise ValueError(f"{path}: none of its {lines} lines is an output record (no spec, usage, "
                          "finish_reason): analyze reads the OUT file `specbatch run` wrote, not "
                          "its input")
     return RunFile(path, config, good, problems)
+
+
+def _outputs_without_prompts(path: Path) -> bool:
+    """Whether ``path`` holds output records that do not read as prompts on their own (a
+    ``--template`` or recipe job's output without the config that names the template): read
+    with ``output`` as the prompt field, some record then has every output field."""
+    records, _ = read_records(path, prompt_field="output", null_ids=True)
+    return any(all(k in r.fields for k in OUTPUT_FIELDS) for r in records)
 
 
 def spec_stats(fields: dict) -> SpecStats:

@@ -58,6 +58,17 @@ def build_document(files: list[RunFile], opts: AnalyzeOptions, cost=None,
     return doc
 
 
+def _other_run(cost, config: dict | None) -> str | None:
+    """Why ``cost`` does not price the run of ``config``: measured for another model or dtype
+    (None when they match, or when the run's config does not say)."""
+    config = config or {}
+    for key, what in (("model", "model_id"), ("dtype", "dtype")):
+        ran, measured = config.get(key), getattr(cost, what)
+        if ran and measured and ran != measured:
+            return f"measured for {key} {measured}, the run used {ran}"
+    return None
+
+
 def _cached_calibration(config: dict | None) -> str | None:
     """The calibration `run`, `bench` and `calibrate` cached for the run's model and dtype on
     this host (``plan.costmodel.find_cached``), or None."""
@@ -88,7 +99,7 @@ def run_analyze(opts: AnalyzeOptions) -> int:
             from specbatch.plan.costmodel import load, other_engine
 
             cost = load(calibration)
-            why = cost.problem() or other_engine(cost)
+            why = cost.problem() or _other_run(cost, files[0].config) or other_engine(cost)
             if why:
                 click.echo(f"warning: {calibration}: {why}; the predicted speedups may be off "
                            "(`specbatch calibrate --recalibrate` measures this machine again)",

@@ -35,15 +35,20 @@ def run_calibrate(model: str | None, dtype: str, cache_dir: str | None, output: 
                + (f"; load average {cost.load_average:.1f}" if cost.load_average is not None
                   else ""))
     if output:
-        cost.save(output)
+        try:
+            cost.save(output)
+        except OSError as e:
+            click.echo(f"error: cannot write {output!r}: {e.strerror or e}", err=True)
+            return 2
         click.echo(f"wrote {output}")
     return 0
 
 
 def run_predict_eval(paths, k: int, model: str | None, cache_dir: str | None,
                      refit: bool = False, probe_tokens: int | None = None) -> int:
-    """How well acceptance is predicted, on ngram output files (any T: outputs do not depend
-    on drafting, so replay is exact). Two predictions, each scored by Spearman rank correlation
+    """How well acceptance is predicted, on output files (any T: outputs do not depend on
+    drafting, so replay is exact; a run of another method than ngram is measured by replaying
+    prompt lookup at ``k`` over each first answer). Two predictions, each scored by Spearman rank correlation
     over records:
 
     - before generation, from the prompt (``predict``), against the record's measured
@@ -68,6 +73,7 @@ def run_predict_eval(paths, k: int, model: str | None, cache_dir: str | None,
     probe_tokens = PROBE_TOKENS if probe_tokens is None else probe_tokens
     preds, meas, cats, feats = [], [], [], []
     probe_pred, probe_meas = [], []
+    replayed_runs: list[str] = []
     tokenizer = None
     for path in paths:
         # as analyze reads it: the run's config (beside OUT) gives the prompt field or template
@@ -85,18 +91,27 @@ def run_predict_eval(paths, k: int, model: str | None, cache_dir: str | None,
         lookup_min = cfg.get("prompt_lookup_min", 2)
         lookup_max = cfg.get("prompt_lookup_max", 4)
         max_model_len = cfg.get("max_model_len") or 1 << 30
+        # the prediction is prompt lookup's at k: a run of another method (auto, suffix, draft:
+        # drafts up to 3k, from other sources) is measured by replaying lookup at k over each
+        # first answer (exact: outputs do not depend on drafting)
+        replayed = cfg.get("method", "ngram") != "ngram"
+        if replayed:
+            replayed_runs.append(f"{path} (method {cfg.get('method')})")
         for rec in run.records:
             mal = rec.fields.get("spec", {}).get("mean_acceptance_length")
+            out = rec.fields.get("output_token_ids") or []
+            first = out[0] if out and isinstance(out[0], list) else out
+            ids, _ = renderer.first_prompt(rec)
+            if replayed and first:
+                mal = NgramReplay(ids, first, lookup_min, lookup_max, k).stats(
+                    k, rec.sampling.max_tokens, max_model_len).mean_acceptance_length
             if mal is None:
                 continue
-            ids, _ = renderer.first_prompt(rec)
             p = predict(ids, instruction_text(rec), rec.sampling.temperature, lookup_min)
             preds.append(p.acceptance_length(k))
             feats.append(p.values)
             meas.append(mal)
             cats.append(str(rec.fields.get("category", "")))
-            out = rec.fields.get("output_token_ids") or []
-            first = out[0] if out and isinstance(out[0], list) else out
             if len(first) <= probe_tokens:
                 continue
             replay = NgramReplay(ids, first, lookup_min, lookup_max, k)
@@ -113,6 +128,9 @@ def run_predict_eval(paths, k: int, model: str | None, cache_dir: str | None,
         click.echo("error: fewer than 3 records with drafting stats", err=True)
         return 2
     click.echo(f"Spearman rank correlation, predicted vs measured acceptance length (k={k}):")
+    for name in replayed_runs:
+        click.echo(f"  {name}: measured = prompt lookup replayed at k={k} over each first "
+                   "answer, not the run's own drafts")
     click.echo(f"  from the prompt, before generation:   {spearman(preds, meas):6.3f}  "
                f"({len(preds)} records, vs the whole answer)")
     if len(probe_pred) >= 3:

@@ -178,9 +178,11 @@ class CostModel:
                 * self.step_time(num_rows, 1, context_len))
 
     def save(self, path: str | os.PathLike) -> None:
+        """Write the fit as JSON (through ``PATH.tmp``, renamed over ``path``); creates the
+        folder. Raises ``OSError`` if it cannot be written."""
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_suffix(".tmp")
+        tmp = p.with_name(p.name + ".tmp")
         tmp.write_text(json.dumps(asdict(self), indent=1))
         os.replace(tmp, p)
 

@@ -475,6 +475,24 @@ def test_what_if_takes_the_cached_calibration(runs, tmp_path, monkeypatch):
     result = _invoke(args, tokenizer=True)
     assert result.exit_code == 0, result.output
     assert "measured with another engine build" in result.output
+    # --calibration of another dtype (or model): a warning naming both, still an answer
+    other = tmp_path / "bf16.json"
+    dataclasses.replace(fit, dtype="bfloat16").save(other)
+    result = _invoke(args + ["--calibration", str(other)], tokenizer=True)
+    assert result.exit_code == 0, result.output
+    assert "measured for dtype bfloat16, the run used float32" in result.output
+
+
+def test_a_template_output_away_from_its_config_says_so(tmp_path):
+    """The output of a --template job moved without OUT.config.json: its records have no
+    prompt field, so none reads; the error names the missing config, not "no output record"."""
+    from specbatch.analyze.load import load_run
+
+    out = tmp_path / "moved.jsonl"
+    out.write_text(json.dumps({"id": 1, "article": "a", "output": "x", "output_token_ids": [1],
+                               "finish_reason": "length", "usage": {}, "spec": {}}) + "\n")
+    with pytest.raises(ValueError, match=r"no prompt.*moved.jsonl.config.json is not beside it"):
+        load_run(out)
 
 
 def test_a_file_with_some_input_lines_keeps_its_output_records(runs, tmp_path):

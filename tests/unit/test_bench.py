@@ -98,8 +98,8 @@ def test_header_names_the_model_that_ran_when_model_is_not_given(tmp_path, monke
     settings = next(line for line in result.stdout.splitlines() if line.startswith("model "))
     assert settings.startswith(f"model {model}, dtype float32, "), settings
     # one record ran one row: the header says the batch size that ran, and what was asked
-    assert ", max_batch_size 1 (--max-batch-size 16 fitted to the records and memory), " \
-        in settings, settings
+    assert ", max_batch_size 1 (--max-batch-size 16; each category runs on its own, at most " \
+        "its records and what fits in memory), " in settings, settings
 
 
 def _table(labels, tps, prefix_caching=True):

@@ -553,3 +553,29 @@ def test_predict_eval_reads_a_template_job_as_run_read_it(tmp_path, tiny_gguf):
     assert result.exit_code == 0, result.output
     assert "from the prompt, before generation:" in result.output
     assert "(4 records, vs the whole answer)" in result.output
+    assert "measured = prompt lookup replayed" not in result.output  # ngram: its own figures
+    # a suffix run drafts past k from other sources: measured by replaying lookup at k instead
+    # (the same outputs, so the same figures as the ngram run's at k = 3)
+    sfx = tmp_path / "sfx.jsonl"
+    ran = CliRunner().invoke(main, ["run", str(inp), "-o", str(sfx), "--template",
+                                    "Repeat: {text}", "--method", "suffix", "--k", "3",
+                                    "--max-tokens", "24", "--no-progress", *common])
+    assert ran.exit_code == 0, ran.output
+    replay = CliRunner().invoke(main, ["predict-eval", str(sfx), "--k", "3", *common])
+    assert replay.exit_code == 0, replay.output
+    assert f"{sfx} (method suffix): measured = prompt lookup replayed at k=3" in replay.output
+    table = lambda text: text[text.index("category"):]  # noqa: E731
+    again = CliRunner().invoke(main, ["predict-eval", str(out), "--k", "3", *common])
+    assert table(replay.output) == table(again.output)
+
+
+def test_calibrate_to_an_unwritable_path_is_one_line(tmp_path, tiny_gguf):
+    """``calibrate -o`` where the file cannot be written (a file where its folder should be):
+    one ``error:`` line naming the path and exit 2, not a traceback after the measurement."""
+    blocker = tmp_path / "ro.json"
+    blocker.write_text("{}")
+    result = CliRunner().invoke(main, ["calibrate", "--model", str(tiny_gguf), "--cache-dir",
+                                       str(tmp_path / "c"), "-o", str(blocker / "x.json")])
+    assert result.exit_code == 2, result.output
+    assert f"error: cannot write {str(blocker / 'x.json')!r}" in result.output
+    assert "Traceback" not in result.output
