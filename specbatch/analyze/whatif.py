@@ -15,9 +15,12 @@ Predicted speedup (decode phase; prefill is the same for every configuration and
 With a cost model ``step_time(num_rows, query_len, context_len)`` and ``batch_size`` B rows:
 
     none:    (output tokens - answers) steps of step_time(B, q0, ctx)
-    config:  replayed decode steps, each step_time(B, q, ctx) with q = 1 + the longest draft
-             among the B rows (the runner pads a step to its longest row); the draft lengths
-             are drawn from the group's replayed k_histogram, so P(q <= 1 + d) = F(d)^B
+    config:  replayed decode steps, each step_time(B, q, ctx, num_tokens=t) with q = 1 + the
+             longest draft among the B rows (what padded attention costs) and t the rows' real
+             tokens (the runner packs them: the dense layers, and on the CPU C kernels attention
+             too, cost by t); the draft lengths are drawn from the group's replayed
+             k_histogram, so P(q <= 1 + d) = F(d)^B, and given the longest d the other rows
+             draft E[d' | d' <= d] each
     speedup = time(none) / time(config)
 
 q0 = 2 at B = 1 (the runner never feeds a one-row step a single query), else 1, and q >= q0
@@ -44,7 +47,8 @@ LOOKUPS = ((1, 2), (1, 3), (2, 4), (3, 5))
 
 
 class CostModel(Protocol):
-    def step_time(self, num_rows: int, query_len: int, context_len: int) -> float: ...
+    def step_time(self, num_rows: int, query_len: int, context_len: int,
+                  num_tokens: float | None = None) -> float: ...
 
 
 @dataclass(frozen=True, order=True)
@@ -157,11 +161,16 @@ def expected_step_time(cost: CostModel, batch_size: int, k_histogram: dict[int, 
     q0 = 2 if batch_size == 1 else 1
     total = sum(k_histogram.values())
     seconds, below = 0.0, 0.0
-    cum = 0
+    cum, cum_drafts = 0, 0
     for d in sorted(k_histogram):
         cum += k_histogram[d]
+        cum_drafts += d * k_histogram[d]
         at_most = (cum / total) ** batch_size  # P(longest draft among the rows <= d)
-        seconds += (at_most - below) * cost.step_time(batch_size, max(1 + d, q0), context_len)
+        q = max(1 + d, q0)
+        # one row drafts d, the others their mean below it (all rows are real tokens)
+        tokens = q if batch_size == 1 else batch_size + d + (batch_size - 1) * cum_drafts / cum
+        seconds += (at_most - below) * cost.step_time(batch_size, q, context_len,
+                                                      num_tokens=tokens)
         below = at_most
     return seconds
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+from types import SimpleNamespace
 
 import orjson
 import pytest
@@ -281,15 +282,24 @@ class LinearCost:
     def __init__(self, base: float, per_token: float) -> None:
         self.base, self.per_token = base, per_token
 
-    def step_time(self, num_rows: int, query_len: int, context_len: int) -> float:
-        return self.base + self.per_token * num_rows * query_len
+    def step_time(self, num_rows: int, query_len: int, context_len: int,
+                  num_tokens: float | None = None) -> float:
+        return self.base + self.per_token * (num_rows * query_len if num_tokens is None
+                                             else num_tokens)
 
 
-def test_expected_step_time_pads_to_the_longest_row():
+def test_expected_step_time_counts_the_rows_real_tokens():
+    """Rows run packed: a step costs by its real tokens (and, padded, by its longest row)."""
     cost = LinearCost(1.0, 0.5)
-    # half the steps draft 2 tokens: with 2 rows the step has 3 queries 3/4 of the time
+    # half the steps draft 2 tokens: with 2 rows the longest drafts 2 3/4 of the time, and the
+    # other row then drafts (0 + 2) / 2 = 1 on average: 2 + 2 + 1 = 5 tokens, not 2 x 3
     got = whatif.expected_step_time(cost, 2, {0: 5, 2: 5}, 100)
-    assert got == pytest.approx(0.25 * cost.step_time(2, 1, 100) + 0.75 * cost.step_time(2, 3, 100))
+    assert got == pytest.approx(0.25 * (1.0 + 0.5 * 2) + 0.75 * (1.0 + 0.5 * 5))
+    seen = []
+    probe = SimpleNamespace(
+        step_time=lambda r, q, c, num_tokens=None: seen.append((q, num_tokens)) or 1.0)
+    whatif.expected_step_time(probe, 2, {0: 5, 2: 5}, 100)
+    assert seen == [(1, 2.0), (3, 5.0)]  # padded attention still sees the longest row
     # one row: never fewer than 2 queries (the runner pads a lone row)
     assert whatif.expected_step_time(cost, 1, {0: 4}, 100) == cost.step_time(1, 2, 100)
 
