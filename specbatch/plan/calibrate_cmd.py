@@ -15,6 +15,11 @@ def run_calibrate(model: str | None, dtype: str, cache_dir: str | None, output: 
     def err(line: str) -> None:
         click.echo(line, err=True)
 
+    if output:  # before a measurement of ~20 s, not after it
+        why = _unwritable(output)
+        if why:
+            err(f"error: cannot write {output!r}: {why}")
+            return 2
     try:
         llm = LLM.from_config(model, SpecConfig(method="none"), EngineConfig(dtype=dtype, device=device),
                               cache_dir=cache_dir, echo=err)
@@ -42,6 +47,25 @@ def run_calibrate(model: str | None, dtype: str, cache_dir: str | None, output: 
             return 2
         click.echo(f"wrote {output}")
     return 0
+
+
+def _unwritable(path: str) -> str | None:
+    """Why ``path`` cannot be written (a folder or file in the way, no permission), or None:
+    creates its folder and a ``PATH.tmp`` file as ``CostModel.save`` will, then removes the
+    file."""
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_dir():
+        return "it is a folder"
+    tmp = p.with_name(p.name + ".tmp")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text("")
+        tmp.unlink()
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 def run_predict_eval(paths, k: int, model: str | None, cache_dir: str | None,

@@ -571,7 +571,8 @@ def test_predict_eval_reads_a_template_job_as_run_read_it(tmp_path, tiny_gguf):
 
 def test_calibrate_to_an_unwritable_path_is_one_line(tmp_path, tiny_gguf):
     """``calibrate -o`` where the file cannot be written (a file where its folder should be):
-    one ``error:`` line naming the path and exit 2, not a traceback after the measurement."""
+    one ``error:`` line naming the path and exit 2, before loading and measuring (~20 s on
+    the real model), not a traceback after them."""
     blocker = tmp_path / "ro.json"
     blocker.write_text("{}")
     result = CliRunner().invoke(main, ["calibrate", "--model", str(tiny_gguf), "--cache-dir",
@@ -579,3 +580,12 @@ def test_calibrate_to_an_unwritable_path_is_one_line(tmp_path, tiny_gguf):
     assert result.exit_code == 2, result.output
     assert f"error: cannot write {str(blocker / 'x.json')!r}" in result.output
     assert "Traceback" not in result.output
+    assert "loading model" not in result.output and "calibrating" not in result.output
+    # a new folder is created; the fit reads back and no PATH.tmp is left beside it
+    from specbatch.plan.costmodel import load
+
+    good = tmp_path / "new" / "cost.json"
+    result = CliRunner().invoke(main, ["calibrate", "--model", str(tiny_gguf), "--cache-dir",
+                                       str(tmp_path / "c"), "-o", str(good)])
+    assert result.exit_code == 0, result.output
+    assert load(good).samples and sorted(p.name for p in good.parent.iterdir()) == ["cost.json"]
