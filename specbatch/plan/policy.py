@@ -158,6 +158,14 @@ def _suffix_cell(matched: int, freq: float) -> tuple[int, int]:
     return min(max(matched, 1), SUFFIX_MATCH_BINS), _bucket(freq)
 
 
+def _context(seqs) -> float:
+    """The step's context for the cost model: the rows' mean length (tokens). Attention reads
+    each row up to its own length, so a step costs by the sum over rows; the longest row times
+    the rows priced a batch of 10 rows at 600-1300 tokens 25-35% high (summarization records,
+    session 15), and drafting looked cheaper than it was."""
+    return sum(len(s.token_ids) for s in seqs) / len(seqs)
+
+
 def _online(cost: CostModel) -> CostModel | OnlineCost:
     """A calibrated model keeps fitting to the run's steps; a synthetic one (no samples) stays."""
     return cost if isinstance(cost, OnlineCost) or not cost.samples else OnlineCost(cost)
@@ -228,11 +236,12 @@ class AdaptivePolicy:
 
     def _rate(self, seqs, cuts: list[int], reach: list[list[float]] | None = None) -> float:
         """Expected output tokens per second if row i feeds ``cuts[i]`` draft tokens (rows
-        run packed: the dense layers cost by the real tokens, attention by the longest row).
+        run packed: the dense layers cost by the real tokens, attention by the longest row or,
+        where packed, by the real tokens; at the rows' mean context, ``_context``).
         reach: per row, the chances that draft positions 0..j are all accepted (``_reach``)."""
         if reach is None:
             reach = self._reach(seqs, cuts)
-        ctx = max(len(s.token_ids) for s in seqs)
+        ctx = _context(seqs)
         tokens = len(seqs) + sum(sum(r[:c]) for r, c in zip(reach, cuts))
         q = 1 + max(cuts, default=0)
         return tokens / self.cost.step_time(len(seqs), q, ctx, num_tokens=len(seqs) + sum(cuts))
@@ -344,7 +353,7 @@ class AdaptivePolicy:
         context, once): that cost, spread over the row's remaining steps (``_entry_seconds``),
         is charged to the row's choice and to the step."""
         n = len(seqs)
-        ctx = max(len(s.token_ids) for s in seqs)
+        ctx = _context(seqs)
         value = lookup_rate * self.cost.token_cost(n + sum(len(d) for d in chosen), ctx)
         lookup_reach = self._reach(seqs, [len(d) for d in chosen])
         lookup_net = [sum(r) - len(r) * value for r in lookup_reach]
@@ -419,7 +428,7 @@ class AdaptivePolicy:
             cell[1] *= SUFFIX_POOL_DECAY
         if not self._suffix_drafts:
             return chosen
-        ctx = max(len(s.token_ids) for s in seqs)
+        ctx = _context(seqs)
         value = lookup_rate * self.cost.token_cost(len(seqs) + sum(len(d) for d in chosen), ctx)
         reach = self._reach(seqs, [len(d) for d in chosen])
         out, use = list(chosen), set()
@@ -467,7 +476,7 @@ class AdaptivePolicy:
         """A verify step's wall time (seconds), for the online cost fit (``OnlineCost``)."""
         if isinstance(self.cost, OnlineCost):
             self.cost.observe(len(seqs), 1 + max((len(d) for d in drafts), default=0),
-                              max(len(s.token_ids) for s in seqs),
+                              _context(seqs),
                               sum(1 + len(d) for d in drafts), seconds)
 
     def observe(self, seq, draft: list[int], emitted: list[int]) -> None:
