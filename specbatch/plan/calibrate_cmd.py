@@ -72,8 +72,8 @@ def run_predict_eval(paths, k: int, model: str | None, cache_dir: str | None,
                      refit: bool = False, probe_tokens: int | None = None) -> int:
     """How well acceptance is predicted, on output files (any T: outputs do not depend on
     drafting, so replay is exact; a run of another method than ngram is measured by replaying
-    prompt lookup at ``k`` over each first answer). Two predictions, each scored by Spearman rank correlation
-    over records:
+    prompt lookup at ``k`` over each first answer). Two predictions, each scored by Spearman
+    rank correlation over records:
 
     - before generation, from the prompt (``predict``), against the record's measured
       ``spec.mean_acceptance_length``;

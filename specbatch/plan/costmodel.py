@@ -213,10 +213,8 @@ class OnlineCost:
         self._pending: list[list[float]] = []
         # the calibration counts as ``prior_weight`` observed steps in all
         if base.samples:
-            x = np.array([_features(r, q, c, r * q, base.knots, base.packed)
-                          for r, q, c, _ in base.samples])
-            x /= np.array([sec for *_, sec in base.samples])[:, None]
-            self._fold(x, prior_weight / len(base.samples))
+            self._fold(_relative_rows(base.samples, base.knots, base.packed),
+                       prior_weight / len(base.samples))
 
     def _fold(self, x: np.ndarray, weight: float = 1.0) -> None:
         """Add rows ``x`` (features / seconds, ``[m, n]``) to the normal equations."""
@@ -330,10 +328,16 @@ def fit(samples: list[tuple[int, int, int, float]],
     much as large ones. A step cannot get cheaper with more tokens or context, so no
     coefficient is negative (an unconstrained fit of noisy timings can make one so, and then
     mispredicts every shape far from the samples)."""
-    feats = np.array([_features(r, q, c, None, knots) for r, q, c, _ in samples])
-    t = np.array([s[3] for s in samples], dtype=np.float64)
-    x = feats / t[:, None]  # relative error: target t / t = 1
+    x = _relative_rows(samples, knots)
     return solve_nonnegative(x.T @ x, x.sum(0))
+
+
+def _relative_rows(samples, knots: tuple[int, ...], packed: bool = False) -> np.ndarray:
+    """The least-squares rows of ``[rows, q, ctx, seconds]`` samples (uniform shapes): each
+    sample's features over its seconds, ``[len(samples), 4 + len(knots)]`` float64, so the
+    target is 1 and the error relative."""
+    feats = np.array([_features(r, q, c, None, knots, packed) for r, q, c, _ in samples])
+    return feats / np.array([s[3] for s in samples], dtype=np.float64)[:, None]
 
 
 def measure(forward, rows: int, query_len: int, context_len: int, repeats: int = 3,
