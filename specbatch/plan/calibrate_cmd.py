@@ -15,7 +15,7 @@ def run_calibrate(model: str | None, dtype: str, cache_dir: str | None, output: 
     def err(line: str) -> None:
         click.echo(line, err=True)
 
-    if output:  # before a measurement of ~20 s, not after it
+    if output is not None:  # before a measurement of ~20 s, not after it
         why = _unwritable(output)
         if why:
             err(f"error: cannot write {output!r}: {why}")
@@ -39,7 +39,7 @@ def run_calibrate(model: str | None, dtype: str, cache_dir: str | None, output: 
     click.echo(f"fit: {cost.describe()}; median deviation {cost.median_residual:.1%}"
                + (f"; load average {cost.load_average:.1f}" if cost.load_average is not None
                   else ""))
-    if output:
+    if output is not None:
         try:
             cost.save(output)
         except OSError as e:
@@ -50,19 +50,28 @@ def run_calibrate(model: str | None, dtype: str, cache_dir: str | None, output: 
 
 
 def _unwritable(path: str) -> str | None:
-    """Why ``path`` cannot be written (a folder or file in the way, no permission), or None:
-    creates its folder and a ``PATH.tmp`` file as ``CostModel.save`` will, then removes the
-    file."""
+    """Why ``path`` cannot be written (empty, a folder, a file where a folder should be, no
+    permission), or None: creates its folder and a temporary file in it as ``CostModel.save``
+    will, then removes that file (no file of the user's is touched)."""
+    import os
+    import tempfile
     from pathlib import Path
 
+    if not path:
+        return "an empty path"
     p = Path(path)
     if p.is_dir():
         return "it is a folder"
-    tmp = p.with_name(p.name + ".tmp")
+    for parent in p.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                return f"{str(parent)!r} is a file, not a folder"
+            break
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text("")
-        tmp.unlink()
+        fd, tmp = tempfile.mkstemp(dir=p.parent)
+        os.close(fd)
+        os.unlink(tmp)
     except OSError as e:
         return e.strerror or str(e)
     return None

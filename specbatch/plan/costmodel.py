@@ -178,13 +178,21 @@ class CostModel:
                 * self.step_time(num_rows, 1, context_len))
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the fit as JSON (through ``PATH.tmp``, renamed over ``path``); creates the
-        folder. Raises ``OSError`` if it cannot be written."""
+        """Write the fit as JSON (through a fresh temporary file beside it, renamed over
+        ``path``: no other file is touched); creates the folder. Raises ``OSError`` if it
+        cannot be written."""
+        import tempfile
+
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(p.name + ".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=1))
-        os.replace(tmp, p)
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(asdict(self), indent=1))
+            os.replace(tmp, p)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
 
 class OnlineCost:

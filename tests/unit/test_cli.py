@@ -578,14 +578,21 @@ def test_calibrate_to_an_unwritable_path_is_one_line(tmp_path, tiny_gguf):
     result = CliRunner().invoke(main, ["calibrate", "--model", str(tiny_gguf), "--cache-dir",
                                        str(tmp_path / "c"), "-o", str(blocker / "x.json")])
     assert result.exit_code == 2, result.output
-    assert f"error: cannot write {str(blocker / 'x.json')!r}" in result.output
+    assert f"error: cannot write {str(blocker / 'x.json')!r}: {str(blocker)!r} is a file, " \
+        "not a folder" in result.output
     assert "Traceback" not in result.output
     assert "loading model" not in result.output and "calibrating" not in result.output
     # a new folder is created; the fit reads back and no PATH.tmp is left beside it
     from specbatch.plan.costmodel import load
 
     good = tmp_path / "new" / "cost.json"
+    own = good.with_name("cost.json.tmp")  # a file of the user's beside it is left alone
+    own.parent.mkdir()
+    own.write_text("keep")
     result = CliRunner().invoke(main, ["calibrate", "--model", str(tiny_gguf), "--cache-dir",
                                        str(tmp_path / "c"), "-o", str(good)])
     assert result.exit_code == 0, result.output
-    assert load(good).samples and sorted(p.name for p in good.parent.iterdir()) == ["cost.json"]
+    assert load(good).samples and own.read_text() == "keep"
+    assert sorted(p.name for p in good.parent.iterdir()) == ["cost.json", "cost.json.tmp"]
+    empty = CliRunner().invoke(main, ["calibrate", "--model", str(tiny_gguf), "-o", ""])
+    assert empty.exit_code == 2 and "error: cannot write '': an empty path" in empty.output
