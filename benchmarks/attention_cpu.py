@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import attention_cpu  # noqa: E402
+from specbatch.kernels import attention_cpu  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
 

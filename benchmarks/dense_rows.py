@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import linear_cpu  # noqa: E402
+from specbatch.kernels import linear_cpu  # noqa: E402
 from specbatch.models import dense  # noqa: E402
 
 # (in_features, out_features) of one SmolLM2-135M layer: fused q/k/v, o, fused gate/up, down

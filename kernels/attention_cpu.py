@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from kernels import check, cpu_build
+from . import check, cpu_build
 
 MAX_HEAD_DIM = 256  # csrc/attention_f32.c, MAX_D
 

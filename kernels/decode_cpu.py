@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from kernels import cpu_build, linear_cpu
+from . import cpu_build, linear_cpu
 
 MAX_HEAD_DIM = 256
 

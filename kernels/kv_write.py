@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import check
+from . import check
 
 try:
     import triton

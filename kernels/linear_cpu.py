@@ -29,7 +29,7 @@ import os
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from kernels import cpu_build
+from . import cpu_build
 
 NR = 3  # weight rows per packed panel (csrc/linear_f32.c)
 BLOCK = 32  # k per quantisation block (GGUF's Q4_1 / Q8_0)

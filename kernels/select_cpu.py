@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_build
+from . import cpu_build
 
 
 def available() -> bool:

@@ -4,7 +4,11 @@ The Python surface: ``LLM`` (load a model, generate for prompts, records or chat
 ``SamplingParams``. Importing it loads no model code (torch is imported on first use).
 """
 
-from specbatch.config import SamplingParams
-from specbatch.llm import LLM
+from specbatch._source import install_kernels_finder
+
+install_kernels_finder()
+
+from specbatch.config import SamplingParams  # noqa: E402
+from specbatch.llm import LLM  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams"]

@@ -385,7 +385,7 @@ def resolve_dtype(name: str, device: str) -> str:
 def _cpu_kernels() -> bool:
     """Whether specbatch's C kernels load here (builds them on first call, ~3 s)."""
     try:
-        from kernels import linear_cpu
+        from specbatch.kernels import linear_cpu
     except ImportError:
         return False
     return linear_cpu.available()

@@ -77,7 +77,7 @@ def main() -> None:
 
         llama_mod.cpu_attention_for = timed_cpu_attention
     try:
-        from kernels import decode_cpu
+        from specbatch.kernels import decode_cpu
 
         decode_cpu.DecodeLayers.__call__ = timed("  of which C decoder layers",
                                                  decode_cpu.DecodeLayers.__call__)

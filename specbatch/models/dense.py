@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 try:
-    from kernels import linear_cpu
+    from specbatch.kernels import linear_cpu
 except ImportError:  # an install without the kernels package: oneDNN
     linear_cpu = None
 

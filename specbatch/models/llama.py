@@ -573,7 +573,7 @@ class LlamaForward:
         with the C matmul and attention in use (a caller that swapped either keeps torch)."""
         if self.cpu_decode is None:
             return False
-        from kernels import attention_cpu, linear_cpu
+        from specbatch.kernels import attention_cpu, linear_cpu
         return self.linear is linear_cpu.linear and self.cpu_attention is attention_cpu.attention
 
     def _cpu_logits(self, h: torch.Tensor, bsz: int, qlen: int, real: torch.Tensor | None,
@@ -599,7 +599,7 @@ def _use_int8_activations(forward: LlamaForward) -> None:
     8-bit activations (``kernels.linear_cpu.use_int8_activations``). Raises ``ValueError`` where
     the C matmul cannot run (int8 needs it: a float32 CPU model, x86-64 with AVX2)."""
     try:
-        from kernels import linear_cpu
+        from specbatch.kernels import linear_cpu
     except ImportError:
         linear_cpu = None
     if linear_cpu is None or not linear_cpu.available():
@@ -618,7 +618,7 @@ def cpu_decode_for(forward: LlamaForward):
     if forward.cpu_attention is None:
         return None
     try:
-        from kernels import decode_cpu
+        from specbatch.kernels import decode_cpu
     except ImportError:  # an install without the kernels package
         return None
     hidden = forward.embed.shape[1]
@@ -638,7 +638,7 @@ def cpu_attention_for(forward: LlamaForward):
     if forward.device.type != "cpu" or forward.dtype != torch.float32:
         return None
     try:
-        from kernels import attention_cpu
+        from specbatch.kernels import attention_cpu
     except ImportError:  # an install without the kernels package
         return None
     return attention_cpu.attention if attention_cpu.available(forward.head_dim) else None

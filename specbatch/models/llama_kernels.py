@@ -25,7 +25,7 @@ def can_use_kernels(forward) -> bool:
     device asks for them (``kernels.enabled``), the dtype is 16/32-bit float and head_dim a
     power of 2 >= 16."""
     try:
-        import kernels
+        from specbatch import kernels
     except ImportError:  # an install without the kernels package
         return False
     d = forward.head_dim
@@ -42,8 +42,8 @@ def forward_with_kernels(forward, input_ids: torch.Tensor, positions: torch.Tens
     ``KVCache`` (contiguous ``[R, Hkv, C, D]`` per layer). Returns logits ``[B, Q, vocab]``
     float32.
     """
-    from kernels.attention import attention
-    from kernels.kv_write import kv_write
+    from specbatch.kernels.attention import attention
+    from specbatch.kernels.kv_write import kv_write
 
     bsz, qlen = input_ids.shape
     num_tokens = bsz * qlen

@@ -491,7 +491,7 @@ def kernel_path(dtype: str, device: str) -> str:
     if dtype not in ("float32", "int8"):  # bfloat16 and float64 run on torch's kernels
         return "torch"
     try:
-        from kernels import linear_cpu
+        from specbatch.kernels import linear_cpu
     except ImportError:  # an install without the kernels package
         return "torch"
     if not linear_cpu.available():

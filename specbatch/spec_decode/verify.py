@@ -56,7 +56,7 @@ def sample_and_accept(logits: torch.Tensor, meta, process=None, want_scaled: boo
     sm = meta.sampling
     banned = sm.banned_mask(meta.num_tokens, vocab)
     if process is None and not sm.any_min_p and _use_kernel(logits):
-        from kernels.sample_accept import sample_accept
+        from specbatch.kernels.sample_accept import sample_accept
 
         target, accepted = sample_accept(
             logits, meta.cu_num_fed, meta.draft_ids, meta.num_draft, sm.temperature, sm.top_k,
@@ -106,7 +106,7 @@ def greedy_accept(logits: torch.Tensor, meta, bitmask: torch.Tensor | None = Non
             or sm.num_banned):  # (min_p leaves a greedy row's argmax as it is: sampler.sample)
         return None
     try:
-        from kernels import select_cpu
+        from specbatch.kernels import select_cpu
     except ImportError:  # an install without the kernels package
         return None
     if not select_cpu.available():
@@ -124,7 +124,7 @@ def _use_kernel(logits: torch.Tensor) -> bool:
     if logits.dtype not in (torch.float32, torch.float64):
         return False
     try:
-        import kernels
+        from specbatch import kernels
     except ImportError:
         return False
     return kernels.enabled(logits.device)

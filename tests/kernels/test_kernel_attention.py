@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention import BLOCK_N, attention, attention_reference
+from specbatch.kernels.attention import BLOCK_N, attention, attention_reference
 
 H, HKV, D = 9, 3, 64  # SmolLM2-135M: 9 query heads over 3 kv heads, head_dim 64
 

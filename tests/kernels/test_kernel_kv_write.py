@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kv_write import kv_write, kv_write_reference
+from specbatch.kernels.kv_write import kv_write, kv_write_reference
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.sample_accept import sample_accept, sample_accept_reference, top_k_top_p_cut
+from specbatch.kernels.sample_accept import sample_accept, sample_accept_reference, top_k_top_p_cut
 from specbatch.spec_decode.sampler import mask_top_k_top_p
 
 

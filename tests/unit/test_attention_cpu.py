@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import attention_cpu
-from kernels.attention import attention_reference
+from specbatch.kernels import attention_cpu
+from specbatch.kernels.attention import attention_reference
 from specbatch.models.llama import LlamaForward
 from tests.helpers import tiny_llama, tiny_qwen2
 

@@ -313,7 +313,7 @@ def test_each_cpu_kernel_path_keeps_its_own_calibration(tmp_path, monkeypatch):
     portable 8-bit matmul: switching back and forth measures each once (a shared file was
     measured again at every switch, and int8's kernels read each other's step costs). A file
     named before the kernel path was part of the key is ignored."""
-    from kernels import cpu_build, linear_cpu
+    from specbatch.kernels import cpu_build, linear_cpu
 
     if not linear_cpu.available():
         pytest.skip("needs specbatch's C kernels (x86-64 with AVX2 + FMA, a C compiler)")

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from kernels import decode_cpu
+from specbatch.kernels import decode_cpu
 from specbatch.models.llama import LlamaForward
 from tests.helpers import tiny_llama, tiny_qwen2
 
@@ -98,7 +98,7 @@ def _gguf_exact(model: torch.nn.Module) -> torch.nn.Module:
 def test_exact_low_bit_weights_change_no_bit(monkeypatch):
     """The same model with its weights streamed as 4/8-bit codes and as float32 panels: the
     logits of decode and verify steps are equal bit for bit."""
-    from kernels import linear_cpu
+    from specbatch.kernels import linear_cpu
 
     base = _gguf_exact(tiny_llama(96, seed=5).float())
     other = copy.deepcopy(base)

@@ -31,7 +31,7 @@ def test_float32_linear_equals_f_linear_closely_and_is_row_invariant(backend, mo
     """float32 on CPU takes specbatch's kernel where it builds, oneDNN otherwise (MKL's sgemm
     rounds 1-3, 5-7, 9-11-row calls differently); either computes the same product: within
     float32 rounding of F.linear, a row's bits independent of the row count."""
-    from kernels import linear_cpu
+    from specbatch.kernels import linear_cpu
     from specbatch.models import dense
 
     if backend == "onednn":
@@ -55,7 +55,7 @@ def test_kernel_is_what_float32_uses_on_an_avx2_cpu_with_a_compiler():
     silent fall-back to oneDNN would cost 1.3-1.5x per step unnoticed."""
     import shutil
 
-    from kernels import cpu_build, linear_cpu
+    from specbatch.kernels import cpu_build, linear_cpu
 
     if not (cpu_build.cpu_has_avx2_fma() and (shutil.which("cc") or shutil.which("gcc"))):
         pytest.skip("needs an AVX2 CPU and a C compiler")

@@ -112,3 +112,30 @@ def test_every_method_has_one_registered_proposer():
     assert "[auto|none|ngram|draft|suffix]" in help_text
     for method in set(METHODS) - {"draft"}:
         assert make_proposer(SpecConfig(method=method)).name == method
+
+
+def test_kernels_install_under_specbatch_only():
+    """pyproject.toml installs ``kernels/`` as ``specbatch.kernels`` and lists every package
+    folder (an unlisted one would be left out of a wheel); nothing installs a top-level
+    ``kernels`` module, so Hugging Face's kernel hub (the same import name) is not shadowed and
+    transformers does not take us for it."""
+    import importlib.util
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    setup = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert setup["package-dir"] == {"specbatch.kernels": "kernels"}
+    folders = {"specbatch" + "".join("." + part for part in p.parent.relative_to(PACKAGE).parts)
+               for p in PACKAGE.rglob("__init__.py") if "__pycache__" not in p.parts}
+    assert set(setup["packages"]) == folders | {"specbatch.kernels"}
+    import specbatch.kernels
+    assert Path(specbatch.kernels.__file__).resolve() == REPO / "kernels" / "__init__.py"
+    src = "import importlib.util, specbatch.kernels; print(importlib.util.find_spec('kernels'))"
+    found = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True,
+                           cwd=REPO.parent, check=True).stdout.strip()
+    if importlib.util.find_spec("transformers") is not None:
+        from transformers.utils.import_utils import _is_package_available
+        assert not _is_package_available("kernels")[0]
+    assert found == "None"

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import linear_cpu
+from specbatch.kernels import linear_cpu
 from tests.helpers import at_thread_counts
 
 pytestmark = pytest.mark.skipif(not linear_cpu.available(),
@@ -80,7 +80,7 @@ def test_build_failure_falls_back(monkeypatch, tmp_path):
     """A compiler that fails leaves the C kernels unavailable (the engine then uses oneDNN and
     torch attention), with the compiler's message in the warning; nothing half-built is left in
     the cache. SPECBATCH_CPU_KERNELS=0 and SPECBATCH_CPU_LINEAR=onednn turn them off."""
-    from kernels import cpu_build
+    from specbatch.kernels import cpu_build
 
     monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")
@@ -100,7 +100,7 @@ def test_build_failure_falls_back(monkeypatch, tmp_path):
 
 
 def test_unwritable_cache_falls_back_to_the_temp_folder(monkeypatch, tmp_path):
-    from kernels import cpu_build
+    from specbatch.kernels import cpu_build
 
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from kernels import linear_cpu
+from specbatch.kernels import linear_cpu
 from tests.helpers import at_thread_counts, run_engine, tiny_llama
 from tests.unit.test_decode_cpu import _gguf_exact
 from tests.unit.test_linear_cpu import _gguf_roundtrip

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import select_cpu
+from specbatch.kernels import select_cpu
 
 pytestmark = pytest.mark.skipif(not select_cpu.available(), reason="C kernels not built")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.cpu_build import cpu_has_avx2_fma
+from specbatch.kernels.cpu_build import cpu_has_avx2_fma
 
 SIMD_H = Path(__file__).resolve().parents[2] / "kernels" / "csrc" / "simd.h"
 
