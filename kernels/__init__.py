@@ -18,9 +18,10 @@ tests; ``SPECBATCH_KERNELS=0`` turns them off). Otherwise it runs the torch path
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from specbatch import settings
 
 
 @functools.cache
@@ -36,8 +37,8 @@ def have_triton() -> bool:
 
 def enabled(device: torch.device | str) -> bool:
     """Whether the engine should run the Triton kernels for tensors on ``device``."""
-    flag = os.environ.get("SPECBATCH_KERNELS", "")
-    if flag == "0" or (flag != "1" and torch.device(device).type != "cuda"):
+    flag = settings.triton_kernels()
+    if flag is False or (flag is None and torch.device(device).type != "cuda"):
         return False  # decided without importing triton (slow to import)
     return have_triton()
 

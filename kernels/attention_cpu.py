@@ -11,9 +11,9 @@ plans (``LlamaForward._attention``). Built and loaded by ``kernels/cpu_build.py`
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from specbatch import settings
 
 from . import check, cpu_build
 
@@ -21,7 +21,7 @@ MAX_HEAD_DIM = 256  # csrc/attention_f32.c, MAX_D
 
 
 def _library():
-    if os.environ.get("SPECBATCH_CPU_ATTENTION", "").lower() == "torch":
+    if not settings.cpu_attention():
         return None
     return cpu_build.library()
 

@@ -24,6 +24,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from specbatch import settings
+
 _log = logging.getLogger(__name__)
 
 SOURCES = sorted(Path(__file__).with_name("csrc").glob("*.c"))
@@ -33,7 +35,7 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("SPECBATCH_CACHE") or os.path.join(
+    root = settings.cache_dir() or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specbatch")
     return Path(root) / "kernels"
 
@@ -90,7 +92,7 @@ def build() -> Path:
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None (the reason logged once) when they cannot be used here."""
-    if os.environ.get("SPECBATCH_CPU_KERNELS", "") == "0":
+    if not settings.cpu_kernels():
         return None
     if not cpu_has_avx2_fma():
         _log.info("CPU without AVX2/FMA: the C kernels are off (oneDNN matmuls, torch "
@@ -115,6 +117,13 @@ def library() -> ctypes.CDLL | None:
     lib.sb_linear_q8_isa.restype = ctypes.c_int
     lib.sb_attention_avx512.argtypes = [ctypes.c_int]
     lib.sb_attention_avx512.restype = ctypes.c_int
+    for start in (lib.sb_linear_avx512_start, lib.sb_attention_avx512_start,
+                  lib.sb_linear_q8_isa_start):
+        start.argtypes, start.restype = [ctypes.c_int], None
+    # the starting ISA from the environment; a state a test or an A/B timing set stays
+    lib.sb_linear_avx512_start(settings.cpu_avx512())
+    lib.sb_attention_avx512_start(settings.cpu_avx512())
+    lib.sb_linear_q8_isa_start(settings.cpu_vnni())
     lib.sb_decode_f32.argtypes = [p, i64, p, i64, i64, p, p, p, p, i64, i64, i64, i64, i64, i64,
                                   ctypes.c_float, ctypes.c_float, ctypes.c_int]
     lib.sb_decode_f32.restype = ctypes.c_int

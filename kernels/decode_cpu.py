@@ -14,9 +14,10 @@ torch's (the outputs agree to ~1e-6), so a step runs wholly here or wholly in to
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
+
+from specbatch import settings
 
 from . import cpu_build, linear_cpu
 
@@ -35,7 +36,7 @@ class _Layer(ctypes.Structure):
 
 
 def _library():
-    if os.environ.get("SPECBATCH_CPU_DECODE", "").lower() == "torch":
+    if not settings.cpu_decode():
         return None
     return cpu_build.library()
 

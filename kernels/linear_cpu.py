@@ -24,10 +24,10 @@ and sums exact integer products with the codes (llama.cpp's scheme; docs/design.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
+
+from specbatch import settings
 
 from . import cpu_build
 
@@ -38,7 +38,7 @@ Q4_1_X8, Q8_0_X8 = 3, 4  # the same codes with 8-bit activations (csrc/linear_q8
 
 
 def _library():
-    if os.environ.get("SPECBATCH_CPU_LINEAR", "").lower() == "onednn":
+    if not settings.cpu_linear():
         return None
     return cpu_build.library()
 
@@ -216,7 +216,7 @@ def int8_kernel(name: str | None = None) -> str | None:
 
 
 def _quantized_weights() -> bool:
-    return os.environ.get("SPECBATCH_CPU_WEIGHTS", "").lower() != "float32"
+    return settings.cpu_code_weights()
 
 
 def packed(weight: torch.Tensor) -> tuple:

@@ -7,7 +7,7 @@ Per fed token t (row b, query j): the target's token is
 
 with bans (-inf) applied first and ties to the lowest id; then row b accepts its drafts while
 they equal the target's tokens. This is ``specbatch.spec_decode.sampler.sample`` followed by
-``verify.count_accepted`` (the reference below calls exactly those), in one kernel: one program
+``sampler.count_accepted`` (the reference below calls exactly those), in one kernel: one program
 per row walks its fed tokens in order, each over the vocabulary in blocks of ``BLOCK_V``.
 
 Exactness: the noise hash (lowbias32, see ``sampler``) is integer arithmetic, done here in int64
@@ -191,9 +191,8 @@ def sample_accept_reference(logits: torch.Tensor, cu_num_fed: torch.Tensor,
                             banned: torch.Tensor | None = None, any_top_k_p: bool = True,
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain torch, same contract as ``sample_accept``: ``sampler.sample`` on the fed positions,
-    then ``verify.count_accepted`` (the engine's torch path)."""
-    from specbatch.spec_decode.sampler import sample
-    from specbatch.spec_decode.verify import count_accepted
+    then ``sampler.count_accepted`` (the engine's torch path)."""
+    from specbatch.spec_decode.sampler import count_accepted, sample
 
     bsz, qlen, vocab = logits.shape
     t = temperature.shape[0]

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import sys
 from dataclasses import dataclass, field, fields, replace
+
+from specbatch import settings
 
 METHODS = ("none", "ngram", "draft", "auto", "suffix")
 SUFFIX_CAP_FACTOR = 3  # suffix drafts may reach this many times k where a match is long
@@ -383,12 +386,14 @@ def resolve_dtype(name: str, device: str) -> str:
 
 
 def _cpu_kernels() -> bool:
-    """Whether specbatch's C kernels load here (builds them on first call, ~3 s)."""
-    try:
-        from specbatch.kernels import linear_cpu
-    except ImportError:
-        return False
-    return linear_cpu.available()
+    """Whether specbatch's C matmul can run here, judged without building it or importing torch
+    (validation stays instant): not switched off (``SPECBATCH_CPU_KERNELS=0``,
+    ``SPECBATCH_CPU_LINEAR=onednn``), AVX2 + FMA + F16C in /proc/cpuinfo (as
+    ``kernels/cpu_build.py``), and a C compiler (``$CC``, ``cc`` or ``gcc``). A compiler that
+    then fails is reported when the model loads (``models/llama.py``, ``ValueError``)."""
+    return (settings.cpu_kernels() and settings.cpu_linear()
+            and {"avx2", "fma", "f16c"} <= _cpu_flags()
+            and bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")))
 
 
 def _cpu_flags() -> frozenset[str]:

@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-_CACHE_ENV = "SPECBATCH_CACHE"  # as specbatch.models.loader.CACHE_ENV; not imported: no torch yet
+_CACHE_ENV = "SPECBATCH_CACHE"  # read by specbatch/settings.py
 _WEIGHTS_DIR = "gguf-v1"  # loader._GGUF_CACHE_DIR
 _MARKER = "specbatch-cache.json"  # loader._MARKER: the entry is complete
 

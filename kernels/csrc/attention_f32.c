@@ -275,19 +275,25 @@ ATTEND_RUN(1)
 
 static int avx512_state = -1; /* attend_run in use: -1 not decided yet */
 
+static int cpu_avx512(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512dq");
+}
+
 /* Whether attend_run (AVX-512) runs the tasks: where the CPU has AVX-512 F/VL/DQ, unless
- * SPECBATCH_CPU_AVX512=0 (as for the matmuls); enable >= 0 sets it (tests, A/B timings). The
+ * started off (sb_attention_avx512_start); enable >= 0 sets it (tests, A/B timings). The
  * same bits either way. */
 int sb_attention_avx512(int enable) {
-    __builtin_cpu_init();
-    const int cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-                    __builtin_cpu_supports("avx512dq");
-    if (avx512_state < 0) {
-        const char *env = getenv("SPECBATCH_CPU_AVX512");
-        avx512_state = cpu && !(env && env[0] == '0');
-    }
-    if (enable >= 0) avx512_state = enable && cpu;
+    if (avx512_state < 0) avx512_state = cpu_avx512();
+    if (enable >= 0) avx512_state = enable && cpu_avx512();
     return avx512_state;
+}
+
+/* The state before anything set it: on = 0 starts on the AVX2 form (cpu_build passes
+ * SPECBATCH_CPU_AVX512 from specbatch/settings.py at load). A state already set stays. */
+void sb_attention_avx512_start(int on) {
+    if (avx512_state < 0) avx512_state = on && cpu_avx512();
 }
 
 /* attend_group with G and D constants where they are common */

@@ -156,19 +156,22 @@ static int cpu_has_avx512(void) {
 static int avx512_state = -1; /* -1: not decided yet */
 
 static int use_avx512(void) {
-    if (avx512_state < 0) {
-        const char *env = getenv("SPECBATCH_CPU_AVX512");
-        avx512_state = (env == NULL || env[0] != '0') && cpu_has_avx512();
-    }
+    if (avx512_state < 0) avx512_state = cpu_has_avx512();
     return avx512_state;
 }
 
 /* enable: 0 turns the AVX-512 path off, 1 on (where the CPU has it), -1 leaves it as it is
- * (SPECBATCH_CPU_AVX512=0 starts it off); returns whether it is in use. The bits are the same
- * either way: this is for tests and A/B timings. */
+ * (sb_linear_avx512_start(0) starts it off); returns whether it is in use. The bits are the
+ * same either way: this is for tests and A/B timings. */
 int sb_linear_avx512(int enable) {
     if (enable >= 0) avx512_state = enable && cpu_has_avx512();
     return use_avx512();
+}
+
+/* The state before anything set it: on = 0 starts on the AVX2 kernels (cpu_build passes
+ * SPECBATCH_CPU_AVX512 from specbatch/settings.py at load). A state already set stays. */
+void sb_linear_avx512_start(int on) {
+    if (avx512_state < 0) avx512_state = on && cpu_has_avx512();
 }
 
 /* rows 0 .. M-1 of x times panels p0 .. p1-1, whose packed floats start at w (panel_size each):

@@ -351,14 +351,17 @@ static int cpu_vnni(void) {
 
 /* Which kernel runs: 2 AVX-512 VNNI (where the CPU has it), 1 AVX2, 0 the portable C loop
  * (tests). isa >= 0 asks for one (VNNI only where the CPU has it), -1 only asks;
- * SPECBATCH_CPU_VNNI=0 starts on AVX2. The same bits whichever runs. */
+ * sb_linear_q8_isa_start(0) starts on AVX2. The same bits whichever runs. */
 int sb_linear_q8_isa(int isa) {
-    if (isa_state < 0) {
-        const char *env = getenv("SPECBATCH_CPU_VNNI");
-        isa_state = cpu_vnni() && !(env && env[0] == '0') ? 2 : 1;
-    }
+    if (isa_state < 0) isa_state = cpu_vnni() ? 2 : 1;
     if (isa >= 0) isa_state = isa >= 2 ? (cpu_vnni() ? 2 : 1) : isa;
     return isa_state;
+}
+
+/* The state before anything set it: vnni = 0 starts on AVX2 (cpu_build passes
+ * SPECBATCH_CPU_VNNI from specbatch/settings.py at load). A state already set stays. */
+void sb_linear_q8_isa_start(int vnni) {
+    if (isa_state < 0) isa_state = vnni && cpu_vnni() ? 2 : 1;
 }
 
 /* Groups of 16 columns per thread block: at most 4 (weights of 4 groups at K = 1536 are 24 KB

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from specbatch import settings
 from specbatch.models.registry import DEFAULT_MODEL, REGISTRY, find_model, write_text_atomic
 
 logger = logging.getLogger("specbatch")
@@ -43,7 +44,6 @@ KINDS = ("registry", "gguf", "hf_folder")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                 "float16": torch.float16, "float64": torch.float64,
                 "int8": torch.float32}  # float32 weights, 8-bit activations (LlamaForward)
-CACHE_ENV = "SPECBATCH_CACHE"
 # Bump when the cache layout or conversion changes: entries of an old layout are then ignored.
 _GGUF_CACHE_DIR = "gguf-v1"
 _MARKER = "specbatch-cache.json"
@@ -186,7 +186,7 @@ def _model_folder(source: ModelSource, root: Path) -> tuple[Path, str]:
 def cache_root(cache_dir: str | Path | None = None) -> Path:
     """The cache directory: ``cache_dir``, else ``$SPECBATCH_CACHE``, else ~/.cache/specbatch."""
     if cache_dir is None:
-        cache_dir = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "specbatch"
+        cache_dir = settings.cache_dir() or Path.home() / ".cache" / "specbatch"
     return Path(cache_dir).expanduser()
 
 

@@ -39,6 +39,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specbatch import settings
+
 ROWS = (1, 4, 16)
 QUERY_LENS = (1, 2, 4, 6, 9)
 CONTEXTS = (256, 1024)
@@ -79,10 +81,7 @@ def engine_fingerprint() -> str:
     ``SPECBATCH_CPU_AVX512=0``: 1.4-1.6x slower matmuls of 3-8+ rows). A cached fit is
     reused only under the same fingerprint."""
     policy = os.environ.get("OMP_WAIT_POLICY", "default").lower()
-    kernels = "off" if os.environ.get("SPECBATCH_CPU_KERNELS", "") == "0" else "on"
-    for var in ("SPECBATCH_CPU_DECODE", "SPECBATCH_CPU_WEIGHTS", "SPECBATCH_CPU_AVX512"):
-        if os.environ.get(var):
-            kernels += f" {var}={os.environ[var]}"
+    kernels = ("on" if settings.cpu_kernels() else "off") + settings.cpu_switches()
     return (f"engine r{ENGINE_REVISION}, torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads, OpenMP wait {policy}, C kernels {kernels}")
 

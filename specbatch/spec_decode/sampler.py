@@ -151,3 +151,22 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     scores = scores.clone()
     scores[random_rows] += noise
     return argmax_lowest(scores), scaled
+
+
+def count_accepted(target_ids: torch.Tensor, draft_ids: torch.Tensor,
+                   num_draft: torch.Tensor) -> torch.Tensor:
+    """Accepted draft tokens per row.
+
+    target_ids: ``[B, Q]`` int64, the target's token at each fed position (Q >= K + 1).
+    draft_ids: ``[B, K]`` int64, right-padded with any id. num_draft: ``[B]`` int64.
+    Returns ``[B]`` int64 in ``[0, num_draft]``.
+
+    Example: target [5, 7, 9, 2], draft [5, 7, 1], num_draft 3 -> 2 accepted; emitted 5, 7 and
+    the recovered token 9.
+    """
+    k = draft_ids.shape[1]
+    if k == 0:
+        return torch.zeros(target_ids.shape[0], dtype=torch.int64, device=target_ids.device)
+    valid = torch.arange(k, device=draft_ids.device)[None, :] < num_draft[:, None]
+    match = (draft_ids == target_ids[:, :k]) & valid
+    return match.to(torch.int64).cumprod(dim=1).sum(dim=1)

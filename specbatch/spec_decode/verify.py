@@ -8,7 +8,9 @@ T = 0, position-keyed Gumbel-max above), exactly as plain decoding would choose 
 - if all drafts match, the target's token after the last draft is emitted: the **bonus** token.
 
 So a step emits ``num_accepted + 1`` tokens, all equal to what k = 0 decoding would produce
-(Leviathan et al. 2023, arXiv 2211.17192, with one-hot drafts; see ``sampler``).
+(Leviathan et al. 2023, arXiv 2211.17192, with one-hot drafts; see ``sampler``). The count
+itself is ``sampler.count_accepted``, beside the choice, so that the fused kernel's torch
+reference (``kernels.sample_accept``) uses it without importing this module.
 """
 
 from __future__ import annotations
@@ -16,25 +18,6 @@ from __future__ import annotations
 import torch
 
 from specbatch.spec_decode import sampler
-
-
-def count_accepted(target_ids: torch.Tensor, draft_ids: torch.Tensor,
-                   num_draft: torch.Tensor) -> torch.Tensor:
-    """Accepted draft tokens per row.
-
-    target_ids: ``[B, Q]`` int64, the target's token at each fed position (Q >= K + 1).
-    draft_ids: ``[B, K]`` int64, right-padded with any id. num_draft: ``[B]`` int64.
-    Returns ``[B]`` int64 in ``[0, num_draft]``.
-
-    Example: target [5, 7, 9, 2], draft [5, 7, 1], num_draft 3 -> 2 accepted; emitted 5, 7 and
-    the recovered token 9.
-    """
-    k = draft_ids.shape[1]
-    if k == 0:
-        return torch.zeros(target_ids.shape[0], dtype=torch.int64, device=target_ids.device)
-    valid = torch.arange(k, device=draft_ids.device)[None, :] < num_draft[:, None]
-    match = (draft_ids == target_ids[:, :k]) & valid
-    return match.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
 def sample_and_accept(logits: torch.Tensor, meta, process=None, want_scaled: bool = False,
@@ -46,7 +29,7 @@ def sample_and_accept(logits: torch.Tensor, meta, process=None, want_scaled: boo
     ``[T, V] -> [T, V]`` logits processing applied before sampling (``engine.logits``: grammar
     masks, logit_bias, penalties). On CUDA with Triton, and with neither ``process`` nor
     min_p, this is one fused kernel (``kernels.sample_accept``, same ids); else
-    ``sampler.sample`` and ``count_accepted`` in torch.
+    ``sampler.sample`` and ``sampler.count_accepted`` in torch.
     Returns (target ids ``[B, Q]`` int64: the target's token at each fed position, padded
     slots hold -1; accepted draft tokens ``[B]`` int64; with ``want_scaled``, the scaled
     logits ``[T, V]`` float64 (logits / T, or logits at T = 0, bans applied: the logprob
@@ -77,7 +60,7 @@ def sample_and_accept(logits: torch.Tensor, meta, process=None, want_scaled: boo
                                  sm.output_positions, banned,
                                  sm.min_p if sm.any_min_p else None, want_scaled)
     target = _target_grid(ids, meta, bsz, qlen)
-    return (target, count_accepted(target, meta.draft_ids, meta.num_draft),
+    return (target, sampler.count_accepted(target, meta.draft_ids, meta.num_draft),
             scaled if want_scaled else None)
 
 
@@ -117,7 +100,7 @@ def greedy_accept(logits: torch.Tensor, meta, bitmask: torch.Tensor | None = Non
     target = _target_grid(ids, meta, bsz, qlen)
     has_nan = torch.zeros(bsz, dtype=torch.bool)
     has_nan[meta.token_index[nan] // qlen] = True
-    return target, count_accepted(target, meta.draft_ids, meta.num_draft), has_nan
+    return target, sampler.count_accepted(target, meta.draft_ids, meta.num_draft), has_nan
 
 
 def _use_kernel(logits: torch.Tensor) -> bool:

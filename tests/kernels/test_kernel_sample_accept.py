@@ -1,5 +1,5 @@
 """kernels.sample_accept: the fused kernel gives the same ids and accepted counts as the engine's
-torch path (``sampler.sample`` + ``verify.count_accepted``), exactly."""
+torch path (``sampler.sample`` + ``sampler.count_accepted``), exactly."""
 
 from __future__ import annotations
 

@@ -343,7 +343,7 @@ def test_load_tokenizer_without_weights(kind: str, tiny_gguf: Path, hf_folder: P
     assert loader.load_tokenizer(name, cache_dir=tmp_path)[1] == model_id
     from specbatch.analyze.report import load_tokenizer  # the run's tokenizer, for the replay
 
-    monkeypatch.setenv(loader.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path))
     assert load_tokenizer(model_id)(text)["input_ids"] == tokenizer(text)["input_ids"]
 
 
