@@ -366,7 +366,7 @@ def resolve_dtype(name: str, device: str) -> str:
       FP16 (2026-12-03, torch 2.13, docs/design.md "Which CPU") oneDNN's bfloat16 ``F.linear``
       rounds rows differently with the row count (down_proj from 6 rows, lm_head from 1) and a
       2-replica run wrote another token than one process. With AVX-512 BF16 but no AMX (an AMD
-      EPYC, 2 cores, the 16 peer records, docs/benchmarks.md, session 8) float32 was also 3.4x
+      EPYC, 2 cores, the 16 peer records, docs/benchmarks.md "Zen 5") float32 was also 3.4x
       bfloat16's speed at batch 1 and on par at batch 16;
     - any other CPU: ``bfloat16`` where it has native bfloat16 matmuls (AVX-512 BF16), else
       ``float32`` (torch's bfloat16 matmul runs at scalar speed on AVX2: SmolLM2-135M batch-16

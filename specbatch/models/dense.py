@@ -17,15 +17,15 @@ measured on an AMD EPYC Zen 3 with AVX2 only, 1 and 2 threads):
   count and any row order, and as fast as MKL: 2.8 ms for the matmul above, lm_head
   ``[16, 576] x [576, 49152]`` 26 ms (bfloat16: 108 ms).
 
-- float32 through specbatch's own kernel (``kernels/linear_cpu.c``, AVX2 + FMA): invariant for
-  ``n >= 1`` by construction (one fixed reduction order per output element), and 1.3-1.5x
-  faster than oneDNN from 1 to 16 rows, where oneDNN pays for every extra row although the step
-  is bound by streaming the weights (docs/benchmarks.md, "Session 6").
+- float32 through specbatch's own kernel (``kernels/csrc/linear_f32.c``, AVX2 + FMA): invariant
+  for ``n >= 1`` by construction (one fixed reduction order per output element), and faster
+  than oneDNN from 1 to 16 rows, where oneDNN pays for every extra row although the step is
+  bound by streaming the weights (``python benchmarks/dense_rows.py``; docs/benchmarks.md).
 
 So float32 on CPU uses the kernel where it builds (x86-64 with AVX2 and a C compiler), oneDNN
-otherwise (``SPECBATCH_CPU_LINEAR=onednn`` forces oneDNN). A one-row call never happens (the
-forward pads to two rows); ``row_invariant`` re-checks the property at load time on the machine
-at hand.
+otherwise (``SPECBATCH_CPU_LINEAR=onednn`` forces oneDNN). Only the C kernel gets one-row calls
+(``LlamaForward.min_dense_rows``); the others are padded to two rows. ``row_invariant``
+re-checks the property at load time on the machine at hand.
 """
 
 from __future__ import annotations
