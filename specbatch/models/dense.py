@@ -26,6 +26,11 @@ So float32 on CPU uses the kernel where it builds (x86-64 with AVX2 and a C comp
 otherwise (``SPECBATCH_CPU_LINEAR=onednn`` forces oneDNN). A one-row call never happens (the
 forward pads to two rows); ``row_invariant`` re-checks the property at load time on the machine
 at hand.
+
+On CUDA (and wherever ``specbatch.kernels.enabled``): ``choose_cuda_linear`` takes cuBLAS with
+vLLM's no-split-K setting only if ``probe_row_invariance`` finds it invariant on the model's
+shapes at load time, else the Triton matmul ``kernels.matmul.linear`` (docs/design.md, "On a
+GPU").
 """
 
 from __future__ import annotations
