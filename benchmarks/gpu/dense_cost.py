@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(3):
             if dev.type == "cuda":
                 torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
                 start.record()
                 for _ in range(iters):
                     fn()

@@ -1,8 +1,9 @@
 """Decode/verify forward of ``LlamaForward`` with the Triton kernels (``kernels/``), for CUDA.
 
 Same math as ``LlamaForward.forward`` (the same ``_qkv``, ``_mlp`` and ``_rms_norm``, hence
-``forward.linear`` for q/k/v, o, gate/up, down and lm_head), except for the KV cache: keys and values are written by ``kernels.kv_write`` and attention reads
-the rows in place with ``kernels.attention`` (no gathered copy, no mask tensor, no host sync).
+``forward.linear`` for q/k/v, o, gate/up, down and lm_head), except for the KV cache: keys and
+values are written by ``kernels.kv_write`` and attention reads the rows in place with
+``kernels.attention`` (no gathered copy, no mask tensor, no host sync).
 Every query slot of the padded ``[B, Q]`` layout runs (padded slots too, at the positions that
 continue their row, as the unpacked torch path does): on a GPU the dense layers of a decode or
 verify step cost the weights' bytes, not the token count, and packing would need a host sync.
