@@ -20,6 +20,7 @@ read from memory once and from L2 by the other M tiles. Prefill pays for the nar
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -62,7 +63,12 @@ def config_for(n: int, k: int, dtype: torch.dtype,
     whose cost is per program, wide tiles (64 x 128 x 64) instead; as fixed (the kernel tests
     pass the GPU's config explicitly to check it).
     """
-    if interpreted if interpreted is not None else _interpreted():
+    return _config(n, k, dtype, _interpreted() if interpreted is None else interpreted)
+
+
+@functools.lru_cache(maxsize=None)
+def _config(n: int, k: int, dtype: torch.dtype, interpreted: bool) -> MatmulConfig:
+    if interpreted:
         return MatmulConfig(64, 128, 64)
     block_n = 16
     for width in (128, 64, 32):
@@ -137,19 +143,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     weight with the full weight's tiles, or to try another shape).
     Raises ``ValueError`` for a shape, dtype or device mismatch or a missing triton.
     """
-    check(triton is not None, "linear needs triton (pip install 'specbatch[gpu]')")
-    check(x.dim() >= 1 and weight.dim() == 2, f"x: [..., K], weight: [N, K], got "
-          f"{tuple(x.shape)} and {tuple(weight.shape)}")
-    n, k = weight.shape
-    check(x.shape[-1] == k, f"x has {x.shape[-1]} features, weight {tuple(weight.shape)} takes {k}")
-    check(x.dtype in DTYPES, f"dtype {x.dtype} is not one of float16, bfloat16, float32")
-    check(weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype),
-          f"dtypes differ: x {x.dtype}, weight {weight.dtype}"
-          + ("" if bias is None else f", bias {bias.dtype}"))
-    check(bias is None or tuple(bias.shape) == (n,),
-          f"bias: [{n}], got {None if bias is None else tuple(bias.shape)}")
-    check(x.device == weight.device and (bias is None or bias.device == x.device),
-          "x, weight and bias on one device")
+    n, k = weight.shape if weight.dim() == 2 else (-1, -1)
+    if not (triton is not None and x.dim() >= 1 and x.shape[-1] == k and x.dtype in DTYPES
+            and weight.dtype == x.dtype and x.device == weight.device
+            and (bias is None or (bias.dtype == x.dtype and bias.shape == (n,)
+                                  and bias.device == x.device))):
+        _check_args(x, weight, bias)  # raises, naming what is wrong (messages built only here)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
@@ -171,6 +170,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                          BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.view(*lead, n)
+
+
+def _check_args(x, weight, bias) -> None:
+    check(triton is not None, "linear needs triton (pip install 'specbatch[gpu]')")
+    check(x.dim() >= 1 and weight.dim() == 2, f"x: [..., K], weight: [N, K], got "
+          f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    n, k = weight.shape
+    check(x.shape[-1] == k, f"x has {x.shape[-1]} features, weight {tuple(weight.shape)} takes {k}")
+    check(x.dtype in DTYPES, f"dtype {x.dtype} is not one of float16, bfloat16, float32")
+    check(weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype),
+          f"dtypes differ: x {x.dtype}, weight {weight.dtype}"
+          + ("" if bias is None else f", bias {bias.dtype}"))
+    check(bias is None or tuple(bias.shape) == (n,),
+          f"bias: [{n}], got {None if bias is None else tuple(bias.shape)}")
+    check(x.device == weight.device and (bias is None or bias.device == x.device),
+          "x, weight and bias on one device")
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor,

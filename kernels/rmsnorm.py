@@ -60,14 +60,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     Returns a new ``[..., H]`` tensor in x's dtype. H <= ``MAX_HIDDEN``.
     Raises ``ValueError`` for a shape, dtype or device mismatch or a missing triton.
     """
-    check(triton is not None, "rms_norm needs triton (pip install 'specbatch[gpu]')")
-    check(x.dim() >= 1 and weight.dim() == 1 and x.shape[-1] == weight.shape[0],
-          f"x: [..., H], weight: [H], got {tuple(x.shape)} and {tuple(weight.shape)}")
-    check(x.dtype in DTYPES, f"dtype {x.dtype} is not one of float16, bfloat16, float32")
-    check(weight.dtype == x.dtype, f"dtypes differ: x {x.dtype}, weight {weight.dtype}")
-    check(x.device == weight.device, "x and weight on one device")
-    hidden = x.shape[-1]
-    check(0 < hidden <= MAX_HIDDEN, f"hidden size {hidden} is not in 1..{MAX_HIDDEN}")
+    hidden = x.shape[-1] if x.dim() else -1
+    if not (triton is not None and weight.dim() == 1 and weight.shape[0] == hidden
+            and x.dtype in DTYPES and weight.dtype == x.dtype and x.device == weight.device
+            and 0 < hidden <= MAX_HIDDEN):
+        _check_args(x, weight)  # raises, naming what is wrong (messages built only here)
     x2 = x.reshape(-1, hidden)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
@@ -80,6 +77,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             x2, w, out, x2.shape[0], hidden, x2.stride(0), out.stride(0), float(eps),
             ROWS=rows, BLOCK=block, num_warps=4 if block <= 2048 else 8)
     return out.view(x.shape)
+
+
+def _check_args(x, weight) -> None:
+    check(triton is not None, "rms_norm needs triton (pip install 'specbatch[gpu]')")
+    check(x.dim() >= 1 and weight.dim() == 1 and x.shape[-1] == weight.shape[0],
+          f"x: [..., H], weight: [H], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    check(x.dtype in DTYPES, f"dtype {x.dtype} is not one of float16, bfloat16, float32")
+    check(weight.dtype == x.dtype, f"dtypes differ: x {x.dtype}, weight {weight.dtype}")
+    check(x.device == weight.device, "x and weight on one device")
+    hidden = x.shape[-1]
+    check(0 < hidden <= MAX_HIDDEN, f"hidden size {hidden} is not in 1..{MAX_HIDDEN}")
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -9,8 +9,10 @@ matmul) on the Llama-1.5B dense shapes (hidden 2048, 16 layers, 32 x 64 query he
 heads, intermediate 8192, vocab 49152): fused q/k/v 2048 -> 3072, o 2048 -> 2048, fused
 gate/up 2048 -> 16384, down 8192 -> 2048, lm_head 2048 -> 49152; random weights. Per shape and
 row count: the mean of ``--iters`` back-to-back calls between two CUDA events, best of 3
-repeats, microseconds. ``step`` adds one step's matmuls (16 layers + lm_head). The goal
-(issue 33) is ``ratio`` = triton / cublas <= 1.25 at 16 and 64 rows.
+repeats, microseconds (``*_us``: eager, Python's launch cost included, as the engine runs them;
+``*_graph_us``: the same calls replayed from a CUDA graph, the kernels' own time). ``step``
+adds one step's eager matmuls (16 layers + lm_head). The goal (issue 33) is ``ratio`` =
+triton / cublas <= 1.25 at 16 and 64 rows.
 
 --vllm-cublas applies ``models.dense.apply_cublas_batch_invariant`` (vLLM's Hopper setting:
 no split-K) before any matmul, so ``cublas`` is then the invariant cuBLAS (run the script twice
@@ -90,6 +92,26 @@ def main(argv: list[str] | None = None) -> int:
                 best = min(best, (time.perf_counter() - t0) * 1e6 / iters)
         return best
 
+    def timed_graph(fn) -> float | None:
+        """Microseconds per call with ``iters`` calls replayed from one CUDA graph (the GPU's
+        time without Python's launch cost), best of 3; None where capture fails."""
+        if dev.type != "cuda":
+            return None
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(iters):
+                    fn()
+        except RuntimeError:
+            return None
+        return timed(graph.replay) / iters
+
     out = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "dtype": args.dtype, "rows": args.rows, "iters": iters,
            "cublas_setting": "vllm-hopper" if args.vllm_cublas else "default",
@@ -99,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype).to(dev)
         cfg = config_for(n, k, dtype)
         entry = {"in_features": k, "out_features": n, "config": cfg.__dict__,
-                 "cublas_us": {}, "triton_us": {}, "ratio": {}, "max_abs_diff": {}}
+                 "cublas_us": {}, "triton_us": {}, "ratio": {}, "max_abs_diff": {},
+                 "cublas_graph_us": {}, "triton_graph_us": {}, "graph_ratio": {}}
         for m in args.rows:
             x = torch.randn(m, k, generator=gen).to(dtype).to(dev)
             c = timed(lambda: F.linear(x, w))
@@ -108,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
             entry["cublas_us"][m], entry["triton_us"][m] = round(c, 2), round(t, 2)
             entry["ratio"][m] = round(t / c, 3)
             entry["max_abs_diff"][m] = diff
+            cg, tg = timed_graph(lambda: F.linear(x, w)), timed_graph(lambda: linear(x, w))
+            if cg is not None and tg is not None:
+                entry["cublas_graph_us"][m] = round(cg, 2)
+                entry["triton_graph_us"][m] = round(tg, 2)
+                entry["graph_ratio"][m] = round(tg / cg, 3)
             times = 1 if name == "lm_head" else LAYERS
             step["cublas_us"][m] = step["cublas_us"].get(m, 0.0) + times * c
             step["triton_us"][m] = step["triton_us"].get(m, 0.0) + times * t
