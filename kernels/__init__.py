@@ -4,6 +4,9 @@ plain-torch reference, and C for x86-64 CPUs (``csrc/``, built by ``cpu_build``)
 - ``sample_accept``: position-keyed Gumbel-max sampling fused with draft acceptance.
 - ``attention``: decode/verify attention over the KV cache in place, batch-invariant.
 - ``kv_write``: a step's keys and values into their cache rows and positions.
+- ``matmul``: the dense layers (``F.linear``'s contract), a row's bits independent of the row
+  count (fixed K order, no split-K, tiles from N/K/dtype only).
+- ``rmsnorm``: RMSNorm, one program per row.
 - ``linear_cpu`` (C): the float32 dense layers on CPU, a row's bits independent of the rows
   beside it; ``attention_cpu`` (C): ``attention``'s contract for float32 on CPU;
   ``select_cpu`` (C): an all-greedy step's choice at every fed position (masked argmax with

@@ -26,10 +26,17 @@ So float32 on CPU uses the kernel where it builds (x86-64 with AVX2 and a C comp
 otherwise (``SPECBATCH_CPU_LINEAR=onednn`` forces oneDNN). Only the C kernel gets one-row calls
 (``LlamaForward.min_dense_rows``); the others are padded to two rows. ``row_invariant``
 re-checks the property at load time on the machine at hand.
+
+On CUDA (and wherever ``specbatch.kernels.enabled``): ``choose_cuda_linear`` takes cuBLAS with
+vLLM's no-split-K setting only if ``probe_row_invariance`` finds it invariant on the model's
+shapes at load time, else the Triton matmul ``kernels.matmul.linear`` (docs/design.md, "On a
+GPU").
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from functools import lru_cache
 from typing import Callable
 
@@ -37,12 +44,15 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from specbatch import settings
+
 try:
     from specbatch.kernels import linear_cpu
 except ImportError:  # an install without the kernels package: oneDNN
     linear_cpu = None
 
 Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+_log = logging.getLogger(__name__)
 
 
 # weight -> (its version, the weight reordered once into oneDNN's blocked layout); the packed
@@ -113,16 +123,164 @@ def _has_onednn() -> bool:
         return False
 
 
-def linear_for(dtype: torch.dtype, device: torch.device | str) -> Linear:
-    """The dense matmul a forward in ``dtype`` on ``device`` uses: for float32 on CPU
-    specbatch's kernel (``kernels.linear_cpu``) where it is available, else oneDNN (when torch
-    was built with it); ``F.linear`` otherwise (bfloat16, float64, CUDA)."""
-    if torch.device(device).type == "cpu" and dtype == torch.float32:
+def linear_for(dtype: torch.dtype, device: torch.device | str,
+               shapes: tuple[tuple[int, int], ...] | None = None) -> Linear:
+    """The dense matmul a forward in ``dtype`` on ``device`` uses.
+
+    - Where the Triton kernels are enabled (``specbatch.kernels.enabled``: CUDA, or
+      ``SPECBATCH_KERNELS=1``) and the dtype is float16/bfloat16/float32: a row-count-invariant
+      matmul, ``choose_cuda_linear`` on CUDA (cuBLAS if it passes the row-invariance probe on
+      ``shapes``, else ``kernels.matmul.linear``), ``kernels.matmul.linear`` elsewhere.
+    - float32 on CPU: specbatch's C kernel (``kernels.linear_cpu``) where it is available,
+      else oneDNN (when torch was built with it).
+    - ``F.linear`` otherwise (bfloat16 and float64 on CPU; CUDA without triton).
+
+    shapes: the model's ``(in_features, out_features)`` pairs, for the CUDA probe (None: no
+    probe, the Triton matmul)."""
+    dev = torch.device(device)
+    triton_linear = _triton_linear(dtype, dev)
+    if triton_linear is not None:
+        if dev.type == "cuda":
+            return choose_cuda_linear(dtype, dev, shapes)
+        return triton_linear
+    if dev.type == "cpu" and dtype == torch.float32:
         if linear_cpu is not None and linear_cpu.available():
             return linear_cpu.linear
         if _has_onednn():
             return _onednn_linear
     return F.linear
+
+
+def _triton_linear(dtype: torch.dtype, device: torch.device) -> Linear | None:
+    """``kernels.matmul.linear`` where the kernels are enabled for ``device`` and ``dtype``."""
+    try:
+        from specbatch import kernels
+    except ImportError:  # an install without the kernels package
+        return None
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32) or not kernels.enabled(device):
+        return None
+    from specbatch.kernels import matmul
+    return matmul.linear
+
+
+def linear_name(linear: Linear) -> str:
+    """A short name of a matmul ``linear_for`` returns: ``cublas``, ``triton``, ``c``,
+    ``onednn`` or ``torch``."""
+    if linear is F.linear:
+        return "cublas"  # on CUDA; torch's CPU BLAS elsewhere
+    if linear is _onednn_linear:
+        return "onednn"
+    if linear_cpu is not None and linear is linear_cpu.linear:
+        return "c"
+    if getattr(linear, "__module__", "") == "specbatch.kernels.matmul":
+        return "triton"
+    return "torch"
+
+
+# vLLM's VLLM_BATCH_INVARIANT=1 on Hopper/Blackwell (vllm/model_executor/layers/batch_invariant.py)
+# keeps cuBLAS and removes split-K, its one source of row-count variance there, by starving it
+# of workspace; it also turns off reduced-precision reductions and TF32
+CUBLAS_INVARIANT_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"}
+
+
+def apply_cublas_batch_invariant() -> dict[str, object]:
+    """Apply vLLM's batch-invariant cuBLAS setting for Hopper (``VLLM_BATCH_INVARIANT=1``):
+    ``CUBLAS_WORKSPACE_CONFIG=:16:8`` and ``CUBLASLT_WORKSPACE_SIZE=1`` (a 1-byte cuBLASLt
+    workspace: no split-K), ``allow_fp16/bf16_reduced_precision_reduction = False`` and no
+    TF32 for float32 matmuls. The two variables are read when torch creates its cuBLAS
+    handles/workspaces, i.e. at the first CUDA matmul of the process: call this before any.
+    Returns the settings as they were before (variable -> value or None, flag -> bool), for
+    the record."""
+    before: dict[str, object] = {name: os.environ.get(name) for name in CUBLAS_INVARIANT_ENV}
+    os.environ.update(CUBLAS_INVARIANT_ENV)
+    m = torch.backends.cuda.matmul
+    before["allow_fp16_reduced_precision_reduction"] = m.allow_fp16_reduced_precision_reduction
+    before["allow_bf16_reduced_precision_reduction"] = m.allow_bf16_reduced_precision_reduction
+    before["allow_tf32"] = m.allow_tf32
+    m.allow_fp16_reduced_precision_reduction = False
+    m.allow_bf16_reduced_precision_reduction = False
+    m.allow_tf32 = False
+    return before
+
+
+PROBE_ROWS = (1, 2, 3, 4, 6, 8, 16, 32, 64, 100, 128, 256)
+# rows the load-time probe of cuBLAS checks: a decode/verify step's tokens (rows x (k + 1)) and
+# a prefill forward's (EngineConfig.max_prefill_tokens, 2048 by default)
+LOAD_PROBE_ROWS = PROBE_ROWS + (5, 7, 12, 24, 48, 96, 192, 320, 384, 512, 1024, 2048)
+
+
+def probe_row_invariance(linear: Linear, shapes, dtype: torch.dtype,
+                         device: torch.device | str,
+                         rows=PROBE_ROWS, seed: int = 0) -> dict[str, dict]:
+    """Whether ``linear`` gives every row the same bits at every row count, in any row order.
+
+    For each ``(in_features, out_features)`` in shapes: random x ``[max(rows), K]`` and weight
+    ``[N, K]`` in ``dtype`` on ``device`` (the property is the kernel's, not the weights');
+    the reference is one call on all ``max(rows)`` rows; for each count m in rows, a call on m
+    rows drawn in a random order (a full permutation at m = max(rows)) must give exactly the
+    reference's rows.
+    Returns ``{"KxN": {"in_features": K, "out_features": N, "invariant": bool,
+    "mismatched_rows": [m, ...], "max_abs_diff": float}}`` (JSON-ready), one entry per shape.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    rows = sorted(set(int(r) for r in rows))
+    top = rows[-1]
+    report = {}
+    for k, n in shapes:
+        w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype).to(device)
+        x = torch.randn(top, k, generator=gen).to(dtype).to(device)
+        full = linear(x, w, None)
+        bad, worst = [], 0.0
+        for m in rows:
+            pick = torch.randperm(top, generator=gen)[:m].to(device)
+            got = linear(x[pick], w, None)
+            if not torch.equal(got, full[pick]):
+                bad.append(m)
+                worst = max(worst, (got.double() - full[pick].double()).abs().max().item())
+        report[f"{k}x{n}"] = {"in_features": k, "out_features": n, "invariant": not bad,
+                              "mismatched_rows": bad, "max_abs_diff": worst}
+    return report
+
+
+_CUDA_CHOICE: dict[tuple, Linear] = {}
+
+
+def choose_cuda_linear(dtype: torch.dtype, device: torch.device | str,
+                       shapes: tuple[tuple[int, int], ...] | None,
+                       probe: Callable[..., dict] = probe_row_invariance) -> Linear:
+    """The dense matmul of a CUDA forward, chosen once per (dtype, device, shapes) and logged
+    in one line: ``F.linear`` (cuBLAS with ``apply_cublas_batch_invariant``) when ``probe``
+    finds it row-invariant on every shape at ``LOAD_PROBE_ROWS`` rows, else the Triton matmul
+    (``kernels.matmul.linear``, invariant by construction). ``SPECBATCH_CUDA_LINEAR=triton``
+    or ``=cublas`` skips the probe and forces one (cublas: at the user's risk). Without
+    shapes there is nothing to probe: Triton."""
+    from specbatch.kernels import matmul
+    key = (dtype, str(device), tuple(shapes or ()), probe)
+    if key in _CUDA_CHOICE:
+        return _CUDA_CHOICE[key]
+    name = str(dtype).removeprefix("torch.")
+    forced = settings.cuda_linear()
+    if forced not in ("auto", "triton", "cublas"):
+        raise ValueError(f"SPECBATCH_CUDA_LINEAR={forced!r}: expected auto, triton or cublas")
+    if forced != "auto":
+        choice = F.linear if forced == "cublas" else matmul.linear
+        why = "set by SPECBATCH_CUDA_LINEAR"
+    elif not shapes:
+        choice, why = matmul.linear, "no shapes to probe cuBLAS on"
+    else:
+        apply_cublas_batch_invariant()
+        report = probe(F.linear, shapes, dtype, device, rows=LOAD_PROBE_ROWS)
+        failed = [f"{s} at {r['mismatched_rows'][:4]} rows" for s, r in report.items()
+                  if not r["invariant"]]
+        if failed:
+            choice, why = matmul.linear, "cuBLAS is not row-invariant: " + "; ".join(failed)
+        else:
+            choice = F.linear
+            why = (f"cuBLAS (no split-K) is row-invariant on {len(report)} shapes at "
+                   f"1..{max(LOAD_PROBE_ROWS)} rows")
+    _log.info("dense layers (%s, %s): %s (%s)", name, device, linear_name(choice), why)
+    _CUDA_CHOICE[key] = choice
+    return choice
 
 
 # query rows of the attention matmuls below which a row may round differently (MKL's batched

@@ -20,8 +20,10 @@ import torch.nn.functional as F
 
 from specbatch.engine.kv_cache import KV_BLOCK, KVCache, KVSegment, plan_segments
 from specbatch.models import dense
-from specbatch.models.dense import fused_weight, linear_for, min_attention_rows, row_invariant
-from specbatch.models.llama_kernels import can_use_kernels, forward_with_kernels
+from specbatch.models.dense import (fused_weight, linear_for, linear_name, min_attention_rows,
+                                    row_invariant)
+from specbatch.models.llama_kernels import (can_use_kernels, forward_with_kernels,
+                                           rms_norm_kernel_for)
 
 _log = logging.getLogger(__name__)
 # dtypes whose matmuls were found not row-invariant here and said so: once per process (a
@@ -91,16 +93,20 @@ class LlamaForward:
         self.dtype = self.embed.dtype
         self.device = self.embed.device
         self.max_exact_rows = 256  # query rows (heads x tokens) up to which _attention is exact
-        # row-count-invariant dense matmuls (oneDNN for float32 on CPU) and the query rows the
-        # attention matmuls are padded to (see models/dense.py)
-        self.linear = linear_for(self.dtype, self.device)
+        # row-count-invariant dense matmuls (the C kernel or oneDNN for float32 on CPU; on CUDA
+        # cuBLAS if the load-time probe finds it invariant on these shapes, else Triton) and
+        # the query rows the attention matmuls are padded to (see models/dense.py)
+        inter = self.layers[0].mlp.up_proj.weight.shape[0]
+        hidden = self.embed.shape[1]
+        shapes = ((hidden, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim),
+                  (self.num_heads * self.head_dim, hidden), (hidden, 2 * inter),
+                  (inter, hidden), (hidden, self.vocab_size))
+        self.linear = linear_for(self.dtype, self.device, shapes)
+        self.dense_backend = linear_name(self.linear)  # cublas / triton / c / onednn / torch
         self.min_attention_rows = min_attention_rows(self.dtype)
-        if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
-            inter = self.layers[0].mlp.up_proj.weight.shape[0]
-            hidden = self.embed.shape[1]
-            shapes = ((hidden, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim),
-                      (hidden, self.num_heads * self.head_dim), (hidden, 2 * inter),
-                      (inter, hidden), (hidden, min(self.vocab_size, 8192)))
+        if (self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
+                and self.dense_backend != "triton"):  # Triton: invariant by construction
+            shapes = shapes[:-1] + ((hidden, min(self.vocab_size, 8192)),)
             name = str(self.dtype).removeprefix("torch.")
             if not row_invariant(self.dtype, shapes, self.head_dim) and (
                     name not in _WARNED_NOT_INVARIANT):
@@ -109,6 +115,8 @@ class LlamaForward:
                              "of rows beside it: speculation or batch size may change greedy "
                              "ties (see docs/design.md \"Which CPU\"; --dtype auto takes float32 "
                              "on x86-64 CPUs, specbatch's invariant C kernels)", name)
+        # RMSNorm as one Triton program per row where the kernels are enabled (CUDA)
+        self.rms_norm_kernel = rms_norm_kernel_for(self.dtype, self.device)
         # decode/verify with the Triton kernels (CUDA; see models/llama_kernels.py)
         self.use_kernels = can_use_kernels(self)
         # decode/verify attention in C for float32 on an AVX2 CPU (kernels/attention_cpu.py)
@@ -149,6 +157,8 @@ class LlamaForward:
                        self.kv_dtype, self.device)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.rms_norm_kernel is not None:  # one program per row (kernels/rmsnorm.py)
+            return self.rms_norm_kernel(x, weight, self.eps)
         if x.dtype == torch.float32:  # one fused op, the same bits as the lines below
             return F.rms_norm(x, weight.shape, weight, self.eps)
         h = x.float()  # as transformers does, whatever the model dtype

@@ -1,15 +1,19 @@
 """Decode/verify forward of ``LlamaForward`` with the Triton kernels (``kernels/``), for CUDA.
 
-Same math as ``LlamaForward.forward`` (projections, RoPE, RMSNorm, MLP are the same torch ops),
-except for the KV cache: keys and values are written by ``kernels.kv_write`` and attention reads
-the rows in place with ``kernels.attention`` (no gathered copy, no mask tensor, no host sync).
+Same math as ``LlamaForward.forward`` (the same ``_qkv``, ``_mlp`` and ``_rms_norm``, hence
+``forward.linear`` for q/k/v, o, gate/up, down and lm_head), except for the KV cache: keys and
+values are written by ``kernels.kv_write`` and attention reads the rows in place with
+``kernels.attention`` (no gathered copy, no mask tensor, no host sync).
 Every query slot of the padded ``[B, Q]`` layout runs (padded slots too, at the positions that
 continue their row, as the unpacked torch path does): on a GPU the dense layers of a decode or
 verify step cost the weights' bytes, not the token count, and packing would need a host sync.
 
-Batch invariance on the GPU: attention is invariant by construction (``kernels.attention``);
-the matmuls are cuBLAS's, whose kernel choice may change with the token count (split-K), the
-open part (see docs/design.md).
+Batch invariance on the GPU: every op that reduces gives a token the same bits whatever shares
+the step. Attention by construction (``kernels.attention``); RMSNorm one program per row
+(``kernels.rmsnorm``); the dense layers through ``forward.linear``, which on CUDA is cuBLAS only
+where the load-time probe found it row-invariant on the model's shapes, else the fixed-order
+Triton matmul (``kernels.matmul``; ``models.dense.choose_cuda_linear``). RoPE, SiLU, the
+residual adds and the embedding are per element.
 """
 
 from __future__ import annotations
@@ -33,6 +37,19 @@ def can_use_kernels(forward) -> bool:
             and d >= 16 and d & (d - 1) == 0)
 
 
+def rms_norm_kernel_for(dtype: torch.dtype, device: torch.device | str):
+    """``kernels.rmsnorm.rms_norm`` where the kernels are enabled for ``device`` and the dtype
+    is 16/32-bit float, else None (the torch RMSNorm)."""
+    try:
+        from specbatch import kernels
+    except ImportError:  # an install without the kernels package
+        return None
+    if dtype not in KERNEL_DTYPES or not kernels.enabled(device):
+        return None
+    from specbatch.kernels.rmsnorm import rms_norm
+    return rms_norm
+
+
 @torch.inference_mode()
 def forward_with_kernels(forward, input_ids: torch.Tensor, positions: torch.Tensor, cache,
                          rows: torch.Tensor) -> torch.Tensor:
@@ -54,18 +71,13 @@ def forward_with_kernels(forward, input_ids: torch.Tensor, positions: torch.Tens
     heads, kv_heads, dim = forward.num_heads, forward.num_kv_heads, forward.head_dim
     for i, layer in enumerate(forward.layers):
         attn = layer.self_attn
-        x = forward._rms_norm(h, layer.input_layernorm.weight)
-        q = F.linear(x, attn.q_proj.weight, attn.q_proj.bias).view(bsz, qlen, heads, dim)
-        k = F.linear(x, attn.k_proj.weight, attn.k_proj.bias).view(bsz, qlen, kv_heads, dim)
-        v = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(num_tokens, kv_heads, dim)
-        q = forward._rotate(q, cos, sin).reshape(num_tokens, heads, dim)
-        k = forward._rotate(k, cos, sin).reshape(num_tokens, kv_heads, dim)
+        q, k, v = forward._qkv(i, h, cos, sin)  # RMSNorm, fused q/k/v, RoPE on q and k
+        q = q.reshape(num_tokens, heads, dim)
+        k = k.reshape(num_tokens, kv_heads, dim)
+        v = v.reshape(num_tokens, kv_heads, dim)
         kv_write(k, v, cache.k[i], cache.v[i], tok_rows, tok_pos)
         o = attention(q, cache.k[i], cache.v[i], tok_rows, tok_pos, scale=dim ** -0.5)
-        h = h + F.linear(o.view(bsz, qlen, heads * dim), attn.o_proj.weight, attn.o_proj.bias)
-        mlp = layer.mlp
-        x = forward._rms_norm(h, layer.post_attention_layernorm.weight)
-        gated = F.silu(F.linear(x, mlp.gate_proj.weight)) * F.linear(x, mlp.up_proj.weight)
-        h = h + F.linear(gated, mlp.down_proj.weight)
+        h = forward._mlp(i, h + forward.linear(o.view(bsz, qlen, heads * dim),
+                                               attn.o_proj.weight, attn.o_proj.bias))
     h = forward._rms_norm(h, forward.norm.weight)
-    return F.linear(h, forward.lm_head).float()
+    return forward.linear(h, forward.lm_head, None).float()

@@ -1,6 +1,7 @@
 """The engine on the kernel path (``SPECBATCH_KERNELS=1``: the Triton kernels on CPU tensors
-under the interpreter, as on CUDA): outputs identical across proposer, k and batch size, and
-equal to the torch path's."""
+under the interpreter, as on CUDA: attention, KV write, sampling, the dense layers and RMSNorm,
+prefill included): outputs identical across proposer, k and batch size, and equal to the torch
+path's."""
 
 from __future__ import annotations
 
@@ -27,7 +28,10 @@ def test_engine_with_kernels_gives_the_same_outputs(monkeypatch, temperature):
     torch_path, torch_logprobs = _outputs(model, prompts, sampling, 3, 4, with_logprobs=True)
     monkeypatch.setenv("SPECBATCH_KERNELS", "1")
     from specbatch.models.llama import LlamaForward
-    assert LlamaForward(model).use_kernels
+    forward = LlamaForward(model)
+    # every reducing op on the Triton kernels: attention, dense layers, RMSNorm
+    assert forward.use_kernels and forward.dense_backend == "triton"
+    assert forward.rms_norm_kernel is not None
     got = {(k, b): _outputs(model, prompts, sampling, k, b) for k, b in [(0, 4), (3, 1)]}
     got[(3, 4)], logprobs = _outputs(model, prompts, sampling, 3, 4, with_logprobs=True)
     assert got[(3, 4)] == got[(0, 4)] == got[(3, 1)]

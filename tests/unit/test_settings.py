@@ -56,6 +56,9 @@ def test_settings_are_read_at_each_call(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECBATCH_CPU_WEIGHTS", "float32")
     monkeypatch.setenv("SPECBATCH_CPU_AVX512", "0")
     monkeypatch.setenv("SPECBATCH_CPU_VNNI", "0")
+    assert settings.cuda_linear() == "auto"
+    monkeypatch.setenv("SPECBATCH_CUDA_LINEAR", "triton")
+    assert settings.cuda_linear() == "triton"
     assert settings.cache_dir() == tmp_path and settings.triton_kernels() is True
     assert not any((settings.cpu_kernels(), settings.cpu_linear(), settings.cpu_attention(),
                     settings.cpu_decode(), settings.cpu_code_weights(), settings.cpu_avx512(),
