@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from specbatch.analyze.tables import ALL
+from specbatch.analyze.tables import ALL, distinct_rows
 from specbatch.io.records import Record
 
 MAX_PANELS_PER_ROW = 4
@@ -63,7 +63,7 @@ def write_plots(doc: dict, records: list[tuple[str, Record]], out_dir: str | Pat
     matplotlib.use("Agg")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rows = doc["tables"][doc["primary_grouping"]]
+    rows = distinct_rows(doc["tables"][doc["primary_grouping"]])  # no two equal panels
     paths = [_acceptance_length(rows, out / "acceptance_length.png", doc["primary_grouping"]),
              _per_position(rows, out / "per_position_acceptance.png", doc["primary_grouping"])]
     pairs = [(g, r.fields["spec"]["predicted_acceptance_length"],

@@ -14,7 +14,8 @@ import click
 import orjson
 
 from specbatch.analyze.load import RunFile, load_run
-from specbatch.analyze.tables import ALL, group_label, group_table
+from specbatch.analyze.tables import (ALL, NO_GROUPS, default_grouping, distinct_rows,
+                                      group_label, group_table)
 
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
 MAX_DIFFS_SHOWN = 20
@@ -37,8 +38,8 @@ def build_document(files: list[RunFile], opts: AnalyzeOptions, cost=None,
     """The analyze document: ``files``, ``tables`` per grouping, and ``what_if`` / ``compare``
     when asked. tokenizer_for: model id -> tokenizer (default: load the run's model)."""
     records = [r for f in files for r in f.records]
-    groupings = ["bucket", "proposer"] + ([opts.by] if opts.by else [])
-    primary = opts.by or "bucket"
+    primary = opts.by or default_grouping(records)
+    groupings = [primary] + (["proposer"] if primary != "proposer" else [])
     doc: dict = {
         "files": [_file_info(f) for f in files],
         "primary_grouping": primary,
@@ -181,10 +182,9 @@ def _f(x, fmt: str = ".2f", none: str = "-") -> str:
 
 
 def _group_table_text(grouping: str, rows: list[dict]) -> list[str]:
-    if len(rows) == 2:  # one group: its row equals (all)
-        rows = rows[:1]
+    rows = distinct_rows(rows)  # one group: its row equals (all)
     w = max(12, *(len(r["group"]) + 1 for r in rows))
-    lines = [f"== by {grouping} ==",
+    lines = ["== all records ==" if grouping == NO_GROUPS else f"== by {grouping} ==",
              f"{'group':<{w}}{'records':>8}{'answers':>8}{'out tok':>9}{'steps':>8}"
              f"{'prefill':>8}{'tok/step':>9}{'acc len':>8}{'acc rate':>9}{'no-draft':>9}"]
     for r in rows:

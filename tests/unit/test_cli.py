@@ -55,6 +55,28 @@ def test_version_is_the_installed_package_version():
     assert result.output == f"specbatch {version('specbatch')}\n"
 
 
+def test_dunder_version_agrees_with_dash_dash_version():
+    """``specbatch.__version__`` is the package version ``specbatch --version`` prints (issue
+    36), installed or not (then the checkout's pyproject version, which --version marks)."""
+    import importlib.metadata
+    import re
+    from pathlib import Path
+
+    import specbatch
+    from specbatch._version import package_version
+
+    printed = CliRunner().invoke(main, ["--version"]).output
+    assert printed == f"specbatch {specbatch.__version__}" + (
+        "" if package_version()[1] else " (not installed)") + "\n"
+    assert re.fullmatch(r"\d+\.\d+\.\d+\S*", specbatch.__version__)
+    pyproject = Path(specbatch.__file__).resolve().parents[1] / "pyproject.toml"
+    if pyproject.exists():  # a checkout (editable install): the same number as pyproject's
+        assert specbatch.__version__ == re.search(r'^version = "([^"]+)"', pyproject.read_text(),
+                                                  re.M).group(1)
+    else:
+        assert specbatch.__version__ == importlib.metadata.version("specbatch")
+
+
 def test_python_dash_m_runs_the_same_command_line():
     import subprocess
     import sys
