@@ -177,6 +177,12 @@ def format_text(doc: dict) -> str:
     return "\n".join(out)
 
 
+def _setting(value) -> str:
+    """A run-config value in one short piece: a string as it is, else compact JSON."""
+    text = value if isinstance(value, str) else orjson.dumps(value).decode()
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _f(x, fmt: str = ".2f", none: str = "-") -> str:
     return none if x is None else format(x, fmt)
 
@@ -275,8 +281,16 @@ def _compare_text(cmp: dict) -> list[str]:
                      f"{_f(a['mean_acceptance_length']):>10}{_f(b['mean_acceptance_length']):>10}"
                      f"{_f(a['acceptance_rate']):>11}{_f(b['acceptance_rate']):>11}")
     n = cmp["num_differing_outputs"]
-    lines.append(f"records whose output_token_ids differ: {n} of {cmp['num_common']}"
-                 + (" (should be 0: speculation must not change the output)" if n else ""))
+    settings = ", ".join(f"{d['key']} {_setting(d['a'])} vs {_setting(d['b'])}"
+                         for d in cmp["output_setting_differences"])
+    if not n:
+        why = ""
+    elif settings:  # another dtype or model gives other tokens: not speculation's doing
+        why = (f" (expected: the runs differ in what decides the tokens: {settings}; "
+               "compare runs of the same model, dtype, sampling and seed to check speculation)")
+    else:
+        why = " (should be 0: speculation must not change the output)"
+    lines.append(f"records whose output_token_ids differ: {n} of {cmp['num_common']}{why}")
     for d in cmp["differing_outputs"][:MAX_DIFFS_SHOWN]:
         lines.append(f"  id={d['id']!r}: turn {d['turn']}, first difference at token "
                      f"{d['position']} (a {d['a_token']}, b {d['b_token']})")

@@ -378,6 +378,31 @@ def test_compare_counts_differing_outputs(runs, tmp_path):
     d = cmp["differing_outputs"][0]
     assert (d["id"], d["turn"], d["position"]) == (victim["id"], 1, 2)
     assert f"id='{victim['id']}': turn 1, first difference at token 2" in format_text(doc)
+    assert cmp["output_setting_differences"] == []
+    assert "(should be 0: speculation must not change the output)" in format_text(doc)
+
+
+def test_compare_names_a_dtype_difference(runs, tmp_path):
+    """Outputs of a float32 run and an int8 run differ because of the dtype: the comparison
+    names it instead of blaming speculation (issue 36)."""
+    src = [json.loads(line) for line in runs["ngram"].read_text().splitlines()]
+    victim = next(r for r in src if "prompt" in r and r["output_token_ids"])
+    victim["output_token_ids"][0] = (victim["output_token_ids"][0] + 1) % VOCAB
+    other = tmp_path / "int8.jsonl"
+    other.write_text("".join(json.dumps(r) + "\n" for r in src))
+    config = json.loads(config_path(runs["ngram"]).read_text())
+    config_path(runs["ngram"]).write_text(json.dumps({**config, "dtype": "float32"}))
+    config_path(other).write_text(json.dumps({**config, "dtype": "int8"}))
+    try:
+        _, doc = _doc([runs["ngram"], other], compare=True)
+    finally:
+        config_path(runs["ngram"]).write_text(json.dumps(config))
+    cmp = doc["compare"]
+    assert cmp["num_differing_outputs"] == 1
+    assert cmp["output_setting_differences"] == [{"key": "dtype", "a": "float32", "b": "int8"}]
+    text = format_text(doc)
+    assert "the runs differ in what decides the tokens: dtype float32 vs int8" in text
+    assert "speculation must not change" not in text
 
 
 def test_plots_are_written(runs, tmp_path):

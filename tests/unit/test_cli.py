@@ -123,6 +123,11 @@ def test_skipped_records_are_warnings_failing_ones_errors(tmp_path, tiny_gguf):
                                      "--on-error", "skip"])
     assert skip.exit_code == 0, skip.output
     assert f"warning: {bad}" in skip.output and "error:" not in skip.output
+    # said before the model loads (seconds to minutes), not after it (issue 36)
+    assert skip.output.index(f"warning: {bad}") < skip.output.index("loading model ")
+    assert skip.output.count(f"warning: {bad}") == 1
+    assert f"skipping 1 bad record(s); listed in {tmp_path / 's.jsonl'}.errors.jsonl" in (
+        skip.output)
     fail = CliRunner().invoke(main, [*common, "-o", str(tmp_path / "f.jsonl")])
     assert fail.exit_code == 2
     assert f"error: {bad}" in fail.output and "warning:" not in fail.output
