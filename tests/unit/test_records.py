@@ -881,7 +881,8 @@ def test_utf16_files_are_read_and_bad_ones_named(tmp_path):
     all; one that does not decode is one file-level line naming the encoding, not "invalid
     UTF-8" on every line (issue 36)."""
     records, errors = read_records(CORPUS / "utf16.jsonl")
-    assert errors == [] and [r.prompt for r in records][1] == "Name a colour. Réponds en français."
+    assert errors == []
+    assert [r.prompt for r in records][1] == "Name a colour. Réponds en français."
     for encoding in ("utf-16-be", "utf-32"):
         path = tmp_path / f"{encoding}.jsonl"
         bom = b"\xfe\xff" if encoding == "utf-16-be" else b""  # utf-32 writes its own
