@@ -172,7 +172,7 @@ def _predicted_vs_measured(pairs: list[tuple[str, float, float | None]], path: P
 
 
 def _what_if(wi: dict, path: Path) -> Path:
-    rows = wi["groups"]
+    rows = distinct_rows(wi["groups"])  # one group: not beside an equal (all) panel
     speedup = wi["has_cost_model"]
     # without a cost model: tokens per decode step, the number the best setting is chosen by
     key = "predicted_speedup" if speedup else "tokens_per_decode_step"

@@ -208,6 +208,7 @@ def test_one_group_run_shows_one_row_and_one_panel(runs, tmp_path):
     finally:
         plots._panels = real
     assert panels[0] == 1  # acceptance_length.png: one panel
+    assert panels[-1] == 1  # what_if.png too
 
 def _check_row(r: dict) -> None:
     """Identities every row must satisfy, whatever the records."""
