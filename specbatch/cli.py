@@ -72,23 +72,12 @@ _FLAG_OF = {"num_speculative_tokens": "--k", "prompt_lookup_min": "--prompt-look
 
 
 def _version() -> str:
-    """The installed package's version; from a source checkout that is not installed, the one
-    ``pyproject.toml`` gives (click's own lookup raises there)."""
-    from importlib.metadata import PackageNotFoundError, version
+    """``specbatch.__version__``, marked ``(not installed)`` for a checkout run without
+    installing (click's own lookup raises there); ``unknown (not installed)`` with neither."""
+    from specbatch._version import package_version
 
-    try:
-        return version("specbatch")
-    except PackageNotFoundError:
-        pass
-    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
-    try:
-        try:
-            import tomllib
-        except ImportError:  # Python < 3.11
-            import tomli as tomllib
-        return tomllib.loads(pyproject.read_text())["project"]["version"] + " (not installed)"
-    except (ImportError, OSError, ValueError, KeyError):
-        return "unknown (not installed)"
+    version, installed = package_version()
+    return version if installed else f"{version or 'unknown'} (not installed)"
 
 
 def _stop_strings(stop: tuple[str, ...]) -> tuple[str, ...]:
@@ -501,7 +490,9 @@ def bench(input_path, configs, draft_model, model, dtype, device, max_batch_size
 @click.argument("paths", metavar="OUT.jsonl [OUT2.jsonl ...]", nargs=-1, required=True,
                 type=click.Path())
 @click.option("--by", default=None, metavar="FIELD",
-              help="Also group by this input field (e.g. category).")
+              help="Group by this input field (e.g. category), or by bucket, proposer or "
+              "all; default: bucket for an auto run, else category when the records have "
+              "one, else all.")
 @click.option("--what-if", is_flag=True,
               help="Replay other n-gram settings (k 1..8, a few n-gram sizes) on the outputs.")
 @click.option("--calibration", type=click.Path(dir_okay=False), default=None,
@@ -514,8 +505,8 @@ def bench(input_path, configs, draft_model, model, dtype, device, max_batch_size
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False), default=None,
               help="Write PNG plots into this folder.")
 def analyze(paths, by, what_if, calibration, batch_size, compare, as_json, plot_dir):
-    """Acceptance tables of output files, by bucket, proposer and --by FIELD; what-if replay
-    of other n-gram settings; side-by-side comparison of two files."""
+    """Acceptance tables of output files, by --by (default: bucket, category or all) and by
+    proposer; what-if replay of other n-gram settings; side-by-side comparison of two files."""
     from specbatch.analyze.report import AnalyzeOptions, run_analyze
 
     sys.exit(run_analyze(AnalyzeOptions(

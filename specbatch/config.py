@@ -75,7 +75,20 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # the Python forms vLLM users write: a stop string or list, a list of ids, a dict of
-        # biases (the record reader, ``from_dict``, reads JSON the same way)
+        # biases (the record reader, ``from_dict``, reads JSON the same way); a bad one is
+        # named as the caller wrote it (a dict, a list), not as the tuple it is read into
+        written = {name: getattr(self, name) for name in _AS_WRITTEN_EXPECTED
+                   if isinstance(getattr(self, name), (str, list, dict))}
+        try:
+            self._read_and_check()
+        except ConfigError as e:
+            if e.name not in written:
+                raise
+            raise ConfigError(f"{e.name}={_as_written(written[e.name])}: expected "
+                              f"{_AS_WRITTEN_EXPECTED.get(e.name) or e.expected}", e.name,
+                              e.expected) from None
+
+    def _read_and_check(self) -> None:
         if isinstance(self.stop, (str, list)):
             object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str)
                                else tuple(self.stop))

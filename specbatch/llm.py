@@ -5,7 +5,8 @@
     llm = LLM(model="smollm2-135m", method="ngram", k=5)
     outs = llm.generate(["Repeat: a b c a b c", {"turns": ["Hi", "And then?"]}],
                         SamplingParams(max_tokens=64))
-    outs[0].text, outs[0].token_ids, outs[0].finish_reason, outs[0].spec["mean_acceptance_length"]
+    outs[0].outputs[0].text, outs[0].outputs[0].token_ids, outs[0].prompt_token_ids,
+    outs[0].spec["mean_acceptance_length"]
 
 ``specbatch run``, ``bench``, ``calibrate``, ``reference`` and the Ray replicas
 (``specbatch.ray``) all build on it; no other module assembles a ``ModelRunner`` or an
@@ -82,6 +83,13 @@ class LLM:
         echo: gets the human-readable notes (calibration, plan table, a lowered batch size);
         default: the ``specbatch`` logger at INFO.
 
+    vLLM's names, so a vLLM script's ``LLM(...)`` runs: ``max_num_seqs`` (= max_batch_size),
+    ``speculative_config`` (a dict: ``method`` ``ngram`` | ``suffix`` | ``draft_model``,
+    ``num_speculative_tokens``, ``prompt_lookup_min`` / ``prompt_lookup_max``, ``model`` for a
+    draft model; it replaces method / k, and without it the method is ``auto``), dtype
+    ``half`` / ``float`` (= float16 / float32), ``tensor_parallel_size`` (1 only) and
+    ``trust_remote_code`` (no effect: specbatch runs no model code from a model's folder).
+
     Raises ``ValueError`` for a bad option (naming it) and ``ModelLoadError`` (a
     ``ValueError``) when a model cannot be loaded.
     """
@@ -91,7 +99,19 @@ class LLM:
                  max_model_len: int | None = None, prompt_lookup_min: int = 2,
                  prompt_lookup_max: int = 4, draft_model: str | None = None,
                  cache_dir: str | None = None, seed: int = 0, enable_prefix_caching: bool = True,
-                 echo: Callable[[str], None] | None = None) -> None:
+                 echo: Callable[[str], None] | None = None, max_num_seqs: int | None = None,
+                 speculative_config: dict | None = None, tensor_parallel_size: int = 1,
+                 trust_remote_code: bool = False) -> None:
+        if tensor_parallel_size != 1:
+            raise ConfigError(f"tensor_parallel_size={tensor_parallel_size!r}: specbatch runs "
+                              "one engine per process (1); use --ray --replicas N to spread a "
+                              "job", "tensor_parallel_size", "1")
+        if max_num_seqs is not None:
+            max_batch_size = max_num_seqs
+        dtype = _VLLM_DTYPES.get(dtype, dtype)
+        if speculative_config is not None:
+            method, k, prompt_lookup_min, prompt_lookup_max, draft_model = _speculative_config(
+                speculative_config, prompt_lookup_min, prompt_lookup_max)
         spec = SpecConfig(method=method, num_speculative_tokens=k,
                           prompt_lookup_min=prompt_lookup_min,
                           prompt_lookup_max=prompt_lookup_max, draft_model=draft_model)
@@ -318,15 +338,22 @@ class LLM:
     def generate(self, prompts: Iterable, sampling_params=None, *,
                  seed: int | None = None) -> list[RequestOutput]:
         """Generate for every prompt (see ``to_records``); one ``RequestOutput`` per prompt, in
-        input order, with the output fields ``specbatch run`` writes for the same record and
-        flags (the same token ids and ``spec`` stats). Raises ``ValueError`` for bad prompts
+        input order, shaped as vLLM's (``.outputs[i].text``, ``.prompt_token_ids``, ...) and
+        holding the output fields ``specbatch run`` writes for the same record and flags (the
+        same token ids and ``spec`` stats). Raises ``ValueError`` for bad prompts
         before generating anything."""
         records = self.to_records(prompts, sampling_params)
         if not records:
             return []
-        outs = {rec.index: RequestOutput.from_fields(rec, out)
+        outs = {rec.index: self._request_output(rec, out)
                 for rec, out in self.generate_records(records, seed=seed)}
         return [outs[r.index] for r in records]
+
+    def _request_output(self, rec, fields: dict) -> RequestOutput:
+        ids, _ = self.renderer.first_prompt(rec)
+        prompt = rec.prompt if rec.prompt is not None else self.tokenizer.decode(ids)
+        return RequestOutput.from_fields(rec, fields, prompt, list(ids),
+                                         lambda t: self.tokenizer.decode([t]))
 
     def chat(self, messages_list: Iterable[list[dict]], sampling_params=None, *,
              seed: int | None = None) -> list[RequestOutput]:
@@ -338,6 +365,35 @@ class LLM:
             chats = [chats]
         return self.generate([{"messages": list(m)} for m in chats], sampling_params,
                              seed=seed)
+
+
+_VLLM_DTYPES = {"half": "float16", "float": "float32"}  # vLLM's aliases
+_SPEC_METHODS = {"ngram": "ngram", "suffix": "suffix", "draft_model": "draft"}
+
+
+def _speculative_config(config, lookup_min: int, lookup_max: int) -> tuple:
+    """vLLM's ``speculative_config`` dict -> ``(method, k, prompt_lookup_min,
+    prompt_lookup_max, draft_model)``; raises ``ConfigError`` naming a key or method specbatch
+    does not have."""
+    if not isinstance(config, dict):
+        raise ConfigError(f"speculative_config={config!r}: expected a dict",
+                          "speculative_config", "a dict")
+    known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+             "model"}
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise ConfigError(f"speculative_config: unsupported key(s) {', '.join(unknown)} "
+                          f"(supported: {', '.join(sorted(known))})", "speculative_config",
+                          "known keys")
+    draft_model = config.get("model")
+    method = config.get("method") or ("draft_model" if draft_model else None)
+    if method not in _SPEC_METHODS:
+        raise ConfigError(f"speculative_config: method {method!r} is not supported (supported: "
+                          f"{', '.join(_SPEC_METHODS)})", "speculative_config",
+                          "ngram, suffix or draft_model")
+    k = config.get("num_speculative_tokens", 5)
+    return (_SPEC_METHODS[method], k, config.get("prompt_lookup_min", lookup_min),
+            config.get("prompt_lookup_max", lookup_max), draft_model)
 
 
 def _where(cost, path) -> str:

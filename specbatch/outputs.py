@@ -66,14 +66,77 @@ def output_fields(rec, samples: list[list]) -> dict:
 
 
 @dataclass
-class RequestOutput:
-    """One record's result from ``LLM.generate`` / ``LLM.chat`` (input order).
+class Logprob:
+    """One token's log probability in ``CompletionOutput.logprobs`` (vLLM's ``Logprob``).
+    logprob: natural log; rank: 1-based rank among the top-N reported at that position (None
+    when the chosen token is not among them); decoded_token: its text (None without a
+    tokenizer)."""
 
-    text / token_ids / finish_reason / stop_reason: one value, or a list with one per turn for
-    a ``turns`` record (and, with ``n`` > 1, a list of those, one per sample). token_ids
-    include a final EOS / stop id (``text`` does not).
-    usage: ``{"prompt_tokens", "completion_tokens"}``. spec: the per-record speculation stats
-    ``specbatch run`` writes (docs/output.md). fields: every output field as the CLI writes it.
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request, shaped as vLLM's ``CompletionOutput``.
+
+    index: the sample, 0 .. n-1. text / token_ids / finish_reason / stop_reason: the answer
+    (token_ids keep a final EOS / stop id, text does not); for a ``turns`` record each is a list
+    with one entry per turn. logprobs: ``None`` unless the request asked for ``logprobs``; else
+    one ``{token_id: Logprob}`` dict per output token, the chosen token and the top-N
+    (a list of those per turn for ``turns``). cumulative_logprob: the sum of the chosen tokens'
+    logprobs (per turn for ``turns``), ``None`` without ``logprobs``.
+    """
+
+    index: int
+    text: Any
+    token_ids: Any
+    cumulative_logprob: Any
+    logprobs: Any
+    finish_reason: Any
+    stop_reason: Any = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def vllm_logprobs(entries: list[dict] | None, decode=None) -> tuple[list[dict] | None,
+                                                                     float | None]:
+    """specbatch's ``logprobs`` field of one answer (``[{"token_id", "logprob", "top":
+    [[id, lp], ...]}, ...]``) -> vLLM's form, ``([{id: Logprob}, ...], cumulative logprob)``.
+    decode(id) -> text fills ``decoded_token`` (None: left None)."""
+    if entries is None:
+        return None, None
+    out, total = [], 0.0
+    for e in entries:
+        top = {t: Logprob(lp, rank, decode(t) if decode else None)
+               for rank, (t, lp) in enumerate(e["top"], start=1)}
+        chosen = top.get(e["token_id"])
+        pos = {e["token_id"]: chosen if chosen is not None else Logprob(
+            e["logprob"], None, decode(e["token_id"]) if decode else None)}
+        pos.update((t, lp) for t, lp in top.items() if t != e["token_id"])
+        out.append(pos)
+        total += e["logprob"]
+    return out, total
+
+
+@dataclass
+class RequestOutput:
+    """One record's result from ``LLM.generate`` / ``LLM.chat`` (input order), shaped as vLLM's
+    ``RequestOutput`` with specbatch's stats beside it.
+
+    vLLM's fields: request_id (the record id as text), prompt (the prompt text; for a chat or
+    ``turns`` record, the first prompt as rendered by the chat template), prompt_token_ids (the
+    first prompt's ids), outputs (one ``CompletionOutput`` per sample, ``n`` of them),
+    finished (always True: results come back whole), prompt_logprobs (None: not computed).
+
+    specbatch's own: id (the record id as given, str or int), index (input position), usage
+    (``{"prompt_tokens", "completion_tokens"}``), spec (the per-record speculation stats
+    ``specbatch run`` writes, docs/output.md), error, fields (every output field as the CLI
+    writes it). text / token_ids / finish_reason / stop_reason / logprobs: the CLI's
+    ``output`` / ``output_token_ids`` / ... fields (one value; a list per turn for a ``turns``
+    record; with ``n`` > 1 a list of those, one per sample).
     """
 
     index: int
@@ -87,9 +150,41 @@ class RequestOutput:
     logprobs: Any = None
     error: str | None = None
     fields: dict = field(default_factory=dict, repr=False)
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True
+    prompt_logprobs: None = None
+
+    @property
+    def request_id(self) -> str:
+        return str(self.id)
 
     @classmethod
-    def from_fields(cls, record, fields: dict) -> RequestOutput:
+    def from_fields(cls, record, fields: dict, prompt: str | None = None,
+                    prompt_token_ids: list[int] | None = None,
+                    decode=None) -> RequestOutput:
+        """From ``output_fields`` of ``record``. decode(id) -> text: for ``Logprob``s."""
+        n = record.sampling.n
+        is_turns = record.turns is not None
+
+        def per_sample(name):
+            v = fields.get(name)
+            return v if n > 1 else [v]
+
+        outputs = []
+        for s, (text, ids, fr, sr, lps) in enumerate(zip(
+                per_sample("output"), per_sample("output_token_ids"),
+                per_sample("finish_reason"), per_sample("stop_reason"),
+                per_sample("logprobs") if "logprobs" in fields else [None] * n)):
+            if is_turns:
+                pairs = [vllm_logprobs(t, decode) for t in lps] if lps is not None else None
+                lp = [p[0] for p in pairs] if pairs is not None else None
+                cum = [p[1] for p in pairs] if pairs is not None else None
+            else:
+                lp, cum = vllm_logprobs(lps, decode)
+            outputs.append(CompletionOutput(s, text, ids, cum, lp, fr, sr))
         return cls(record.index, record.id, fields["output"], fields["output_token_ids"],
                    fields["finish_reason"], fields["stop_reason"], fields["usage"],
-                   fields["spec"], fields.get("logprobs"), fields.get("error"), fields)
+                   fields["spec"], fields.get("logprobs"), fields.get("error"), fields,
+                   prompt=prompt, prompt_token_ids=prompt_token_ids, outputs=outputs)

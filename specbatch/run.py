@@ -186,6 +186,8 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     if errors and opts.on_error == "fail":
         _report_errors(errors, "fail")
         return EXIT_BAD_INPUT
+    if errors:  # --on-error skip: said now, not after the model load (seconds to minutes)
+        _report_errors(errors, "skip", level="warning")
 
     from specbatch.io.records import RecordError, order_warning
 
@@ -274,8 +276,9 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         _err(f"error: cannot write the output: {_os_error(e)}")
         return EXIT_BAD_INPUT
     job.writer = writer
+    if model_errors:  # those of the input were printed before the model loaded
+        _report_errors(model_errors, "skip", level="warning")
     if errors:
-        _report_errors(errors, "skip", level="warning")
         _err(f"skipping {len(errors)} bad record(s); listed in {writer.errors_path}")
     done = job.done_before = writer.done_indices()
     skip = set(skipped)

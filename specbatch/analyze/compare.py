@@ -4,7 +4,9 @@ Records are matched by id and grouped by file a's groups. Per group: records, ou
 acceptance length and acceptance rate of each file side by side, and the steps ratio b / a
 (< 1: file b needed fewer target forwards for the same tokens). Outputs: the records whose
 ``output_token_ids`` differ, each with the first differing position. Speculation must not change
-the output (same model, dtype, prompt and seed), so that count should be 0.
+the output (same model, dtype, prompt and seed), so that count should be 0 unless the files'
+configs differ in one of those (``output_setting_differences``: another dtype, e.g. float32 vs
+int8, gives other tokens by itself).
 """
 
 from __future__ import annotations
@@ -20,6 +22,21 @@ def first_difference(a: list, b: list) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
+
+
+# run-config keys (OUT.config.json) whose values decide the output tokens; speculation
+# (method, k, n-gram sizes, batch size) does not
+OUTPUT_KEYS = ("model", "dtype", "sampling", "seed", "max_model_len", "prompt_field", "template",
+               "input_sha256")
+
+
+def output_setting_differences(a: RunFile, b: RunFile) -> list[dict]:
+    """``{"key", "a", "b"}`` for each run-config value that changes output tokens and differs
+    between the two files (none when a config is missing)."""
+    if a.config is None or b.config is None:
+        return []
+    return [{"key": k, "a": a.config.get(k), "b": b.config.get(k)} for k in OUTPUT_KEYS
+            if a.config.get(k) != b.config.get(k)]
 
 
 def compare(a: RunFile, b: RunFile, grouping: str) -> dict:
@@ -60,6 +77,7 @@ def compare(a: RunFile, b: RunFile, grouping: str) -> dict:
         "num_common": len(common),
         "only_in_a": sorted(ids_a - set(by_id_b)),
         "only_in_b": sorted(set(by_id_b) - ids_a),
+        "output_setting_differences": output_setting_differences(a, b),
         "num_differing_outputs": len(differ),
         "differing_outputs": differ,
         "groups": groups,

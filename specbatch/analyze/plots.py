@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from specbatch.analyze.tables import ALL
+from specbatch.analyze.tables import ALL, distinct_rows
 from specbatch.io.records import Record
 
 MAX_PANELS_PER_ROW = 4
@@ -63,7 +63,7 @@ def write_plots(doc: dict, records: list[tuple[str, Record]], out_dir: str | Pat
     matplotlib.use("Agg")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rows = doc["tables"][doc["primary_grouping"]]
+    rows = distinct_rows(doc["tables"][doc["primary_grouping"]])  # no two equal panels
     paths = [_acceptance_length(rows, out / "acceptance_length.png", doc["primary_grouping"]),
              _per_position(rows, out / "per_position_acceptance.png", doc["primary_grouping"])]
     pairs = [(g, r.fields["spec"]["predicted_acceptance_length"],
@@ -172,7 +172,7 @@ def _predicted_vs_measured(pairs: list[tuple[str, float, float | None]], path: P
 
 
 def _what_if(wi: dict, path: Path) -> Path:
-    rows = wi["groups"]
+    rows = distinct_rows(wi["groups"])  # one group: not beside an equal (all) panel
     speedup = wi["has_cost_model"]
     # without a cost model: tokens per decode step, the number the best setting is chosen by
     key = "predicted_speedup" if speedup else "tokens_per_decode_step"

@@ -14,7 +14,8 @@ import click
 import orjson
 
 from specbatch.analyze.load import RunFile, load_run
-from specbatch.analyze.tables import ALL, group_label, group_table
+from specbatch.analyze.tables import (ALL, NO_GROUPS, default_grouping, distinct_rows,
+                                      group_label, group_table)
 
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
 MAX_DIFFS_SHOWN = 20
@@ -37,8 +38,8 @@ def build_document(files: list[RunFile], opts: AnalyzeOptions, cost=None,
     """The analyze document: ``files``, ``tables`` per grouping, and ``what_if`` / ``compare``
     when asked. tokenizer_for: model id -> tokenizer (default: load the run's model)."""
     records = [r for f in files for r in f.records]
-    groupings = ["bucket", "proposer"] + ([opts.by] if opts.by else [])
-    primary = opts.by or "bucket"
+    primary = opts.by or default_grouping(records)
+    groupings = [primary] + (["proposer"] if primary != "proposer" else [])
     doc: dict = {
         "files": [_file_info(f) for f in files],
         "primary_grouping": primary,
@@ -176,15 +177,20 @@ def format_text(doc: dict) -> str:
     return "\n".join(out)
 
 
+def _setting(value) -> str:
+    """A run-config value in one short piece: a string as it is, else compact JSON."""
+    text = value if isinstance(value, str) else orjson.dumps(value).decode()
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _f(x, fmt: str = ".2f", none: str = "-") -> str:
     return none if x is None else format(x, fmt)
 
 
 def _group_table_text(grouping: str, rows: list[dict]) -> list[str]:
-    if len(rows) == 2:  # one group: its row equals (all)
-        rows = rows[:1]
+    rows = distinct_rows(rows)  # one group: its row equals (all)
     w = max(12, *(len(r["group"]) + 1 for r in rows))
-    lines = [f"== by {grouping} ==",
+    lines = ["== all records ==" if grouping == NO_GROUPS else f"== by {grouping} ==",
              f"{'group':<{w}}{'records':>8}{'answers':>8}{'out tok':>9}{'steps':>8}"
              f"{'prefill':>8}{'tok/step':>9}{'acc len':>8}{'acc rate':>9}{'no-draft':>9}"]
     for r in rows:
@@ -275,8 +281,16 @@ def _compare_text(cmp: dict) -> list[str]:
                      f"{_f(a['mean_acceptance_length']):>10}{_f(b['mean_acceptance_length']):>10}"
                      f"{_f(a['acceptance_rate']):>11}{_f(b['acceptance_rate']):>11}")
     n = cmp["num_differing_outputs"]
-    lines.append(f"records whose output_token_ids differ: {n} of {cmp['num_common']}"
-                 + (" (should be 0: speculation must not change the output)" if n else ""))
+    settings = ", ".join(f"{d['key']} {_setting(d['a'])} vs {_setting(d['b'])}"
+                         for d in cmp["output_setting_differences"])
+    if not n:
+        why = ""
+    elif settings:  # another dtype or model gives other tokens: not speculation's doing
+        why = (f" (expected: the runs differ in what decides the tokens: {settings}; "
+               "compare runs of the same model, dtype, sampling and seed to check speculation)")
+    else:
+        why = " (should be 0: speculation must not change the output)"
+    lines.append(f"records whose output_token_ids differ: {n} of {cmp['num_common']}{why}")
     for d in cmp["differing_outputs"][:MAX_DIFFS_SHOWN]:
         lines.append(f"  id={d['id']!r}: turn {d['turn']}, first difference at token "
                      f"{d['position']} (a {d['a_token']}, b {d['b_token']})")

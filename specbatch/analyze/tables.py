@@ -1,8 +1,11 @@
 """Acceptance tables: per-record ``spec`` counters summed by group, and the ratios that decide.
 
 Groupings: ``bucket`` (``spec.bucket``, written by the auto planner; records without one are
-bucket ``-``), ``proposer`` (``none`` or ``<proposer>:k=<k>``) and any input field
-(``--by category``; records without the field are group ``-``). Every table ends with the
+bucket ``-``), ``proposer`` (``none`` or ``<proposer>:k=<k>``), any input field
+(``--by category``; records without the field are group ``-``) and ``all`` (no groups: the
+table is the ``(all)`` row alone). ``default_grouping`` picks the primary grouping of a run
+when ``--by`` does not: ``bucket`` for an auto run, else ``category`` when the records have
+one (Spec-Bench's), else ``all``. Every table ends with the
 ``(all)`` row, summed over records independently of the groups, so its counters equal both the
 sum of the group rows and the sum of the per-record counters (tested). ``(all)`` is the one
 spelling of the total, and no group is named like it.
@@ -28,10 +31,25 @@ from specbatch.spec_decode.stats import SpecStats
 ALL = "(all)"
 NO_BUCKET = "-"
 NO_FIELD = "-"
+NO_GROUPS = "all"  # the grouping of one group: every record
+DEFAULT_FIELD = "category"  # Spec-Bench's
+
+
+def default_grouping(records: list[Record]) -> str:
+    """``bucket`` when some record has a planner bucket (an auto run), else ``category`` when
+    some record has that input field, else ``all`` (one group)."""
+    if any(rec.fields["spec"].get("bucket") is not None for rec in records):
+        return "bucket"
+    if any(rec.fields.get(DEFAULT_FIELD) is not None for rec in records):
+        return DEFAULT_FIELD
+    return NO_GROUPS
 
 
 def group_label(rec: Record, grouping: str) -> str:
-    """The record's group under ``grouping`` (``bucket``, ``proposer`` or an input field)."""
+    """The record's group under ``grouping`` (``bucket``, ``proposer``, ``all`` or an input
+    field)."""
+    if grouping == NO_GROUPS:
+        return ALL
     spec = rec.fields["spec"]
     if grouping == "bucket":
         bucket = spec.get("bucket")
@@ -101,7 +119,8 @@ class Group:
 
 def group_table(records: list[Record], grouping: str,
                 labels: list[str] | None = None) -> list[dict]:
-    """Rows of one grouping, sorted by group name, then the ``(all)`` row.
+    """Rows of one grouping, sorted by group name, then the ``(all)`` row (alone for the
+    grouping ``all``).
 
     labels: the records' groups, when given (``compare`` groups both files by the first's).
     """
@@ -110,9 +129,16 @@ def group_table(records: list[Record], grouping: str,
     if labels is None:
         labels = [group_label(rec, grouping) for rec in records]
     for rec, name in zip(records, labels, strict=True):
-        groups.setdefault(name, Group(name)).add(rec)
+        if grouping != NO_GROUPS:
+            groups.setdefault(name, Group(name)).add(rec)
         total.add(rec)
     return [groups[n].row() for n in sorted(groups)] + [total.row()]
+
+
+def distinct_rows(rows: list[dict]) -> list[dict]:
+    """The rows worth showing: a table of one group and ``(all)`` shows the group only (the
+    two rows are equal)."""
+    return rows[:1] if len(rows) == 2 else rows
 
 
 def _ratio(num: float, den: float) -> float | None:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from specbatch.analyze.load import RunFile, answers, spec_stats
-from specbatch.analyze.tables import ALL, group_label
+from specbatch.analyze.tables import ALL, NO_GROUPS, group_label
 from specbatch.io.records import Record
 from specbatch.spec_decode.replay import NgramReplay
 from specbatch.spec_decode.stats import SpecStats
@@ -229,7 +229,9 @@ def what_if(files: list[RunFile], grouping: str, tokenizer_for: Callable[[str], 
                 checks.append({"file": f.label, "id": rec.id, "setting": own.name,
                                "equal": replayed == spec_stats(rec.fields).to_dict(),
                                "replayed": replayed})
-            for acc in (groups.setdefault(group_label(rec, grouping), _GroupAcc()), total):
+            accs = (total,) if grouping == NO_GROUPS else (
+                groups.setdefault(group_label(rec, grouping), _GroupAcc()), total)
+            for acc in accs:
                 acc.num_records += 1
                 acc.num_answers += len(outputs)
                 acc.num_output_tokens += sum(len(o) for o in outputs)
@@ -239,7 +241,7 @@ def what_if(files: list[RunFile], grouping: str, tokenizer_for: Callable[[str], 
                     acc.stats.setdefault(s, SpecStats("ngram", s.k)).merge(stats[s])
     rows = [_group_result(name, groups[name], settings, batch_size, cost)
             for name in sorted(groups)]
-    if groups:
+    if total.num_records:
         rows.append(_group_result(ALL, total, settings, batch_size, cost))
     reasons: dict[str, int] = {}
     for s in skipped:

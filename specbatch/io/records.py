@@ -14,7 +14,11 @@ types the reader gives them. Errors say ``path:N:`` for a line, ``path: element 
 
 Each line of a ``.jsonl`` file must be one JSON object: a line holding an array (or a string,
 a number...) is a bad record on that line, and a file holding one JSON array spread over
-several lines is refused as a whole (a ``.json`` file may hold an array of records).
+several lines is refused as a whole (a ``.json`` file may hold an array of records). An object
+that names a key twice (``{"prompt": "a", "prompt": "b"}``) is a bad record naming the key:
+JSON readers keep one value silently (``duplicate_key``). JSON text is UTF-8 (a UTF-8 BOM is
+skipped); a file that starts with a UTF-16 or UTF-32 byte order mark (Windows PowerShell's
+``>`` writes UTF-16) is read in that encoding (``_as_utf8``).
 
 A bad record never stops the read: it becomes a ``RecordError`` and the other records are still
 returned, so ``--on-error skip`` can run them. A file-level problem (missing file, unknown
@@ -415,7 +419,7 @@ def _rows(path: Path, split: str | None, id_fields: tuple[str, ...] = ID_FIELDS,
     if split is not None:
         raise _FileError(f"--split applies only to a dataset folder, not a {suffix} file")
     if suffix in (".jsonl", ".json"):
-        yield from _json_rows(path.read_bytes(), suffix)
+        yield from _json_rows(_as_utf8(path.read_bytes()), suffix)
         return
     if suffix == ".csv" and sum(1 for line in path.read_text(errors="replace").splitlines()
                                 if line.strip()) <= 1:
@@ -557,9 +561,22 @@ def _json_rows(data: bytes, suffix: str
             whole = orjson.loads(data)
         except orjson.JSONDecodeError as e:
             whole, reason = None, f"line {e.lineno}, column {e.colno}: {e.msg}"
+        if isinstance(whole, (list, dict)) and duplicate_key(data, whole) is not None:
+            # which element: read again with the pairs hook (only for such a file)
+            pairs = json.loads(data, object_pairs_hook=_object_pairs)
+            if isinstance(whole, dict):
+                key = _first_duplicate_key(pairs)
+                yield "line", start, _duplicate_key_line(key)
+                return
+            whole = [_duplicate_key_line(_first_duplicate_key(p))
+                     if _first_duplicate_key(p) is not None else item
+                     for p, item in zip(pairs, whole)]
         if isinstance(whole, list):  # a JSON array: rows are its elements
             exact = None
             for i, item in enumerate(whole):
+                if isinstance(item, _BadLine):
+                    yield "element", i + 1, item
+                    continue
                 if not isinstance(item, dict):
                     yield "element", i + 1, _BadLine(
                         f"expected a JSON object, got {_a(_kind(item))}")
@@ -576,6 +593,84 @@ def _json_rows(data: bytes, suffix: str
             raise _FileError(f"looks like a JSON array but is not valid JSON: {reason}")
     for n, row in _jsonl_rows(data):
         yield "line", n, row
+
+
+# byte order marks of the Unicode encodings other than UTF-8 (UTF-32 first: its little-endian
+# mark begins with UTF-16's)
+_OTHER_BOMS = ((b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf-32"),
+               (b"\xff\xfe", "utf-16"), (b"\xfe\xff", "utf-16"))
+
+
+def _as_utf8(data: bytes) -> bytes:
+    """``data``, re-encoded as UTF-8 when it starts with a UTF-16 or UTF-32 byte order mark
+    (Windows PowerShell's ``>`` writes UTF-16): JSON read from it then has the same lines.
+    Raises ``_FileError`` (one line, naming the encoding) when it does not decode."""
+    for bom, encoding in _OTHER_BOMS:
+        if data.startswith(bom):
+            try:
+                return data.decode(encoding).encode("utf-8")
+            except UnicodeDecodeError as e:
+                raise _FileError(f"starts with a {encoding.upper()} byte order mark but is not "
+                                 f"valid {encoding.upper()} at byte {e.start}: convert it to "
+                                 "UTF-8") from None
+    return data
+
+
+_KEY_COLON = re.compile(rb'"\s*:')  # ends every object key (and nothing else outside strings)
+
+
+class _DuplicateKeys(dict):
+    """An object read by ``json.loads`` whose text names ``keys`` more than once."""
+
+    keys: list[str]
+
+
+def _object_pairs(pairs: list[tuple[str, object]]) -> dict:
+    obj = dict(pairs)
+    if len(obj) == len(pairs):
+        return obj
+    seen: set[str] = set()
+    dup = _DuplicateKeys(obj)
+    dup.keys = [k for k, _ in pairs if k in seen or seen.add(k)]
+    return dup
+
+
+def _num_keys(value) -> int:
+    if isinstance(value, dict):
+        return len(value) + sum(_num_keys(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_num_keys(v) for v in value)
+    return 0
+
+
+def _first_duplicate_key(value) -> str | None:
+    if isinstance(value, _DuplicateKeys):
+        return value.keys[0]
+    children = value.values() if isinstance(value, dict) else (
+        value if isinstance(value, list) else ())
+    for v in children:
+        key = _first_duplicate_key(v)
+        if key is not None:
+            return key
+    return None
+
+
+def duplicate_key(source: bytes, value) -> str | None:
+    """A key that a JSON object of ``source`` (JSON text that orjson read as ``value``) holds
+    twice, else None. orjson (as the standard library) keeps the last value of a duplicate key
+    silently. Cheap on the common path: every key is a string followed by ``:``, so a text
+    with no more ``":`` than ``value`` has keys holds no duplicate; only a text with more
+    (a duplicate, or ``\":`` inside a string) is read again with a pairs hook."""
+    num_colons = len(_KEY_COLON.findall(source))
+    if ((isinstance(value, dict) and num_colons <= len(value))  # the cheap test first
+            or num_colons <= _num_keys(value)):
+        return None
+    return _first_duplicate_key(json.loads(source, object_pairs_hook=_object_pairs))
+
+
+def _duplicate_key_line(key: str) -> _BadLine:
+    return _BadLine(f"duplicate key {json.dumps(key)} in a JSON object: JSON readers keep one "
+                    "of the two values silently; keep the one you mean")
 
 
 def _jsonl_rows(data: bytes) -> Iterator[tuple[int, dict | _BadLine | _WideInts]]:
@@ -598,6 +693,10 @@ def _jsonl_rows(data: bytes) -> Iterator[tuple[int, dict | _BadLine | _WideInts]
             hint = (" (a .json file may hold an array of records)" if isinstance(value, list)
                     and any(isinstance(x, dict) for x in value) else "")
             yield n, _BadLine(f"expected one JSON object per line, got {_a(_kind(value))}{hint}")
+            continue
+        key = duplicate_key(raw, value)
+        if key is not None:
+            yield n, _duplicate_key_line(key)
             continue
         yield n, _with_wide_ints(value, _exact(text) if _may_be_wide(value) else None)
 

@@ -137,7 +137,7 @@ def test_tables_reconcile_with_records(runs, run, tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in src))
     config_path(path).write_text(config_path(runs[run]).read_text())
     _, doc = _doc([path], by="category")
-    assert set(doc["tables"]) == {"bucket", "proposer", "category"}
+    assert list(doc["tables"]) == ["category", "proposer"]  # --by replaces the bucket grouping
     want = {c: sum(r["spec"][c] for r in src) for c in COUNTERS}
     want["num_output_tokens"] = sum(r["usage"]["completion_tokens"] for r in src)
     want["num_records"] = len(src)
@@ -156,20 +156,59 @@ def test_tables_reconcile_with_records(runs, run, tmp_path):
         assert total["num_accepted_tokens_per_pos"] == pos.num_accepted_tokens_per_pos
         assert total["k_histogram"] == {str(k): n for k, n in sorted(pos.k_histogram.items())}
     text = format_text(doc)
-    assert "== by category ==" in text and "(all)" in text
+    assert "== by category ==" in text and "(all)" in text and "== by bucket ==" not in text
+    _, doc = _doc([path])  # an auto run (records with a bucket): by bucket
+    assert doc["primary_grouping"] == "bucket" and list(doc["tables"]) == ["bucket", "proposer"]
     assert [r["group"] for r in doc["tables"]["bucket"]] == ["-", "b0", "b1", "(all)"]
 
 
-def test_one_group_text_table_has_no_second_spelling_of_all(runs):
-    """A run without buckets: its bucket table has one group, ``-``, whose row the text shows
-    alone (it equals ``(all)``); nothing there reads like the total but isn't."""
+def test_a_run_without_buckets_groups_by_category(runs):
+    """A run without buckets (ngram) whose records have a ``category``: the primary grouping is
+    the category (not one bucket named ``-``), the what-if too; ``--by bucket`` still works."""
     _, doc = _doc([runs["ngram"]], what_if=True)
-    assert [r["group"] for r in doc["tables"]["bucket"]] == ["-", "(all)"]
+    assert doc["primary_grouping"] == "category"
+    assert list(doc["tables"]) == ["category", "proposer"]
+    cats = sorted({json.loads(line)["category"]
+                   for line in runs["ngram"].read_text().splitlines()})
+    assert [r["group"] for r in doc["tables"]["category"]] == cats + ["(all)"]
+    assert [g["group"] for g in doc["what_if"]["groups"]] == cats + ["(all)"]
     lines = format_text(doc).splitlines()
-    at = lines.index("== by bucket ==")
-    assert lines[at + 2].split()[0] == "-" and lines[at + 3].startswith("per-position")
-    assert not any(line.split()[:1] in (["all"], ["all:"]) for line in lines)
-    assert any(line.startswith("-: ") for line in lines)  # the what-if group
+    assert "== by category ==" in lines and "== by bucket ==" not in lines
+    _, doc = _doc([runs["ngram"]], by="bucket")
+    assert [r["group"] for r in doc["tables"]["bucket"]] == ["-", "(all)"]
+
+
+def test_one_group_run_shows_one_row_and_one_panel(runs, tmp_path):
+    """Records with neither a bucket nor a category: one group, every record; its table is the
+    ``(all)`` row alone (the text says "all records"), the what-if has one group, and the
+    acceptance-length plot draws one panel, not equal ``-`` and ``(all)`` panels."""
+    src = [json.loads(line) for line in runs["ngram"].read_text().splitlines()]
+    for rec in src:
+        del rec["category"]
+    path = tmp_path / "plain.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in src))
+    config_path(path).write_text(config_path(runs["ngram"]).read_text())
+    files, doc = _doc([path], what_if=True)
+    assert doc["primary_grouping"] == "all"
+    assert [r["group"] for r in doc["tables"]["all"]] == ["(all)"]
+    assert doc["tables"]["all"][0]["num_records"] == len(src)
+    assert [g["group"] for g in doc["what_if"]["groups"]] == ["(all)"]
+    lines = format_text(doc).splitlines()
+    at = lines.index("== all records ==")
+    assert lines[at + 2].split()[0] == "(all)" and lines[at + 3].startswith("per-position")
+    assert not any(line.split()[:1] in (["-"], ["-:"]) for line in lines)
+    pytest.importorskip("matplotlib")
+    from specbatch.analyze import plots
+
+    panels = []
+    real = plots._panels
+    plots._panels = lambda n, *a, **k: (panels.append(n), real(n, *a, **k))[1]
+    try:
+        plots.write_plots(doc, [("(all)", r) for r in files[0].records], tmp_path / "plots")
+    finally:
+        plots._panels = real
+    assert panels[0] == 1  # acceptance_length.png: one panel
+    assert panels[-1] == 1  # what_if.png too
 
 def _check_row(r: dict) -> None:
     """Identities every row must satisfy, whatever the records."""
@@ -340,6 +379,31 @@ def test_compare_counts_differing_outputs(runs, tmp_path):
     d = cmp["differing_outputs"][0]
     assert (d["id"], d["turn"], d["position"]) == (victim["id"], 1, 2)
     assert f"id='{victim['id']}': turn 1, first difference at token 2" in format_text(doc)
+    assert cmp["output_setting_differences"] == []
+    assert "(should be 0: speculation must not change the output)" in format_text(doc)
+
+
+def test_compare_names_a_dtype_difference(runs, tmp_path):
+    """Outputs of a float32 run and an int8 run differ because of the dtype: the comparison
+    names it instead of blaming speculation (issue 36)."""
+    src = [json.loads(line) for line in runs["ngram"].read_text().splitlines()]
+    victim = next(r for r in src if "prompt" in r and r["output_token_ids"])
+    victim["output_token_ids"][0] = (victim["output_token_ids"][0] + 1) % VOCAB
+    other = tmp_path / "int8.jsonl"
+    other.write_text("".join(json.dumps(r) + "\n" for r in src))
+    config = json.loads(config_path(runs["ngram"]).read_text())
+    config_path(runs["ngram"]).write_text(json.dumps({**config, "dtype": "float32"}))
+    config_path(other).write_text(json.dumps({**config, "dtype": "int8"}))
+    try:
+        _, doc = _doc([runs["ngram"], other], compare=True)
+    finally:
+        config_path(runs["ngram"]).write_text(json.dumps(config))
+    cmp = doc["compare"]
+    assert cmp["num_differing_outputs"] == 1
+    assert cmp["output_setting_differences"] == [{"key": "dtype", "a": "float32", "b": "int8"}]
+    text = format_text(doc)
+    assert "the runs differ in what decides the tokens: dtype float32 vs int8" in text
+    assert "speculation must not change" not in text
 
 
 def test_plots_are_written(runs, tmp_path):

@@ -55,6 +55,28 @@ def test_version_is_the_installed_package_version():
     assert result.output == f"specbatch {version('specbatch')}\n"
 
 
+def test_dunder_version_agrees_with_dash_dash_version():
+    """``specbatch.__version__`` is the package version ``specbatch --version`` prints (issue
+    36), installed or not (then the checkout's pyproject version, which --version marks)."""
+    import importlib.metadata
+    import re
+    from pathlib import Path
+
+    import specbatch
+    from specbatch._version import package_version
+
+    printed = CliRunner().invoke(main, ["--version"]).output
+    assert printed == f"specbatch {specbatch.__version__}" + (
+        "" if package_version()[1] else " (not installed)") + "\n"
+    assert re.fullmatch(r"\d+\.\d+\.\d+\S*", specbatch.__version__)
+    pyproject = Path(specbatch.__file__).resolve().parents[1] / "pyproject.toml"
+    if pyproject.exists():  # a checkout (editable install): the same number as pyproject's
+        assert specbatch.__version__ == re.search(r'^version = "([^"]+)"', pyproject.read_text(),
+                                                  re.M).group(1)
+    else:
+        assert specbatch.__version__ == importlib.metadata.version("specbatch")
+
+
 def test_python_dash_m_runs_the_same_command_line():
     import subprocess
     import sys
@@ -101,6 +123,11 @@ def test_skipped_records_are_warnings_failing_ones_errors(tmp_path, tiny_gguf):
                                      "--on-error", "skip"])
     assert skip.exit_code == 0, skip.output
     assert f"warning: {bad}" in skip.output and "error:" not in skip.output
+    # said before the model loads (seconds to minutes), not after it (issue 36)
+    assert skip.output.index(f"warning: {bad}") < skip.output.index("loading model ")
+    assert skip.output.count(f"warning: {bad}") == 1
+    assert f"skipping 1 bad record(s); listed in {tmp_path / 's.jsonl'}.errors.jsonl" in (
+        skip.output)
     fail = CliRunner().invoke(main, [*common, "-o", str(tmp_path / "f.jsonl")])
     assert fail.exit_code == 2
     assert f"error: {bad}" in fail.output and "warning:" not in fail.output

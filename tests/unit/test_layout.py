@@ -137,3 +137,26 @@ def test_kernels_install_under_specbatch_only():
     found = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True,
                            cwd=REPO.parent, check=True).stdout.strip()
     assert found == "None False"
+
+
+def test_a_script_beside_a_checkout_named_specbatch_imports_the_package(tmp_path):
+    """Run from the folder that holds a checkout named ``specbatch`` (issue 36), a script's
+    ``from specbatch import LLM`` gets the package (not the checkout folder as an empty
+    namespace package: "cannot import name 'LLM'"), its submodules and ``python -m
+    specbatch`` too."""
+    import specbatch
+
+    (tmp_path / "specbatch").symlink_to(REPO, target_is_directory=True)
+    script = tmp_path / "job.py"
+    script.write_text("import specbatch.llm\nfrom specbatch import LLM, SamplingParams\n"
+                      "print(LLM.__module__, specbatch.llm.__file__, specbatch.__version__)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    module, path, version = proc.stdout.split()
+    assert module == "specbatch.llm" and version == specbatch.__version__
+    assert Path(path).resolve() == REPO / "specbatch" / "llm.py"
+    proc = subprocess.run([sys.executable, "-m", "specbatch", "--version"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and specbatch.__version__ in proc.stdout, proc.stderr[-2000:]

@@ -19,6 +19,7 @@ QUESTIONS = Path(__file__).parents[3] / "shared" / "data" / "spec_bench" / "ques
 CASES = {
     "blank_lines.jsonl": (3, []),
     "bom.jsonl": (2, []),
+    "utf16.jsonl": (2, []),
     "crlf.jsonl": (2, []),
     "cr_only.jsonl": (2, []),
     "prompt_and_messages.jsonl": (2, [(2, "both prompt and messages are given; keep one"),
@@ -43,6 +44,8 @@ CASES = {
     "bad_messages.jsonl": (2, [(2, "messages[0].role='robot'"),
                                (3, "messages[0].content is missing"),
                                (4, "messages has no user message")]),
+    "duplicate_keys.jsonl": (2, [(2, 'duplicate key "prompt" in a JSON object'),
+                                 (3, 'duplicate key "content" in a JSON object')]),
     "duplicate_ids.jsonl": (3, [(3, "duplicate id 1: first seen on line 1"),
                                 (5, "duplicate id 1: first seen on line 1")]),
     "bad_id.jsonl": (2, [(2, "id must be a string or an integer"), (3, "id is an empty string"),
@@ -871,3 +874,59 @@ def test_sampling_params_take_the_python_forms_vllm_users_write():
         SamplingParams(stop=["x", ""])
     with pytest.raises(ConfigError, match="json_schema to be an object"):
         SamplingParams(response_format={"type": "json_schema", "json_schema": 5})
+
+
+def test_utf16_files_are_read_and_bad_ones_named(tmp_path):
+    """A UTF-16 or UTF-32 file (with its byte order mark) reads as its text, line numbers and
+    all; one that does not decode is one file-level line naming the encoding, not "invalid
+    UTF-8" on every line (issue 36)."""
+    records, errors = read_records(CORPUS / "utf16.jsonl")
+    assert errors == []
+    assert [r.prompt for r in records][1] == "Name a colour. Réponds en français."
+    for encoding in ("utf-16-be", "utf-32"):
+        path = tmp_path / f"{encoding}.jsonl"
+        bom = b"\xfe\xff" if encoding == "utf-16-be" else b""  # utf-32 writes its own
+        path.write_bytes(bom + '{"prompt": "héllo"}\n\n{"prompt": 3}\n'.encode(encoding))
+        records, errors = read_records(path)
+        assert [r.prompt for r in records] == ["héllo"], encoding
+        assert [(e.line, e.reason.endswith("got number")) for e in errors] == [(3, True)]
+    path = tmp_path / "cut.jsonl"
+    path.write_bytes('{"prompt": "a"}\n'.encode("utf-16") + b"\x00\xd8")  # a lone surrogate
+    records, errors = read_records(path)
+    assert records == [] and [str(e) for e in errors] == [
+        f"{path}: starts with a UTF-16 byte order mark but is not valid UTF-16 at byte 34: "
+        "convert it to UTF-8"]
+
+
+def test_duplicate_keys_in_a_json_file(tmp_path):
+    """A .json array names the element with a duplicate key, a single object its line; keys
+    spelled with blank space before the colon are found too."""
+    path = tmp_path / "a.json"
+    path.write_text('[{"prompt": "a"}, {"prompt": "b", "id": 1, "id" : 2}, {"prompt": "c"}]')
+    records, errors = read_records(path)
+    assert [r.prompt for r in records] == ["a", "c"]
+    assert [str(e) for e in errors] == [f'{path}: element 2: duplicate key "id" in a JSON '
+                                        "object: JSON readers keep one of the two values "
+                                        "silently; keep the one you mean"]
+    path = tmp_path / "one.json"
+    path.write_text('\n{"prompt": "a",\n "max_tokens": 3,\t"max_tokens"\t:\t4}')
+    records, errors = read_records(path)
+    assert records == [] and [(e.line, e.reason[:27]) for e in errors] == [
+        (2, 'duplicate key "max_tokens" ')]
+
+
+def test_sampling_params_name_bad_values_as_written():
+    """A bad ``SamplingParams(...)`` value from Python is echoed as the caller wrote it (a
+    dict, a list), not as the tuple it is read into; ``stop`` says a string is fine too."""
+    from specbatch.config import SamplingParams
+
+    cases = [({"logit_bias": {"x": 1}}, 'logit_bias={"x": 1}: expected an object {"token id": '
+              "bias} with ids >= 0 and biases in [-100, 100]"),
+             ({"logit_bias": {5: 1000}}, 'logit_bias={"5": 1000}: expected'),
+             ({"stop": 5}, "stop=5: expected a non-empty string or a list of non-empty strings"),
+             ({"stop": ["a", 5]}, 'stop=["a", 5]: expected a non-empty string or a list'),
+             ({"stop_token_ids": [-1]}, "stop_token_ids=[-1]: expected a list of token ids")]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError) as e:
+            SamplingParams(**kwargs)
+        assert str(e.value).startswith(message), (kwargs, str(e.value))
