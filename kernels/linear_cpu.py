@@ -19,7 +19,9 @@ the float32 path; ``SPECBATCH_CPU_WEIGHTS=float32`` keeps it for every weight.
 
 **8-bit activations** (``--dtype int8``): a weight marked by ``use_int8_activations`` is packed
 by ``pack_q8`` for ``csrc/linear_q8.c``, which rounds each row of x to 8 bits per block of 32
-and sums exact integer products with the codes (llama.cpp's scheme; docs/design.md).
+and sums exact integer products with the codes (llama.cpp's scheme; docs/design.md). GGUF
+K-quant weights (Q4_K, Q6_K) take that path too, their codes read from the GGUF file
+(``kernels/kquant.py``); a weight fused from rows of both (q/k/v) runs as row segments.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ NR = 3  # weight rows per packed panel (csrc/linear_f32.c)
 BLOCK = 32  # k per quantisation block (GGUF's Q4_1 / Q8_0)
 Q4_1, Q8_0 = 1, 2  # the C kernel's codes for the two storage kinds
 Q4_1_X8, Q8_0_X8 = 3, 4  # the same codes with 8-bit activations (csrc/linear_q8.c)
+Q6_K_X8 = 5  # GGUF Q6_K: 8-bit-code layout, a scale per 16 k (csrc/linear_q8.c)
+SEGMENTS = 6  # rows in runs of different kinds (csrc/linear_f32.c, sb_segment)
+INT8_KINDS = (Q4_1_X8, Q8_0_X8, Q6_K_X8, SEGMENTS)
 
 
 def _library():
@@ -153,52 +158,84 @@ def pack_quantized(weight: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tenso
 GROUP = 16  # output columns per group in linear_q8.c's layout
 
 
-def pack_q8(weight: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+def _by_group(t: torch.Tensor, n: int, nblk: int, *tail: int) -> torch.Tensor:
+    """[n, nblk, *tail] -> zero-padded [G, nblk, 16, *tail] (a view)"""
+    groups = -(-n // GROUP)
+    out = t.new_zeros(groups * GROUP, nblk, *tail)
+    out[:n] = t
+    return out.view(groups, GROUP, nblk, *tail).transpose(1, 2)
+
+
+def _q8_x8(d: torch.Tensor, q: torch.Tensor, n: int, nblk: int) -> torch.Tensor:
+    """int8 codes q ``[n, K]`` -> ``[G, K / 32, 8, 16, 4]`` uint8 (q + 128); d passes through"""
+    q = _by_group((q.to(torch.int16) + 128).to(torch.uint8).view(n, nblk, 8, 4), n, nblk, 8, 4)
+    return q.permute(0, 1, 3, 2, 4).contiguous()  # [G, nblk, r, c, j]
+
+
+def _q4_1_x8(d: torch.Tensor, m: torch.Tensor, q: torch.Tensor, n: int, nblk: int) -> tuple:
+    q = _by_group(q.reshape(n, nblk, 2, 4, 4), n, nblk, 2, 4, 4).permute(0, 1, 3, 4, 2, 5)
+    codes = (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous()  # [G, nb, r, c, j]
+    scales = torch.stack([_by_group(d.reshape(n, nblk), n, nblk),
+                          _by_group(m.reshape(n, nblk), n, nblk)], dim=2)
+    return Q4_1_X8, scales.contiguous(), codes
+
+
+def _k_quant_x8(kind: str, form: tuple, n: int, nblk: int) -> tuple:
+    """``kquant.GGUFCodes.find``'s form of n rows in the layout of ``pack_q8``"""
+    if kind == "Q4_K":
+        return _q4_1_x8(*form, n, nblk)
+    d, q = form  # Q6_K: d per 16 k -> scales [G, nblk, 2, 16] (k 0..15, then 16..31)
+    scales = _by_group(d.view(n, nblk, 2), n, nblk, 2).transpose(2, 3).contiguous()
+    return Q6_K_X8, scales, _q8_x8(d, q, n, nblk)
+
+
+def pack_q8(weight: torch.Tensor, source=None) -> tuple | None:
     """``weight`` ``[N, K]`` float32 as exact codes in the 8-bit-activation kernel's layout
-    (``csrc/linear_q8.c``): (``Q4_1_X8`` or ``Q8_0_X8``, scales, codes), None where it has no
-    exact codes (as ``pack_quantized``). Columns in groups of 16 (zero weights past N):
-    Q4_1 codes ``[G, K / 32, 4, 16, 4]`` uint8 (k 4r..4r+3 in the low nibble, 16 + 4r.. in the
-    high one), scales ``[G, K / 32, 2, 16]`` (d, m); Q8_0 codes ``[G, K / 32, 8, 16, 4]`` uint8
-    (q + 128), scales ``[G, K / 32, 16]``."""
+    (``csrc/linear_q8.c``): (``Q4_1_X8``, ``Q8_0_X8`` or ``Q6_K_X8``, scales, codes), None
+    where it has no exact codes (as ``pack_quantized``). Columns in groups of 16 (zero weights
+    past N): Q4_1 codes ``[G, K / 32, 4, 16, 4]`` uint8 (k 4r..4r+3 in the low nibble, 16 +
+    4r.. in the high one), scales ``[G, K / 32, 2, 16]`` (d, m); Q8_0 codes ``[G, K / 32, 8,
+    16, 4]`` uint8 (q + 128), scales ``[G, K / 32, 16]``; Q6_K codes as Q8_0's, scales ``[G, K
+    / 32, 2, 16]`` (d of k 0..15, of k 16..31).
+
+    source: a ``kquant.GGUFCodes`` whose Q4_K / Q6_K rows are tried where the floats alone
+    give no codes (Q4_K as Q4_1 blocks). Rows of both kinds give ``(SEGMENTS, table, empty,
+    parts)``: table ``[runs, 5]`` int64 (kind, scales pointer, codes pointer, first row, rows),
+    parts the runs' forms, which it points into."""
     n, k = weight.shape
     if k % BLOCK or n == 0 or weight.dtype != torch.float32:
         return None
     v = weight.detach().contiguous().reshape(-1, BLOCK)
-    groups, nblk = -(-n // GROUP), k // BLOCK
-    pad = groups * GROUP
-
-    def by_group(t: torch.Tensor, *tail: int) -> torch.Tensor:
-        """[n, nblk, *tail] -> zero-padded [G, nblk, 16, *tail]"""
-        out = t.new_zeros(pad, nblk, *tail)
-        out[:n] = t
-        return out.view(groups, GROUP, nblk, *tail).transpose(1, 2)
-
+    nblk = k // BLOCK
     found = _q8_0_codes(v)
     if found is not None:
         d, q = found
-        q = by_group((q.to(torch.int16) + 128).to(torch.uint8).view(n, nblk, 8, 4), 8, 4)
-        codes = q.permute(0, 1, 3, 2, 4).contiguous()  # [G, nblk, r, c, j]
-        return Q8_0_X8, by_group(d.view(n, nblk)).contiguous(), codes
+        return Q8_0_X8, _by_group(d.view(n, nblk), n, nblk).contiguous(), _q8_x8(d, q, n, nblk)
     found = _q4_1_codes(v)
-    if found is None:
+    if found is not None:
+        return _q4_1_x8(*found, n, nblk)
+    runs = None if source is None else source.find(weight)
+    if runs is None:
         return None
-    d, m, q = found
-    q = by_group(q.view(n, nblk, 2, 4, 4), 2, 4, 4).permute(0, 1, 3, 4, 2, 5)  # [G, nb, h, r, c, j]
-    codes = (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous()
-    scales = torch.stack([by_group(d.view(n, nblk)), by_group(m.view(n, nblk))], dim=2)
-    return Q4_1_X8, scales.contiguous(), codes
+    parts = [_k_quant_x8(kind, form, r1 - r0, nblk) for r0, r1, kind, form in runs]
+    if len(parts) == 1:
+        return parts[0]
+    table = torch.tensor([[p[0], p[1].data_ptr(), p[2].data_ptr(), r0, r1 - r0]
+                          for p, (r0, r1, _, _) in zip(parts, runs)], dtype=torch.int64)
+    return SEGMENTS, table, torch.empty(0, dtype=torch.uint8), parts
 
 
 # weights whose matmuls take 8-bit activations (``use_int8_activations``)
 _INT8 = WeakIdKeyDictionary()
 
 
-def use_int8_activations(weight: torch.Tensor) -> bool:
+def use_int8_activations(weight: torch.Tensor, source=None) -> bool:
     """From now on ``linear(x, weight)`` rounds x to 8 bits per block of 32 and runs integer
     dot products on the weight's exact codes (``csrc/linear_q8.c``; the dtype ``int8``).
+    source: a ``kquant.GGUFCodes`` of the GGUF the weight came from, for K-quant codes.
     Returns whether the weight has such codes: one without them keeps the float32 panels."""
-    _INT8[weight] = True
-    return packed(weight)[0] in (Q4_1_X8, Q8_0_X8)
+    _INT8[weight] = source if source is not None else True
+    return packed(weight)[0] in INT8_KINDS
 
 
 INT8_KERNELS = ("portable", "avx2", "vnni")  # csrc/linear_q8.c's kernels, slowest first
@@ -221,16 +258,18 @@ def _quantized_weights() -> bool:
 
 def packed(weight: torch.Tensor) -> tuple:
     """The kernel's form of ``weight``: ``(Q4_1 or Q8_0, scales, codes)`` where it is exactly
-    representable (``pack_quantized``; ``(Q4_1_X8 or Q8_0_X8, scales, codes)``, ``pack_q8``,
-    for a weight marked by ``use_int8_activations``), else ``(0, pack_weight(weight))``.
+    representable (``pack_quantized``; ``pack_q8``'s form for a weight marked by
+    ``use_int8_activations``), else ``(0, pack_weight(weight))``.
     Cached per weight until it changes in place (``_version``)."""
-    int8 = _INT8.get(weight) is not None
+    mark = _INT8.get(weight)
+    int8 = mark is not None
     entry = _PACKED.get(weight)
     if entry is not None and entry[0] == (weight._version, int8):
         return entry[1]
     form = None
     if _quantized_weights():
-        form = pack_q8(weight) if int8 else pack_quantized(weight)
+        form = (pack_q8(weight, None if mark is True else mark) if int8
+                else pack_quantized(weight))
     if form is None:
         form = (0, pack_weight(weight))
     _PACKED[weight] = ((weight._version, int8), form)

@@ -477,17 +477,40 @@ static const qmicro512_fn QMICROS512[MR512 + 1] = {
 
 #define Q4_1_X8 3 /* the kinds of linear_q8.c: the same codes, 8-bit activations */
 #define Q8_0_X8 4
+#define Q6_K_X8 5
+#define SEGMENTS 6 /* rows in runs of different kinds: sb_segment below */
 int sb_linear_q8(const float *x, int64_t ldx, int kind, const float *scales,
                  const uint8_t *codes, const float *bias, float *y, int64_t ldy, int64_t M,
                  int64_t N, int64_t K);
 
+/* One run of a SEGMENTS weight: its rows n0 .. n0 + n - 1 as a weight of their own (kind,
+ * scales, codes), e.g. the Q4_K q/k rows and the Q6_K v rows of a fused q/k/v. Each output
+ * element is its run's own computation, so the bits are those of the runs apart. */
+typedef struct {
+    int64_t kind;
+    const float *scales;
+    const uint8_t *codes;
+    int64_t n0, n;
+} sb_segment;
+
 /* As sb_linear_f32, with the weight given as (kind, scales, codes) above; K % 32 == 0.
- * Kinds Q4_1_X8 / Q8_0_X8 go to linear_q8.c (its own layout, 8-bit activations).
+ * Kinds Q4_1_X8 / Q8_0_X8 / Q6_K_X8 go to linear_q8.c (its own layout, 8-bit activations);
+ * SEGMENTS: scales points to the runs (sb_segment, in row order, covering 0 .. N - 1).
  * Returns 0, or -1 when a thread's buffer could not be allocated (y is then incomplete). */
 int sb_linear_quant(const float *x, int64_t ldx, int kind, const float *scales,
                     const uint8_t *codes, const float *bias, float *y, int64_t ldy, int64_t M,
                     int64_t N, int64_t K) {
-    if (kind == Q4_1_X8 || kind == Q8_0_X8) /* 8-bit activations: linear_q8.c */
+    if (kind == SEGMENTS) {
+        const sb_segment *seg = (const sb_segment *)(const void *)scales;
+        for (int64_t n = 0; n < N; seg++) {
+            if (sb_linear_quant(x, ldx, (int)seg->kind, seg->scales, seg->codes,
+                                bias ? bias + seg->n0 : NULL, y + seg->n0, ldy, M, seg->n, K))
+                return -1;
+            n = seg->n0 + seg->n;
+        }
+        return 0;
+    }
+    if (kind == Q4_1_X8 || kind == Q8_0_X8 || kind == Q6_K_X8) /* 8-bit activations */
         return sb_linear_q8(x, ldx, kind, scales, codes, bias, y, ldy, M, N, K);
     const int64_t panels = (N + NR - 1) / NR;
     const int64_t panel_size = K / 8 * NR * 8, nblk = K / 32;

@@ -10,6 +10,12 @@
  *       acc = fma(float(sum q_w q_x), d_w * d_x, acc);  acc = fma(m_w, d_x * float(S), acc)
  *   Q8_0 weight block (d_w, q_w in -127..127, w = d_w q_w):
  *       acc = fma(float(sum q_w q_x), d_w * d_x, acc)
+ *   Q6_K weight block (d_lo for k 0..15, d_hi for k 16..31, q_w in -32..31, w = d q_w; a
+ *   GGUF Q6_K super-block's sub-blocks of 16, d = its float16 d times the int8 sub-scale):
+ *       acc = fma(float(sum_lo q_w q_x), d_lo * d_x, acc);
+ *       acc = fma(float(sum_hi q_w q_x), d_hi * d_x, acc)
+ *   (a GGUF Q4_K sub-block of 32 is a Q4_1 block with d_w = d * sc and m_w = -dmin * m:
+ *   kernels/kquant.py)
  *
  * over the blocks in order, then y = acc + bias. The integer sums are exact (|sum| < 2^20, so
  * float(sum) is exact too) and every float operation is one element's own, in a fixed order:
@@ -24,7 +30,8 @@
  *   Q4_1: codes [4][16][4] bytes, byte (r, c, j) = q(c, 4r + j) | q(c, 16 + 4r + j) << 4;
  *         scales [2][16] floats (d_w, then m_w, per column);
  *   Q8_0: codes [8][16][4] bytes, byte (r, c, j) = q(c, 4r + j) + 128 (unsigned for VPDPBUSD:
- *         sum (q_w + 128) q_x - 128 S = sum q_w q_x, exact); scales [16] floats (d_w).
+ *         sum (q_w + 128) q_x - 128 S = sum q_w q_x, exact); scales [16] floats (d_w);
+ *   Q6_K: codes as Q8_0's; scales [2][16] floats (d_lo, then d_hi, per column).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -39,10 +46,11 @@
 #define CHAINS2_MAX_ROWS 4 /* two accumulation chains per row up to this many rows */
 #define Q4_1_X8 3
 #define Q8_0_X8 4
+#define Q6_K_X8 5
 
 /* bytes of codes and floats of scales per (group, block) */
 static inline int64_t codes_per(int kind) { return kind == Q4_1_X8 ? 256 : 512; }
-static inline int64_t scales_per(int kind) { return kind == Q4_1_X8 ? 32 : 16; }
+static inline int64_t scales_per(int kind) { return kind == Q8_0_X8 ? 16 : 32; }
 
 /* Software prefetch of the weights PREFETCH_BLOCKS blocks ahead (4 KB of Q4_1 codes, 8 KB of
  * Q8_0; past the group's last block that is the next group's, which follows it): a few-row
@@ -64,7 +72,8 @@ static inline __attribute__((always_inline)) void prefetch_block(
         _mm_prefetch((const char *)(s + o), _MM_HINT_T0);
 }
 
-/* ---- the rows of x in 8 bits: q [M][K] int8, d [M][K / 32] float, s [M][K / 32] int32 ---- */
+/* ---- the rows of x in 8 bits: q [M][K] int8, d [M][K / 32] float, s [M][K / 32][2] int32
+ * (the sums of q over k 0..15 and 16..31) ---- */
 
 /* A block holding a NaN or an infinity gets codes 0 and d = NaN, so every output of its row
  * is NaN, as a float32 matmul would give (the engine then ends that record with an error
@@ -81,18 +90,19 @@ static void quantize_scalar(const float *x, int64_t K, int8_t *q, float *d, int3
         if (!finite) {
             memset(q + b * QB, 0, QB);
             d[b] = NAN;
-            s[b] = 0;
+            s[2 * b] = s[2 * b + 1] = 0;
             continue;
         }
         const float db = amax / 127.0f, id = db > 0.0f ? 1.0f / db : 0.0f;
-        int32_t sum = 0;
+        int32_t sum[2] = {0, 0};
         for (int j = 0; j < QB; j++) {
             const int v = (int)nearbyintf(xb[j] * id);
             q[b * QB + j] = (int8_t)v;
-            sum += v;
+            sum[j >= 16] += v;
         }
         d[b] = db;
-        s[b] = sum;
+        s[2 * b] = sum[0];
+        s[2 * b + 1] = sum[1];
     }
 }
 
@@ -110,7 +120,7 @@ VNNI static void quantize_512(const float *x, int64_t K, int8_t *q, float *d, in
                                zero, _CMP_NEQ_UQ)) {
             memset(q + b * QB, 0, QB);
             d[b] = NAN;
-            s[b] = 0;
+            s[2 * b] = s[2 * b + 1] = 0;
             continue;
         }
         const float amax = _mm512_reduce_max_ps(
@@ -122,7 +132,8 @@ VNNI static void quantize_512(const float *x, int64_t K, int8_t *q, float *d, in
         _mm_storeu_si128((__m128i *)(q + b * QB), _mm512_cvtsepi32_epi8(q0));
         _mm_storeu_si128((__m128i *)(q + b * QB + 16), _mm512_cvtsepi32_epi8(q1));
         d[b] = db;
-        s[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        s[2 * b] = _mm512_reduce_add_epi32(q0);
+        s[2 * b + 1] = _mm512_reduce_add_epi32(q1);
     }
 }
 
@@ -140,7 +151,7 @@ static void group_scalar(int kind, int64_t mr, const int8_t *xq, const float *xd
                 const uint8_t *cb = codes + b * cp;
                 const float *sb = scales + b * sp;
                 const int8_t *q = xq + i * K + b * QB;
-                int32_t dot = 0;
+                int32_t dot = 0, dot2 = 0;
                 if (kind == Q4_1_X8) {
                     for (int r = 0; r < 4; r++)
                         for (int j = 0; j < 4; j++) {
@@ -149,12 +160,18 @@ static void group_scalar(int kind, int64_t mr, const int8_t *xq, const float *xd
                         }
                 } else {
                     for (int r = 0; r < 8; r++)
-                        for (int j = 0; j < 4; j++)
-                            dot += ((int32_t)cb[r * 64 + c * 4 + j] - 128) * q[4 * r + j];
+                        for (int j = 0; j < 4; j++) {
+                            const int32_t p = ((int32_t)cb[r * 64 + c * 4 + j] - 128) * q[4 * r + j];
+                            if (kind == Q6_K_X8 && r >= 4)
+                                dot2 += p;
+                            else
+                                dot += p;
+                        }
                 }
                 const float dx = xd[i * nblk + b];
                 acc = fmaf((float)dot, sb[c] * dx, acc);
                 if (kind == Q4_1_X8) acc = fmaf(sb[GC + c], xds[i * nblk + b], acc);
+                if (kind == Q6_K_X8) acc = fmaf((float)dot2, sb[GC + c] * dx, acc);
             }
             y[i * ldy + c] = bias ? acc + bias[c] : acc;
         }
@@ -162,8 +179,8 @@ static void group_scalar(int kind, int64_t mr, const int8_t *xq, const float *xd
 
 /* ---- AVX2 (no VNNI): VPMADDUBSW + VPMADDWD, each 256-bit half of a group in turn ----
  * The integer sums are those of the portable kernel (exact: a Q4_1 pair of products is at most
- * 2 * 15 * 127, and Q8_0 runs |q_w| times sign-adjusted q_x, at most 2 * 127 * 127, both within
- * int16), the float operations the same per element: the same bits. */
+ * 2 * 15 * 127, and Q8_0 / Q6_K run |q_w| times sign-adjusted q_x, at most 2 * 127 * 127, all
+ * within int16), the float operations the same per element: the same bits. */
 
 #define MRA 4 /* rows per call: 16 ymm registers */
 
@@ -180,8 +197,8 @@ static inline __attribute__((always_inline)) void group_256(
         const uint8_t *cb = codes + b * cp;
         prefetch_block(kind, codes, scales, b + PREFETCH_BLOCKS);
         for (int h = 0; h < 2; h++) { /* columns 8h .. 8h + 7 */
-            __m256i dot[MRA];
-            for (int i = 0; i < mr; i++) dot[i] = _mm256_setzero_si256();
+            __m256i dot[MRA], dot2[MRA]; /* Q6_K: k 0..15, k 16..31 */
+            for (int i = 0; i < mr; i++) dot[i] = dot2[i] = _mm256_setzero_si256();
             if (kind == Q4_1_X8) {
                 for (int r = 0; r < 4; r++) {
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(cb + 64 * r + 32 * h));
@@ -207,8 +224,11 @@ static inline __attribute__((always_inline)) void group_256(
                         int32_t qx;
                         memcpy(&qx, xq + i * K + b * QB + 4 * r, 4);
                         const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(qx), sw);
-                        dot[i] = _mm256_add_epi32(dot[i], _mm256_madd_epi16(
-                            _mm256_maddubs_epi16(aw, sx), ones));
+                        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones);
+                        if (kind == Q6_K_X8 && r >= 4)
+                            dot2[i] = _mm256_add_epi32(dot2[i], p);
+                        else
+                            dot[i] = _mm256_add_epi32(dot[i], p);
                     }
                 }
             }
@@ -221,6 +241,11 @@ static inline __attribute__((always_inline)) void group_256(
                     acc[i][h] = _mm256_fmadd_ps(
                         _mm256_loadu_ps(scales + b * sp + GC + 8 * h),
                         _mm256_set1_ps(xds[i * (K / QB) + b]), acc[i][h]);
+                if (kind == Q6_K_X8)
+                    acc[i][h] = _mm256_fmadd_ps(
+                        _mm256_cvtepi32_ps(dot2[i]),
+                        _mm256_mul_ps(_mm256_loadu_ps(scales + b * sp + GC + 8 * h),
+                                      _mm256_set1_ps(dx)), acc[i][h]);
             }
         }
     }
@@ -241,8 +266,10 @@ static inline __attribute__((always_inline)) void group_256(
                                  const float *bias, float *y, int64_t ldy, int64_t ncols) {   \
         if (kind == Q4_1_X8)                                                                  \
             IMPL(Q4_1_X8, MR, xq, xd, xds, xk, K, codes, scales, bias, y, ldy, ncols);        \
-        else                                                                                  \
+        else if (kind == Q8_0_X8)                                                             \
             IMPL(Q8_0_X8, MR, xq, xd, xds, xk, K, codes, scales, bias, y, ldy, ncols);        \
+        else                                                                                  \
+            IMPL(Q6_K_X8, MR, xq, xd, xds, xk, K, codes, scales, bias, y, ldy, ncols);        \
     }
 #define GROUP256(MR) GROUP_FN(group256, , group_256, MR)
 GROUP256(1)
@@ -285,14 +312,28 @@ VNNI static inline __attribute__((always_inline)) void group_512(
         const __m512 dw = _mm512_loadu_ps(scales + b * sp);
         /* two accumulation chains per row (even and odd r): VPDPBUSD's latency (~5 cycles)
          * bound one chain of 8 at few rows; the integer sums are exact, so the order does not
-         * change a bit. Q8_0's - 128 S starts the even chain. */
+         * change a bit. Q8_0's - 128 S starts the even chain. Q6_K: the first chain sums
+         * k 0..15 (r < 4), the second k 16..31, each started by its own - 128 S. */
         __m512i dot[MRQ], dot2[MRQ];
 #pragma GCC unroll 8
         for (int i = 0; i < mr; i++) {
-            dot[i] = kind == Q8_0_X8 ? _mm512_set1_epi32(xk[i * nblk + b])
+            dot[i] = kind != Q4_1_X8 ? _mm512_set1_epi32(xk[2 * (i * nblk + b)])
                                      : _mm512_setzero_si512();
-            dot2[i] = _mm512_setzero_si512();
+            dot2[i] = kind == Q6_K_X8 ? _mm512_set1_epi32(xk[2 * (i * nblk + b) + 1])
+                                      : _mm512_setzero_si512();
         }
+        if (kind == Q6_K_X8)
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++)
+#pragma GCC unroll 8
+                for (int i = 0; i < mr; i++) {
+                    int32_t q0, q1;
+                    memcpy(&q0, xq + i * K + b * QB + 4 * r, 4);
+                    memcpy(&q1, xq + i * K + b * QB + 16 + 4 * r, 4);
+                    dot[i] = _mm512_dpbusd_epi32(dot[i], w[r], _mm512_set1_epi32(q0));
+                    dot2[i] = _mm512_dpbusd_epi32(dot2[i], w[r + 4], _mm512_set1_epi32(q1));
+                }
+        else
 #pragma GCC unroll 4
         for (int r = 0; r < 8; r += 2)
 #pragma GCC unroll 8
@@ -309,9 +350,14 @@ VNNI static inline __attribute__((always_inline)) void group_512(
 #pragma GCC unroll 8
         for (int i = 0; i < mr; i++) {
             const float dx = xd[i * nblk + b];
-            dot[i] = _mm512_add_epi32(dot[i], dot2[i]);
+            if (kind != Q6_K_X8) dot[i] = _mm512_add_epi32(dot[i], dot2[i]);
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]),
                                      _mm512_mul_ps(dw, _mm512_set1_ps(dx)), acc[i]);
+            if (kind == Q6_K_X8)
+                acc[i] = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(dot2[i]),
+                    _mm512_mul_ps(_mm512_loadu_ps(scales + b * sp + GC), _mm512_set1_ps(dx)),
+                    acc[i]);
             if (kind == Q4_1_X8)
                 acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(scales + b * sp + GC),
                                          _mm512_set1_ps(xds[i * nblk + b]), acc[i]);
@@ -387,11 +433,12 @@ int sb_linear_q8(const float *x, int64_t ldx, int kind, const float *scales,
     const int isa = sb_linear_q8_isa(-1), vnni = isa == 2;
     int8_t *xq = malloc((size_t)(M * K));
     float *xd = malloc(sizeof(float) * (size_t)(M * nblk));
-    int32_t *xs = malloc(sizeof(int32_t) * (size_t)(M * nblk));
+    int32_t *xs = malloc(sizeof(int32_t) * (size_t)(M * nblk * 2));
     /* per (row, block), for the kernels' loops: d_x * S (Q4_1's offset term) and -128 S (Q8_0's
-     * unsigned-code correction), read as broadcasts from memory */
+     * unsigned-code correction; Q6_K: -128 S of k 0..15 and of k 16..31), read as broadcasts
+     * from memory */
     float *xds = malloc(sizeof(float) * (size_t)(M * nblk));
-    int32_t *xk = malloc(sizeof(int32_t) * (size_t)(M * nblk));
+    int32_t *xk = malloc(sizeof(int32_t) * (size_t)(M * nblk * 2));
     if (!xq || !xd || !xs || !xds || !xk) {
         free(xq);
         free(xd);
@@ -403,12 +450,18 @@ int sb_linear_q8(const float *x, int64_t ldx, int kind, const float *scales,
 #pragma omp parallel for schedule(static) if (M >= 16)
     for (int64_t m = 0; m < M; m++) {
         if (vnni)
-            quantize_512(x + m * ldx, K, xq + m * K, xd + m * nblk, xs + m * nblk);
+            quantize_512(x + m * ldx, K, xq + m * K, xd + m * nblk, xs + 2 * m * nblk);
         else
-            quantize_scalar(x + m * ldx, K, xq + m * K, xd + m * nblk, xs + m * nblk);
+            quantize_scalar(x + m * ldx, K, xq + m * K, xd + m * nblk, xs + 2 * m * nblk);
         for (int64_t b = m * nblk; b < (m + 1) * nblk; b++) {
-            xds[b] = xd[b] * (float)xs[b];
-            xk[b] = -128 * xs[b];
+            const int32_t sum = xs[2 * b] + xs[2 * b + 1];
+            xds[b] = xd[b] * (float)sum;
+            if (kind == Q6_K_X8) {
+                xk[2 * b] = -128 * xs[2 * b];
+                xk[2 * b + 1] = -128 * xs[2 * b + 1];
+            } else {
+                xk[2 * b] = -128 * sum;
+            }
         }
     }
     const int64_t cg = nblk * codes_per(kind), sg = nblk * scales_per(kind);
@@ -423,19 +476,19 @@ int sb_linear_q8(const float *x, int64_t ldx, int kind, const float *scales,
                 const int64_t n = g * GC, ncols = N - n < GC ? N - n : GC;
                 const float *bg = bias ? bias + n : NULL;
                 if (vnni)
-                    GROUPS512[mr](kind, xq + m * K, xd + m * nblk, xds + m * nblk, xk + m * nblk, K,
+                    GROUPS512[mr](kind, xq + m * K, xd + m * nblk, xds + m * nblk, xk + 2 * m * nblk, K,
                                   codes + g * cg, scales + g * sg, bg, y + m * ldy + n, ldy,
                                   ncols);
                 else if (isa == 1)
                     for (int64_t i = 0; i < mr; i += MRA)
                         GROUPS256[mr - i < MRA ? mr - i : MRA](
                             kind, xq + (m + i) * K, xd + (m + i) * nblk,
-                            xds + (m + i) * nblk, xk + (m + i) * nblk,
+                            xds + (m + i) * nblk, xk + 2 * (m + i) * nblk,
                             K, codes + g * cg, scales + g * sg, bg, y + (m + i) * ldy + n,
                             ldy, ncols);
                 else
                     group_scalar(kind, mr, xq + m * K, xd + m * nblk, xds + m * nblk,
-                                 xk + m * nblk, K,
+                                 xk + 2 * m * nblk, K,
                                  codes + g * cg, scales + g * sg, bg, y + m * ldy + n, ldy,
                                  ncols);
             }

@@ -137,7 +137,7 @@ class LlamaForward:
         # activations; marked before DecodeLayers takes the weights' kernel forms
         self.activations = getattr(hf_model, "specbatch_activations", "float32")
         if self.activations == "int8":
-            _use_int8_activations(self)
+            _use_int8_activations(self, getattr(hf_model, "specbatch_gguf", None))
         # ... and every layer of such a step in one C call (kernels/decode_cpu.py)
         self.cpu_decode = cpu_decode_for(self)
         # the KV cache's dtype: the model's, except that int8 keeps keys and values in float16
@@ -604,10 +604,12 @@ class LlamaForward:
         return self.linear(h, self.lm_head)
 
 
-def _use_int8_activations(forward: LlamaForward) -> None:
+def _use_int8_activations(forward: LlamaForward, gguf_path: str | None = None) -> None:
     """Mark every dense weight of ``forward`` (fused q/k/v, o, fused gate/up, down, lm_head) for
-    8-bit activations (``kernels.linear_cpu.use_int8_activations``). Raises ``ValueError`` where
-    the C matmul cannot run (int8 needs it: a float32 CPU model, x86-64 with AVX2)."""
+    8-bit activations (``kernels.linear_cpu.use_int8_activations``), with the Q4_K / Q6_K codes
+    of ``gguf_path`` (the GGUF the model was loaded from, if any: ``kernels.kquant``). Raises
+    ``ValueError`` where the C matmul cannot run (int8 needs it: a float32 CPU model, x86-64
+    with AVX2)."""
     try:
         from specbatch.kernels import linear_cpu
     except ImportError:
@@ -618,8 +620,15 @@ def _use_int8_activations(forward: LlamaForward) -> None:
     weights = [w for w, _ in forward.qkv] + forward.gate_up + [forward.lm_head]
     for layer in forward.layers:
         weights += [layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight]
+    source = None
+    if gguf_path is not None:
+        from specbatch.kernels import kquant
+
+        source = kquant.GGUFCodes(gguf_path)
+        if not len(source):
+            source = None  # no K-quant tensors: the floats give every code
     for w in weights:
-        linear_cpu.use_int8_activations(w)
+        linear_cpu.use_int8_activations(w, source)
 
 
 def cpu_decode_for(forward: LlamaForward):

@@ -151,6 +151,8 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu",
     model, tokenizer = _load_folder(folder, TORCH_DTYPES[dtype], torch_device)
     if dtype == "int8":
         model.specbatch_activations = "int8"
+        if source.gguf_path is not None:  # where its Q4_K / Q6_K codes are (kernels/kquant.py)
+            model.specbatch_gguf = str(source.gguf_path)
     return LoadedModel(model=model, tokenizer=tokenizer, source=source,
                        eos_token_ids=_eos_token_ids(model, tokenizer),
                        max_model_len=_max_model_len(model.config),

@@ -1,0 +1,181 @@
+"""GGUF K-quant weights (Q4_K, Q6_K) as codes for the 8-bit-activation matmul (``--dtype int8``).
+
+The engine's weights are float32 tensors that transformers dequantised from the GGUF with the
+``gguf`` package. A Q4_1 / Q8_0 weight gives its codes back from those floats alone
+(``linear_cpu.pack_q8``); a K-quant one does not (its sub-block scales are products of a
+float16 and a 6- or 8-bit integer), so its codes are read from the GGUF file itself
+(``GGUFCodes``) and matched to the float32 rows by value: a row is taken only if the codes
+dequantise to its float32 bits exactly, whatever transformers did to the tensor on the way
+(renamed it, permuted its rows, fused it with others).
+
+A super-block of 256 k (llama.cpp's ``block_q4_K`` / ``block_q6_K``, ggml-common.h) becomes
+the kernel's blocks of 32 (``csrc/linear_q8.c``):
+
+- Q4_K: float16 d, dmin; eight sub-blocks of 32 with 6-bit scale sc and min m, 4-bit q.
+  gguf dequantises w = (d sc) q - (dmin m) in float32, d sc and dmin m exact, (d sc) q exact:
+  one rounding. That is a Q4_1 block of the kernel with d_w = d sc, m_w = -(dmin m).
+- Q6_K: float16 d; sixteen sub-blocks of 16 with int8 scale sc, 6-bit q; w = (d sc)(q - 32).
+  A block of 32 is two sub-blocks: the kernel's Q6_K kind, codes q - 32, scales d sc per 16.
+
+The kernel then sums exact integer products per sub-block and applies each scale with float32
+operations that are one output element's own, in block order: the invariance argument of the
+Q4_1 / Q8_0 kinds (docs/design.md), unchanged.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+QK_K = 256  # k per super-block
+Q4_K_BYTES, Q6_K_BYTES = 144, 210  # bytes per super-block (ggml-common.h)
+_KEY_K = 256  # k of a row's start that keys it (one super-block: cheap to dequantise)
+
+
+def _f16(raw: torch.Tensor) -> torch.Tensor:
+    """[..., 2] uint8 little-endian float16 -> [...] float32"""
+    return raw.contiguous().view(torch.float16)[..., 0].float()
+
+
+def q4_k_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K rows ``raw`` ``[R, K / 256 * 144]`` uint8 -> (d ``[R, K / 32]`` float32, m ``[R, K /
+    32]`` float32, q ``[R, K]`` uint8 in 0..15) with w = d q + m per block of 32 (m <= 0)."""
+    r = raw.shape[0]
+    blocks = raw.reshape(r, -1, Q4_K_BYTES)
+    nb = blocks.shape[1]
+    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+    s = blocks[..., 4:16].to(torch.int32).view(r, nb, 3, 4)
+    # the 12 scale bytes: sc and m of sub-blocks 0..3 in the low 6 bits of bytes 0..3 / 4..7;
+    # of 4..7 in the nibbles of bytes 8..11 (low: sc, high: m) with 2 high bits from 0..3 / 4..7
+    lo, hi, mix = s[:, :, 0], s[:, :, 1], s[:, :, 2]
+    sc = torch.cat([lo & 63, (mix & 15) | ((lo >> 2) & 48)], dim=-1)  # [R, nb, 8]
+    mn = torch.cat([hi & 63, (mix >> 4) | ((hi >> 2) & 48)], dim=-1)
+    dw = d[..., None] * sc.float()  # exact: 11 significant bits times 6
+    mw = -(dmin[..., None] * mn.float())
+    qs = blocks[..., 16:].view(r, nb, 4, 1, 32)  # 4 runs of 32 bytes: sub-blocks 2i (low), 2i+1
+    q = torch.cat([qs & 15, qs >> 4], dim=3).reshape(r, nb * QK_K)
+    return dw.reshape(r, -1), mw.reshape(r, -1), q
+
+
+def q6_k_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K rows ``raw`` ``[R, K / 256 * 210]`` uint8 -> (d ``[R, K / 16]`` float32, q ``[R,
+    K]`` int8 in -32..31) with w = d q per sub-block of 16."""
+    r = raw.shape[0]
+    blocks = raw.reshape(r, -1, Q6_K_BYTES)
+    nb = blocks.shape[1]
+    ql = blocks[..., :128].view(r, nb, 2, 1, 64)  # per half of 128 k: 64 bytes, two nibbles
+    ql = torch.cat([ql & 15, ql >> 4], dim=3).reshape(r, nb, 2, 128)
+    qh = blocks[..., 128:192].view(r, nb, 2, 1, 32)  # per half: 32 bytes, four 2-bit fields
+    qh = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=3).reshape(r, nb, 2, 128)
+    q = ((ql | (qh << 4)).to(torch.int16) - 32).to(torch.int8).reshape(r, nb * QK_K)
+    sc = blocks[..., 192:208].contiguous().view(torch.int8).float()  # [R, nb, 16]
+    dw = _f16(blocks[..., 208:210])[..., None] * sc  # exact: 11 significant bits times 8
+    return dw.reshape(r, -1), q
+
+
+def dequantize(kind: str, form: tuple) -> torch.Tensor:
+    """The float32 weights ``[R, K]`` of ``q4_k_codes`` / ``q6_k_codes``'s form, computed as
+    the ``gguf`` package computes them (so equal bit for bit to what transformers loaded)."""
+    if kind == "Q4_K":
+        d, m, q = form
+        r = q.shape[0]
+        return (d[..., None] * q.view(r, -1, 32).float() + m[..., None]).view(r, -1)
+    d, q = form
+    r = q.shape[0]
+    return (d[..., None] * q.view(r, -1, 16).float()).view(r, -1)
+
+
+_DECODE = {"Q4_K": (q4_k_codes, Q4_K_BYTES), "Q6_K": (q6_k_codes, Q6_K_BYTES)}
+# random multipliers of a row key's two hashes (fixed: keys are compared within one process)
+_MULT = torch.randint(1, 1 << 20, (2, _KEY_K), generator=torch.Generator().manual_seed(35),
+                      dtype=torch.int64)
+
+
+def _keys(rows: torch.Tensor, k: int) -> list[tuple[int, int, int]]:
+    """float32 ``[R, >= 256]`` -> a key per row of length k: (k, two hashes of its first 256
+    values' bits; each sum < 2^53, no overflow)."""
+    bits = rows[:, :_KEY_K].contiguous().view(torch.int32).to(torch.int64)
+    h0 = ((bits & 0xFFFF) * _MULT[0]).sum(1)
+    h1 = (((bits >> 16) & 0xFFFF) * _MULT[1]).sum(1)
+    return [(k, a, b) for a, b in zip(h0.tolist(), h1.tolist())]
+
+
+class GGUFCodes:
+    """The Q4_K / Q6_K rows of a GGUF file, found by their float32 values.
+
+    Reading indexes every such row by its first super-block (memory-mapped; dequantising one
+    super-block a row: ~1/K-th of the file's work). ``find`` then gives a float32 weight's codes
+    where every row is some K-quant row of the file, checked bit for bit.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        import gguf
+
+        reader = gguf.GGUFReader(str(path))
+        self._tensors: list[tuple[str, np.ndarray]] = []
+        self._index: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+        names = {gguf.GGMLQuantizationType.Q4_K: "Q4_K", gguf.GGMLQuantizationType.Q6_K: "Q6_K"}
+        for t in reader.tensors:
+            kind = names.get(t.tensor_type)
+            if kind is None:
+                continue
+            raw = np.asarray(t.data).reshape(-1, t.data.shape[-1])  # [rows, bytes per row]
+            decode, nbytes = _DECODE[kind]
+            first = torch.from_numpy(np.array(raw[:, :nbytes]))
+            keys = _keys(dequantize(kind, decode(first)), raw.shape[1] // nbytes * QK_K)
+            i = len(self._tensors)
+            self._tensors.append((kind, raw))
+            for row, key in enumerate(keys):
+                self._index.setdefault(key, []).append((i, row))
+
+    def __len__(self) -> int:
+        return sum(raw.shape[0] for _, raw in self._tensors)
+
+    def find(self, weight: torch.Tensor) -> list[tuple[int, int, str, tuple]] | None:
+        """``weight`` ``[N, K]`` float32 as runs ``(row0, row1, "Q4_K" or "Q6_K", form)`` in row
+        order (form: ``q4_k_codes`` / ``q6_k_codes`` of rows row0..row1-1), or None unless every
+        row is a K-quant row of the file whose codes give its bits exactly."""
+        n, k = weight.shape
+        if k % QK_K or n == 0 or weight.dtype != torch.float32:
+            return None
+        w = weight.detach()
+        picks = []  # per row: its (tensor, row) candidates
+        for key in _keys(w, k):
+            found = self._index.get(key)
+            if not found:
+                return None
+            picks.append(found)
+        runs, start = [], 0
+        while start < n:
+            for t, r0 in picks[start]:  # a run: consecutive rows of one tensor
+                end = start + 1
+                while end < n and (t, r0 + end - start) in picks[end]:
+                    end += 1
+                kind, raw = self._tensors[t]
+                form = self._checked(kind, raw[r0:r0 + end - start], w[start:end])
+                if form is not None:
+                    break
+            else:
+                return None
+            if runs and runs[-1][2] == kind:  # the same kind continues: one run (rows that
+                runs[-1][1] = end             # a permutation interleaved: many pieces)
+                runs[-1][3].append(form)
+            else:
+                runs.append([start, end, kind, [form]])
+            start = end
+        return [(r0, r1, kind, tuple(torch.cat(parts) for parts in zip(*forms)))
+                for r0, r1, kind, forms in runs]
+
+    @staticmethod
+    def _checked(kind: str, raw: np.ndarray, rows: torch.Tensor, chunk: int = 4096):
+        """The codes of ``raw`` if they dequantise to ``rows``' bits exactly, else None."""
+        forms = []
+        for i in range(0, rows.shape[0], chunk):
+            form = _DECODE[kind][0](torch.from_numpy(np.array(raw[i:i + chunk])))
+            if not torch.equal(dequantize(kind, form).view(torch.int32),
+                               rows[i:i + chunk].view(torch.int32)):
+                return None
+            forms.append(form)
+        return tuple(torch.cat(parts) for parts in zip(*forms))
