@@ -36,6 +36,49 @@ def random_k_blocks(kind: str, rows: int, k: int, rng: np.random.Generator,
     return b.reshape(rows, -1)
 
 
+def quantize_k(kind: str, w: np.ndarray) -> np.ndarray:
+    """float32 ``[rows, k]`` -> Q4_K / Q6_K super-blocks ``[rows, k / 256 * bytes]`` uint8 in
+    llama.cpp's layout (ggml-common.h), scales from each sub-block's range (a plain quantiser,
+    not llama.cpp's search: any valid blocks do for these tests)."""
+    rows, k = w.shape
+    nb = k // 256
+    f16 = lambda v: v.astype(np.float16).astype(np.float32)  # noqa: E731
+    if kind == "Q4_K":
+        sub = w.reshape(rows, nb, 8, 32)
+        lo, hi = np.minimum(sub.min(-1), 0), sub.max(-1)
+        d = f16((hi - lo).max(-1) / 15 / 63)
+        dmin = f16((-lo).max(-1) / 63)
+        sc = np.clip(np.rint((hi - lo) / 15 / np.where(d > 0, d, 1)[..., None]), 0, 63)
+        mn = np.clip(np.rint(-lo / np.where(dmin > 0, dmin, 1)[..., None]), 0, 63)
+        D, M = d[..., None] * sc, dmin[..., None] * mn
+        q = np.clip(np.rint((sub + M[..., None]) / np.where(D > 0, D, 1)[..., None]), 0, 15)
+        sc, mn, q = sc.astype(np.uint8), mn.astype(np.uint8), q.astype(np.uint8)
+        out = np.zeros((rows, nb, kquant.Q4_K_BYTES), np.uint8)
+        out[..., 0:2], out[..., 2:4] = _f16_bytes(d), _f16_bytes(dmin)
+        out[..., 4:8] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+        out[..., 8:12] = mn[..., :4] | ((mn[..., 4:] >> 4) << 6)
+        out[..., 12:16] = (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)
+        q = q.reshape(rows, nb, 4, 2, 32)  # run i: sub-block 2i low nibbles, 2i + 1 high
+        out[..., 16:] = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(rows, nb, 128)
+        return out.reshape(rows, -1)
+    sub = w.reshape(rows, nb, 16, 16)
+    amax = np.abs(sub).max(-1)
+    d = f16(amax.max(-1) / 32 / 127)
+    sc = np.clip(np.rint(amax / 32 / np.where(d > 0, d, 1)[..., None]), -128, 127)
+    D = d[..., None] * sc
+    q = np.clip(np.rint(sub / np.where(D > 0, D, 1)[..., None]), -32, 31) + 32
+    q = q.astype(np.uint8).reshape(rows, nb, 2, 128)  # two halves of 128 k
+    out = np.zeros((rows, nb, kquant.Q6_K_BYTES), np.uint8)
+    low, high = q & 15, q >> 4
+    out[..., :128] = (low[..., :64] | (low[..., 64:] << 4)).reshape(rows, nb, 128)
+    h = high.reshape(rows, nb, 2, 4, 32)  # element 32 s + t of a half: bits 2s of byte t
+    out[..., 128:192] = (h[:, :, :, 0] | (h[:, :, :, 1] << 2) | (h[:, :, :, 2] << 4)
+                         | (h[:, :, :, 3] << 6)).reshape(rows, nb, 64)
+    out[..., 192:208] = sc.astype(np.int8).view(np.uint8)
+    out[..., 208:210] = _f16_bytes(d)
+    return out.reshape(rows, -1)
+
+
 def _dequantized(kind: str, raw: np.ndarray) -> torch.Tensor:
     """What transformers loads: the gguf package's own dequantisation, float32 [rows, k]"""
     import gguf
@@ -72,6 +115,16 @@ def weights(tmp_path_factory):
     # rows in another order (as transformers un-permutes llama's q/k heads)
     floats["shuffled"] = floats["q"][torch.randperm(200, generator=torch.Generator().manual_seed(1))]
     return kquant.GGUFCodes(path), floats
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_quantiser_round_trip(kind):
+    """The tests' quantiser writes blocks that the gguf package reads back close to the input
+    (so the engine test's model has ordinary zero-mean weights)."""
+    w = np.random.default_rng(2).standard_normal((8, 512)).astype(np.float32)
+    back = _dequantized(kind, quantize_k(kind, w)).numpy()
+    rel = np.abs(back - w).max() / np.abs(w).max()
+    assert rel < 0.08, rel  # a 4-bit step is 1/15 of a sub-block range
 
 
 def test_codes_match_the_gguf_dequantisation(weights):
@@ -160,3 +213,95 @@ def test_every_kernel_gives_the_same_bits(weights, name):
     for kernel in kernels[1:]:
         assert all(torch.equal(a, b) for a, b in zip(outs[kernel], outs["portable"])), kernel
     assert all(torch.equal(o, outs["portable"][-1][:o.shape[0]]) for o in outs["portable"])
+
+
+def write_tiny_kquant_gguf(path, seed: int = 0) -> None:
+    """A 2-layer Llama GGUF as ``test_loader.write_tiny_gguf``'s, at hidden 256 / ffn 512 (K a
+    multiple of 256) with Q4_K_M's mix: Q4_K q, k, o, gate, up and embedding; Q6_K v, down and
+    output (so the fused q/k/v holds both kinds)."""
+    import gguf
+
+    from tests.unit.test_loader import _bytes_to_unicode
+
+    hidden, num_layers, num_heads, num_kv_heads, ffn = 256, 2, 4, 2, 512
+    alphabet = _bytes_to_unicode()
+    tokens = [alphabet[b] for b in range(256)] + ["<|bos|>", "<|eos|>"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-kquant")
+    writer.add_context_length(512)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(num_layers)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(num_heads)
+    writer.add_head_count_kv(num_kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * 256 + [3, 3])
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(256)
+    writer.add_eos_token_id(257)
+    writer.add_add_bos_token(False)
+    rng = np.random.default_rng(seed)
+
+    def add(name: str, kind: str, rows: int, cols: int) -> None:
+        w = (rng.standard_normal((rows, cols)) / cols ** 0.5).astype(np.float32)
+        writer.add_tensor(name, quantize_k(kind, w),
+                          raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
+
+    add("token_embd.weight", "Q4_K", len(tokens), hidden)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    add("output.weight", "Q6_K", len(tokens), hidden)
+    head_dim = hidden // num_heads
+    for i in range(num_layers):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+        for name, kind, rows, cols in (
+                ("attn_q", "Q4_K", hidden, hidden),
+                ("attn_k", "Q4_K", num_kv_heads * head_dim, hidden),
+                ("attn_v", "Q6_K", num_kv_heads * head_dim, hidden),
+                ("attn_output", "Q4_K", hidden, hidden), ("ffn_gate", "Q4_K", ffn, hidden),
+                ("ffn_up", "Q4_K", ffn, hidden), ("ffn_down", "Q6_K", hidden, ffn)):
+            add(f"blk.{i}.{name}.weight", kind, rows, cols)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_kquant_gguf_engine_outputs_do_not_depend_on_proposer_or_batch(tmp_path):
+    """A Q4_K / Q6_K GGUF loaded with dtype int8 runs every dense layer on its K-quant codes;
+    greedy outputs are equal for none / ngram k 3 at batch 1 and 4, and the logits are near
+    the float32 ones (the same GGUF, dequantised) but not equal."""
+    from specbatch.config import SamplingParams
+    from specbatch.models.llama import LlamaForward
+    from specbatch.models.loader import load_model
+    from tests.helpers import run_engine
+
+    path = tmp_path / "tiny-kquant.gguf"
+    write_tiny_kquant_gguf(path)
+    fwd = LlamaForward(load_model(str(path), dtype="int8", cache_dir=tmp_path / "cache").model)
+    assert fwd.activations == "int8"
+    kind = lambda w: linear_cpu._PACKED[w][1][0]  # noqa: E731
+    layer = fwd.layers[0]
+    assert kind(fwd.qkv[0][0]) == linear_cpu.SEGMENTS  # Q4_K q, k rows; Q6_K v rows
+    assert kind(fwd.gate_up[0]) == kind(layer.self_attn.o_proj.weight) == linear_cpu.Q4_1_X8
+    assert kind(layer.mlp.down_proj.weight) == kind(fwd.lm_head) == linear_cpu.Q6_K_X8
+    gen = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(1, 256, (int(n),), generator=gen).tolist()
+               for n in torch.randint(4, 30, (6,), generator=gen)]
+    prompts = [p + p[:5] for p in prompts]  # something for prompt lookup to draft from
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    runs = [[c.output_ids for c in run_engine(fwd, prompts, k, bsz, greedy)]
+            for k, bsz in ((0, 1), (3, 1), (0, 4), (3, 4))]
+    assert all(r == runs[0] for r in runs[1:])
+    assert len({tuple(ids) for ids in runs[0]}) > 1  # not one degenerate output for all
+    f32 = LlamaForward(load_model(str(path), dtype="float32", cache_dir=tmp_path / "cache").model)
+    logits = [f.forward(torch.tensor([prompts[0][:8]]), torch.arange(8)[None],
+                        f.new_cache(1, 16), torch.tensor([0])) for f in (fwd, f32)]
+    gap = (logits[0] - logits[1]).abs().max().item()
+    assert 0 < gap < 0.05 * logits[1].abs().max().item()
