@@ -141,6 +141,8 @@ class GGUFCodes:
         if k % QK_K or n == 0 or weight.dtype != torch.float32:
             return None
         w = weight.detach()
+        if _keys(w[:1], k)[0] not in self._index:  # the usual miss (a Q8_0 / F32 tensor): cheap
+            return None
         picks = []  # per row: its (tensor, row) candidates
         for key in _keys(w, k):
             found = self._index.get(key)

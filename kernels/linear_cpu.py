@@ -198,31 +198,29 @@ def pack_q8(weight: torch.Tensor, source=None) -> tuple | None:
     16, 4]`` uint8 (q + 128), scales ``[G, K / 32, 16]``; Q6_K codes as Q8_0's, scales ``[G, K
     / 32, 2, 16]`` (d of k 0..15, of k 16..31).
 
-    source: a ``kquant.GGUFCodes`` whose Q4_K / Q6_K rows are tried where the floats alone
-    give no codes (Q4_K as Q4_1 blocks). Rows of both kinds give ``(SEGMENTS, table, empty,
+    source: a ``kquant.GGUFCodes`` whose Q4_K / Q6_K rows are tried first (Q4_K as Q4_1
+    blocks). Rows of both kinds give ``(SEGMENTS, table, empty,
     parts)``: table ``[runs, 5]`` int64 (kind, scales pointer, codes pointer, first row, rows),
     parts the runs' forms, which it points into."""
     n, k = weight.shape
     if k % BLOCK or n == 0 or weight.dtype != torch.float32:
         return None
-    v = weight.detach().contiguous().reshape(-1, BLOCK)
     nblk = k // BLOCK
+    runs = None if source is None else source.find(weight)  # first: a miss costs one row's key
+    if runs is not None:
+        parts = [_k_quant_x8(kind, form, r1 - r0, nblk) for r0, r1, kind, form in runs]
+        if len(parts) == 1:
+            return parts[0]
+        table = torch.tensor([[p[0], p[1].data_ptr(), p[2].data_ptr(), r0, r1 - r0]
+                              for p, (r0, r1, _, _) in zip(parts, runs)], dtype=torch.int64)
+        return SEGMENTS, table, torch.empty(0, dtype=torch.uint8), parts
+    v = weight.detach().contiguous().reshape(-1, BLOCK)
     found = _q8_0_codes(v)
     if found is not None:
         d, q = found
         return Q8_0_X8, _by_group(d.view(n, nblk), n, nblk).contiguous(), _q8_x8(d, q, n, nblk)
     found = _q4_1_codes(v)
-    if found is not None:
-        return _q4_1_x8(*found, n, nblk)
-    runs = None if source is None else source.find(weight)
-    if runs is None:
-        return None
-    parts = [_k_quant_x8(kind, form, r1 - r0, nblk) for r0, r1, kind, form in runs]
-    if len(parts) == 1:
-        return parts[0]
-    table = torch.tensor([[p[0], p[1].data_ptr(), p[2].data_ptr(), r0, r1 - r0]
-                          for p, (r0, r1, _, _) in zip(parts, runs)], dtype=torch.int64)
-    return SEGMENTS, table, torch.empty(0, dtype=torch.uint8), parts
+    return None if found is None else _q4_1_x8(*found, n, nblk)
 
 
 # weights whose matmuls take 8-bit activations (``use_int8_activations``)
