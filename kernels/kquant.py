@@ -1,4 +1,4 @@
-"""GGUF K-quant weights (Q4_K, Q6_K) as codes for the 8-bit-activation matmul (``--dtype int8``).
+"""GGUF K-quant weights (Q4_K, Q5_K, Q6_K) as codes for the 8-bit-activation matmul (``--dtype int8``).
 
 The engine's weights are float32 tensors that transformers dequantised from the GGUF with the
 ``gguf`` package. A Q4_1 / Q8_0 weight gives its codes back from those floats alone
@@ -14,6 +14,7 @@ the kernel's blocks of 32 (``csrc/linear_q8.c``):
 - Q4_K: float16 d, dmin; eight sub-blocks of 32 with 6-bit scale sc and min m, 4-bit q.
   gguf dequantises w = (d sc) q - (dmin m) in float32, d sc and dmin m exact, (d sc) q exact:
   one rounding. That is a Q4_1 block of the kernel with d_w = d sc, m_w = -(dmin m).
+- Q5_K: as Q4_K with 5-bit q: the kernel's Q5_K kind (Q4_1's arithmetic on 8-bit codes).
 - Q6_K: float16 d; sixteen sub-blocks of 16 with int8 scale sc, 6-bit q; w = (d sc)(q - 32).
   A block of 32 is two sub-blocks: the kernel's Q6_K kind, codes q - 32, scales d sc per 16.
 
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 QK_K = 256  # k per super-block
-Q4_K_BYTES, Q6_K_BYTES = 144, 210  # bytes per super-block (ggml-common.h)
+Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES = 144, 176, 210  # bytes per super-block (ggml-common.h)
 _KEY_K = 256  # k of a row's start that keys it (one super-block: cheap to dequantise)
 
 
@@ -39,12 +40,9 @@ def _f16(raw: torch.Tensor) -> torch.Tensor:
     return raw.contiguous().view(torch.float16)[..., 0].float()
 
 
-def q4_k_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_K rows ``raw`` ``[R, K / 256 * 144]`` uint8 -> (d ``[R, K / 32]`` float32, m ``[R, K /
-    32]`` float32, q ``[R, K]`` uint8 in 0..15) with w = d q + m per block of 32 (m <= 0)."""
-    r = raw.shape[0]
-    blocks = raw.reshape(r, -1, Q4_K_BYTES)
-    nb = blocks.shape[1]
+def _scales_mins(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K super-blocks ``[R, nb, bytes]`` -> (d sc, -(dmin m)) ``[R, nb, 8]`` float32"""
+    r, nb = blocks.shape[:2]
     d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
     s = blocks[..., 4:16].to(torch.int32).view(r, nb, 3, 4)
     # the 12 scale bytes: sc and m of sub-blocks 0..3 in the low 6 bits of bytes 0..3 / 4..7;
@@ -53,10 +51,33 @@ def q4_k_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     sc = torch.cat([lo & 63, (mix & 15) | ((lo >> 2) & 48)], dim=-1)  # [R, nb, 8]
     mn = torch.cat([hi & 63, (mix >> 4) | ((hi >> 2) & 48)], dim=-1)
     dw = d[..., None] * sc.float()  # exact: 11 significant bits times 6
-    mw = -(dmin[..., None] * mn.float())
+    return dw, -(dmin[..., None] * mn.float())
+
+
+def q4_k_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K rows ``raw`` ``[R, K / 256 * 144]`` uint8 -> (d ``[R, K / 32]`` float32, m ``[R, K /
+    32]`` float32, q ``[R, K]`` uint8 in 0..15) with w = d q + m per block of 32 (m <= 0)."""
+    r = raw.shape[0]
+    blocks = raw.reshape(r, -1, Q4_K_BYTES)
+    nb = blocks.shape[1]
+    dw, mw = _scales_mins(blocks)
     qs = blocks[..., 16:].view(r, nb, 4, 1, 32)  # 4 runs of 32 bytes: sub-blocks 2i (low), 2i+1
     q = torch.cat([qs & 15, qs >> 4], dim=3).reshape(r, nb * QK_K)
     return dw.reshape(r, -1), mw.reshape(r, -1), q
+
+
+def q5_k_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q5_K rows ``raw`` ``[R, K / 256 * 176]`` uint8 -> as ``q4_k_codes``, q in 0..31 (the
+    fifth bit of sub-block j's k t is bit j of byte t of the 32 ``qh`` bytes)."""
+    r = raw.shape[0]
+    blocks = raw.reshape(r, -1, Q5_K_BYTES)
+    nb = blocks.shape[1]
+    dw, mw = _scales_mins(blocks)
+    qh = blocks[..., 16:48].view(r, nb, 1, 32)
+    qh = torch.cat([(qh >> j) & 1 for j in range(8)], dim=2)  # [R, nb, 8, 32]
+    qs = blocks[..., 48:].view(r, nb, 4, 1, 32)
+    q = torch.cat([qs & 15, qs >> 4], dim=3).view(r, nb, 8, 32) | (qh << 4)
+    return dw.reshape(r, -1), mw.reshape(r, -1), q.reshape(r, nb * QK_K)
 
 
 def q6_k_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +99,7 @@ def q6_k_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize(kind: str, form: tuple) -> torch.Tensor:
     """The float32 weights ``[R, K]`` of ``q4_k_codes`` / ``q6_k_codes``'s form, computed as
     the ``gguf`` package computes them (so equal bit for bit to what transformers loaded)."""
-    if kind == "Q4_K":
+    if kind in ("Q4_K", "Q5_K"):
         d, m, q = form
         r = q.shape[0]
         return (d[..., None] * q.view(r, -1, 32).float() + m[..., None]).view(r, -1)
@@ -87,7 +108,8 @@ def dequantize(kind: str, form: tuple) -> torch.Tensor:
     return (d[..., None] * q.view(r, -1, 16).float()).view(r, -1)
 
 
-_DECODE = {"Q4_K": (q4_k_codes, Q4_K_BYTES), "Q6_K": (q6_k_codes, Q6_K_BYTES)}
+_DECODE = {"Q4_K": (q4_k_codes, Q4_K_BYTES), "Q5_K": (q5_k_codes, Q5_K_BYTES),
+           "Q6_K": (q6_k_codes, Q6_K_BYTES)}
 # random multipliers of a row key's two hashes (fixed: keys are compared within one process)
 _MULT = torch.randint(1, 1 << 20, (2, _KEY_K), generator=torch.Generator().manual_seed(35),
                       dtype=torch.int64)
@@ -103,7 +125,7 @@ def _keys(rows: torch.Tensor, k: int) -> list[tuple[int, int, int]]:
 
 
 class GGUFCodes:
-    """The Q4_K / Q6_K rows of a GGUF file, found by their float32 values.
+    """The Q4_K / Q5_K / Q6_K rows of a GGUF file, found by their float32 values.
 
     Reading indexes every such row by its first super-block (memory-mapped; dequantising one
     super-block a row: ~1/K-th of the file's work). ``find`` then gives a float32 weight's codes
@@ -116,7 +138,7 @@ class GGUFCodes:
         reader = gguf.GGUFReader(str(path))
         self._tensors: list[tuple[str, np.ndarray]] = []
         self._index: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
-        names = {gguf.GGMLQuantizationType.Q4_K: "Q4_K", gguf.GGMLQuantizationType.Q6_K: "Q6_K"}
+        names = {getattr(gguf.GGMLQuantizationType, kind): kind for kind in _DECODE}
         for t in reader.tensors:
             kind = names.get(t.tensor_type)
             if kind is None:
@@ -134,7 +156,7 @@ class GGUFCodes:
         return sum(raw.shape[0] for _, raw in self._tensors)
 
     def find(self, weight: torch.Tensor) -> list[tuple[int, int, str, tuple]] | None:
-        """``weight`` ``[N, K]`` float32 as runs ``(row0, row1, "Q4_K" or "Q6_K", form)`` in row
+        """``weight`` ``[N, K]`` float32 as runs ``(row0, row1, "Q4_K", "Q5_K" or "Q6_K", form)`` in row
         order (form: ``q4_k_codes`` / ``q6_k_codes`` of rows row0..row1-1), or None unless every
         row is a K-quant row of the file whose codes give its bits exactly."""
         n, k = weight.shape

@@ -20,7 +20,7 @@ the float32 path; ``SPECBATCH_CPU_WEIGHTS=float32`` keeps it for every weight.
 **8-bit activations** (``--dtype int8``): a weight marked by ``use_int8_activations`` is packed
 by ``pack_q8`` for ``csrc/linear_q8.c``, which rounds each row of x to 8 bits per block of 32
 and sums exact integer products with the codes (llama.cpp's scheme; docs/design.md). GGUF
-K-quant weights (Q4_K, Q6_K) take that path too, their codes read from the GGUF file
+K-quant weights (Q4_K, Q5_K, Q6_K) take that path too, their codes read from the GGUF file
 (``kernels/kquant.py``); a weight fused from rows of both (q/k/v) runs as row segments.
 """
 
@@ -39,7 +39,8 @@ Q4_1, Q8_0 = 1, 2  # the C kernel's codes for the two storage kinds
 Q4_1_X8, Q8_0_X8 = 3, 4  # the same codes with 8-bit activations (csrc/linear_q8.c)
 Q6_K_X8 = 5  # GGUF Q6_K: 8-bit-code layout, a scale per 16 k (csrc/linear_q8.c)
 SEGMENTS = 6  # rows in runs of different kinds (csrc/linear_f32.c, sb_segment)
-INT8_KINDS = (Q4_1_X8, Q8_0_X8, Q6_K_X8, SEGMENTS)
+Q5_K_X8 = 7  # GGUF Q5_K: 8-bit-code layout, Q4_1's (d, m) scales
+INT8_KINDS = (Q4_1_X8, Q8_0_X8, Q6_K_X8, SEGMENTS, Q5_K_X8)
 
 
 def _library():
@@ -184,6 +185,10 @@ def _k_quant_x8(kind: str, form: tuple, n: int, nblk: int) -> tuple:
     """``kquant.GGUFCodes.find``'s form of n rows in the layout of ``pack_q8``"""
     if kind == "Q4_K":
         return _q4_1_x8(*form, n, nblk)
+    if kind == "Q5_K":
+        d, m, q = form
+        scales = torch.stack([_by_group(d, n, nblk), _by_group(m, n, nblk)], dim=2)
+        return Q5_K_X8, scales.contiguous(), _q8_x8(d, q.to(torch.int8), n, nblk)
     d, q = form  # Q6_K: d per 16 k -> scales [G, nblk, 2, 16] (k 0..15, then 16..31)
     scales = _by_group(d.view(n, nblk, 2), n, nblk, 2).transpose(2, 3).contiguous()
     return Q6_K_X8, scales, _q8_x8(d, q, n, nblk)
@@ -196,9 +201,9 @@ def pack_q8(weight: torch.Tensor, source=None) -> tuple | None:
     past N): Q4_1 codes ``[G, K / 32, 4, 16, 4]`` uint8 (k 4r..4r+3 in the low nibble, 16 +
     4r.. in the high one), scales ``[G, K / 32, 2, 16]`` (d, m); Q8_0 codes ``[G, K / 32, 8,
     16, 4]`` uint8 (q + 128), scales ``[G, K / 32, 16]``; Q6_K codes as Q8_0's, scales ``[G, K
-    / 32, 2, 16]`` (d of k 0..15, of k 16..31).
+    / 32, 2, 16]`` (d of k 0..15, of k 16..31); Q5_K codes as Q8_0's, scales as Q4_1's.
 
-    source: a ``kquant.GGUFCodes`` whose Q4_K / Q6_K rows are tried first (Q4_K as Q4_1
+    source: a ``kquant.GGUFCodes`` whose Q4_K / Q5_K / Q6_K rows are tried first (Q4_K as Q4_1
     blocks). Rows of both kinds give ``(SEGMENTS, table, empty,
     parts)``: table ``[runs, 5]`` int64 (kind, scales pointer, codes pointer, first row, rows),
     parts the runs' forms, which it points into."""

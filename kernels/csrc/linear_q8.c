@@ -10,6 +10,7 @@
  *       acc = fma(float(sum q_w q_x), d_w * d_x, acc);  acc = fma(m_w, d_x * float(S), acc)
  *   Q8_0 weight block (d_w, q_w in -127..127, w = d_w q_w):
  *       acc = fma(float(sum q_w q_x), d_w * d_x, acc)
+ *   Q5_K weight block: as Q4_1's, q_w in 0..31 (a GGUF Q5_K sub-block, as Q4_K's below)
  *   Q6_K weight block (d_lo for k 0..15, d_hi for k 16..31, q_w in -32..31, w = d q_w; a
  *   GGUF Q6_K super-block's sub-blocks of 16, d = its float16 d times the int8 sub-scale):
  *       acc = fma(float(sum_lo q_w q_x), d_lo * d_x, acc);
@@ -31,7 +32,8 @@
  *         scales [2][16] floats (d_w, then m_w, per column);
  *   Q8_0: codes [8][16][4] bytes, byte (r, c, j) = q(c, 4r + j) + 128 (unsigned for VPDPBUSD:
  *         sum (q_w + 128) q_x - 128 S = sum q_w q_x, exact); scales [16] floats (d_w);
- *   Q6_K: codes as Q8_0's; scales [2][16] floats (d_lo, then d_hi, per column).
+ *   Q6_K: codes as Q8_0's; scales [2][16] floats (d_lo, then d_hi, per column);
+ *   Q5_K: codes as Q8_0's (q_w + 128); scales as Q4_1's.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -47,10 +49,13 @@
 #define Q4_1_X8 3
 #define Q8_0_X8 4
 #define Q6_K_X8 5
+#define Q5_K_X8 7 /* (6: SEGMENTS, linear_f32.c) */
 
 /* bytes of codes and floats of scales per (group, block) */
 static inline int64_t codes_per(int kind) { return kind == Q4_1_X8 ? 256 : 512; }
 static inline int64_t scales_per(int kind) { return kind == Q8_0_X8 ? 16 : 32; }
+/* Q4_1 and Q5_K: w = d_w q + m_w, the m_w d_x S term */
+static inline int has_offset(int kind) { return kind == Q4_1_X8 || kind == Q5_K_X8; }
 
 /* Software prefetch of the weights PREFETCH_BLOCKS blocks ahead (4 KB of Q4_1 codes, 8 KB of
  * Q8_0; past the group's last block that is the next group's, which follows it): a few-row
@@ -170,7 +175,7 @@ static void group_scalar(int kind, int64_t mr, const int8_t *xq, const float *xd
                 }
                 const float dx = xd[i * nblk + b];
                 acc = fmaf((float)dot, sb[c] * dx, acc);
-                if (kind == Q4_1_X8) acc = fmaf(sb[GC + c], xds[i * nblk + b], acc);
+                if (has_offset(kind)) acc = fmaf(sb[GC + c], xds[i * nblk + b], acc);
                 if (kind == Q6_K_X8) acc = fmaf((float)dot2, sb[GC + c] * dx, acc);
             }
             y[i * ldy + c] = bias ? acc + bias[c] : acc;
@@ -237,7 +242,7 @@ static inline __attribute__((always_inline)) void group_256(
                 const float dx = xd[i * (K / QB) + b];
                 acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i]),
                                             _mm256_mul_ps(dw, _mm256_set1_ps(dx)), acc[i][h]);
-                if (kind == Q4_1_X8)
+                if (has_offset(kind))
                     acc[i][h] = _mm256_fmadd_ps(
                         _mm256_loadu_ps(scales + b * sp + GC + 8 * h),
                         _mm256_set1_ps(xds[i * (K / QB) + b]), acc[i][h]);
@@ -268,6 +273,8 @@ static inline __attribute__((always_inline)) void group_256(
             IMPL(Q4_1_X8, MR, xq, xd, xds, xk, K, codes, scales, bias, y, ldy, ncols);        \
         else if (kind == Q8_0_X8)                                                             \
             IMPL(Q8_0_X8, MR, xq, xd, xds, xk, K, codes, scales, bias, y, ldy, ncols);        \
+        else if (kind == Q5_K_X8)                                                             \
+            IMPL(Q5_K_X8, MR, xq, xd, xds, xk, K, codes, scales, bias, y, ldy, ncols);        \
         else                                                                                  \
             IMPL(Q6_K_X8, MR, xq, xd, xds, xk, K, codes, scales, bias, y, ldy, ncols);        \
     }
@@ -358,7 +365,7 @@ VNNI static inline __attribute__((always_inline)) void group_512(
                     _mm512_cvtepi32_ps(dot2[i]),
                     _mm512_mul_ps(_mm512_loadu_ps(scales + b * sp + GC), _mm512_set1_ps(dx)),
                     acc[i]);
-            if (kind == Q4_1_X8)
+            if (has_offset(kind))
                 acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(scales + b * sp + GC),
                                          _mm512_set1_ps(xds[i * nblk + b]), acc[i]);
         }

@@ -1,4 +1,4 @@
-"""GGUF Q4_K / Q6_K weights in the 8-bit-activation matmul (kernels/kquant.py, csrc/linear_q8.c):
+"""GGUF Q4_K / Q5_K / Q6_K weights in the 8-bit-activation matmul (kernels/kquant.py, csrc/linear_q8.c):
 codes read from the GGUF that give the float32 weights bit for bit, outputs within 8-bit
 rounding of a dequantise-then-float matmul, the same bits at every row count and on AVX-512
 VNNI, AVX2 and portable C, and a K-quant GGUF whose engine outputs do not depend on the proposer
@@ -26,8 +26,9 @@ def random_k_blocks(kind: str, rows: int, k: int, rng: np.random.Generator,
     """Random valid super-blocks ``[rows, k / 256 * bytes]`` uint8: every code, sub-scale and
     min drawn uniformly, float16 d (and dmin) sized so that |w| ~ scale / sqrt(k)."""
     nb = k // 256
-    if kind == "Q4_K":
-        b = rng.integers(0, 256, (rows, nb, kquant.Q4_K_BYTES), dtype=np.uint8)
+    if kind in ("Q4_K", "Q5_K"):
+        nbytes = kquant.Q4_K_BYTES if kind == "Q4_K" else kquant.Q5_K_BYTES
+        b = rng.integers(0, 256, (rows, nb, nbytes), dtype=np.uint8)
         b[..., 0:2] = _f16_bytes(rng.uniform(0.5, 1.5, (rows, nb)) * scale / 300 / k ** 0.5)
         b[..., 2:4] = _f16_bytes(rng.uniform(0.5, 1.5, (rows, nb)) * scale / 300 / k ** 0.5)
     else:
@@ -107,7 +108,8 @@ def weights(tmp_path_factory):
     raws = {"q": ("Q4_K", random_k_blocks("Q4_K", 200, 512, rng)),
             "k": ("Q4_K", random_k_blocks("Q4_K", 40, 512, rng)),
             "v": ("Q6_K", random_k_blocks("Q6_K", 40, 512, rng)),
-            "down": ("Q6_K", random_k_blocks("Q6_K", 96, 768, rng))}
+            "down": ("Q6_K", random_k_blocks("Q6_K", 96, 768, rng)),
+            "q5": ("Q5_K", random_k_blocks("Q5_K", 50, 512, rng))}
     path = tmp_path_factory.mktemp("kquant") / "codes.gguf"
     write_gguf(path, raws)
     floats = {name: _dequantized(kind, raw) for name, (kind, raw) in raws.items()}
@@ -129,8 +131,9 @@ def test_quantiser_round_trip(kind):
 
 def test_codes_match_the_gguf_dequantisation(weights):
     source, floats = weights
-    assert len(source) == 200 + 40 + 40 + 96
-    for name, kind in (("q", "Q4_K"), ("v", "Q6_K"), ("down", "Q6_K"), ("shuffled", "Q4_K")):
+    assert len(source) == 200 + 40 + 40 + 96 + 50
+    for name, kind in (("q", "Q4_K"), ("v", "Q6_K"), ("down", "Q6_K"), ("shuffled", "Q4_K"),
+                       ("q5", "Q5_K")):
         runs = source.find(floats[name])
         assert runs is not None and len(runs) == 1, name
         r0, r1, got, form = runs[0]
@@ -152,6 +155,7 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("name,kind", [("q", linear_cpu.Q4_1_X8), ("down", linear_cpu.Q6_K_X8),
                                        ("qkv", linear_cpu.SEGMENTS),
+                                       ("q5", linear_cpu.Q5_K_X8),
                                        ("shuffled", linear_cpu.Q4_1_X8)])
 def test_close_to_the_dequantised_matmul_and_row_invariant(weights, name, kind):
     """Within 8-bit activation rounding of the float64 matmul of the dequantised weights
@@ -192,7 +196,7 @@ def test_segments_are_the_runs_apart(weights):
     assert torch.equal(linear_cpu.linear(x, fused), torch.cat(apart, dim=1))
 
 
-@pytest.mark.parametrize("name", ["q", "down", "qkv"])
+@pytest.mark.parametrize("name", ["q", "down", "qkv", "q5"])
 def test_every_kernel_gives_the_same_bits(weights, name):
     """AVX-512 VNNI (where the CPU has it), AVX2 and the portable C loop: equal outputs at 1-21
     rows (AVX2 tiles of 4, VNNI tiles of 8, partial column groups)."""
