@@ -27,12 +27,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mmap
+import struct
+
 import numpy as np
 import torch
 
 QK_K = 256  # k per super-block
 Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES = 144, 176, 210  # bytes per super-block (ggml-common.h)
-_KEY_K = 256  # k of a row's start that keys it (one super-block: cheap to dequantise)
+_KEY_K = 16  # values of a row's start that key it
+_GGML_TYPES = {12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}  # ggml_type ids (ggml.h)
 
 
 def _f16(raw: torch.Tensor) -> torch.Tensor:
@@ -110,43 +114,105 @@ def dequantize(kind: str, form: tuple) -> torch.Tensor:
 
 _DECODE = {"Q4_K": (q4_k_codes, Q4_K_BYTES), "Q5_K": (q5_k_codes, Q5_K_BYTES),
            "Q6_K": (q6_k_codes, Q6_K_BYTES)}
-# random multipliers of a row key's two hashes (fixed: keys are compared within one process)
-_MULT = torch.randint(1, 1 << 20, (2, _KEY_K), generator=torch.Generator().manual_seed(35),
-                      dtype=torch.int64)
+_MULT = np.random.default_rng(35).integers(1, 1 << 62, _KEY_K + 1, dtype=np.uint64) | np.uint64(1)
 
 
-def _keys(rows: torch.Tensor, k: int) -> list[tuple[int, int, int]]:
-    """float32 ``[R, >= 256]`` -> a key per row of length k: (k, two hashes of its first 256
-    values' bits; each sum < 2^53, no overflow)."""
-    bits = rows[:, :_KEY_K].contiguous().view(torch.int32).to(torch.int64)
-    h0 = ((bits & 0xFFFF) * _MULT[0]).sum(1)
-    h1 = (((bits >> 16) & 0xFFFF) * _MULT[1]).sum(1)
-    return [(k, a, b) for a, b in zip(h0.tolist(), h1.tolist())]
+def _keys(rows: torch.Tensor, k: int) -> list[int]:
+    """float32 ``[R, >= 16]`` -> a 64-bit key per row of length k: a hash of k and its first 16
+    values' bits (equal rows, equal keys; a collision only costs a failed check)."""
+    bits = rows[:, :_KEY_K].contiguous().view(torch.int32).numpy().view(np.uint32)
+    h = (bits.astype(np.uint64) * _MULT[:_KEY_K]).sum(1, dtype=np.uint64)  # wraps mod 2^64
+    return (h ^ np.uint64(k * int(_MULT[_KEY_K]) % (1 << 64))).tolist()
+
+
+def _first_values(kind: str, raw: np.ndarray) -> torch.Tensor:
+    """The first 16 float32 values ``[R, 16]`` of each row of ``raw`` (its first super-block's
+    first sub-block; the ``gguf`` package's arithmetic, as ``dequantize``): the index's keys
+    without dequantising whole super-blocks."""
+    b = torch.from_numpy(np.array(raw[:, :_DECODE[kind][1]]))
+    if kind == "Q6_K":
+        q = (b[:, :16] & 15) | ((b[:, 128:144] & 3) << 4)
+        d = _f16(b[:, 208:210]) * b[:, 192:193].view(torch.int8)[:, 0].float()
+        return d[:, None] * (q.to(torch.int16) - 32).float()
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = (b[:, 4] & 63).float(), (b[:, 8] & 63).float()
+    q = b[:, 16:32] & 15 if kind == "Q4_K" else (b[:, 48:64] & 15) | ((b[:, 16:32] & 1) << 4)
+    return (d * sc)[:, None] * q.float() - (dmin * mn)[:, None]
+
+
+def _k_quant_tensors(path: str | Path) -> tuple[mmap.mmap, list[tuple[str, int, int, int]]]:
+    """The file mapped, and its Q4_K / Q5_K / Q6_K tensors as (kind, byte offset, rows, bytes
+    per row), read from the GGUF header (v2 / v3) without parsing the metadata's values (the
+    ``gguf`` package's reader spends ~20 s on a 150k-token vocabulary)."""
+    with open(path, "rb") as handle:
+        data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+    magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", data, 0)
+    if magic != b"GGUF" or version < 2:
+        raise ValueError(f"{path}: not a GGUF v2/v3 file")
+    pos, alignment = 24, 32
+    sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+    def string() -> bytes:
+        nonlocal pos
+        (n,) = struct.unpack_from("<Q", data, pos)
+        pos += 8 + n
+        return data[pos - n:pos]
+
+    def skip(vtype: int) -> None:
+        nonlocal pos
+        if vtype == 8:
+            string()
+        elif vtype == 9:
+            etype, count = struct.unpack_from("<IQ", data, pos)
+            pos += 12
+            if etype in sizes:
+                pos += sizes[etype] * count
+            else:
+                for _ in range(count):
+                    skip(etype)
+        else:
+            pos += sizes[vtype]
+
+    for _ in range(n_kv):
+        key = string()
+        (vtype,) = struct.unpack_from("<I", data, pos)
+        pos += 4
+        if key == b"general.alignment" and vtype == 4:
+            (alignment,) = struct.unpack_from("<I", data, pos)
+        skip(vtype)
+    infos = []
+    for _ in range(n_tensors):
+        string()
+        (n_dims,) = struct.unpack_from("<I", data, pos)
+        dims = struct.unpack_from(f"<{n_dims}Q", data, pos + 4)
+        ggml_type, offset = struct.unpack_from("<IQ", data, pos + 4 + 8 * n_dims)
+        pos += 4 + 8 * n_dims + 12
+        infos.append((_GGML_TYPES.get(ggml_type), offset, dims))
+    start = -(-pos // alignment) * alignment
+    tensors = []
+    for kind, offset, dims in infos:
+        if kind is not None:
+            rows = int(np.prod(dims[1:], dtype=np.int64))
+            tensors.append((kind, start + offset, rows, dims[0] // QK_K * _DECODE[kind][1]))
+    return data, tensors
 
 
 class GGUFCodes:
     """The Q4_K / Q5_K / Q6_K rows of a GGUF file, found by their float32 values.
 
-    Reading indexes every such row by its first super-block (memory-mapped; dequantising one
-    super-block a row: ~1/K-th of the file's work). ``find`` then gives a float32 weight's codes
+    Reading indexes every such row by its first 16 values (the file memory-mapped; one
+    super-block a row dequantised: ~1/K-th of the file's work). Raises ``ValueError`` for a
+    file that is not GGUF v2 / v3. ``find`` then gives a float32 weight's codes
     where every row is some K-quant row of the file, checked bit for bit.
     """
 
     def __init__(self, path: str | Path) -> None:
-        import gguf
-
-        reader = gguf.GGUFReader(str(path))
+        self._file, found = _k_quant_tensors(path)
         self._tensors: list[tuple[str, np.ndarray]] = []
-        self._index: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
-        names = {getattr(gguf.GGMLQuantizationType, kind): kind for kind in _DECODE}
-        for t in reader.tensors:
-            kind = names.get(t.tensor_type)
-            if kind is None:
-                continue
-            raw = np.asarray(t.data).reshape(-1, t.data.shape[-1])  # [rows, bytes per row]
-            decode, nbytes = _DECODE[kind]
-            first = torch.from_numpy(np.array(raw[:, :nbytes]))
-            keys = _keys(dequantize(kind, decode(first)), raw.shape[1] // nbytes * QK_K)
+        self._index: dict[int, list[tuple[int, int]]] = {}
+        for kind, offset, rows, row_bytes in found:
+            raw = np.frombuffer(self._file, np.uint8, rows * row_bytes, offset).reshape(rows, -1)
+            keys = _keys(_first_values(kind, raw), raw.shape[1] // _DECODE[kind][1] * QK_K)
             i = len(self._tensors)
             self._tensors.append((kind, raw))
             for row, key in enumerate(keys):
@@ -189,7 +255,8 @@ class GGUFCodes:
             else:
                 runs.append([start, end, kind, [form]])
             start = end
-        return [(r0, r1, kind, tuple(torch.cat(parts) for parts in zip(*forms)))
+        return [(r0, r1, kind, forms[0] if len(forms) == 1
+                 else tuple(torch.cat(parts) for parts in zip(*forms)))
                 for r0, r1, kind, forms in runs]
 
     @staticmethod
@@ -202,4 +269,4 @@ class GGUFCodes:
                                rows[i:i + chunk].view(torch.int32)):
                 return None
             forms.append(form)
-        return tuple(torch.cat(parts) for parts in zip(*forms))
+        return forms[0] if len(forms) == 1 else tuple(torch.cat(parts) for parts in zip(*forms))
