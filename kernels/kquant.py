@@ -1,4 +1,4 @@
-"""GGUF K-quant weights (Q4_K, Q5_K, Q6_K) as codes for the 8-bit-activation matmul (``--dtype int8``).
+"""GGUF K-quant weights (Q4_K, Q5_K, Q6_K) as codes for the 8-bit-activation matmul (int8).
 
 The engine's weights are float32 tensors that transformers dequantised from the GGUF with the
 ``gguf`` package. A Q4_1 / Q8_0 weight gives its codes back from those floats alone
@@ -25,10 +25,9 @@ Q4_1 / Q8_0 kinds (docs/design.md), unchanged.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import mmap
 import struct
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -200,10 +199,10 @@ def _k_quant_tensors(path: str | Path) -> tuple[mmap.mmap, list[tuple[str, int, 
 class GGUFCodes:
     """The Q4_K / Q5_K / Q6_K rows of a GGUF file, found by their float32 values.
 
-    Reading indexes every such row by its first 16 values (the file memory-mapped; one
-    super-block a row dequantised: ~1/K-th of the file's work). Raises ``ValueError`` for a
-    file that is not GGUF v2 / v3. ``find`` then gives a float32 weight's codes
-    where every row is some K-quant row of the file, checked bit for bit.
+    Reading indexes every such row by its first 16 values (the file memory-mapped; 4 s for the
+    949k rows of Qwen2.5-Coder-1.5B Q4_K_M on 2 busy cores). Raises ``ValueError`` for a file
+    that is not GGUF v2 / v3. ``find`` then gives a float32 weight's codes where every row is
+    some K-quant row of the file, checked bit for bit.
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -222,9 +221,10 @@ class GGUFCodes:
         return sum(raw.shape[0] for _, raw in self._tensors)
 
     def find(self, weight: torch.Tensor) -> list[tuple[int, int, str, tuple]] | None:
-        """``weight`` ``[N, K]`` float32 as runs ``(row0, row1, "Q4_K", "Q5_K" or "Q6_K", form)`` in row
-        order (form: ``q4_k_codes`` / ``q6_k_codes`` of rows row0..row1-1), or None unless every
-        row is a K-quant row of the file whose codes give its bits exactly."""
+        """``weight`` ``[N, K]`` float32 as runs ``(row0, row1, kind, form)`` in row order (kind
+        ``"Q4_K"``, ``"Q5_K"`` or ``"Q6_K"``; form: ``q4_k_codes`` / ``q5_k_codes`` /
+        ``q6_k_codes`` of rows row0..row1-1), or None unless every row is a K-quant row of the
+        file whose codes give its bits exactly."""
         n, k = weight.shape
         if k % QK_K or n == 0 or weight.dtype != torch.float32:
             return None

@@ -495,7 +495,8 @@ typedef struct {
 } sb_segment;
 
 /* As sb_linear_f32, with the weight given as (kind, scales, codes) above; K % 32 == 0.
- * Kinds Q4_1_X8 / Q8_0_X8 / Q6_K_X8 / Q5_K_X8 go to linear_q8.c (its own layout, 8-bit activations);
+ * Kinds Q4_1_X8 / Q8_0_X8 / Q6_K_X8 / Q5_K_X8 go to linear_q8.c (its own layout, 8-bit
+ * activations);
  * SEGMENTS: scales points to the runs (sb_segment, in row order, covering 0 .. N - 1).
  * Returns 0, or -1 when a thread's buffer could not be allocated (y is then incomplete). */
 int sb_linear_quant(const float *x, int64_t ldx, int kind, const float *scales,

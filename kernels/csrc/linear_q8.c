@@ -166,7 +166,8 @@ static void group_scalar(int kind, int64_t mr, const int8_t *xq, const float *xd
                 } else {
                     for (int r = 0; r < 8; r++)
                         for (int j = 0; j < 4; j++) {
-                            const int32_t p = ((int32_t)cb[r * 64 + c * 4 + j] - 128) * q[4 * r + j];
+                            const int32_t p =
+                                ((int32_t)cb[r * 64 + c * 4 + j] - 128) * q[4 * r + j];
                             if (kind == Q6_K_X8 && r >= 4)
                                 dot2 += p;
                             else
@@ -483,7 +484,8 @@ int sb_linear_q8(const float *x, int64_t ldx, int kind, const float *scales,
                 const int64_t n = g * GC, ncols = N - n < GC ? N - n : GC;
                 const float *bg = bias ? bias + n : NULL;
                 if (vnni)
-                    GROUPS512[mr](kind, xq + m * K, xd + m * nblk, xds + m * nblk, xk + 2 * m * nblk, K,
+                    GROUPS512[mr](kind, xq + m * K, xd + m * nblk, xds + m * nblk,
+                                  xk + 2 * m * nblk, K,
                                   codes + g * cg, scales + g * sg, bg, y + m * ldy + n, ldy,
                                   ncols);
                 else if (isa == 1)

@@ -1,5 +1,5 @@
-"""GGUF Q4_K / Q5_K / Q6_K weights in the 8-bit-activation matmul (kernels/kquant.py, csrc/linear_q8.c):
-codes read from the GGUF that give the float32 weights bit for bit, outputs within 8-bit
+"""GGUF Q4_K / Q5_K / Q6_K weights in the 8-bit-activation matmul (kernels/kquant.py,
+csrc/linear_q8.c): codes read from the GGUF that give the float32 weights bit for bit, outputs within 8-bit
 rounding of a dequantise-then-float matmul, the same bits at every row count and on AVX-512
 VNNI, AVX2 and portable C, and a K-quant GGUF whose engine outputs do not depend on the proposer
 or the batch."""
@@ -115,7 +115,8 @@ def weights(tmp_path_factory):
     floats = {name: _dequantized(kind, raw) for name, (kind, raw) in raws.items()}
     floats["qkv"] = torch.cat([floats["q"], floats["k"], floats["v"]])
     # rows in another order (as transformers un-permutes llama's q/k heads)
-    floats["shuffled"] = floats["q"][torch.randperm(200, generator=torch.Generator().manual_seed(1))]
+    order = torch.randperm(200, generator=torch.Generator().manual_seed(1))
+    floats["shuffled"] = floats["q"][order]
     return kquant.GGUFCodes(path), floats
 
 
