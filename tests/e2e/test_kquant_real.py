@@ -53,4 +53,4 @@ def test_qwen_q4_k_m_runs_on_its_k_quant_codes(tmp_path):
     runs = [[c.output_ids for c in run_engine(fwd, prompts, k, bsz, greedy)]
             for k, bsz in ((0, 1), (5, 1), (0, 2))]
     assert all(r == runs[0] for r in runs[1:])
-    assert "```" in loaded.tokenizer.decode(runs[0][0])  # it answers with code, not noise
+    assert "count" in loaded.tokenizer.decode(runs[0][0])  # an answer, not noise
