@@ -11,6 +11,8 @@ baseline's: speculation must not change them.
 
 from __future__ import annotations
 
+import logging
+
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -40,6 +42,8 @@ class BenchOptions:
     draft_model: str | None = None
     template: str | None = None  # as RunOptions.template (load_records reads it)
     groups: tuple[tuple[str, tuple[str, ...]], ...] = ()  # extra table rows: (name, categories)
+    cpu: object = None  # cpu_threads.ThreadChoice: its line is printed before the load
+    calibration: str | None = None  # --calibration FILE: the step-cost fit auto uses
 
 
 def parse_configs(text: str,
@@ -120,6 +124,8 @@ def run_bench(opts: BenchOptions) -> int:
         return EXIT_BAD_INPUT
     # one load for every configuration; the draft model only when a configuration drafts with it
     spec = next((s for _, s in opts.specs if s.draft_model is not None), opts.specs[0][1])
+    if opts.cpu is not None:
+        logging.getLogger("specbatch").info(opts.cpu.line())
     warn_if_busy()
     try:
         llm = LLM.from_config(opts.model, spec, opts.engine, cache_dir=opts.cache_dir,

@@ -80,6 +80,14 @@ def _version() -> str:
     return version if installed else f"{version or 'unknown'} (not installed)"
 
 
+def _choose_threads(threads: int | None):
+    """``cpu_threads.choose_threads`` (sets the OpenMP environment before torch loads): the
+    ``ThreadChoice`` whose line the command prints before the model loads."""
+    from specbatch.cpu_threads import choose_threads
+
+    return choose_threads(threads)
+
+
 def _stop_strings(stop: tuple[str, ...]) -> tuple[str, ...]:
     """``--stop`` values; an empty one is a usage error naming the flag (not the tuple)."""
     if "" in stop:
@@ -171,6 +179,11 @@ def _model_options(f, batch: bool = True):
                          "e.g. a job's shared instruction; on the CPU kernels, where it "
                          "changes no output bit)."),
         ]
+    opts.append(click.option("--threads", type=click.IntRange(1), default=None,
+                             help="CPU threads (default: OMP_NUM_THREADS, else one per usable "
+                             "CPU). When other work holds the CPUs, OpenMP threads wait "
+                             "passively instead of spinning (OMP_WAIT_POLICY set by you wins); "
+                             "the `cpu:` line says what was chosen."))
     opts.append(click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
                              help="Where converted weights are cached (default: "
                              "$SPECBATCH_CACHE or ~/.cache/specbatch)."))
@@ -377,7 +390,7 @@ def _given(ctx: click.Context, name: str) -> bool:
               "else the CPUs divided among them).")
 @click.pass_context
 def run(ctx, input_path, output, recipe, template, model, dtype, device, max_batch_size,
-        max_model_len, no_prefix_caching, cache_dir, method, draft_model, k, prompt_lookup_min,
+        max_model_len, no_prefix_caching, threads, cache_dir, method, draft_model, k, prompt_lookup_min,
         prompt_lookup_max,
         max_tokens, min_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
         ignore_eos, logprobs, prompt_field, id_field, split, limit, on_error, resume, force,
@@ -387,6 +400,7 @@ def run(ctx, input_path, output, recipe, template, model, dtype, device, max_bat
     dataset folder) and write them, with per-record acceptance stats, to OUT."""
     from specbatch.run import RunOptions, run_job
 
+    cpu = _choose_threads(threads)  # first: before anything imports torch
     if template is not None and prompt_field is not None:  # one from the recipe: the flag wins
         if _given(ctx, "template") == _given(ctx, "prompt_field"):
             raise click.UsageError("--template and --prompt-field exclude each other")
@@ -425,7 +439,8 @@ def run(ctx, input_path, output, recipe, template, model, dtype, device, max_bat
                       on_error=on_error, resume=resume, force=force, progress=not no_progress,
                       plan_only=plan_only, ray=use_ray, ray_address=ray_address,
                       replicas=replicas, input_format=input_format,
-                      template=template, recipe=recipe.identity if recipe else None)
+                      template=template, recipe=recipe.identity if recipe else None,
+                      cpu=cpu)
     _exit_from_signals()
     sys.exit(run_job(opts))
 
@@ -454,13 +469,14 @@ def run(ctx, input_path, output, recipe, template, model, dtype, device, max_bat
               help="Render the user message from record fields, as `run --template` (e.g. a "
                    "recipe's [input] template).")
 def bench(input_path, configs, draft_model, model, dtype, device, max_batch_size, max_model_len,
-          no_prefix_caching, cache_dir, max_tokens, min_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
+          no_prefix_caching, threads, cache_dir, max_tokens, min_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
           ignore_eos, logprobs, prompt_field, id_field, split, limit, per_category, categories,
           repeats, groups, template, **more_sampling):
     """Time several configurations on the same records, interleaved; print output tok/s and
     the ratio to none, overall and per category; check the outputs are identical."""
     from specbatch.bench import BenchOptions, parse_configs, parse_groups, run_bench
 
+    cpu = _choose_threads(threads)  # first: before anything imports torch
     _check_model(model)
     try:
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
@@ -482,7 +498,7 @@ def bench(input_path, configs, draft_model, model, dtype, device, max_batch_size
         sampling=sampling, specs=specs, engine=engine, run_seed=seed, prompt_field=prompt_field,
         id_field=id_field, split=split, limit=limit, per_category=per_category,
         categories=tuple(categories.split(",")) if categories else None, repeats=repeats,
-        groups=named_groups, template=template)))
+        groups=named_groups, template=template, cpu=cpu)))
 
 
 
@@ -518,18 +534,20 @@ def analyze(paths, by, what_if, calibration, batch_size, compare, as_json, plot_
 @click.option("--output", "-o", default=None, type=click.Path(dir_okay=False),
               help="Also write the cost model here (JSON).")
 @click.option("--recalibrate", is_flag=True, help="Measure again even if cached.")
-def calibrate(model, dtype, device, cache_dir, output, recalibrate):
+def calibrate(model, dtype, device, threads, cache_dir, output, recalibrate):
     """Measure this machine's step cost for the model and dtype (used by --method auto and
     analyze --what-if); cached per (model, dtype, device, CPU kernels, host)."""
     from specbatch.config import resolve_device
     from specbatch.plan.calibrate_cmd import run_calibrate
 
+    cpu = _choose_threads(threads)  # first: before anything imports torch
     _check_model(model)
     try:
         device = resolve_device(device)
     except ValueError as e:
         raise click.UsageError(_as_flags(str(e))) from None
-    sys.exit(run_calibrate(model, dtype, cache_dir, output, recalibrate, device=device))
+    sys.exit(run_calibrate(model, dtype, cache_dir, output, recalibrate, device=device,
+                           cpu=cpu))
 
 
 @main.command("predict-eval")

@@ -50,6 +50,9 @@ class RunOptions:
     ray_address: str | None = None  # None: start a local Ray
     replicas: int = 1
     input_format: str = "auto"  # records | openai-batch | auto (detected per line)
+    cpu: object = None  # cpu_threads.ThreadChoice: its line is printed before the load
+    calibration: str | None = None  # --calibration FILE: the step-cost fit auto uses
+    progress_interval: float = 10.0  # seconds between plain progress lines (stderr not a tty)
 
 
 def _err(msg: str) -> None:
@@ -58,10 +61,14 @@ def _err(msg: str) -> None:
 
 def busy_machine_warning() -> str | None:
     """A one-line warning when the 1-minute load average is already at least the number of
-    CPUs this process may use (``os.sched_getaffinity``, else ``os.cpu_count``): other jobs
-    are running, and their OpenMP threads and ours, spin-waiting, slow each other a lot. None
-    on a quieter machine, or where the OS has no load average. (A job that ended less than a
+    CPUs this process may use (``os.sched_getaffinity``, else ``os.cpu_count``) and OpenMP
+    threads spin-wait (``OMP_WAIT_POLICY`` not passive): other jobs are running, and their
+    spinning threads and ours slow each other a lot. None on a quieter machine, where the OS
+    has no load average, or where threads wait passively (the CLI chooses that on a busy
+    machine, ``cpu_threads``, and its ``cpu:`` line says so). (A job that ended less than a
     minute ago still counts in the average.)"""
+    if os.environ.get("OMP_WAIT_POLICY", "").lower() == "passive":
+        return None
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):
@@ -72,11 +79,9 @@ def busy_machine_warning() -> str | None:
         cpus = os.cpu_count() or 1
     if load < cpus:
         return None
-    advice = ("run one job at a time" if os.environ.get("OMP_WAIT_POLICY", "").lower() == "passive"
-              else "run one job at a time, or set OMP_WAIT_POLICY=PASSIVE")
     return (f"the machine is busy (1-minute load average {load:.1f} with {cpus} usable CPU(s)): "
             "OpenMP threads spin-wait, so several jobs on the same cores slow each other a lot; "
-            f"{advice}")
+            "run one job at a time, or set OMP_WAIT_POLICY=PASSIVE")
 
 
 def warn_if_busy() -> None:
@@ -231,6 +236,8 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
             _err(f"error: {e}")
             return EXIT_BAD_INPUT
 
+    if opts.cpu is not None:
+        logging.getLogger("specbatch").info(opts.cpu.line())
     warn_if_busy()
     from specbatch.io.openai_batch import output_line
     from specbatch.llm import LLM, ModelLoadError

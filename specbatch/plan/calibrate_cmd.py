@@ -8,7 +8,7 @@ import click
 
 
 def run_calibrate(model: str | None, dtype: str, cache_dir: str | None, output: str | None,
-                  recalibrate: bool, device: str = "cpu") -> int:
+                  recalibrate: bool, device: str = "cpu", cpu=None) -> int:
     from specbatch.config import EngineConfig, SpecConfig
     from specbatch.llm import LLM, ModelLoadError
 
@@ -20,6 +20,8 @@ def run_calibrate(model: str | None, dtype: str, cache_dir: str | None, output: 
         if why:
             err(f"error: cannot write {output!r}: {why}")
             return 2
+    if cpu is not None:  # cpu_threads.ThreadChoice
+        err(cpu.line())
     try:
         llm = LLM.from_config(model, SpecConfig(method="none"), EngineConfig(dtype=dtype, device=device),
                               cache_dir=cache_dir, echo=err)

@@ -79,7 +79,7 @@ def engine_fingerprint() -> str:
     (``SPECBATCH_CPU_KERNELS=0``: 1.6x slower batch-16 steps; ``SPECBATCH_CPU_DECODE=torch``,
     ``SPECBATCH_CPU_WEIGHTS=float32``: 2.7x slower batch-1 steps together;
     ``SPECBATCH_CPU_AVX512=0``: 1.4-1.6x slower matmuls of 3-8+ rows). A cached fit is
-    reused only under the same fingerprint."""
+    reused under the same fingerprint, the wait policy aside (``other_engine``)."""
     policy = os.environ.get("OMP_WAIT_POLICY", "default").lower()
     kernels = ("on" if settings.cpu_kernels() else "off") + settings.cpu_switches()
     return (f"engine r{ENGINE_REVISION}, torch {torch.__version__}, "
@@ -513,10 +513,19 @@ def other_engine(cost: CostModel) -> str | None:
     """Why ``cost`` may not price this engine's steps: measured under another
     ``engine_fingerprint`` (None when it is the same)."""
     now = engine_fingerprint()
-    if cost.engine == now:
+    if _without_wait_policy(cost.engine) == _without_wait_policy(now):
         return None
     return (f"measured with another engine build or setting ({cost.engine or 'not recorded'}; "
             f"now {now})")
+
+
+def _without_wait_policy(fingerprint: str) -> str:
+    """The fingerprint less its OpenMP wait policy: the CLI makes threads wait passively when
+    other work holds the CPUs (``cpu_threads``), a choice of the moment like the load itself,
+    which the online refit (``OnlineCost``) absorbs; a fit is not measured again for it."""
+    import re
+
+    return re.sub(r", OpenMP wait \w+", "", fingerprint)
 
 
 def find_cached(cache_root: Path, model_id: str, dtype: str,

@@ -1,0 +1,127 @@
+"""CPU threads and the OpenMP wait policy, chosen before torch (and its OpenMP runtime) loads.
+
+On the CPU every model step runs in OpenMP parallel regions (torch's and the C kernels', which
+share torch's ``libgomp``). Between regions libgomp's threads spin-wait by default; when other
+processes hold the cores, a spinning thread keeps the core from the sibling it waits for, and
+each barrier waits for a descheduled thread. Measured on the 2-core EPYC (issue 36), the
+example records at 32 tokens, ngram k5, beside other jobs (load average 5): 95.5 s with the
+default policy, 13.0 s with ``OMP_WAIT_POLICY=PASSIVE`` (2 threads), 12.2 s with one thread.
+Passive keeps both threads (a quiet spell of the neighbours is used) and is what is chosen.
+
+libgomp reads ``OMP_WAIT_POLICY`` and ``OMP_NUM_THREADS`` once, when it is loaded (with torch),
+so ``choose_threads`` sets them in the environment and must run before torch is imported
+(the CLI calls it first thing in ``run``, ``bench`` and ``calibrate``). Where torch is already
+imported (a test calling the CLI in-process), the thread count is set with
+``torch.set_num_threads`` and the wait policy stays as it is. Outputs do not depend on the
+thread count (the same token ids with 1 and 2 threads in the measurement above).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+BUSY_SHARE = 0.5  # other work on at least this share of the usable CPUs: the machine is busy
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    """threads: OpenMP threads (None: the runtime's default, one per usable CPU); wait:
+    ``"active"`` (spin-wait, the default) or ``"passive"``; why: what decided, for the
+    start-up line."""
+
+    threads: int
+    wait: str
+    why: str
+
+    def line(self) -> str:
+        """The start-up line, e.g. ``cpu: 2 threads, OpenMP threads wait passively (...)``."""
+        how = "wait passively" if self.wait == "passive" else "spin-wait"
+        noun = "thread" if self.threads == 1 else "threads"
+        return f"cpu: {self.threads} {noun}, OpenMP threads {how} ({self.why})"
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def other_load(samples: int = 5, interval: float = 0.02) -> float | None:
+    """How many CPUs other work holds now: the larger of the 1-minute load average and the
+    runnable threads this instant less this one (``/proc/loadavg``'s 4th field, median of
+    ``samples`` reads ``interval`` s apart; the average lags a job that just started by a
+    minute). None where the OS has neither."""
+    try:
+        average = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        average = None
+    runnable = []
+    for i in range(samples):
+        try:
+            with open("/proc/loadavg") as f:
+                runnable.append(int(f.read().split()[3].split("/")[0]) - 1)
+        except (OSError, IndexError, ValueError):
+            break
+        if i + 1 < samples:
+            time.sleep(interval)
+    now = sorted(runnable)[len(runnable) // 2] if runnable else None
+    known = [x for x in (average, now) if x is not None]
+    return max(known) if known else None
+
+
+def choose_threads(threads: int | None = None, load: float | None = None,
+                   environ: dict | None = None) -> ThreadChoice:
+    """Choose the thread count and the wait policy and put them in ``environ`` (default
+    ``os.environ``) for torch's OpenMP runtime to read when it loads.
+
+    threads: ``--threads N`` (None: ``OMP_NUM_THREADS`` if set, else one per usable CPU).
+    load: CPUs held by other work (default: ``other_load()``). The policy is passive when the
+    user set ``OMP_WAIT_POLICY=PASSIVE``, or did not set it and other work holds at least
+    ``BUSY_SHARE`` of the usable CPUs; a user's ``OMP_WAIT_POLICY`` is kept as it is.
+    Raises ``ValueError`` for threads < 1."""
+    env = os.environ if environ is None else environ
+    cpus = usable_cpus()
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"threads={threads}: expected an integer >= 1")
+        env["OMP_NUM_THREADS"] = str(threads)
+        why_threads = "--threads"
+    else:
+        try:
+            threads = int(env.get("OMP_NUM_THREADS", "").split(",")[0])
+            why_threads = "OMP_NUM_THREADS"
+        except ValueError:
+            threads, why_threads = cpus, None
+    if environ is None and "torch" in sys.modules:  # its OpenMP runtime read the environment
+        import torch
+
+        if why_threads:
+            torch.set_num_threads(threads)
+        threads = torch.get_num_threads()
+    user_policy = env.get("OMP_WAIT_POLICY", "").strip().lower()
+    if user_policy:
+        wait = "passive" if user_policy == "passive" else "active"
+        why = "OMP_WAIT_POLICY is set"
+    else:
+        load = other_load() if load is None else load
+        if load is not None and load >= BUSY_SHARE * cpus:
+            wait = "passive"
+            why = (f"other work holds the CPUs: load {load:.1f} on {cpus} usable CPU(s); "
+                   "spin-waiting threads of several jobs slow each other ~10x")
+            if environ is None and "torch" in sys.modules:
+                wait, why = "active", why + "; torch was loaded already, so they spin"
+            else:
+                env["OMP_WAIT_POLICY"] = "PASSIVE"
+        else:
+            wait = "active"
+            why = ("the machine is quiet" if load is not None else "no load average here")
+    if why_threads:
+        why = f"{why_threads}; {why}"
+    return ThreadChoice(threads, wait, why)
+
+
+__all__ = ["ThreadChoice", "choose_threads", "other_load", "usable_cpus"]

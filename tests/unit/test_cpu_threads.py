@@ -1,0 +1,38 @@
+"""Threads and the OpenMP wait policy on a shared machine (issue 36): chosen before torch loads
+and said in the ``cpu:`` line (the job beside busy neighbours: tests/e2e/test_shared_machine.py)."""
+
+from __future__ import annotations
+
+
+import pytest
+
+from specbatch.cpu_threads import choose_threads, usable_cpus
+
+
+def test_busy_machine_makes_threads_wait_passively():
+    env: dict[str, str] = {}
+    cpus = usable_cpus()
+    choice = choose_threads(load=0.5 * cpus, environ=env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"} and choice.wait == "passive"
+    assert choice.threads == cpus
+    assert choice.line().startswith(f"cpu: {cpus} thread")
+    assert "wait passively (other work holds the CPUs: load " in choice.line(), choice.line()
+
+
+def test_quiet_machine_keeps_the_default():
+    env: dict[str, str] = {}
+    choice = choose_threads(load=0.0, environ=env)
+    assert env == {} and choice.wait == "active"
+    assert choice.line().endswith("spin-wait (the machine is quiet)"), choice.line()
+
+
+def test_user_settings_win():
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    choice = choose_threads(3, load=99.0, environ=env)
+    assert env == {"OMP_WAIT_POLICY": "ACTIVE", "OMP_NUM_THREADS": "3"}
+    assert choice.line() == ("cpu: 3 threads, OpenMP threads spin-wait (--threads; "
+                             "OMP_WAIT_POLICY is set)")
+    env = {"OMP_NUM_THREADS": "1"}
+    assert choose_threads(load=0.0, environ=env).threads == 1
+    with pytest.raises(ValueError, match="threads=0"):
+        choose_threads(0, environ={})
