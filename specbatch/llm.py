@@ -266,12 +266,14 @@ class LLM:
 
     def prepare(self, records: Iterable, spec: SpecConfig | None = None,
                 engine: EngineConfig | None = None,
-                echo: Callable[[str], None] | None = None) -> Prepared:
+                echo: Callable[[str], None] | None = None,
+                echo_plan: Callable[[str], None] | None = None) -> Prepared:
         """Build an engine for ``records`` (a list of ``Record``): spec (default: this LLM's),
         engine: an already fitted ``EngineConfig`` (default: fitted to the records here).
         With ``method="auto"``: calibrate (or read the cache), plan, and build the engine with
         a ``Router`` over the candidate proposers and the adaptive policy. ``echo`` gets the
-        notes and the plan table."""
+        notes and the plan table (``echo_plan``, when given, gets the table: ``--plan-only``
+        prints it on stdout)."""
         from specbatch.engine.engine import Engine
         from specbatch.engine.sequence import StopRules
         from specbatch.models.llama import LlamaForward
@@ -312,7 +314,8 @@ class LLM:
             from specbatch.spec_decode.router import Router
 
             plan, policy = plan_auto(records, self.renderer, spec, rows, max_model_len, cost,
-                                     proposer, model_cost, echo=echo, model_id=self.model_id)
+                                     proposer, model_cost, echo=echo, model_id=self.model_id,
+                                     echo_plan=echo_plan)
             proposer = Router(proposer, policy)  # the policy routes and cuts the drafts
         self.engine = Engine(runner, proposer, stop_rules, spec.draft_cap,
                              self.renderer.detokenize)

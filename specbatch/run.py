@@ -270,7 +270,8 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
             _err("error: --plan-only needs --method auto")
             return EXIT_BAD_INPUT
         skip = set(skipped)
-        llm.prepare([r for r in records if r.index not in skip])  # prints the plan
+        # the plan is the command's result: stdout (``> plan.txt``); the notes stay on stderr
+        llm.prepare([r for r in records if r.index not in skip], echo_plan=click.echo)
         return EXIT_OK
     try:
         writer = OutputWriter(opts.output_path, config, resume=opts.resume, force=opts.force,

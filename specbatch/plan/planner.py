@@ -214,7 +214,7 @@ def make_plan(records, prompt_ids: dict[int, list[int]], k_max: int, batch_size:
 
 def plan_auto(records, renderer, spec_config, batch_size: int, max_model_len: int,
               cost: CostModel, proposer, model_cost: CostModel | None = None,
-              echo=print, model_id: str = "") -> tuple[Plan, AdaptivePolicy]:
+              echo=print, model_id: str = "", echo_plan=None) -> tuple[Plan, AdaptivePolicy]:
     """Plan ``records`` and make the adaptive policy that routes and cuts the drafts of
     ``proposer`` (``llm.LLM`` builds the engine's ``spec_decode.router.Router`` from the two;
     nothing reaches into an engine from outside).
@@ -222,7 +222,7 @@ def plan_auto(records, renderer, spec_config, batch_size: int, max_model_len: in
     cost: the target's step-cost model (``costmodel.load_or_calibrate``); proposer: the engine's
     proposer (a ``LookupAndDraftProposer`` when a draft model is given; ``model_cost`` is then
     its draft forward's cost model); batch_size: the engine's rows; max_model_len: its context.
-    ``echo`` gets the plan table; model_id: the target's (``LoadedModel.model_id``), for a note
+    ``echo`` gets the plan table (``echo_plan``, when given, gets it instead); model_id: the target's (``LoadedModel.model_id``), for a note
     when the acceptance predictor was fitted on another model."""
     draft_proposer = proposer if hasattr(proposer, "propose_with_model") else None
     prompt_ids = {r.index: renderer.first_prompt(r)[0] for r in records}
@@ -248,5 +248,5 @@ def plan_auto(records, renderer, spec_config, batch_size: int, max_model_len: in
                               model_cost=model_cost if draft_proposer is not None else None,
                               match_len_of=getattr(proposer, "match_len", None),
                               suffix=proposer if hasattr(proposer, "propose_suffix") else None)
-    echo(plan.table())
+    (echo_plan or echo)(plan.table())
     return plan, policy
