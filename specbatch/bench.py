@@ -133,6 +133,13 @@ def run_bench(opts: BenchOptions) -> int:
     except ModelLoadError as e:
         click.echo(f"error: {e}", err=True)
         return EXIT_BAD_INPUT
+    if opts.calibration is not None:
+        try:
+            for line in llm.pin_calibration(opts.calibration):
+                click.echo(f"warning: {line}", err=True)
+        except ValueError as e:
+            click.echo(f"error: --calibration {e}", err=True)
+            return EXIT_BAD_INPUT
 
     # the memory check of ``run``, once for every configuration (batch size from the table)
     engine_config = llm.fit_engine_config([r for recs in groups.values() for r in recs])

@@ -378,6 +378,9 @@ def _given(ctx: click.Context, name: str) -> bool:
 @click.option("--resume", is_flag=True, help="Continue from OUT.work.jsonl.")
 @click.option("--force", is_flag=True, help="Start over even if earlier work or output exists.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--calibration", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Step-cost fit for --method auto (`specbatch calibrate -o FILE`) instead of "
+              "the one cached for this machine; nothing is measured.")
 @click.option("--plan-only", is_flag=True,
               help="With --method auto: print the plan (buckets, k, predicted speedup) and exit.")
 @click.option("--ray", "use_ray", is_flag=True,
@@ -394,7 +397,7 @@ def run(ctx, input_path, output, recipe, template, model, dtype, device, max_bat
         prompt_lookup_max,
         max_tokens, min_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
         ignore_eos, logprobs, prompt_field, id_field, split, limit, on_error, resume, force,
-        no_progress, plan_only, use_ray, ray_address, replicas, input_format,
+        no_progress, calibration, plan_only, use_ray, ray_address, replicas, input_format,
         **more_sampling):
     """Generate an output for every record of INPUT (JSONL, JSON, Parquet, CSV or a saved
     dataset folder) and write them, with per-record acceptance stats, to OUT."""
@@ -430,6 +433,8 @@ def run(ctx, input_path, output, recipe, template, model, dtype, device, max_bat
         raise click.UsageError(_as_flags(str(e))) from None
     if plan_only and method != "auto":  # before anything loads
         raise click.UsageError(f"--plan-only needs --method auto (got --method {method})")
+    if calibration is not None and method != "auto":
+        raise click.UsageError(f"--calibration needs --method auto (got --method {method})")
     if (ray_address is not None or _given(ctx, "replicas")) and not use_ray:
         raise click.UsageError("--ray-address and --replicas need --ray")
     out = output or f"{Path(input_path).name.split('.')[0]}.out.jsonl"
@@ -440,7 +445,7 @@ def run(ctx, input_path, output, recipe, template, model, dtype, device, max_bat
                       plan_only=plan_only, ray=use_ray, ray_address=ray_address,
                       replicas=replicas, input_format=input_format,
                       template=template, recipe=recipe.identity if recipe else None,
-                      cpu=cpu)
+                      cpu=cpu, calibration=calibration)
     _exit_from_signals()
     sys.exit(run_job(opts))
 
@@ -468,10 +473,13 @@ def run(ctx, input_path, output, recipe, template, model, dtype, device, max_bat
 @click.option("--template", default=None,
               help="Render the user message from record fields, as `run --template` (e.g. a "
                    "recipe's [input] template).")
+@click.option("--calibration", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Step-cost fit for the auto configurations (`specbatch calibrate -o FILE`) instead of "
+              "the one cached for this machine; nothing is measured.")
 def bench(input_path, configs, draft_model, model, dtype, device, max_batch_size, max_model_len,
           no_prefix_caching, threads, cache_dir, max_tokens, min_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
           ignore_eos, logprobs, prompt_field, id_field, split, limit, per_category, categories,
-          repeats, groups, template, **more_sampling):
+          repeats, groups, template, calibration, **more_sampling):
     """Time several configurations on the same records, interleaved; print output tok/s and
     the ratio to none, overall and per category; check the outputs are identical."""
     from specbatch.bench import BenchOptions, parse_configs, parse_groups, run_bench
@@ -498,7 +506,7 @@ def bench(input_path, configs, draft_model, model, dtype, device, max_batch_size
         sampling=sampling, specs=specs, engine=engine, run_seed=seed, prompt_field=prompt_field,
         id_field=id_field, split=split, limit=limit, per_category=per_category,
         categories=tuple(categories.split(",")) if categories else None, repeats=repeats,
-        groups=named_groups, template=template, cpu=cpu)))
+        groups=named_groups, template=template, cpu=cpu, calibration=calibration)))
 
 
 

@@ -246,14 +246,18 @@ class LLM:
         draft model's) and its id. echo: gets what it is doing and why a fit is not cached
         (default: this LLM's echo), with ``purpose`` (what waits for it) in the line that says
         it is calibrating; a progress bar goes to stderr while it measures.
-        A fit is kept for the life of this ``LLM``: a fit too noisy to cache on disk (a busy
-        machine) is measured once per ``LLM``, not once per ``generate``."""
+        A fit is kept for the life of this ``LLM`` (measured once per ``LLM``, not once per
+        ``generate``). A fit pinned with ``pin_calibration`` (``--calibration FILE``) is the
+        target's, whatever the cache holds."""
         from specbatch.models.llama import LlamaForward
         from specbatch.models.loader import cache_root
         from specbatch.plan import costmodel
 
         key = model_id or self.model_id
         fits = self.__dict__.setdefault("_fits", {})
+        pinned = self.__dict__.get("_pinned")
+        if pinned is not None and key == self.model_id:
+            return pinned[0], pinned[1], False
         if key in fits and not recalibrate:
             cost, path = fits[key]
             return cost, path, False
@@ -263,6 +267,30 @@ class LLM:
             purpose=purpose)
         fits[key] = (cost, path)
         return cost, path, measured
+
+    def pin_calibration(self, path: str) -> list[str]:
+        """Use the step-cost fit in ``path`` (``specbatch calibrate -o``, or a cached one) for
+        the target model instead of the cache: ``--calibration FILE``. Returns warning lines
+        when it was measured for another model, dtype or engine setting (it is used anyway;
+        ``auto`` refits it to the run's steps). Raises ``ValueError`` (one line naming the
+        file) when it is no usable calibration."""
+        from pathlib import Path
+
+        from specbatch.plan.costmodel import load, other_engine
+
+        cost = load(path)
+        if (why := cost.problem()) is not None:
+            raise ValueError(f"{path}: {why}")
+        warnings = []
+        if cost.model_id and cost.model_id != self.model_id:
+            warnings.append(f"measured for {cost.model_id}, not {self.model_id}")
+        if cost.dtype and cost.dtype != self.engine_config.dtype:
+            warnings.append(f"measured at dtype {cost.dtype}, not {self.engine_config.dtype}")
+        if (why := other_engine(cost)) is not None:
+            warnings.append(why)
+        self.__dict__["_pinned"] = (cost, Path(path))
+        return [f"--calibration {path}: {w}; used anyway (the run's own steps refine it)"
+                for w in warnings]
 
     def prepare(self, records: Iterable, spec: SpecConfig | None = None,
                 engine: EngineConfig | None = None,
@@ -300,17 +328,12 @@ class LLM:
             from specbatch.plan.planner import plan_auto
 
             why = "the plan's k and predicted speedup per bucket depend on it"
-            cost, path, measured = self.calibrate(forward=runner.forward, echo=echo, purpose=why)
-            if measured:
-                echo(f"calibrated the step-cost model for this machine: {_where(cost, path)}")
+            cost, _, _ = self.calibrate(forward=runner.forward, echo=echo, purpose=why)
             model_cost = None
             if hasattr(proposer, "propose_with_model"):  # the draft forward: its own costs
-                model_cost, path, measured = self.calibrate(
+                model_cost, _, _ = self.calibrate(
                     forward=proposer.model.forward, model_id=self.draft_model_id or "draft",
                     echo=echo, purpose=why)
-                if measured:
-                    echo(f"calibrated the draft model's step cost for this machine: "
-                         f"{_where(model_cost, path)}")
             from specbatch.spec_decode.router import Router
 
             plan, policy = plan_auto(records, self.renderer, spec, rows, max_model_len, cost,
@@ -397,11 +420,6 @@ def _speculative_config(config, lookup_min: int, lookup_max: int) -> tuple:
     k = config.get("num_speculative_tokens", 5)
     return (_SPEC_METHODS[method], k, config.get("prompt_lookup_min", lookup_min),
             config.get("prompt_lookup_max", lookup_max), draft_model)
-
-
-def _where(cost, path) -> str:
-    """Where a fresh calibration went: its cache file, or nowhere when it was too noisy."""
-    return str(path) if cost.problem() is None else "not cached (too noisy: see the warning)"
 
 
 __all__ = ["LLM", "ModelLoadError", "Prepared", "RequestOutput", "SamplingParams"]

@@ -254,6 +254,14 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         return EXIT_BAD_INPUT
     from specbatch.pipeline import Throughput  # imports torch: after "loading model ..."
 
+    if opts.calibration is not None:
+        try:
+            for line in llm.pin_calibration(opts.calibration):
+                _err(f"warning: {line}")
+        except ValueError as e:
+            _err(f"error: --calibration {e}")
+            return EXIT_BAD_INPUT
+
     model_errors = llm.check_records(records, str(opts.input_path))
     if model_errors and opts.on_error == "fail":
         _report_errors(errors + model_errors, "fail")

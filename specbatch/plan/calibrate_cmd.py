@@ -29,7 +29,7 @@ def run_calibrate(model: str | None, dtype: str, cache_dir: str | None, output: 
         click.echo(f"error: {e}", err=True)
         return 2
     cost, path, measured = llm.calibrate(recalibrate=recalibrate, echo=err)
-    status = "cached" if not measured else "measured" if cost.problem() is None else "not cached"
+    status = "cached" if not measured else "measured"
     click.echo(f"{status}: {path}")
     click.echo(f"{'rows':>5}{'q':>4}{'ctx':>6}{'measured ms':>13}{'fit ms':>9}")
     # one row per timed shape, by context, rows, q (files written before calibrate kept the

@@ -19,10 +19,11 @@ at 64 -> 144 (SmolLM2-135M int8, 16 rows at 256 keys: q 1 -> 2 cost 1.4 ms a tok
 0.9 ms; one slope over-priced long drafts and under-priced the first, and ``auto`` drafted
 where it did not pay at batch 16, docs/benchmarks.md session 10). The slopes are non-negative,
 so a step never gets cheaper with more tokens. Timings far above the
-fit (another process took the CPU) are taken again, then left out; a fit that is still noisy
-is used for the run but not cached (``CostModel.problem``). A sound fit is cached as JSON per
-(model, dtype, device, CPU kernel path, host) under the cache directory (``cache_path``);
-``run --method auto`` calibrates on first use (~10-20 s for SmolLM2-135M on a quiet 2-core CPU).
+fit (another process took the CPU) are taken again, then left out, while the time budget
+(``BUDGET_SECONDS``) lasts. The fit is cached as JSON per (model, dtype, device, CPU kernel
+path, host) under the cache directory (``cache_path``), a noisy one too (``CostModel.noise``:
+the online refit corrects it); ``run --method auto`` calibrates on first use (~8 s for
+SmolLM2-135M float32 on a quiet 2-core CPU, at most ~20 s plus one sweep of the grid).
 """
 
 from __future__ import annotations
@@ -51,8 +52,11 @@ TOKEN_KNOTS = (4, 8, 16, 32, 64)
 OUTLIER_RESIDUAL = 0.25  # a timing this far above its fit is taken again, then left out
 OUTLIER_ROUNDS = 2  # times an outlier is timed again before it is left out
 MIN_SAMPLES = 12  # never leave out samples below this many (4 coefficients to fit)
-NOISY_RESIDUAL = 0.08  # median |measured / fit - 1| above this: too noisy to cache
-NOISY_REJECTED_SHARE = 0.2  # more timings than this share left out: too noisy to cache
+NOISY_RESIDUAL = 0.08  # median |measured / fit - 1| above this: a noisy fit (a note)
+NOISY_REJECTED_SHARE = 0.2  # more timings than this share left out: a noisy fit
+# seconds a calibration may take: after the first sweep of the grid, more sweeps and the
+# outliers' retakes only while time is left (the fit uses what was measured)
+BUDGET_SECONDS = 20.0
 # Bump when the forward's cost changes shape (a cached fit of the old engine would mislead the
 # plan): 3 = fused q/k/v and gate/up, attention without value copies (2026-12-01); 4 = the C
 # float32 matmul and attention on x86-64 CPUs (kernels/csrc, 2026-12-01); 5 = the whole float32
@@ -119,21 +123,24 @@ class CostModel:
                              f"{4 + len(self.knots)} coefficients, not {len(self.coef)}")
 
     def problem(self) -> str | None:
-        """Why this calibration should not be cached or reused, or None if it is sound: a
-        negative or non-finite coefficient, an older format (fitted without these checks),
-        timings scattered more than ``NOISY_RESIDUAL`` around the fit, or more than
-        ``NOISY_REJECTED_SHARE`` of them left out as outliers."""
+        """Why this calibration cannot be used, or None if it is sound: a negative or
+        non-finite coefficient, or an older format (fitted without the outlier checks)."""
         if not all(math.isfinite(c) for c in self.coef) or any(c < 0 for c in self.coef):
             return f"a negative coefficient in the fit {tuple(round(c, 9) for c in self.coef)}"
         if self.version < CALIBRATION_VERSION:
             return "written by an older specbatch, with another fit"
+        return None
+
+    def noise(self) -> str | None:
+        """How noisy the timings were, when noisier than a quiet machine gives (None): more
+        than ``NOISY_RESIDUAL`` off the fit at the median, or more than
+        ``NOISY_REJECTED_SHARE`` of them left out as outliers. A noisy fit is still cached
+        and used: ``auto`` refits it to the run's own steps (``OnlineCost``)."""
         if self.median_residual > NOISY_RESIDUAL:
-            return (f"timings are {self.median_residual:.0%} off the fit at the median "
-                    f"(at most {NOISY_RESIDUAL:.0%} is kept)")
+            return f"timings {self.median_residual:.0%} off the fit at the median"
         total = len(self.samples) + len(self.rejected)
         if total and len(self.rejected) > NOISY_REJECTED_SHARE * total:
-            return (f"{len(self.rejected)} of {total} timings were outliers, slowed by "
-                    "other processes")
+            return f"{len(self.rejected)} of {total} timings slowed by other processes"
         return None
 
     def step_time(self, num_rows: int, query_len: int, context_len: int,
@@ -385,7 +392,8 @@ def load_average() -> float | None:
 
 def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
               rows_grid=ROWS, query_grid=QUERY_LENS, context_grid=CONTEXTS,
-              progress: bool = False, time_fn=None) -> CostModel:
+              progress: bool = False, time_fn=None,
+              budget_seconds: float | None = BUDGET_SECONDS) -> CostModel:
     """Measure the grid and fit, rejecting timings that other processes inflated.
 
     ``forward``: a ``LlamaForward``. Every shape is timed once (after a warm-up), then the
@@ -396,8 +404,11 @@ def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
     again (up to ``OUTLIER_ROUNDS`` times) and, if still out, left out of the fit and kept in
     ``rejected``. ``CostModel.problem`` then says whether the result is fit to cache.
     ``samples`` and ``rejected`` keep the grid's order (context, rows, q).
-    progress: show a tqdm bar on stderr. time_fn(rows, q, ctx) -> seconds replaces the
-    measurement (tests). Takes ~10-20 s on a 2-core CPU for SmolLM2-135M (quiet machine).
+    progress: show a tqdm bar on stderr when it is a terminal. time_fn(rows, q, ctx) -> seconds replaces the
+    measurement (tests). budget_seconds: once this much wall time has passed, no more sweeps or
+    retakes (the first sweep always completes: every shape once, one warm-up per cache); None:
+    no limit. SmolLM2-135M float32 on a 2-core CPU: ~8 s quiet; beside busy neighbours the first
+    sweep is most of the budget (issue 36).
     """
     # a 1-row step feeds at least 2 query tokens (runner.verify: no one-row matmuls), so the
     # 1-row, 1-token shape is timed and fitted as what runs: 2 tokens
@@ -415,24 +426,34 @@ def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
         return measure(forward, r, q, c, repeats=1, cache=caches[(r, c)], warmup=warm)
 
     load_before = load_average()
+    start = time.perf_counter()
+
+    def time_left() -> bool:
+        return budget_seconds is None or time.perf_counter() - start < budget_seconds
+
     bar = None
-    if progress:
+    if progress and sys.stderr.isatty():  # a log of stderr gets the lines around it only
         from tqdm import tqdm
 
         bar = tqdm(total=len(shapes) * repeats, unit="step", file=sys.stderr, leave=False,
                    desc=f"calibrating {model_id or 'the model'} ({dtype or 'model dtype'})",
                    dynamic_ncols=True)
     best: dict[tuple[int, int, int], float] = {}
+    warmed: set[tuple[int, int]] = set()  # one warm-up per (rows, ctx) cache
     for sweep in range(max(repeats, 1)):
+        if sweep and not time_left():
+            break
         for shape in shapes:
-            t = one(*shape, warm=sweep == 0)
+            warm = (shape[0], shape[2]) not in warmed
+            warmed.add((shape[0], shape[2]))
+            t = one(*shape, warm=warm)
             best[shape] = min(best.get(shape, t), t)
             if bar is not None:
                 bar.update(1)
     knots = knots_for(shapes)
     kept, rejected = _reject_outliers(best, knots)
     for _ in range(OUTLIER_ROUNDS):
-        if not rejected:
+        if not rejected or not time_left():
             break
         for s in rejected:  # time it again: load comes and goes
             rejected[s] = min(rejected[s], one(*s, warm=False))
@@ -541,15 +562,18 @@ def find_cached(cache_root: Path, model_id: str, dtype: str,
 
 def load_or_calibrate(forward, model_id: str, dtype: str, cache_root: Path,
                       recalibrate: bool = False, echo=None, progress: bool = True,
-                      time_fn=None, purpose: str | None = None) -> tuple[CostModel, Path, bool]:
+                      time_fn=None, purpose: str | None = None,
+                      budget_seconds: float | None = BUDGET_SECONDS,
+                      ) -> tuple[CostModel, Path, bool]:
     """The cached cost model for this (model, dtype, device, kernel path, host), measured if
-    absent, stale (an older format, or a fit that fails ``CostModel.problem``: such files were
-    written before the checks existed) or ``recalibrate``. A new fit is cached only if it passes
-    ``problem``; otherwise it is used for this run only and ``echo`` gets a warning: line
-    saying why (a busy machine). echo: a callable for the lines a person should see
-    (``None``: silent), first of them the line that says it is calibrating (seconds to
-    minutes: ~20 s on a quiet 2-core CPU), where the fit is cached, and ``purpose``, what waits
-    for it (e.g. the plan); progress: a tqdm bar while measuring; time_fn: as ``calibrate``.
+    absent, unusable (``CostModel.problem``: an older format, a negative coefficient), of
+    another engine build, torch or thread count (``other_engine``), or ``recalibrate``. The
+    load average is no reason to measure again: a fit measured on a busy machine is refined by
+    the run's own steps (``OnlineCost``). A new fit is always cached; a noisy one
+    (``CostModel.noise``) with a ``note:`` line saying so.
+    echo: a callable for the lines a person should see (``None``: silent): the line that says
+    it is calibrating, for what (``purpose``), how long at most and where the fit is cached;
+    progress: a tqdm bar while measuring; time_fn, budget_seconds: as ``calibrate``.
     Returns (model, path, was_measured_now)."""
     say = echo or (lambda _line: None)
     path = cache_path(cache_root, model_id, dtype, str(forward.device))
@@ -559,31 +583,26 @@ def load_or_calibrate(forward, model_id: str, dtype: str, cache_root: Path,
         except ValueError as e:
             say(f"warning: {e}; calibrating again")
         else:
-            why = cached.problem()
-            now, cpus = load_average(), os.cpu_count() or 1
-            if (why is None and cached.load_average is not None and cached.load_average > cpus
-                    and now is not None and now < cpus):
-                why = (f"measured under load, {cached.load_average:.1f} on {cpus} CPUs; the "
-                       f"machine is quieter now ({now:.1f})")
-            if why is None:
-                why = other_engine(cached)
+            why = cached.problem() or other_engine(cached)
             if why is None:
                 return cached, path, False
-            say(f"warning: the cached calibration {path} is not used ({why}); calibrating "
-                "again")
+            say(f"the cached calibration {path} is not used ({why}); calibrating again")
     load_now = load_average()
     cpus = os.cpu_count() or 1
-    say(f"calibrating this machine's step cost for {model_id or 'the model'} ({dtype}), once"
-        f" (cached in {path})" + (f"; {purpose}" if purpose else "")
-        + (f" (load average {load_now:.1f} on {cpus} CPUs: other processes will slow it)"
+    limit = f"at most ~{budget_seconds:.0f} s, " if budget_seconds is not None else ""
+    say(f"calibrating this machine's step cost for {model_id or 'the model'} ({dtype})"
+        + (f": {purpose}" if purpose else "") + f"; {limit}cached in {path} for later runs"
+        + (f" (load average {load_now:.1f} on {cpus} CPUs: other processes slow it)"
            if load_now is not None and load_now > cpus else "") + " ...")
+    t0 = time.perf_counter()
     model = calibrate(forward, model_id=model_id, dtype=dtype, progress=progress,
-                      time_fn=time_fn)
-    why = model.problem()
-    if why is None:
+                      time_fn=time_fn, budget_seconds=budget_seconds)
+    seconds = time.perf_counter() - t0
+    if model.problem() is None:
         model.save(path)
-    else:
-        say(f"warning: this machine is too noisy to calibrate ({why}); the fit is used for "
-            "this run only (auto refits it to the run's own steps) and not cached; run "
-            "`specbatch calibrate --recalibrate` when the machine is quieter")
+    noisy = model.noise()
+    say(f"calibrated in {seconds:.1f} s" + (
+        f"; note: {noisy}, with other work on the CPUs: the run's own steps refine the fit, "
+        "and `specbatch calibrate --recalibrate` on a quieter machine replaces it"
+        if noisy else ""))
     return model, path, True

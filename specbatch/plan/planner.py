@@ -230,13 +230,23 @@ def plan_auto(records, renderer, spec_config, batch_size: int, max_model_len: in
     plan = make_plan(records, prompt_ids, spec_config.num_speculative_tokens, batch_size, cost,
                      spec_config.prompt_lookup_min, max_tokens,
                      model_cost if draft_proposer is not None else None)
+    notes = []
     if hasattr(proposer, "propose_suffix"):  # own-text or job-index drafts, chosen per step
         for b in plan.buckets.values():
             if b.proposer == "ngram":
                 b.proposer = "lookup"
-        plan.model_note = ("lookup: each step, per record, the n-gram draft (its own text) or the "
-                           "suffix draft (its own text and the job's finished outputs), "
-                           "whichever the policy values more")
+        if any(b.proposer == "lookup" and b.indices for b in plan.buckets.values()):
+            notes.append("lookup: each step, per record, the n-gram draft (its own text) or "
+                         "the suffix draft (its own text and the job's finished outputs), "
+                         "whichever the policy values more")
+    idle = [b.name for b in plan.buckets.values() if b.indices and b.k == 0]
+    if idle:  # the plan's k is where a bucket starts; the policy re-chooses every step
+        notes.append(f"k 0 ({', '.join(idle)}): drafting is not predicted to pay at batch "
+                     f"{batch_size} with this machine's step cost, so "
+                     + ("these records start" if len(idle) > 1 else "its records start")
+                     + " without drafts; a row drafts later only where its own measured "
+                     "acceptance makes a draft pay")
+    plan.model_note = "\n".join(notes)
     if model_id and not fitted_for(model_id):
         plan.model_note = (plan.model_note + "\n" if plan.model_note else "") + (
                            f"note: the acceptance predictor was fitted on {FITTED_ON}; for "

@@ -329,3 +329,31 @@ def test_plan_table_says_lookup_when_auto_has_suffix_drafts():
     kinds = {b.proposer for b in plan.buckets.values() if b.indices}
     assert "lookup" in kinds and "ngram" not in kinds, kinds
     assert "suffix draft" in shown[0] and "lookup" in shown[0]
+
+
+def test_a_plan_at_k0_says_so_and_does_not_describe_lookup():
+    """Every bucket planned at k = 0 (a step where every fed token costs the same: drafting
+    never pays by the plan): the table shows ``none`` and ``0``, the note under it says
+    the records start without drafts, and no line describes lookup drafting (issue 36: the
+    plan chose ``none k=0`` for all three buckets, then printed "lookup: each step ...")."""
+    from specbatch.config import SpecConfig
+    from specbatch.plan.planner import plan_auto
+    from specbatch.spec_decode import make_proposer
+
+    recs = [SimpleNamespace(index=i, prompt=p, messages=None, turns=None,
+                            sampling=SamplingParams())
+            for i, p in enumerate(["Summarize the following article.", "Translate: Guten Tag.",
+                                   "Write a poem about the sea."])]
+    ids = {0: [5, 6, 7, 8] * 200, 1: list(range(12)), 2: list(range(8))}
+    renderer = SimpleNamespace(first_prompt=lambda r: (ids[r.index], None))
+    spec = SpecConfig(method="auto", num_speculative_tokens=5)
+    shown = []
+    plan, _ = plan_auto(recs, renderer, spec, 4, 4096, COMPUTE_BOUND,
+                        make_proposer(spec, None, 4), echo=shown.append)
+    used = [b for b in plan.buckets.values() if b.indices]
+    assert used and all(b.k == 0 and b.proposer == "none" for b in used)
+    table = shown[0]
+    assert "lookup" not in table and "suffix draft" not in table, table
+    names = ", ".join(b.name for b in used)
+    assert (f"k 0 ({names}): drafting is not predicted to pay at batch 4 with this machine's "
+            "step cost, so these records start without drafts") in table, table

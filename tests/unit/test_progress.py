@@ -39,7 +39,7 @@ def fast_calibration(monkeypatch):
         return real(forward, **{**kwargs, "progress": False, "time_fn": TRUE.step_time})
 
     monkeypatch.setattr(costmodel, "calibrate", calibrate)
-    # and no load average: a fit measured under load is re-measured once the machine is quiet
+    # and no load average: the line would name a busy machine's load
     monkeypatch.setattr(costmodel, "load_average", lambda: None)
 
 
@@ -116,8 +116,8 @@ def test_plan_only_says_it_calibrates_and_why(tiny, tmp_path, fast_calibration):
     err = result.stderr
     line = next((x for x in err.splitlines() if x.startswith("calibrating")), "")
     assert line.startswith("calibrating this machine's step cost for "), err
-    assert f"(cached in {cache / 'calibration'}" in line, line
-    assert "the plan's k and predicted speedup per bucket depend on it" in line, line
+    assert f"cached in {cache / 'calibration'}" in line, line
+    assert ": the plan's k and predicted speedup per bucket depend on it" in line, line
     assert line.endswith(" ..."), line
     # the plan is the result: on stdout (``> plan.txt`` keeps it), the notes on stderr
     assert result.stdout.startswith("plan: k_max"), result.stdout
@@ -125,3 +125,27 @@ def test_plan_only_says_it_calibrates_and_why(tiny, tmp_path, fast_calibration):
     again = CliRunner().invoke(main, args)
     assert again.exit_code == 0 and "calibrating" not in again.output, again.output
     assert again.stdout.startswith("plan: k_max") and "plan: k_max" not in again.stderr
+
+
+def test_calibration_file_pins_the_fit(tiny, tmp_path, fast_calibration):
+    """``--calibration FILE``: auto plans with that fit and measures nothing (an empty cache
+    says no ``calibrating`` line); a file that is no calibration is one error line, exit 2;
+    with another method it is a usage error."""
+    model, _ = tiny
+    first = tmp_path / "first"
+    args = ["run", str(_in(tmp_path)), "--model", str(model), "--method", "auto",
+            "--max-tokens", "2", "--plan-only"]
+    assert CliRunner().invoke(main, [*args, "--cache-dir", str(first)]).exit_code == 0
+    (fit,) = (first / "calibration").glob("*.json")
+    pinned = CliRunner().invoke(main, [*args, "--cache-dir", str(tmp_path / "empty"),
+                                       "--calibration", str(fit)])
+    assert pinned.exit_code == 0, pinned.output
+    assert "calibrating" not in pinned.stderr and pinned.stdout.startswith("plan: k_max")
+    assert not (tmp_path / "empty" / "calibration").exists()
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    r = CliRunner().invoke(main, [*args, "--cache-dir", str(first), "--calibration", str(bad)])
+    assert r.exit_code == 2 and "error: --calibration " in r.stderr, r.output
+    assert "not a specbatch calibration file" in r.stderr and "Traceback" not in r.output
+    r = CliRunner().invoke(main, [*args[:5], "ngram", "--calibration", str(fit)])
+    assert r.exit_code == 2 and "--calibration needs --method auto" in r.output, r.output
