@@ -378,6 +378,10 @@ def _given(ctx: click.Context, name: str) -> bool:
 @click.option("--resume", is_flag=True, help="Continue from OUT.work.jsonl.")
 @click.option("--force", is_flag=True, help="Start over even if earlier work or output exists.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--progress-interval", type=click.FloatRange(0, min_open=True), default=10.0,
+              show_default=True, metavar="SECONDS",
+              help="When stderr is not a terminal (a log file): seconds between plain "
+              "progress lines (records, tokens, token rate, time left).")
 @click.option("--calibration", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Step-cost fit for --method auto (`specbatch calibrate -o FILE`) instead of "
               "the one cached for this machine; nothing is measured.")
@@ -397,7 +401,7 @@ def run(ctx, input_path, output, recipe, template, model, dtype, device, max_bat
         prompt_lookup_max,
         max_tokens, min_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
         ignore_eos, logprobs, prompt_field, id_field, split, limit, on_error, resume, force,
-        no_progress, calibration, plan_only, use_ray, ray_address, replicas, input_format,
+        no_progress, progress_interval, calibration, plan_only, use_ray, ray_address, replicas, input_format,
         **more_sampling):
     """Generate an output for every record of INPUT (JSONL, JSON, Parquet, CSV or a saved
     dataset folder) and write them, with per-record acceptance stats, to OUT."""
@@ -445,7 +449,7 @@ def run(ctx, input_path, output, recipe, template, model, dtype, device, max_bat
                       plan_only=plan_only, ray=use_ray, ray_address=ray_address,
                       replicas=replicas, input_format=input_format,
                       template=template, recipe=recipe.identity if recipe else None,
-                      cpu=cpu, calibration=calibration)
+                      cpu=cpu, calibration=calibration, progress_interval=progress_interval)
     _exit_from_signals()
     sys.exit(run_job(opts))
 

@@ -59,12 +59,13 @@ class Prepared:
     engine_config: EngineConfig  # as fitted: max_batch_size is the engine's rows
 
     def run(self, seed: int | None = None,
-            on_tokens: Callable[[int, Any], None] | None = None) -> Iterator[tuple[Any, dict]]:
+            on_tokens: Callable[[int, Any], None] | None = None,
+            on_step: Callable[[int], None] | None = None) -> Iterator[tuple[Any, dict]]:
         from specbatch.pipeline import generate_records
 
         return generate_records(self.engine, self.llm.renderer, self.records,
                                 self.llm.seed if seed is None else seed, on_tokens,
-                                plan=self.plan)
+                                plan=self.plan, on_step=on_step)
 
 
 class LLM:

@@ -65,10 +65,14 @@ def grammar_for(record, compiler):
 def generate_records(engine: Engine, renderer: PromptRenderer, records: Iterable,
                      run_seed: int = 0,
                      on_tokens: Callable[[int, SpecStats], None] | None = None,
-                     plan=None) -> Iterator[tuple[Any, dict]]:
+                     plan=None,
+                     on_step: Callable[[int], None] | None = None,
+                     ) -> Iterator[tuple[Any, dict]]:
     """Run records through the engine; yield ``(record, output_fields)`` as records finish.
 
-    output_fields: see ``outputs.output_fields``. on_tokens(num_new_completion_tokens, stats) is called per finished answer.
+    output_fields: see ``outputs.output_fields``. on_tokens(num_new_completion_tokens, stats) is
+    called per finished answer; on_step(num_output_tokens) after every engine step with the
+    output tokens generated so far, unfinished rows included (``Engine.generate``).
     plan: a ``plan.planner.Plan`` (``--method auto``): orders records by bucket then length, and
     adds its per-record fields to ``spec``; without one, records run longest prompt first.
     """
@@ -106,7 +110,7 @@ def generate_records(engine: Engine, renderer: PromptRenderer, records: Iterable
         return Request((rec.index, turn + 1, sample), renderer.encode_chat(chat), rec.sampling,
                        seed=seed, tag=rec.index, grammar=c.request.grammar)
 
-    for c in engine.generate(requests, follow_up=follow_up):
+    for c in engine.generate(requests, follow_up=follow_up, on_step=on_step):
         p = pending[c.request.tag]
         p.add(c.request.request_id[2], c)
         if on_tokens is not None:

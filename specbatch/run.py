@@ -303,8 +303,18 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         _err(f"resuming: {len(done)} of {len(records)} records already done in "
              f"{writer.work_path}")
 
+    from specbatch.progress import Progress
+
+    progress = None  # made once the engine is ready (after auto's calibration)
+
     def on_tokens(n, stats):
         tput.add(n, stats)
+        if progress is not None:
+            progress.answer_done(n, stats)
+
+    def on_step(num_tokens):
+        if progress is not None:
+            progress.tick(num_tokens)
 
     if opts.ray:
         from specbatch.ray import generate_on_ray
@@ -314,7 +324,6 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
                                   cache_dir=opts.cache_dir, seed=opts.run_seed,
                                   out_path=str(opts.output_path), num_records=len(records),
                                   on_tokens=on_tokens)
-        warmup = min(opts.engine.max_batch_size, sum(r.sampling.n for r in todo))
     else:  # with --method auto: calibrates, plans, prints the plan
         prepared = llm.prepare(todo)
         proposer = prepared.engine.proposer
@@ -322,16 +331,18 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
             from specbatch.spec_decode.suffix import finished_outputs
 
             proposer.add_finished(finished_outputs(writer.finished_records()))
-        results = prepared.run(opts.run_seed, on_tokens)
-        warmup = prepared.engine_config.max_batch_size
+        results = prepared.run(opts.run_seed, on_tokens, on_step)
     tput = Throughput()
     by_category: dict[str, list] = defaultdict(list)
     for line in writer.finished_records() if done else ():  # the summary covers the whole job
         if "spec" in line and "usage" in line:  # not an OpenAI batch response line
             by_category[str(line.get("category", ""))].append(line)
     failed = []  # records written with an ``error`` (a NaN, a later turn past the context)
-    bar = job.bar = _progress(len(records), len(done) + len(skip), opts.progress,
-                              warmup=warmup)
+    bar = progress = job.bar = (Progress(
+        len(records), len(done) + len(skip),
+        max_tokens=max((r.sampling.max_tokens * r.sampling.n * len(r.turns or [None])
+                        for r in todo), default=1),
+        interval=opts.progress_interval) if opts.progress else None)
     try:
         for rec, out in results:
             writer.write(rec.index, output_line(rec, out, llm.model_id))
@@ -342,10 +353,7 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
                 failed.append(RecordError(str(opts.input_path), rec.line, rec.id, out["error"],
                                           rec.unit))
             if bar is not None:
-                mal = tput.stats.mean_acceptance_length
-                bar.set_postfix_str(f"{tput.tokens_per_second:.1f} tok/s"
-                                    + (f", accept len {mal:.2f}" if mal else ""), refresh=False)
-                bar.update(1)
+                bar.record_done()
         if bar is not None:
             bar.close()
         writer.absorb_shards()  # Ray replicas' own work files (none in a local run)
@@ -407,34 +415,6 @@ def summary_table(by_category: dict[str, list[dict]]) -> str:
 def _or_dash(x: float | None) -> str:
     """``0.00`` is a measurement (drafts, none accepted); ``-`` means nothing was drafted."""
     return "-" if x is None else f"{x:.2f}"
-
-
-def _progress(total: int, initial: int, enabled: bool, warmup: int = 1):
-    """A tqdm bar over records on stderr. The time left is shown only once ``warmup`` records
-    (a batch) finished in this run, and from the mean rate since the start: the first records
-    finish after the prefill of the whole batch, and extrapolating from them (tqdm's default)
-    once said 2:24:13 for a job that took 22 minutes. Closing it ends the last line drawn
-    when that already shows the final count (tqdm draws it again, so a log of stderr held the
-    final line twice)."""
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    class _Bar(tqdm):
-        @property
-        def format_dict(self):
-            d = super().format_dict
-            if d["n"] - d["initial"] < min(warmup, d["total"] - d["initial"]):
-                d["bar_format"] = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<?{postfix}]"
-            return d
-
-        def close(self):
-            if not self.disable and self.n == self.last_print_n:  # drawn as it stands
-                self.display = lambda *args, **kwargs: True  # close() then writes only "\n"
-            super().close()
-
-    return _Bar(total=total, initial=initial, unit="rec", file=sys.stderr, dynamic_ncols=True,
-                smoothing=0)
 
 
 def _input_digest(path: str) -> str:

@@ -66,16 +66,23 @@ class Engine:
         self.detokenize = detokenize or stop_rules.detokenize
         self.scheduler = Scheduler(runner.cache.num_rows)
         self.follow_up: Callable[[Completion], Request | None] | None = None
+        self.num_output_tokens = 0  # committed over every row so far (progress)
 
     # ---- public -------------------------------------------------------------------------
     def generate(self, requests: Iterable[Request],
                  follow_up: Callable[[Completion], Request | None] | None = None,
-                 ) -> Iterator[Completion]:
+                 on_step: Callable[[int], None] | None = None) -> Iterator[Completion]:
+        """on_step(num_output_tokens): after every step, the output tokens committed by this
+        call so far, rows still running included (the progress bar's rate)."""
         self.follow_up = follow_up
         for r in requests:
             self.scheduler.add(r)
+        base = self.num_output_tokens
         while self.scheduler.has_work:
-            yield from self.step()
+            done = self.step()
+            if on_step is not None:
+                on_step(self.num_output_tokens - base)
+            yield from done
 
     def step(self) -> list[Completion]:
         done = self._admit()
@@ -184,6 +191,7 @@ class Engine:
             emitted = res.target_ids[i][:num_acc + 1]
             num_before = seq.num_output_tokens
             num_committed = self.stop_rules.commit(seq, emitted)
+            self.num_output_tokens += num_committed
             logits_processing.commit(seq, emitted[:num_committed])
             if not is_prefill:
                 seq.stats.record_step(len(drafts[i]), min(num_acc, num_committed))

@@ -358,45 +358,6 @@ def test_auto_device_skips_importing_torch_only_where_torch_sees_no_gpu():
         assert not _surely_no_gpu()
 
 
-def test_progress_shows_time_left_only_after_a_batch_from_the_mean_rate():
-    """The first record finishes after the prefill of the whole batch: no time left is shown
-    until a batch (``warmup`` records) is done, then it comes from the mean rate."""
-    import re
-
-    from specbatch.run import _progress
-
-    bar = _progress(100, 0, True, warmup=4)
-    bar.update(1)
-    bar.start_t -= 10.0  # 10 s have passed
-    assert "<?" in str(bar), str(bar)
-    bar.update(2)
-    assert "<?" in str(bar), str(bar)
-    bar.update(1)  # 4 records in 10 s: 96 left at 0.4 rec/s = 4 minutes
-    assert re.search(r"\[00:1\d<0(3:5\d|4:00), ", str(bar)), str(bar)
-    bar.close()
-    resumed = _progress(10, 8, True, warmup=16)  # fewer left than a batch: wait for them all
-    resumed.update(1)
-    assert "<?" in str(resumed)
-    resumed.close()
-
-
-def test_progress_prints_the_final_line_once(capsys):
-    """When the last record's update already drew ``N/N``, closing the bar ends that line
-    instead of drawing it again (a log of stderr showed the final line twice); when it did not
-    (too soon after the previous draw), closing draws it, once."""
-    from specbatch.run import _progress
-
-    for drawn_by_update in (True, False):
-        bar = _progress(2, 0, True, warmup=2)
-        bar.update(1)
-        bar.last_print_t -= 10.0 if drawn_by_update else 0.0  # tqdm redraws every 0.1 s
-        bar.update(1)
-        bar.close()
-        err = capsys.readouterr().err
-        assert err.count("2/2") == 1, repr(err)
-        assert err.endswith("\n") and err.count("\n") == 1, repr(err)
-
-
 def test_sampled_records_without_id_or_seed_are_warned_about_once(tmp_path, monkeypatch, tiny_gguf):
     """Their seed derives from the line number: reordering the file changes their output."""
     import os

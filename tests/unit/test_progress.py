@@ -4,6 +4,7 @@ calibrating and why; on stderr from the CLI, on the ``specbatch`` logger from th
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -149,3 +150,92 @@ def test_calibration_file_pins_the_fit(tiny, tmp_path, fast_calibration):
     assert "not a specbatch calibration file" in r.stderr and "Traceback" not in r.output
     r = CliRunner().invoke(main, [*args[:5], "ngram", "--calibration", str(fit)])
     assert r.exit_code == 2 and "--calibration needs --method auto" in r.output, r.output
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_rate_counts_tokens_in_flight_and_time_left_comes_from_tokens():
+    """8 records of up to 100 tokens; 20 s in, none finished but 60 tokens generated: the rate
+    is 3.0 tok/s (issue 36: finished records only read 0 tok/s), and the time left is the
+    800 - 60 tokens still to come at that rate; once records finish, their mean length
+    replaces max_tokens."""
+    import io
+
+    from specbatch.progress import Progress
+    from specbatch.spec_decode.stats import SpecStats
+
+    clock, log = _Clock(), io.StringIO()
+    p = Progress(8, max_tokens=100, stream=log, tty=False, interval=10, clock=clock)
+    clock.now = 20.0
+    p.tick(60)
+    assert p.tokens_per_second == pytest.approx(3.0)
+    assert p.seconds_left() == pytest.approx((800 - 60) / 3.0)
+    stats = SpecStats()
+    stats.record_step(4, 3)
+    for _ in range(4):  # 4 records of 20 tokens finished; 20 more tokens in flight
+        p.answer_done(20, stats)
+        p.record_done()
+    clock.now = 40.0
+    p.tick(100)
+    assert p.tokens_per_second == pytest.approx(2.5)
+    assert p.seconds_left() == pytest.approx((4 * 20 - 20) / 2.5)
+
+
+def test_a_log_gets_plain_periodic_lines():
+    """stderr not a terminal: one line every ``interval`` seconds (none between), no ``\\r``,
+    with records, tokens, the token rate and the time left; one final line at close."""
+    import io
+
+    from specbatch.progress import Progress
+    from specbatch.spec_decode.stats import SpecStats
+
+    clock, log = _Clock(), io.StringIO()
+    p = Progress(3, max_tokens=10, stream=log, tty=False, interval=10, clock=clock)
+    for t, tokens in ((4.0, 4), (9.0, 9), (10.0, 10), (15.0, 15), (20.5, 20)):
+        clock.now = t
+        p.tick(tokens)
+    p.answer_done(10, SpecStats())
+    p.record_done()
+    clock.now = 31.0
+    p.tick(25)
+    p.close()
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue()
+    assert lines == [
+        "progress: 0/3 records, 10 tokens (10 in flight), 1.0 tok/s, 0:10 elapsed, ~0:20 left",
+        "progress: 0/3 records, 20 tokens (20 in flight), 1.0 tok/s, 0:20 elapsed, ~0:10 left",
+        "progress: 1/3 records, 25 tokens (15 in flight), 0.8 tok/s, 0:31 elapsed, ~0:06 left",
+        "progress: 1/3 records, 25 tokens, 0.8 tok/s, 0:31 elapsed",
+    ], lines
+
+
+def test_a_run_whose_stderr_is_a_file_logs_readable_progress(tiny, tmp_path):
+    """``specbatch run ... 2> log``: periodic ``progress:`` lines with a token rate and time
+    left, no ``\\r`` anywhere (a tqdm bar in a file was one long line joined by ``\\r``)."""
+    model, cache = tiny
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(f'{{"id": {i}, "prompt": "count {i} {i} {i}"}}\n' for i in range(6)))
+    log = tmp_path / "stderr.log"
+    with open(log, "w") as err:
+        proc = subprocess.run([sys.executable, "-m", "specbatch.cli", "run", str(src), "-o",
+                               str(tmp_path / "out.jsonl"), "--model", str(model),
+                               "--cache-dir", str(cache), "--method", "ngram",
+                               "--max-tokens", "48", "--ignore-eos", "--max-batch-size", "2",
+                               "--progress-interval", "0.01"],
+                              stdout=subprocess.PIPE, stderr=err, text=True, timeout=300)
+    text = log.read_text()
+    assert proc.returncode == 0, text
+    assert "\r" not in text, repr(text[-500:])
+    lines = [x for x in text.splitlines() if x.startswith("progress: ")]
+    assert len(lines) >= 3, text
+    assert re.fullmatch(r"progress: \d/6 records, \d+ tokens( \(\d+ in flight\))?, "
+                        r"[0-9.]+ tok/s(, accept len [0-9.]+)?, \d+:\d\d elapsed, "
+                        r"(~\d+:\d\d left|time left \?)", lines[0]), lines[0]
+    assert any("in flight" in x and "left" in x for x in lines[:-1]), lines
+    assert lines[-1].startswith("progress: 6/6 records, 288 tokens, "), lines[-1]
