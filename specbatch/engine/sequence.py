@@ -17,6 +17,11 @@ from specbatch.spec_decode.stats import SpecStats
 _seq_ids = itertools.count()
 
 
+# characters at the end of the text searched again for stop strings: a detokenizer may rewrite
+# them as tokens arrive (``StopRules._check_stop_strings``)
+STOP_TEXT_MARGIN = 16
+
+
 @dataclass
 class Request:
     """One answer to generate.
@@ -69,6 +74,7 @@ class Sequence:
         self.stop_text_end: int | None = None  # char offset the text is cut at (stop string)
         # chars of the text of the first min_tokens output tokens: a stop string must end after
         self.stop_search_floor = 0
+        self.stop_searched = 0  # chars of the text at the last stop-string search
         self.logprobs: list[LogprobEntry] = []
         self.matcher = None  # xgrammar GrammarMatcher at the committed length (engine.grammar)
         self.stats = SpecStats(proposer=proposer_name, num_speculative_tokens=k)
@@ -149,11 +155,19 @@ class StopRules:
         return len(new_ids)
 
     def _check_stop_strings(self, seq: Sequence) -> bool:
+        """Search the stop strings in the output text, only where an occurrence can be new:
+        ending after the text the last search covered, less ``STOP_TEXT_MARGIN`` characters
+        (a detokenizer may rewrite the end of the text as tokens arrive: an incomplete UTF-8
+        character shown as up to 3 U+FFFD becomes one character). A search of the whole text
+        per token cost 1.3 ms a token with 1,000 stop strings at 512 tokens (issue 36); the
+        window makes it independent of the output's length."""
         assert self.detokenize is not None, "stop strings need a detokenizer"
         text = self.detokenize(seq.output_ids)
+        floor = max(seq.stop_search_floor, seq.stop_searched - STOP_TEXT_MARGIN)
+        seq.stop_searched = len(text)
         best: tuple[int, int, str] | None = None  # (end, start, stop string)
         for s in seq.sampling.stop:
-            start = text.find(s, max(0, seq.stop_search_floor - len(s) + 1))
+            start = text.find(s, max(0, floor - len(s) + 1))
             if start >= 0 and (best is None or (start + len(s), start) < best[:2]):
                 best = (start + len(s), start, s)
         if best is None:
