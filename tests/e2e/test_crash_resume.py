@@ -165,3 +165,25 @@ def test_auto_killed_and_resumed_gives_the_same_outputs(job, tmp_path):
     assert _ids(rows) == _ids(expected) and len(set(_ids(rows))) == num
     assert [(r["output"], r["output_token_ids"], r["finish_reason"]) for r in rows] == \
         [(r["output"], r["output_token_ids"], r["finish_reason"]) for r in expected]
+
+
+@pytest.mark.xfail(strict=True, reason="issue 36, open: a suffix record's drafts depend on the "
+                   "job index at each of its steps and on the rows beside it, i.e. on the "
+                   "schedule, which a resume changes (its in-flight records restart); outputs "
+                   "are identical, the spec counters of records run after the resume are not")
+def test_suffix_killed_and_resumed_gives_the_same_bytes(tmp_path):
+    """kill -9 halfway through a ``--method suffix`` job, resume: the same bytes as an
+    uninterrupted run (today the tokens match, the ``spec`` counters do not)."""
+    inp = spec_bench_or_example(NUM_RECORDS, tmp_path / "in.jsonl")
+    suffix = [a if a != "ngram" else "suffix" for a in ARGS]
+    base = tmp_path / "base.jsonl"
+    assert cli("run", inp, "-o", base, *suffix).returncode == 0
+    num = len(read_jsonl(inp))
+    out = tmp_path / "out.jsonl"
+    args = ["run", str(inp), "-o", str(out), *suffix]
+    _kill_at(f"torn:{num // 2 + 1}", args, tmp_path)
+    r = cli(*args)
+    assert r.returncode == 0, r.stderr
+    rows, expected = read_jsonl(out), read_jsonl(base)
+    assert [x["output_token_ids"] for x in rows] == [x["output_token_ids"] for x in expected]
+    assert out.read_bytes() == base.read_bytes()
