@@ -179,11 +179,12 @@ def _model_options(f, batch: bool = True):
                          "e.g. a job's shared instruction; on the CPU kernels, where it "
                          "changes no output bit)."),
         ]
-    opts.append(click.option("--threads", type=click.IntRange(1), default=None,
-                             help="CPU threads (default: OMP_NUM_THREADS, else one per usable "
-                             "CPU). When other work holds the CPUs, OpenMP threads wait "
-                             "passively instead of spinning (OMP_WAIT_POLICY set by you wins); "
-                             "the `cpu:` line says what was chosen."))
+    if batch:  # calibrate follows OMP_NUM_THREADS
+        opts.append(click.option("--threads", type=click.IntRange(1), default=None,
+                                 help="CPU threads (default: OMP_NUM_THREADS, else one per "
+                                 "usable CPU). When other work holds the CPUs, OpenMP threads "
+                                 "wait passively instead of spinning (OMP_WAIT_POLICY set by "
+                                 "you wins); the `cpu:` line says what was chosen."))
     opts.append(click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
                              help="Where converted weights are cached (default: "
                              "$SPECBATCH_CACHE or ~/.cache/specbatch)."))
@@ -546,13 +547,13 @@ def analyze(paths, by, what_if, calibration, batch_size, compare, as_json, plot_
 @click.option("--output", "-o", default=None, type=click.Path(dir_okay=False),
               help="Also write the cost model here (JSON).")
 @click.option("--recalibrate", is_flag=True, help="Measure again even if cached.")
-def calibrate(model, dtype, device, threads, cache_dir, output, recalibrate):
+def calibrate(model, dtype, device, cache_dir, output, recalibrate):
     """Measure this machine's step cost for the model and dtype (used by --method auto and
     analyze --what-if); cached per (model, dtype, device, CPU kernels, host)."""
     from specbatch.config import resolve_device
     from specbatch.plan.calibrate_cmd import run_calibrate
 
-    cpu = _choose_threads(threads)  # first: before anything imports torch
+    cpu = _choose_threads(None)  # first: before anything imports torch
     _check_model(model)
     try:
         device = resolve_device(device)
