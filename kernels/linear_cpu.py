@@ -133,6 +133,10 @@ def pack_quantized(weight: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tenso
     w = weight.detach().contiguous()
     v = w.reshape(-1, BLOCK)
     panels, nblk = -(-n // NR), k // BLOCK
+    # every block must have codes: the first row's blocks settle an ordinary float32 weight
+    # (a random init, a bfloat16 checkpoint) at once, instead of after trying all of them
+    if _q8_0_codes(v[:nblk]) is None and _q4_1_codes(v[:nblk]) is None:
+        return None
     found = _q8_0_codes(v)
     if found is not None:
         d, q = found

@@ -1,7 +1,9 @@
 """Find a model (``--model``), load it with transformers, and cache dequantised GGUF weights.
 
 ``--model`` takes a registry short name (``specbatch.models.registry``), a path to a ``.gguf``
-file, or a local Hugging Face folder (one with ``config.json``).
+file, a local Hugging Face folder (one with ``config.json``), or ``dummy:SHAPE[:SEED]``: a model
+of a known shape with seeded random weights and SmolLM2's tokenizer (``specbatch.models.dummy``;
+nothing is read or cached but the tokenizer).
 
 GGUF cache. Loading a GGUF with transformers dequantises every tensor and builds the tokenizer
 from the GGUF metadata: ~15 s for SmolLM2-135M on 2 CPU cores. The first load therefore saves
@@ -40,7 +42,7 @@ from specbatch.models.registry import DEFAULT_MODEL, REGISTRY, find_model, write
 
 logger = logging.getLogger("specbatch")
 
-KINDS = ("registry", "gguf", "hf_folder")
+KINDS = ("registry", "gguf", "hf_folder", "dummy")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                 "float16": torch.float16, "float64": torch.float64,
                 "int8": torch.float32}  # float32 weights, 8-bit activations (LlamaForward)
@@ -55,10 +57,13 @@ _HASH_CHUNK = 1 << 20
 class ModelSource:
     """Where a model's files are.
 
-    kind: "registry" (packaged GGUF), "gguf" (a .gguf path) or "hf_folder" (a HF folder).
-    path: the folder holding the GGUF file, or the HF folder itself.
-    gguf_file: the GGUF file name inside ``path``; None for "hf_folder".
-    name: what the user passed for a registry model; the absolute path otherwise.
+    kind: "registry" (packaged GGUF), "gguf" (a .gguf path), "hf_folder" (a HF folder) or
+        "dummy" (seeded random weights, ``models.dummy``).
+    path: the folder holding the GGUF file, or the HF folder itself; for "dummy", the
+        ``$SPECBATCH_TOKENIZER`` folder, or ``.`` when the tokenizer comes from the package.
+    gguf_file: the GGUF file name inside ``path``; None for "hf_folder" and "dummy".
+    name: what the user passed for a registry model; ``dummy:SHAPE:SEED`` for a dummy one (the
+        seed always written); the absolute path otherwise.
     """
 
     kind: str
@@ -69,7 +74,7 @@ class ModelSource:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"ModelSource.kind must be one of {KINDS}, got {self.kind!r}")
-        if (self.gguf_file is None) != (self.kind == "hf_folder"):
+        if (self.gguf_file is None) != (self.kind in ("hf_folder", "dummy")):
             raise ValueError(f"ModelSource.gguf_file must be set exactly for GGUF kinds, got "
                              f"kind={self.kind!r} gguf_file={self.gguf_file!r}")
 
@@ -88,7 +93,8 @@ class LoadedModel:
         else ``tokenizer.eos_token_id``; empty when neither is set.
     max_model_len: ``config.max_position_embeddings`` (tokens, prompt and completion together).
     model_id: stable identity of the weights, ``<registry name or absolute path>@sha256:<16 hex>``
-        (hash of the GGUF file, or of the HF folder's files); equal ids mean equal weights.
+        (hash of the GGUF file, or of the HF folder's files; ``dummy:SHAPE:SEED@sha256:...``,
+        the hash of the shape, seed and init scheme); equal ids mean equal weights.
     """
 
     model: Any
@@ -117,6 +123,12 @@ def resolve_model(name: str, cache_dir: str | Path | None = None) -> ModelSource
     that do not assemble into the expected file.
     """
     kind, path = find_model(name)
+    if kind == "dummy":
+        from specbatch.models import dummy
+
+        shape, seed = dummy.parse_name(name)
+        return ModelSource("dummy", dummy.tokenizer_folder() or Path("."), None,
+                           dummy.canonical_name(shape, seed))
     if kind == "registry":
         path = REGISTRY[name].locate(cache_root(cache_dir))
         return ModelSource("registry", path.parent, path.name, name)
@@ -147,8 +159,12 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu",
     except (RuntimeError, TypeError) as error:
         raise ValueError(f"device {device!r} is not a torch device: {error}") from None
     source = resolve_model(name, cache_dir)
-    folder, digest = _model_folder(source, cache_root(cache_dir))
-    model, tokenizer = _load_folder(folder, TORCH_DTYPES[dtype], torch_device)
+    if source.kind == "dummy":
+        model, tokenizer, digest = _load_dummy(source, TORCH_DTYPES[dtype], torch_device,
+                                               cache_dir)
+    else:
+        folder, digest = _model_folder(source, cache_root(cache_dir))
+        model, tokenizer = _load_folder(folder, TORCH_DTYPES[dtype], torch_device)
     if dtype == "int8":
         model.specbatch_activations = "int8"
         if source.gguf_path is not None:  # where its Q4_K / Q6_K codes are (kernels/kquant.py)
@@ -166,9 +182,26 @@ def load_tokenizer(name: str, cache_dir: str | Path | None = None) -> tuple[Any,
     from transformers import AutoTokenizer
 
     source = resolve_model(name, cache_dir)
+    if source.kind == "dummy":
+        from specbatch.models import dummy
+
+        shape, seed = dummy.parse_name(source.name)
+        return (dummy.load_tokenizer(cache_dir),
+                f"{source.name}@sha256:{dummy.weights_digest(shape, seed)[:16]}")
     folder, digest = _model_folder(source, cache_root(cache_dir))
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     return tokenizer, f"{source.name}@sha256:{digest[:16]}"
+
+
+def _load_dummy(source: ModelSource, torch_dtype: torch.dtype, device: torch.device,
+                cache_dir: str | Path | None) -> tuple[Any, Any, str]:
+    """Model, tokenizer and weights digest of a ``dummy:SHAPE:SEED`` source."""
+    from specbatch.models import dummy
+
+    shape, seed = dummy.parse_name(source.name)
+    tokenizer = dummy.load_tokenizer(cache_dir)
+    model = dummy.build_model(shape, seed, torch_dtype, device)
+    return model, tokenizer, dummy.weights_digest(shape, seed)
 
 
 def _model_folder(source: ModelSource, root: Path) -> tuple[Path, str]:

@@ -273,15 +273,22 @@ DEFAULT_MODEL = "smollm2-135m"
 def find_model(name: str) -> tuple[str, Path | None]:
     """What ``--model name`` is, found without loading or importing anything heavy (no torch,
     no transformers; a split registry model is not assembled): ``("registry", None)``,
+    ``("dummy", None)`` (``dummy:SHAPE[:SEED]``, seeded random weights: ``models.dummy``),
     ``("gguf", absolute path of the file)`` or ``("hf_folder", absolute path of the folder)``.
 
-    Registry names win over same-named paths. Raises ValueError (one line, naming ``name``) for
-    an empty or non-string name, an unknown name that is no such file or folder, a registry
-    model that is not installed (naming the pip command that installs it), a file that is not
+    Dummy and registry names win over same-named paths. Raises ValueError (one line, naming
+    ``name``) for an empty or non-string name, an unknown name that is no such file or folder,
+    a registry model that is not installed (naming the pip command that installs it), a dummy
+    name of an unknown shape or bad seed or without a tokenizer at hand, a file that is not
     ``.gguf``, or a folder without ``config.json``.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"--model must be a registry name or a path, got {name!r}")
+    from specbatch.models import dummy
+
+    if dummy.parse_name(name) is not None:  # raises for an unknown shape or a bad seed
+        dummy.check_tokenizer()
+        return "dummy", None
     entry = REGISTRY.get(name)
     if entry is not None:
         entry.check_installed()
@@ -297,5 +304,5 @@ def find_model(name: str) -> tuple[str, Path | None]:
                              f"Hugging Face model folder")
         return "hf_folder", path.resolve()
     raise ValueError(f"unknown model {name!r}: not a registry name (known: "
-                     f"{', '.join(sorted(REGISTRY))}; default {DEFAULT_MODEL}) and no such "
-                     f".gguf file or model folder")
+                     f"{', '.join(sorted(REGISTRY))}; default {DEFAULT_MODEL}; or dummy:SHAPE[:SEED], "
+                     f"seeded random weights) and no such .gguf file or model folder")

@@ -274,7 +274,8 @@ def test_an_unknown_model_is_one_line_before_torch_is_imported(tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text('{"prompt": "hi"}\n')
     unknown = ("not a registry name (known: qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, "
-               "smollm2-135m; default smollm2-135m) and no such .gguf file or model folder")
+               "smollm2-135m; default smollm2-135m; or dummy:SHAPE[:SEED], seeded random weights) "
+               "and no such .gguf file or model folder")
     cases = [
         (["run", str(src), "--model", "no-such-model"],
          f"error: unknown model 'no-such-model': {unknown}"),
