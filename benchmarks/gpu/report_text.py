@@ -25,7 +25,10 @@ def render(doc: dict) -> str:
         lines.append("")
         lines.append(f"kernel tests: {kt.get('status', kt.get('skipped'))}: "
                      f"{kt.get('summary', '')} ({kt.get('seconds', '-')} s)")
-        lines += [f"  {ln}" for ln in kt.get("failed", [])[:10]]
+        if kt.get("note"):
+            lines.append(f"  {kt['note']}")
+        else:
+            lines += [f"  {ln}" for ln in kt.get("failed", [])[:10]]
     probe = doc.get("probe")
     if probe:
         lines += [""] + probe_lines(probe)
