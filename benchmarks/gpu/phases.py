@@ -13,6 +13,7 @@ listed in ``skipped``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -99,83 +100,114 @@ def time_dense(linear, shapes, num_layers: int, rows: int, dtype, device, repeat
 
 
 def run_probe(settings: dict, out: Path) -> int:
-    """Row invariance of the dense layers and RMSNorm, and the cost of the invariant matmul
-    against ``F.linear``, where the kernels exist (``specbatch.models.dense.
-    probe_row_invariance``, ``specbatch.kernels.matmul.linear``, ``specbatch.kernels.rmsnorm.
-    rms_norm``); an entry says "not available" where one does not."""
+    """Row invariance of the dense layers (``dense.probe_row_invariance``) and of RMSNorm, and
+    what the invariant matmul costs. On CUDA: ``benchmarks/gpu/dense_cost.py`` first, in its
+    own process (plain cuBLAS against the Triton matmul on the 1.5B shapes, eager and
+    CUDA-graph times, its probe), then here, after vLLM's Hopper setting
+    (``dense.apply_cublas_batch_invariant``, as the engine applies it before its probe): the
+    probe of cuBLAS and of the Triton matmul on every model's shapes, RMSNorm's, and one step's
+    dense matmuls timed with each. On a CPU: the probe and timing of ``F.linear`` and the
+    engine's matmul (``dense.linear_for``). What a checkout lacks is "not available"."""
     import torch.nn.functional as F
 
     phase = Phase(out, settings["deadline_s"])
+    doc = phase.doc
     device = torch.device(settings["device"])
     dtype = torch_dtype(settings["dtype"])
-    rows = settings["probe_rows"]
-    shapes = {s: dense_shapes(s.removeprefix("dummy:").split(":")[0])
-              for s in settings["models"]}
-    impls = {"F.linear": F.linear}
+    shapes = {m: dense_shapes(m.removeprefix("dummy:").split(":")[0]) for m in settings["models"]}
     try:
-        from specbatch.models.dense import linear_for
+        from specbatch.models import dense
+    except ImportError as e:
+        doc["probe"] = f"not available ({e})"
+        phase.save()
+        return 0
+    if device.type == "cuda":
+        doc["dense_cost_plain_cublas"] = dense_cost(settings, 0.45 * settings["deadline_s"])
+        phase.save()
+        if hasattr(dense, "apply_cublas_batch_invariant"):
+            doc["cublas_setting"] = "vLLM Hopper (no split-K)"
+            dense.apply_cublas_batch_invariant()
+    impls = {("cublas" if device.type == "cuda" else "F.linear"): F.linear}
+    if device.type == "cuda":
+        try:
+            from specbatch.kernels.matmul import linear as triton_linear
 
-        engine_linear = linear_for(dtype, device)
+            impls["triton"] = lambda x, w, b=None: triton_linear(x, w, b)
+        except ImportError as e:
+            doc["triton_matmul"] = f"not available ({e})"
+    else:
+        engine_linear = dense.linear_for(dtype, device)
         if engine_linear is not F.linear:
-            impls["engine (linear_for)"] = engine_linear
-    except ImportError as e:
-        phase.doc["errors"].append(f"linear_for: {e}")
-    try:
-        from specbatch.kernels.matmul import linear as triton_linear
-
-        if device.type == "cuda":
-            impls["triton matmul"] = lambda x, w, b=None: triton_linear(x, w, b)
-        else:
-            phase.doc["triton_matmul"] = "not run: the Triton matmul runs on CUDA only here"
-    except ImportError as e:
-        phase.doc["triton_matmul"] = f"not available ({e})"
-    phase.doc["impls"] = list(impls)
-    try:
-        from specbatch.models.dense import probe_row_invariance
-    except ImportError as e:
-        probe_row_invariance = None
-        phase.doc["probe"] = (f"not available: specbatch.models.dense.probe_row_invariance "
-                              f"is missing ({e})")
-    if probe_row_invariance is not None:
-        results = phase.doc.setdefault("probe", {})
+            impls[f"engine ({dense.linear_name(engine_linear)})"] = engine_linear
+    doc["impls"] = list(impls)
+    probe = getattr(dense, "probe_row_invariance", None)
+    if probe is None:
+        doc["probe"] = "not available: specbatch.models.dense has no probe_row_invariance"
+    else:
+        results = doc.setdefault("probe", {})
         for name, fn in impls.items():
             for model, model_shapes in shapes.items():
-                if not phase.may_start(f"probe {name} {model}", 0.5):
+                if not phase.may_start(f"probe {name} {model}", 0.75):
                     break
                 try:
-                    results[f"{name} {model}"] = probe_row_invariance(
-                        fn, model_shapes, dtype, device, rows=rows)
+                    report = probe(fn, model_shapes, dtype, device, rows=settings["probe_rows"])
+                    results[f"{name} {model}"] = {
+                        "invariant": all(r["invariant"] for r in report.values()),
+                        "shapes": report}
                 except Exception as e:  # noqa: BLE001 - a report, not a crash
                     results[f"{name} {model}"] = {"error": f"{type(e).__name__}: {e}"}
                 phase.save()
     try:
         from specbatch.kernels.rmsnorm import rms_norm
     except ImportError as e:
-        phase.doc["rms_norm"] = f"not available ({e})"
+        doc["rms_norm"] = f"not available ({e})"
     else:
-        if device.type == "cuda" and phase.may_start("rms_norm invariance", 0.6):
-            phase.doc["rms_norm"] = rms_norm_invariance(rms_norm, dtype, device)
+        if device.type == "cuda" and phase.may_start("rms_norm invariance", 0.8):
+            try:
+                doc["rms_norm"] = rms_norm_invariance(rms_norm, dtype, device)
+            except Exception as e:  # noqa: BLE001
+                doc["rms_norm"] = {"error": f"{type(e).__name__}: {e}"}
     phase.save()
-    # the cost of each dense path for one step's matmuls, rows 1 / 16 / 64
-    timing = phase.doc.setdefault("dense_step_ms", {})
-    for model, model_shapes in shapes.items():
-        from specbatch.models.dummy import DUMMY_SHAPES
+    # one step's dense matmuls with each, rows 1 / 16 / 64
+    from specbatch.models.dummy import DUMMY_SHAPES
 
+    timing = doc.setdefault("dense_step_ms", {})
+    for model, model_shapes in shapes.items():
         layers = DUMMY_SHAPES[model.removeprefix("dummy:").split(":")[0]]["num_hidden_layers"]
         for name, fn in impls.items():
             for r in settings["dense_rows"]:
                 if not phase.may_start(f"dense timing {name} {model} {r} rows", 0.9):
                     break
+                cell = timing.setdefault(model, {}).setdefault(name, {})
                 try:
                     t = time_dense(fn, model_shapes, layers, r, dtype, device,
                                    settings["dense_repeats"])
-                    timing.setdefault(model, {}).setdefault(name, {})[str(r)] = round(t * 1e3, 4)
+                    cell[str(r)] = round(t * 1e3, 4)
                 except Exception as e:  # noqa: BLE001
-                    timing.setdefault(model, {}).setdefault(name, {})[str(r)] = (
-                        f"{type(e).__name__}: {e}")
+                    cell[str(r)] = f"{type(e).__name__}: {e}"
                 phase.save()
     phase.save()
     return 0
+
+
+def dense_cost(settings: dict, timeout: float) -> dict:
+    """``benchmarks/gpu/dense_cost.py --probe`` (plain cuBLAS, its own process): its JSON, or
+    what went wrong."""
+    import subprocess
+
+    script = Path(__file__).resolve().with_name("dense_cost.py")
+    if not script.is_file():
+        return {"error": "not available: benchmarks/gpu/dense_cost.py is missing"}
+    cmd = [sys.executable, str(script), "--rows", *map(str, settings["dense_rows"]),
+           "--dtype", settings["dtype"], "--iters", "20", "--probe"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        return {"error": f"stopped after {timeout:.0f} s"}
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-800:]}"}
 
 
 def rms_norm_invariance(rms_norm, dtype, device) -> dict:
@@ -238,6 +270,11 @@ def run_model(settings: dict, out: Path, model_name: str) -> int:
     phase = Phase(out, settings["deadline_s"])
     doc = phase.doc
     device = torch.device(settings["device"])
+    handler = logging.Handler(logging.INFO)  # the engine's own lines (which dense layers, ...)
+    handler.emit = lambda record: doc.setdefault("log", []).append(record.getMessage())
+    logger = logging.getLogger("specbatch")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     t0 = time.perf_counter()
     llm = LLM(model_name, method="none", dtype=settings["dtype"], device=settings["device"],
               max_batch_size=max(settings["batches"]), max_model_len=settings["max_model_len"],
@@ -256,6 +293,10 @@ def run_model(settings: dict, out: Path, model_name: str) -> int:
                     "floor_us": round(floor * 1e6, 2)}
     runner = llm.new_runner(max(r for r, _ in settings["step_shapes"]),
                             settings["step_context"] + 16)
+    from specbatch.models import dense
+
+    doc["engine"] = {"dense": dense.linear_name(runner.forward.linear),
+                     "triton_kernels": bool(getattr(runner.forward, "use_kernels", False))}
     steps = doc.setdefault("steps", [])
     for rows, q in settings["step_shapes"]:
         if not phase.may_start(f"step {rows}x{q}", 0.2):

@@ -38,27 +38,51 @@ def render(doc: dict) -> str:
 
 
 def probe_lines(p: dict) -> list[str]:
-    lines = [f"row invariance of the dense layers (impls: {', '.join(p.get('impls', []))})"]
+    setting = (f"; cuBLAS with the {p['cublas_setting']} setting" if p.get("cublas_setting")
+               else "")
+    lines = [f"row invariance of the dense layers (matmuls: {', '.join(p.get('impls', []))}"
+             f"{setting})"]
     probe = p.get("probe")
     if isinstance(probe, str):
         lines.append(f"  probe: {probe}")
     elif isinstance(probe, dict):
         for name, result in probe.items():
-            lines.append(f"  {name}: {short(result)}")
+            if "error" in result:
+                lines.append(f"  {name}: {result['error']}")
+                continue
+            bad = [f"{shape} at rows {r['mismatched_rows'][:6]}"
+                   for shape, r in result.get("shapes", {}).items() if not r["invariant"]]
+            lines.append(f"  {name}: " + ("row-invariant on every shape" if result["invariant"]
+                                          else "NOT row-invariant: " + "; ".join(bad)))
     for key in ("triton_matmul", "rms_norm"):
         if key in p:
             lines.append(f"  {key}: {short(p[key])}")
     for model, impls in p.get("dense_step_ms", {}).items():
-        lines.append(f"  one step's dense matmuls, {model} (ms at rows "
-                     f"{'/'.join(next(iter(impls.values()), {}).keys())}):")
-        base = impls.get("F.linear", {})
+        base_name = next(iter(impls), None)
+        base = impls.get(base_name, {})
+        lines.append(f"  one step's dense matmuls, {model}, ms at rows "
+                     f"{'/'.join(base.keys())}:")
         for name, by_rows in impls.items():
             cells = []
             for r, ms in by_rows.items():
-                ratio = (f" ({ms / base[r]:.2f}x F.linear)" if name != "F.linear"
-                         and isinstance(ms, float) and isinstance(base.get(r), float) else "")
+                ratio = (f" ({ms / base[r]:.2f}x)" if name != base_name and isinstance(ms, float)
+                         and isinstance(base.get(r), float) else "")
                 cells.append(f"{ms:.3f}{ratio}" if isinstance(ms, float) else str(ms))
             lines.append(f"    {name}: {' / '.join(cells)}")
+    cost = p.get("dense_cost_plain_cublas")
+    if cost:
+        if "error" in cost:
+            lines.append(f"  dense_cost.py: {cost['error']}")
+        else:
+            step = cost.get("step", {})
+            cells = [f"{m} rows {step['cublas_us'][m]:.0f} vs {step['triton_us'][m]:.0f} us "
+                     f"({step['ratio'][m]:.2f}x)" for m in step.get("ratio", {})]
+            lines.append(f"  plain cuBLAS vs Triton matmul, one 1.5B step's dense matmuls "
+                         f"(dense_cost.py, eager): {'; '.join(cells)}")
+            for lname, rep in (cost.get("probe") or {}).items():
+                ok = all(r["invariant"] for r in rep.values())
+                lines.append(f"    probe, {lname} (default setting): "
+                             + ("row-invariant" if ok else "NOT row-invariant"))
     for line in p.get("errors", []) + p.get("log_tail", [])[-3:]:
         lines.append(f"  ! {line}")
     return lines
@@ -76,6 +100,10 @@ def model_lines(model: str, m: dict) -> list[str]:
              + f"{m.get('dtype', '?')}): load {m.get('load_s', '-')} s, warm-up "
              f"(compiles, auto's calibration) {m.get('warmup_s', '-')} s, phase "
              f"{m.get('seconds', '-')} s" + (" (TIMED OUT)" if m.get("timed_out") else "")]
+    engine = m.get("engine")
+    if engine:
+        lines.append(f"  engine: dense layers on {engine['dense']}, Triton kernels "
+                     + ("on" if engine["triton_kernels"] else "off"))
     floor = m.get("floor")
     if floor:
         lines.append(f"  floor: {floor['streamed_weight_bytes'] / 2**20:.0f} MiB of weights per "
