@@ -220,6 +220,8 @@ try:
     from specbatch.config import resolve_dtype
     doc["dtype"] = resolve_dtype(sys.argv[2], sys.argv[1])
     doc["cpu_count"] = __import__("os").cpu_count()
+    import shutil
+    doc["c_compiler"] = shutil.which("cc") or shutil.which("gcc")  # Triton builds its launcher
 except Exception as e:
     doc["error"] = f"{type(e).__name__}: {e}"
 print(json.dumps(doc))

@@ -35,18 +35,21 @@ log="$OUT/install.log"
 : > "$log"
 echo "== installing $BUNDLE/wheels into $OUT/venv (pip --no-index)"
 rm -rf "$OUT/venv"
-site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || exit 2
+# every folder the interpreter imports from (its site-packages, a venv's, the user site, ...)
+paths=$("$PY" -c 'import os, sys; print("\n".join(p for p in sys.path if p and os.path.isdir(p)))') \
+  || { echo "error: $PY does not run" >&2; exit 2; }
 if "$PY" -m venv --system-site-packages --without-pip "$OUT/venv" >> "$log" 2>&1; then
   VPY="$OUT/venv/bin/python"
   vsite=$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  echo "$site" > "$vsite/_image_site.pth"
+  # after the venv's own site-packages: what the bundle installs wins, the rest is the image's
+  echo "$paths" > "$vsite/_image_site.pth"
   "$VPY" -m pip install --no-index --find-links "$BUNDLE/wheels" -r "$BUNDLE/requirements.txt" \
     >> "$log" 2>&1 || { "$PY" benchmarks/gpu/check.py --bundle "$BUNDLE" --out "$OUT" \
                           --install-failed "$log" "$@"; tail -5 "$log"; exit 2; }
 else
   # no venv module: the user site of a folder of our own (PYTHONUSERBASE), same effect
   echo "venv failed (see $log); installing into the user site $OUT/pyuser"
-  export PYTHONUSERBASE="$OUT/pyuser"
+  export PYTHONUSERBASE="$OUT/pyuser" PIP_BREAK_SYSTEM_PACKAGES=1  # our own user site only
   VPY=$PY
   "$VPY" -m pip install --user --no-index --find-links "$BUNDLE/wheels" \
     -r "$BUNDLE/requirements.txt" >> "$log" 2>&1 \
