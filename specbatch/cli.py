@@ -154,8 +154,9 @@ def _model_options(f, batch: bool = True):
     """--model, --dtype, --device, --cache-dir and, with ``batch``, --max-batch-size and
     --max-model-len (what an engine is built with)."""
     opts = [
-        click.option("--model", default=None, help="Registry name, .gguf path or HF folder "
-                     "(default: smollm2-135m)."),
+        click.option("--model", default=None, help="Registry name, .gguf path, HF folder, or "
+                     "dummy:SHAPE[:SEED] (seeded random weights: docs/gpu.md) (default: "
+                     "smollm2-135m)."),
         click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32", "float64",
                                                    "int8"]),
                      default="auto", show_default=True,
