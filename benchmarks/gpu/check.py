@@ -69,9 +69,9 @@ class Settings:
     threads: int | None = None
     records_path: str = ""
     budget_kernel_tests: float = 120
-    budget_probe: float = 35
+    budget_probe: float = 60
     budget_models: dict[str, float] = field(default_factory=lambda: {
-        "dummy:smollm2-135m": 100, "dummy:llama-1.5b": 120})
+        "dummy:smollm2-135m": 95, "dummy:llama-1.5b": 110})
 
     @classmethod
     def for_device(cls, device: str, smallest: bool) -> Settings:
