@@ -82,11 +82,7 @@ class SamplingParams:
         try:
             self._read_and_check()
         except ConfigError as e:
-            if e.name not in written:
-                raise
-            raise ConfigError(f"{e.name}={_as_written(written[e.name])}: expected "
-                              f"{_AS_WRITTEN_EXPECTED.get(e.name) or e.expected}", e.name,
-                              e.expected) from None
+            _raise_as_written(e, written)
 
     def _read_and_check(self) -> None:
         if isinstance(self.stop, (str, list)):
@@ -182,11 +178,7 @@ class SamplingParams:
         try:
             return replace(base, **updates)
         except ConfigError as e:
-            if e.name not in written:
-                raise
-            raise ConfigError(f"{e.name}={_as_written(written[e.name])}: expected "
-                              f"{_AS_WRITTEN_EXPECTED.get(e.name) or e.expected}", e.name,
-                              e.expected) from None
+            _raise_as_written(e, written)
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -470,6 +462,16 @@ class ConfigError(ValueError):
 def _check(ok: bool, name: str, value, expected: str) -> None:
     if not ok:
         raise ConfigError(f"{name}={value!r}: expected {expected}", name, expected)
+
+
+def _raise_as_written(e: ConfigError, written: dict) -> None:
+    """Re-raise ``e``; for a field the caller wrote as a string, list or dict (``written``:
+    name -> value), echo that value as written (JSON) instead of its parsed form."""
+    if e.name not in written:
+        raise e
+    raise ConfigError(f"{e.name}={_as_written(written[e.name])}: expected "
+                      f"{_AS_WRITTEN_EXPECTED.get(e.name) or e.expected}", e.name,
+                      e.expected) from None
 
 
 def _as_written(value, limit: int = 200) -> str:

@@ -226,31 +226,11 @@ def write_tiny_kquant_gguf(path, seed: int = 0) -> None:
     output (so the fused q/k/v holds both kinds)."""
     import gguf
 
-    from tests.unit.test_loader import _bytes_to_unicode
+    from tests.unit.test_loader import tiny_llama_gguf_writer
 
     hidden, num_layers, num_heads, num_kv_heads, ffn = 256, 2, 4, 2, 512
-    alphabet = _bytes_to_unicode()
-    tokens = [alphabet[b] for b in range(256)] + ["<|bos|>", "<|eos|>"]
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("tiny-kquant")
-    writer.add_context_length(512)
-    writer.add_embedding_length(hidden)
-    writer.add_block_count(num_layers)
-    writer.add_feed_forward_length(ffn)
-    writer.add_head_count(num_heads)
-    writer.add_head_count_kv(num_kv_heads)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(len(tokens))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([1] * 256 + [3, 3])
-    writer.add_token_scores([0.0] * len(tokens))
-    writer.add_token_merges([])
-    writer.add_bos_token_id(256)
-    writer.add_eos_token_id(257)
-    writer.add_add_bos_token(False)
+    writer, tokens = tiny_llama_gguf_writer(path, "tiny-kquant", hidden, num_layers, num_heads,
+                                            num_kv_heads, ffn)
     rng = np.random.default_rng(seed)
 
     def add(name: str, kind: str, rows: int, cols: int) -> None:

@@ -46,15 +46,16 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, map(chr, chars)))
 
 
-def write_tiny_gguf(path: Path, seed: int = 0) -> None:
-    """A 2-layer Llama GGUF (hidden 64, vocab 258: 256 bytes + <|bos|> <|eos|>), Q8_0 linears."""
+def tiny_llama_gguf_writer(path, name: str, hidden: int, num_layers: int, num_heads: int,
+                           num_kv_heads: int, ffn: int):
+    """A ``gguf.GGUFWriter`` at ``path`` holding a Llama header (byte-level vocab of 258 tokens:
+    256 bytes + <|bos|> <|eos|>, context 512) and no tensors yet; returns it and the tokens."""
     import gguf
 
-    hidden, num_layers, num_heads, num_kv_heads, ffn = 64, 2, 4, 2, 128
     alphabet = _bytes_to_unicode()
     tokens = [alphabet[b] for b in range(256)] + ["<|bos|>", "<|eos|>"]
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("tiny")
+    writer.add_name(name)
     writer.add_context_length(512)
     writer.add_embedding_length(hidden)
     writer.add_block_count(num_layers)
@@ -73,6 +74,16 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> None:
     writer.add_bos_token_id(256)
     writer.add_eos_token_id(257)
     writer.add_add_bos_token(False)
+    return writer, tokens
+
+
+def write_tiny_gguf(path: Path, seed: int = 0) -> None:
+    """A 2-layer Llama GGUF (hidden 64, vocab 258: 256 bytes + <|bos|> <|eos|>), Q8_0 linears."""
+    import gguf
+
+    hidden, num_layers, num_heads, num_kv_heads, ffn = 64, 2, 4, 2, 128
+    writer, tokens = tiny_llama_gguf_writer(path, "tiny", hidden, num_layers, num_heads,
+                                            num_kv_heads, ffn)
     writer.add_chat_template("{% for m in messages %}<|bos|>{{ m['content'] }}<|eos|>{% endfor %}")
     rng = np.random.default_rng(seed)
 
