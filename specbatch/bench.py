@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import click
 
+from specbatch import methods
 from specbatch.config import EngineConfig, SamplingParams, SpecConfig
 from specbatch.spec_decode.stats import SpecStats
 
@@ -64,17 +65,19 @@ def parse_configs(text: str,
         if item in (label for label, _ in out):
             raise ValueError(f"config {item!r} given twice")
         kwargs: dict = {"method": method}
-        if method == "draft" or (method == "auto" and "draft" in parts):
+        entry = methods.get(method)  # None: SpecConfig names the known methods
+        use = entry.draft_model if entry is not None else "refused"
+        if use == "needs" or (use == "optional" and "draft" in parts):
             if draft_model is None:
                 raise ValueError(f"config {item!r} needs --draft-model")
             kwargs["draft_model"] = draft_model
-        parts = [p for p in parts if not (method == "auto" and p == "draft")]
-        keys = {"k": "num_speculative_tokens", "min": "prompt_lookup_min",
-                "max": "prompt_lookup_max"}
+        parts = [p for p in parts if not (use == "optional" and p == "draft")]
+        keys = entry.bench_keys if entry is not None else methods.BENCH_KEYS
         for part in parts:
             key, _, value = part.partition("=")
             if key not in keys or not value.isdigit():
-                raise ValueError(f"config {item!r}: expected method[:k=N][:min=N][:max=N]")
+                raise ValueError(f"config {item!r}: expected method"
+                                 + "".join(f"[:{key}=N]" for key in keys))
             kwargs[keys[key]] = int(value)
         out.append((item, SpecConfig(**kwargs)))
     if not out:
@@ -86,7 +89,13 @@ def parse_configs(text: str,
 
 def baseline(labels: list[str]) -> str:
     """The configuration ratios are taken to: the first ``none``, else the first of all."""
-    return next((lb for lb in labels if lb.split(":")[0] == "none"), labels[0])
+    return next((lb for lb in labels if not _drafts(lb)), labels[0])
+
+
+def _drafts(label: str) -> bool:
+    """Whether configuration ``label``'s method drafts (not ``none``)."""
+    entry = methods.get(label.split(":")[0])
+    return entry is None or entry.drafts
 
 
 def parse_groups(items) -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -211,7 +220,7 @@ def format_table(labels, sizes: dict[str, int], seconds, tokens, stats, opts,
     cats = list(sizes)
     base = baseline(labels)
     others = [lb for lb in labels if lb != base]
-    drafting = [lb for lb in labels if lb.split(":")[0] != "none"]
+    drafting = [lb for lb in labels if _drafts(lb)]
     head = ["category", "records"] + [f"{lb} tok/s" for lb in labels] + \
         [f"{lb} / {base}" for lb in others] + [f"{lb} acc.len" for lb in drafting]
     rows = []
@@ -246,6 +255,6 @@ def format_table(labels, sizes: dict[str, int], seconds, tokens, stats, opts,
            + ("" if opts.engine.prefix_caching else ", prefix caching off")
            + f", max_tokens {opts.sampling.max_tokens}, T "
            f"{opts.sampling.temperature}, rounds {opts.repeats}; ratios to {base}"
-           + ("" if base.split(":")[0] == "none" else " (no none configuration: add none to the "
+           + ("" if not _drafts(base) else " (no none configuration: add none to the "
               "--configs for speedups over plain decoding)"))
     return cfg + "\n" + "\n".join(lines)

@@ -14,12 +14,27 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from specbatch.config import (MAX_INT, MIN_INT, METHODS, EngineConfig, SamplingParams,
-                              SpecConfig)
+from specbatch import methods
+from specbatch.config import MAX_INT, MIN_INT, EngineConfig, SamplingParams, SpecConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-_METHOD_CHOICES = ("auto", *(m for m in METHODS if m != "auto"))  # auto, the default, first
+
+
+class _MethodChoice(click.Choice):
+    """``--method``'s choices: the registered methods (``specbatch.methods``) when the command
+    line is parsed, auto (the default) first, so a method registered after import is one."""
+
+    def __init__(self) -> None:
+        super().__init__(())
+
+    @property
+    def choices(self):
+        return ("auto", *(m for m in methods.names() if m != "auto"))
+
+    @choices.setter
+    def choices(self, value) -> None:
+        pass
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -130,7 +145,7 @@ class _Group(click.Group):
 
 def _spec_options(f):
     for opt in reversed([
-        click.option("--method", type=click.Choice(_METHOD_CHOICES),
+        click.option("--method", type=_MethodChoice(),
                      default="auto", show_default=True,
                      help="Proposer: auto (prompt lookup with k chosen per bucket and step from "
                      "measured cost), none (plain decoding), ngram, draft (--draft-model), or suffix "
@@ -417,7 +432,7 @@ def run(ctx, input_path, output, recipe, template, model, dtype, device, max_bat
                                   else (None, prompt_field))
     # before anything imports torch; --method none ignores a draft model, ngram refuses it below
     _check_model(model)
-    if draft_model is not None and method in ("draft", "auto"):
+    if draft_model is not None and methods.uses_draft_model(method):
         _check_model(draft_model, draft=True)
     try:
         if template is not None:

@@ -12,10 +12,8 @@ import shutil
 import sys
 from dataclasses import dataclass, field, fields, replace
 
-from specbatch import settings
-
-METHODS = ("none", "ngram", "draft", "auto", "suffix")
-SUFFIX_CAP_FACTOR = 3  # suffix drafts may reach this many times k where a match is long
+from specbatch import methods, settings
+from specbatch.methods import SUFFIX_CAP_FACTOR
 # int8: float32, except that the matmuls with a GGUF model's 4/8-bit code weights round their
 # input to 8 bits per block of 32 (llama.cpp's Q8 activations; CPU only, kernels/csrc/linear_q8.c)
 DTYPES = ("float32", "bfloat16", "float64", "float16", "int8")
@@ -268,23 +266,24 @@ class SpecConfig:
     suffix_max_tokens: int = 1 << 20
 
     def __post_init__(self) -> None:
-        _check(self.method in METHODS, "method", self.method, f"one of {', '.join(METHODS)}")
+        entry = methods.get(self.method)
+        _check(entry is not None, "method", self.method, f"one of {', '.join(methods.names())}")
         _check(self.draft_model is None or (isinstance(self.draft_model, str)
                                             and self.draft_model != ""),
                "draft_model", self.draft_model, "a model name or path")
-        if self.method == "draft" and self.draft_model is None:
-            raise ConfigError("method draft needs a draft model (--draft-model NAME)",
+        if entry.draft_model == "needs" and self.draft_model is None:
+            raise ConfigError(f"method {self.method} needs a draft model (--draft-model NAME)",
                               "draft_model", "a draft model")
-        # ngram would leave it unused, and a user would believe it drafted; none drafts nothing,
-        # so a baseline may share the command line of the draft run it is compared with
-        _check(self.draft_model is None or self.method not in ("ngram", "suffix"), "draft_model",
+        # a refusing method would leave it unused, and a user would believe it drafted; none
+        # ignores it, so a baseline may share the command line of the draft run it is compared with
+        _check(self.draft_model is None or entry.draft_model != "refused", "draft_model",
                self.draft_model, f"no draft model with method {self.method} "
-               f"({'prompt' if self.method == 'ngram' else 'suffix'} lookup drafts; use method "
+               f"({entry.drafts_by or self.method + ' drafts without a model'}; use method "
                "draft or auto to draft with a model)")
         _check(_is_int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= 32,
                "num_speculative_tokens", self.num_speculative_tokens, "an integer in [0, 32]")
         # 0 would run plain decoding under a speculative method's name (and its stats)
-        _check(self.method == "none" or self.num_speculative_tokens >= 1,
+        _check(not entry.drafts or self.num_speculative_tokens >= 1,
                "num_speculative_tokens", self.num_speculative_tokens,
                f"an integer in [1, 32] with method {self.method} (0 drafts nothing: use method "
                "none)")
@@ -294,20 +293,20 @@ class SpecConfig:
                "prompt_lookup_max", self.prompt_lookup_max, "an integer >= prompt_lookup_min")
         _check(_is_int(self.suffix_max_tokens) and self.suffix_max_tokens >= 1,
                "suffix_max_tokens", self.suffix_max_tokens, "an integer >= 1")
+        if entry.validate is not None:
+            entry.validate(self)
 
     @property
     def k(self) -> int:
         """Draft tokens per verify step; 0 for ``none``."""
-        return 0 if self.method == "none" else self.num_speculative_tokens
+        return self.num_speculative_tokens if methods.get(self.method).drafts else 0
 
     @property
     def draft_cap(self) -> int:
         """The engine's per-row draft cap (tokens): k, except that ``suffix`` (and ``auto``'s
         suffix drafts) may draft a long, frequent match past k, up to ``SUFFIX_CAP_FACTOR * k``
         (at most 32); ``auto`` cuts lookup and draft-model drafts to k."""
-        if self.method in ("suffix", "auto"):
-            return min(32, SUFFIX_CAP_FACTOR * self.k)
-        return self.k
+        return methods.get(self.method).draft_cap(self.k)
 
 
 @dataclass(frozen=True)
@@ -488,3 +487,9 @@ def _as_written(value, limit: int = 200) -> str:
 
 __all__ = ["ConfigError", "SamplingParams", "SpecConfig", "EngineConfig", "resolve_device", "resolve_dtype", "SAMPLING_FIELDS", "METHODS", "DTYPES",
            "MIN_INT", "MAX_INT", "UNSUPPORTED_SAMPLING_FIELDS"]
+
+
+def __getattr__(name: str):
+    if name == "METHODS":  # the registered method names (``methods.names()``), read when asked
+        return methods.names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

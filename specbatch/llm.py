@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from specbatch import methods
 from specbatch.config import ConfigError, EngineConfig, SamplingParams, SpecConfig
 from specbatch.outputs import RequestOutput
 from specbatch.prompts import PromptRenderer
@@ -156,7 +157,7 @@ class LLM:
         except OSError as e:
             raise ModelLoadError(f"cannot load model {name!r}: {os_error_text(e)}") from None
         self.draft = None
-        if spec.method in ("draft", "auto") and spec.draft_model is not None:
+        if methods.uses_draft_model(spec.method) and spec.draft_model is not None:
             from specbatch.spec_decode.draft import load_draft_model
 
             _log.info("loading draft model %s ...", spec.draft_model)
@@ -320,7 +321,7 @@ class LLM:
                                  prefix_caching=engine_config.prefix_caching)
         stop_rules = StopRules(frozenset(self.loaded.eos_token_ids), max_model_len,
                                self.renderer.detokenize)
-        use_draft = (self.draft is not None and spec.method in ("draft", "auto")
+        use_draft = (self.draft is not None and methods.uses_draft_model(spec.method)
                      and spec.draft_model is not None)
         draft_forward = LlamaForward(self.draft.model) if use_draft else None
         proposer = make_proposer(spec, draft_forward, rows)
@@ -331,9 +332,9 @@ class LLM:
             why = "the plan's k and predicted speedup per bucket depend on it"
             cost, _, _ = self.calibrate(forward=runner.forward, echo=echo, purpose=why)
             model_cost = None
-            if hasattr(proposer, "propose_with_model"):  # the draft forward: its own costs
+            if draft_forward is not None:  # auto drafts with it too: its own costs
                 model_cost, _, _ = self.calibrate(
-                    forward=proposer.model.forward, model_id=self.draft_model_id or "draft",
+                    forward=draft_forward, model_id=self.draft_model_id or "draft",
                     echo=echo, purpose=why)
             from specbatch.spec_decode.router import Router
 

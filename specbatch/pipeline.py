@@ -235,20 +235,22 @@ def fit_engine_config(engine_config, records, renderer: PromptRenderer, max_mode
 
 
 def memory_summary(engine: Engine) -> str:
-    """One line: weights and KV cache bytes of the target and, for a draft proposer, the draft;
-    with prefix caching on, how many prompt tokens it saved prefilling.
+    """One line: weights and KV cache bytes of the target, the proposer's method's own part
+    (its registry entry's ``memory``: a draft model's weights and KV) and, with prefix caching
+    on, how many prompt tokens it saved prefilling.
 
     KV bytes are the caches' size at the time of the call (they grow with the longest row)."""
-    from specbatch.spec_decode.draft import DraftProposer, weight_bytes
+    from specbatch import methods
+    from specbatch.spec_decode.draft import weight_bytes
 
     runner, proposer = engine.runner, engine.proposer
-    proposer = getattr(proposer, "model", proposer)  # auto with a draft model: the draft
     line = (f"memory: target weights {_gib(weight_bytes(runner.forward.hf_model))}, KV "
             f"{_gib(runner.cache.nbytes)} ({runner.cache.num_rows} rows x "
             f"{runner.cache.capacity} positions)")
-    if isinstance(proposer, DraftProposer):
-        line += (f"; draft weights {_gib(proposer.weight_bytes)}, KV "
-                 f"{_gib(proposer.cache.nbytes)}")
+    entry = methods.get(proposer.name)  # a proposer's name is its method's
+    part = entry.memory(proposer) if entry is not None and entry.memory is not None else None
+    if part:
+        line += f"; {part}"
     if runner.prefix_caching and runner.num_prompt_tokens:
         line += (f"; prefix caching: {runner.num_prefix_reused} of {runner.num_prompt_tokens} "
                  f"prompt tokens found in a cache row, not prefilled "

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import click
 
+from specbatch import methods
 from specbatch.config import EngineConfig, SamplingParams, SpecConfig
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -327,10 +328,9 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     else:  # with --method auto: calibrates, plans, prints the plan
         prepared = llm.prepare(todo)
         proposer = prepared.engine.proposer
-        if done and hasattr(proposer, "add_finished"):  # suffix: re-index finished outputs
-            from specbatch.spec_decode.suffix import finished_outputs
-
-            proposer.add_finished(finished_outputs(writer.finished_records()))
+        resume = methods.get(opts.spec.method).resume  # suffix: re-index finished outputs
+        if done and resume is not None:
+            resume(proposer, writer.finished_records())
         results = prepared.run(opts.run_seed, on_tokens, on_step)
     tput = Throughput()
     by_category: dict[str, list] = defaultdict(list)

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from specbatch import methods
 from specbatch.analyze.load import RunFile, answers, spec_stats
 from specbatch.analyze.tables import ALL, NO_GROUPS, group_label
 from specbatch.io.records import Record
@@ -82,21 +83,35 @@ def settings_for(files: list[RunFile], ks=KS, lookups=LOOKUPS) -> list[Setting]:
         c = f.config or {}
         if c.get("prompt_lookup_min") and c.get("prompt_lookup_max"):
             looks.add((c["prompt_lookup_min"], c["prompt_lookup_max"]))
-            if c.get("method") == "ngram" and c.get("k"):
+            if _self_checked(c) and c.get("k"):
                 own.add(Setting(c["prompt_lookup_min"], c["prompt_lookup_max"], c["k"]))
     return sorted({Setting(lo, hi, k) for lo, hi in looks for k in ks} | own)
 
 
 def own_setting(f: RunFile, rec: Record) -> Setting | None:
-    """The setting the record ran with, when it ran with the n-gram proposer at a fixed k
-    (``--method auto`` chooses the draft length per step: no fixed setting to check)."""
+    """The setting the record ran with, when its method's stats are an n-gram replay at a
+    fixed k (``Method.whatif_self_check``: ngram; ``--method auto`` chooses the draft length
+    per step: no fixed setting to check)."""
     c = f.config or {}
     spec = rec.fields["spec"]
-    if (spec.get("proposer") != "ngram" or not c.get("prompt_lookup_min")
-            or c.get("method") == "auto"):
+    method = c.get("method", spec.get("proposer"))
+    if (not _self_checked({"method": method}) or spec.get("proposer") != method
+            or not c.get("prompt_lookup_min")):
         return None
     return Setting(c["prompt_lookup_min"], c["prompt_lookup_max"],
                    spec.get("num_speculative_tokens", c.get("k", 0)))
+
+
+def _self_checked(config: dict) -> bool:
+    """Whether a run of ``config``'s method has stats the n-gram replay reproduces."""
+    entry = methods.get(config.get("method"))
+    return entry is not None and entry.whatif_self_check
+
+
+def _whatif_note(config: dict) -> str | None:
+    """Why a run of ``config``'s method cannot be replayed exactly (the registry's note)."""
+    entry = methods.get(config.get("method"))
+    return entry.whatif_note if entry is not None else None
 
 
 def skip_reason(f: RunFile, rec: Record) -> str | None:
@@ -256,11 +271,9 @@ def what_if(files: list[RunFile], grouping: str, tokenizer_for: Callable[[str], 
         "num_skipped": len(skipped),
         "skipped_reasons": reasons,
         "skipped": skipped,
-        "notes": [f"{f.label}: method {(f.config or {}).get('method')}: suffix drafts depend "
-                  "on the records that finished before (job order), so they cannot be replayed "
-                  "exactly; the tables replay n-gram settings only and its own stats are not "
-                  "self-checked" for f in files
-                  if (f.config or {}).get("method") in ("suffix", "auto")],
+        "notes": [f"{f.label}: method {(f.config or {}).get('method')}: {note}; the tables "
+                  "replay n-gram settings only and its own stats are not self-checked"
+                  for f in files for note in [_whatif_note(f.config or {})] if note],
         "self_check": {"num_checked": len(checks),
                        "num_equal": sum(c["equal"] for c in checks),
                        "records": checks},

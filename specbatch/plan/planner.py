@@ -221,24 +221,25 @@ def plan_auto(records, renderer, spec_config, batch_size: int, max_model_len: in
 
     cost: the target's step-cost model (``costmodel.load_or_calibrate``); proposer: the engine's
     proposer (a ``LookupAndDraftProposer`` when a draft model is given; ``model_cost`` is then
-    its draft forward's cost model); batch_size: the engine's rows; max_model_len: its context.
+    its draft forward's cost model, given exactly then); batch_size: the engine's rows; max_model_len: its context.
     ``echo`` gets the plan table (``echo_plan``, when given, gets it instead); model_id: the target's (``LoadedModel.model_id``), for a note
     when the acceptance predictor was fitted on another model."""
-    draft_proposer = proposer if hasattr(proposer, "propose_with_model") else None
+    # auto's builder (``methods``) composes lookup, suffix and, when a draft model is given (its
+    # cost model with it), the draft model: no need to ask the proposer what it holds
+    draft_proposer = proposer if model_cost is not None else None
     prompt_ids = {r.index: renderer.first_prompt(r)[0] for r in records}
     max_tokens = max((r.sampling.max_tokens for r in records), default=1)
     plan = make_plan(records, prompt_ids, spec_config.num_speculative_tokens, batch_size, cost,
                      spec_config.prompt_lookup_min, max_tokens,
                      model_cost if draft_proposer is not None else None)
     notes = []
-    if hasattr(proposer, "propose_suffix"):  # own-text or job-index drafts, chosen per step
-        for b in plan.buckets.values():
-            if b.proposer == "ngram":
-                b.proposer = "lookup"
-        if any(b.proposer == "lookup" and b.indices for b in plan.buckets.values()):
-            notes.append("lookup: each step, per record, the n-gram draft (its own text) or "
-                         "the suffix draft (its own text and the job's finished outputs), "
-                         "whichever the policy values more")
+    for b in plan.buckets.values():  # auto's suffix drafts: own text or job index, per step
+        if b.proposer == "ngram":
+            b.proposer = "lookup"
+    if any(b.proposer == "lookup" and b.indices for b in plan.buckets.values()):
+        notes.append("lookup: each step, per record, the n-gram draft (its own text) or "
+                     "the suffix draft (its own text and the job's finished outputs), "
+                     "whichever the policy values more")
     idle = [b.name for b in plan.buckets.values() if b.indices and b.k == 0]
     if idle:  # the plan's k is where a bucket starts; the policy re-chooses every step
         notes.append(f"k 0 ({', '.join(idle)}): drafting is not predicted to pay at batch "
@@ -257,6 +258,6 @@ def plan_auto(records, renderer, spec_config, batch_size: int, max_model_len: in
                               proposer=draft_proposer,
                               model_cost=model_cost if draft_proposer is not None else None,
                               match_len_of=getattr(proposer, "match_len", None),
-                              suffix=proposer if hasattr(proposer, "propose_suffix") else None)
+                              suffix=proposer)
     (echo_plan or echo)(plan.table())
     return plan, policy
