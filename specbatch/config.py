@@ -13,7 +13,6 @@ import sys
 from dataclasses import dataclass, field, fields, replace
 
 from specbatch import methods, settings
-from specbatch.methods import SUFFIX_CAP_FACTOR
 # int8: float32, except that the matmuls with a GGUF model's 4/8-bit code weights round their
 # input to 8 bits per block of 32 (llama.cpp's Q8 activations; CPU only, kernels/csrc/linear_q8.c)
 DTYPES = ("float32", "bfloat16", "float64", "float16", "int8")
@@ -305,7 +304,8 @@ class SpecConfig:
     def draft_cap(self) -> int:
         """The engine's per-row draft cap (tokens): k, except that ``suffix`` (and ``auto``'s
         suffix drafts) may draft a long, frequent match past k, up to ``SUFFIX_CAP_FACTOR * k``
-        (at most 32); ``auto`` cuts lookup and draft-model drafts to k."""
+        (at most 32; ``methods.Method.draft_cap``); ``auto`` cuts lookup and draft-model drafts
+        to k."""
         return methods.get(self.method).draft_cap(self.k)
 
 
@@ -485,7 +485,7 @@ def _as_written(value, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-__all__ = ["ConfigError", "SamplingParams", "SpecConfig", "EngineConfig", "resolve_device", "resolve_dtype", "SAMPLING_FIELDS", "METHODS", "DTYPES",
+__all__ = ["ConfigError", "SamplingParams", "SpecConfig", "EngineConfig", "resolve_device", "resolve_dtype", "SAMPLING_FIELDS", "DTYPES",
            "MIN_INT", "MAX_INT", "UNSUPPORTED_SAMPLING_FIELDS"]
 
 

@@ -54,7 +54,6 @@ class Method:
     auto: whether ``--method auto`` may choose this method's drafts. Auto knows ngram, suffix
         and draft only (``spec_decode.composite``, ``plan.policy``); ``register_method`` refuses
         True for any other method until auto chooses through a candidate protocol.
-    help: one line for ``--help``.
     """
 
     name: str
@@ -70,7 +69,6 @@ class Method:
     resume: Callable[[Any, Any], None] | None = None
     memory: Callable[[Any], str | None] | None = None
     auto: bool = False
-    help: str = ""
 
     def draft_cap(self, k: int) -> int:
         """The engine's per-row draft cap (tokens) for ``k``."""
@@ -173,6 +171,8 @@ def _reindex_finished(proposer, finished_records) -> None:
 
 
 def _draft_memory(draft) -> str:
+    from specbatch.pipeline import _gib
+
     return f"draft weights {_gib(draft.weight_bytes)}, KV {_gib(draft.cache.nbytes)}"
 
 
@@ -187,25 +187,18 @@ def _auto_memory(proposer) -> str | None:
     return _draft_memory(inner.model) if isinstance(inner, LookupAndDraftProposer) else None
 
 
-def _gib(num_bytes: int) -> str:
-    return f"{num_bytes / 2**30:.2f} GiB"
-
-
 _SUFFIX_NOTE = ("suffix drafts depend on the records that finished before (job order), so they "
                 "cannot be replayed exactly")
 
 for _m in (
-    Method("none", _none, drafts=False, draft_model="ignored", help="plain decoding"),
+    Method("none", _none, drafts=False, draft_model="ignored"),
     Method("ngram", _ngram, drafts_by="prompt lookup drafts", whatif_self_check=True,
-           auto=True, help="prompt lookup"),
-    Method("draft", _draft, draft_model="needs", memory=_draft_memory, auto=True,
-           help="a draft model (--draft-model)"),
+           auto=True),
+    Method("draft", _draft, draft_model="needs", memory=_draft_memory, auto=True),
     Method("auto", _auto, draft_model="optional", draft_cap_factor=SUFFIX_CAP_FACTOR,
-           whatif_note=_SUFFIX_NOTE, resume=_reindex_finished, memory=_auto_memory,
-           help="prompt lookup with k chosen per bucket and step from measured cost"),
+           whatif_note=_SUFFIX_NOTE, resume=_reindex_finished, memory=_auto_memory),
     Method("suffix", _suffix, drafts_by="suffix lookup drafts", draft_cap_factor=SUFFIX_CAP_FACTOR,
-           whatif_note=_SUFFIX_NOTE, resume=_reindex_finished, auto=True,
-           help="own text + outputs of the job's finished records"),
+           whatif_note=_SUFFIX_NOTE, resume=_reindex_finished, auto=True),
 ):
     register_method(_m)
 del _m

@@ -96,6 +96,7 @@ def run_predict_eval(paths, k: int, model: str | None, cache_dir: str | None,
     ``refit``: also fit the prompt weights to these files by least squares on logit(alpha) and
     report the rank correlation of the refitted predictor out of sample (2-fold: fit on even
     records, score odd, and back)."""
+    from specbatch import methods
     from specbatch.analyze.load import load_run
     from specbatch.models.loader import load_model
     from specbatch.models.registry import DEFAULT_MODEL
@@ -129,7 +130,8 @@ def run_predict_eval(paths, k: int, model: str | None, cache_dir: str | None,
         # the prediction is prompt lookup's at k: a run of another method (auto, suffix, draft:
         # drafts up to 3k, from other sources) is measured by replaying lookup at k over each
         # first answer (exact: outputs do not depend on drafting)
-        replayed = cfg.get("method", "ngram") != "ngram"
+        own = methods.get(cfg.get("method", "ngram"))  # its stats are lookup's at k (ngram)
+        replayed = own is None or not own.whatif_self_check
         if replayed:
             replayed_runs.append(f"{path} (method {cfg.get('method')})")
         for rec in run.records:

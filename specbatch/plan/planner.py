@@ -220,10 +220,12 @@ def plan_auto(records, renderer, spec_config, batch_size: int, max_model_len: in
     nothing reaches into an engine from outside).
 
     cost: the target's step-cost model (``costmodel.load_or_calibrate``); proposer: the engine's
-    proposer (a ``LookupAndDraftProposer`` when a draft model is given; ``model_cost`` is then
-    its draft forward's cost model, given exactly then); batch_size: the engine's rows; max_model_len: its context.
-    ``echo`` gets the plan table (``echo_plan``, when given, gets it instead); model_id: the target's (``LoadedModel.model_id``), for a note
-    when the acceptance predictor was fitted on another model."""
+    auto proposer (``methods``' auto builder: lookup and suffix, and the draft model when one is
+    given); model_cost: the draft forward's cost model, given exactly when the proposer drafts
+    with a draft model; batch_size: the engine's rows; max_model_len: its context. ``echo`` gets
+    the plan table (``echo_plan``, when given, gets it instead); model_id: the target's
+    (``LoadedModel.model_id``), for a note when the acceptance predictor was fitted on another
+    model."""
     # auto's builder (``methods``) composes lookup, suffix and, when a draft model is given (its
     # cost model with it), the draft model: no need to ask the proposer what it holds
     draft_proposer = proposer if model_cost is not None else None

@@ -60,7 +60,7 @@ def repeat_method():
     RESUMED.clear()
     entry = register_method(Method(NAME, lambda config, draft_forward, num_rows:
                                    RepeatLastProposer(), bench_keys={"k": "num_speculative_tokens"},
-                                   resume=_on_resume, help="the last token, k times"))
+                                   resume=_on_resume))
     try:
         yield entry
     finally:
@@ -160,7 +160,7 @@ def test_a_registered_method_is_a_choice_and_a_config(repeat_method):
         SpecConfig(method=NAME, num_speculative_tokens=0)
     (label, spec), = parse_configs(f"{NAME}:k=4")
     assert label == f"{NAME}:k=4" and spec.method == NAME and spec.num_speculative_tokens == 4
-    with pytest.raises(ValueError, match=f"expected method\\[:k=N\\]$"):
+    with pytest.raises(ValueError, match="expected method\\[:k=N\\]$"):
         parse_configs(f"{NAME}:min=2")
     result = CliRunner().invoke(main, ["run", "x.jsonl", "--method", "nope"])
     assert result.exit_code == 2 and f"'{NAME}'" in result.output, result.output
