@@ -2,11 +2,12 @@
 
 ``repeat`` drafts its row's last token k times. It is registered here, and only here: no file
 of the package names it. Checked through the real command line, in process: ``run`` writes the
-same output token ids as ``--method none`` (and its ``spec`` shows drafts were verified),
-``bench --configs none,repeat:k=3`` reports every output identical, a resume of a ``repeat``
-job finishes it, and ``analyze --what-if`` replays the ``repeat`` run exactly as the ``none``
-run (the same tokens give the same n-gram tables). The built-in entries keep their behaviour
-(``SpecConfig`` errors, ``--method`` choices, the bench keys).
+same output token ids as ``--method none`` (and its ``spec`` shows drafts were verified), its
+``memory:`` line has the entry's part, a resume of a ``repeat`` job calls the entry's resume
+hook and finishes the job, ``bench --configs none,repeat:k=3`` reports every output identical,
+and ``analyze --what-if`` replays the ``repeat`` run as the ``none`` run (the same tokens give
+the same n-gram tables). The built-in entries keep their behaviour (``SpecConfig`` errors,
+``--method`` choices, the bench keys).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def repeat_method():
     RESUMED.clear()
     entry = register_method(Method(NAME, lambda config, draft_forward, num_rows:
                                    RepeatLastProposer(), bench_keys={"k": "num_speculative_tokens"},
-                                   resume=_on_resume))
+                                   resume=_on_resume, memory=lambda proposer: "repeat: no KV"))
     try:
         yield entry
     finally:
@@ -90,7 +91,9 @@ def test_a_registered_method_runs_through_run_bench_resume_and_what_if(
     inp = _input(tmp_path)
     none_out, rep_out = tmp_path / "none.jsonl", tmp_path / "repeat.jsonl"
     _run(tmp_path, tiny_gguf, inp, none_out, "--method", "none")
-    _run(tmp_path, tiny_gguf, inp, rep_out, "--method", NAME, "--k", "3")
+    ran = _run(tmp_path, tiny_gguf, inp, rep_out, "--method", NAME, "--k", "3")
+    memory = next(line for line in ran.output.splitlines() if line.startswith("memory: "))
+    assert memory.startswith("memory: target weights ") and "; repeat: no KV" in memory, memory
     base, rep = read_jsonl(none_out), read_jsonl(rep_out)
     assert [r["id"] for r in rep] == [r["id"] for r in base] == [0, 1, 2, 3]
     assert [r["output_token_ids"] for r in rep] == [r["output_token_ids"] for r in base]
