@@ -17,6 +17,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
+
+# Triton reads TRITON_INTERPRET when a kernel is decorated (at import): without a GPU, every
+# test that runs a Triton kernel runs it on CPU tensors under the interpreter, whichever test
+# file imports a kernel module first (tests/kernels/conftest.py, tests/helpers.backend_cases)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 _CACHE_ENV = "SPECBATCH_CACHE"  # read by specbatch/settings.py
 _WEIGHTS_DIR = "gguf-v1"  # loader._GGUF_CACHE_DIR
 _MARKER = "specbatch-cache.json"  # loader._MARKER: the entry is complete

@@ -8,6 +8,10 @@ gives different logits.
 from __future__ import annotations
 
 import math
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -67,6 +71,94 @@ def tiny_qwen2(vocab_size: int = 96, seed: int = 0) -> Qwen2ForCausalLM:
     model = _randomize(model, seed)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     return model
+
+
+def gguf_exact(model: torch.nn.Module) -> torch.nn.Module:
+    """The model with every 2-D weight quantised with gguf (Q4_1 for the layers, Q8_0 for the
+    embedding / lm_head, as the bundled GGUF) and dequantised back to float32."""
+    import gguf
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                qtype = (gguf.GGMLQuantizationType.Q8_0 if "embed" in name or "lm_head" in name
+                         else gguf.GGMLQuantizationType.Q4_1)
+                back = gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), qtype), qtype)
+                p.copy_(torch.from_numpy(back.copy()).view(p.shape))
+    return model
+
+
+@dataclass(frozen=True)
+class BackendCase:
+    """A step backend (``specbatch/models/backends``) the engine tests run a tiny model on.
+
+    convert: the float64 tiny model -> the model that backend runs (dtype, device, int8 mark);
+    env: the switches it needs while it runs (``switches``); check: asserts that a built
+    ``LlamaForward``'s backend is the one meant; slow: Triton under its interpreter (run a
+    couple of cases only)."""
+
+    id: str
+    convert: Callable[[torch.nn.Module], torch.nn.Module]
+    check: Callable[[object], bool]
+    env: tuple[tuple[str, str], ...] = ()
+    slow: bool = False
+
+    @contextmanager
+    def switches(self):
+        before = {name: os.environ.get(name) for name, _ in self.env}
+        os.environ.update(dict(self.env))
+        try:
+            yield
+        finally:
+            for name, value in before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+    def forward(self, model: torch.nn.Module) -> LlamaForward:
+        """``LlamaForward(model)`` built under the switches, its backend checked."""
+        with self.switches():
+            forward = LlamaForward(model)
+        assert self.check(forward.backend), (self.id, type(forward.backend).__name__)
+        return forward
+
+
+def _int8(model: torch.nn.Module) -> torch.nn.Module:
+    model = gguf_exact(model.float())
+    model.specbatch_activations = "int8"  # as models/loader.py marks --dtype int8
+    return model
+
+
+def backend_cases() -> list[BackendCase]:
+    """The step backends this machine runs: the torch reference in float64 always; the C
+    kernels in float32 and int8 where they build for the tiny models' sizes; Triton where
+    ``triton`` imports (on CUDA, else on CPU tensors under ``TRITON_INTERPRET=1``, which
+    tests/conftest.py sets before any kernel module is imported)."""
+    from specbatch import kernels
+
+    cases = [BackendCase("torch-float64", lambda m: m,
+                         lambda b: b.name == "torch" and b.kv_dtype == torch.float64)]
+    try:
+        from specbatch.kernels import decode_cpu
+        c_kernels = decode_cpu.available(_COMMON["hidden_size"], 16)
+    except ImportError:
+        c_kernels = False
+    if c_kernels:
+        cases.append(BackendCase("c-float32", lambda m: m.float(),
+                                 lambda b: b.name == "ckernels" and b.decode is not None))
+        cases.append(BackendCase("c-int8", _int8,
+                                 lambda b: b.name.startswith("ckernels_")
+                                 and b.kv_dtype == torch.float16))
+    if kernels.have_triton():
+        if torch.cuda.is_available():
+            cases.append(BackendCase("triton", lambda m: m.float().cuda(),
+                                     lambda b: b.name == "triton"))
+        elif os.environ.get("TRITON_INTERPRET") == "1":
+            cases.append(BackendCase("triton-interpreter", lambda m: m.float(),
+                                     lambda b: b.name == "triton",
+                                     (("SPECBATCH_KERNELS", "1"),), slow=True))
+    return cases
 
 
 def cyclic_llama(vocab_size: int = 16, peak: float = 0.5, seed: int = 0) -> LlamaForCausalLM:

@@ -17,7 +17,8 @@ PAD_ID = 0  # placeholder fed in padded query slots; their outputs are never rea
 
 
 class ModelRunner:
-    """Owns the model forward and its KV cache (``num_rows`` rows).
+    """Owns the model forward and its KV cache (``num_rows`` rows); runs prefill and verify
+    steps on the forward's backend (``forward.backend``, a ``StepBackend``).
 
     The cache starts small and doubles as longer sequences arrive, up to
     ``max_model_len + max_query`` positions (padding slots of a verify step may reach past a
@@ -29,6 +30,7 @@ class ModelRunner:
                  pack: bool = True, max_prefill_tokens: int = 2048,
                  prefix_caching: bool = True) -> None:
         self.forward = forward
+        self.backend = forward.backend  # runs the steps (models/backends: StepBackend)
         self.pack = pack  # verify: dense layers on real tokens only (LlamaForward num_fed)
         self.max_model_len = max_model_len
         # attention granule of prefill: a prompt is cut at multiples of prefill_chunk, whatever
@@ -38,8 +40,8 @@ class ModelRunner:
         self.cache: KVCache = forward.new_cache(num_rows, initial_capacity)
         self.device = forward.device
         # prefix caching (``start``): only where a prompt token's keys and values do not depend
-        # on where its prefill started (``LlamaForward.prefill_per_token``)
-        self.prefix_caching = prefix_caching and getattr(forward, "prefill_per_token", False)
+        # on where its prefill started (``StepBackend.prefill_per_token``)
+        self.prefix_caching = prefix_caching and self.backend.prefill_per_token
         self.held: list[list[int]] = [[] for _ in range(num_rows)]  # a free row's valid keys
         self.num_prompt_tokens = 0  # prompt tokens of the sequences started (tokens)
         self.num_prefix_reused = 0  # of those, not prefilled: their keys were in a row already
@@ -57,7 +59,7 @@ class ModelRunner:
         row's leftovers. Copies those keys and values into ``seq.row`` when they are elsewhere
         (one slice per layer) and starts the prefill after them (``seq.num_prefilled``).
 
-        Exact, not approximate: on the path where it is on (``LlamaForward.prefill_per_token``)
+        Exact, not approximate: on the backends where it is on (``StepBackend.prefill_per_token``)
         a token's keys and values are a function of the tokens up to it in its row, so the
         copied ones are the bits its own prefill would write. Like vLLM's automatic prefix
         caching, but over the rows' own caches (no block table): what a finished record leaves
@@ -117,7 +119,7 @@ class ModelRunner:
         A chunk runs from ``seq.num_prefilled`` to the next multiple of ``prefill_chunk`` (or
         the prompt's end), so where a prompt is cut never depends on the budget or on the other
         prompts: a record's keys, values and first-token logits are the same in every batch
-        (``LlamaForward.forward_prefill``). Advances ``num_prefilled`` and the rows' cache
+        (``StepBackend.prefill``). Advances ``num_prefilled`` and the rows' cache
         lengths. Returns the sequences whose prompt is now complete and their logits ``[n,
         vocab]`` at the prompt's last token.
         """
@@ -141,20 +143,20 @@ class ModelRunner:
             if start == len(prompt):
                 done.append(seq)
                 last.append(len(ids) - 1)
-        logits = self.forward.forward_prefill(torch.tensor(ids, device=self.device), self.cache,
-                                              chunks, last)
+        logits = self.backend.prefill(torch.tensor(ids, device=self.device), self.cache, chunks,
+                                      last)
         return done, logits
 
     def query_len(self, drafts: list[list[int]]) -> int:
         """Q, the padded queries per row of a verify step feeding ``drafts``.
 
-        Never a one-row matmul unless the forward allows it (``LlamaForward.min_query_len``):
+        Never a one-row matmul unless the forward allows it (``StepBackend.min_query_len``):
         on this CPU a [1, K] x [K, N] bfloat16 matmul with K = 1536 takes another kernel than 2+
         rows and rounds differently, which would make a lone plain-decode step disagree with a
         verify step (measured; see tests/unit/test_forward). The float32 C decode step is
         row-invariant from one token, so a batch-1 decode step there feeds one token, not two.
         """
-        lone = getattr(self.forward, "min_query_len", 2) if len(drafts) == 1 else 1
+        lone = self.backend.min_query_len if len(drafts) == 1 else 1
         return max(1 + max(len(d) for d in drafts), lone)
 
     def verify(self, seqs: list[Sequence], drafts: list[list[int]],
@@ -181,8 +183,8 @@ class ModelRunner:
         # rows drafting fewer tokens than the longest: run the dense layers on real tokens only
         num_fed = (meta.cu_num_fed.diff()
                    if self.pack and bsz >= 2 and min(meta.num_fed) < qlen else None)
-        logits = self.forward.forward(ids.view(bsz, qlen), positions, self.cache, meta.rows,
-                                      num_fed=num_fed)
+        logits = self.backend.step(ids.view(bsz, qlen), positions, self.cache, meta.rows,
+                                   num_fed=num_fed)
         for seq, draft in zip(seqs, drafts):
             self.cache.seq_lens[seq.row] = len(seq.token_ids) + len(draft)
         return logits

@@ -114,7 +114,7 @@ class CostModel:
     engine: str = ""  # engine_fingerprint() when measured ("" in files older than it)
     knots: tuple[int, ...] = ()  # token counts where the dense slope changes (TOKEN_KNOTS)
     # attention runs on the real tokens of a packed step (c3 per real token x key), not on
-    # every row padded to the longest (``LlamaForward.packed_attention``)
+    # every row padded to the longest (``StepBackend.packed_attention``)
     packed: bool = False
 
     def __post_init__(self) -> None:
@@ -475,7 +475,7 @@ def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
                      median_residual=residuals[len(residuals) // 2] if residuals else 0.0,
                      load_average=max(loads) if loads else None,
                      engine=engine_fingerprint(), knots=knots,
-                     packed=bool(getattr(forward, "packed_attention", False)))
+                     packed=forward.backend.packed_attention)
 
 
 def _reject_outliers(timings: dict[tuple[int, int, int], float], knots: tuple[int, ...] = (),
@@ -499,24 +499,18 @@ def host_id() -> str:
 
 
 def kernel_path(dtype: str, device: str) -> str:
-    """Which kernels run a CPU step, a part of the calibration's key: ``"ckernels"`` where
-    specbatch's C kernels are in use (``kernels/csrc``; float32 and int8 only), for dtype int8
-    with the 8-bit matmul that ``kernels.linear_cpu.int8_kernel()`` reports
-    (``"ckernels_vnni"``, ``_avx2``, ``_portable``), else ``"torch"`` (bfloat16, float64,
-    ``SPECBATCH_CPU_KERNELS=0``, a CPU without AVX2/FMA, no compiler; batch-16 steps ~1.6x
-    slower); ``""`` off the CPU. Builds the kernels on first use
-    (~3 s, once per machine), as the engine does."""
+    """Which kernels run a CPU step, a part of the calibration's key: the step backend's name
+    (``StepBackend.name``, known without a model: ``models.backends.cpu_backend_name``):
+    ``"ckernels"`` where specbatch's C kernels are in use (``kernels/csrc``; float32 and int8
+    only), for dtype int8 with the 8-bit matmul that ``kernels.linear_cpu.int8_kernel()``
+    reports (``"ckernels_vnni"``, ``_avx2``, ``_portable``), else ``"torch"`` (bfloat16,
+    float64, ``SPECBATCH_CPU_KERNELS=0``, a CPU without AVX2/FMA, no compiler; batch-16 steps
+    ~1.6x slower); ``""`` off the CPU. Builds the kernels on first use (~3 s, once per
+    machine), as the engine does."""
     if not device.startswith("cpu"):
         return ""
-    if dtype not in ("float32", "int8"):  # bfloat16 and float64 run on torch's kernels
-        return "torch"
-    try:
-        from specbatch.kernels import linear_cpu
-    except ImportError:  # an install without the kernels package
-        return "torch"
-    if not linear_cpu.available():
-        return "torch"
-    return f"ckernels_{linear_cpu.int8_kernel()}" if dtype == "int8" else "ckernels"
+    from specbatch.models.backends import cpu_backend_name
+    return cpu_backend_name(dtype)
 
 
 def cache_path(cache_root: Path, model_id: str, dtype: str, device: str) -> Path:

@@ -30,7 +30,7 @@ def test_engine_with_kernels_gives_the_same_outputs(monkeypatch, temperature):
     from specbatch.models.llama import LlamaForward
     forward = LlamaForward(model)
     # every reducing op on the Triton kernels: attention, dense layers, RMSNorm
-    assert forward.use_kernels and forward.dense_backend == "triton"
+    assert forward.backend.name == "triton" and forward.dense_backend == "triton"
     assert forward.rms_norm_kernel is not None
     got = {(k, b): _outputs(model, prompts, sampling, k, b) for k, b in [(0, 4), (3, 1)]}
     got[(3, 4)], logprobs = _outputs(model, prompts, sampling, 3, 4, with_logprobs=True)

@@ -97,7 +97,7 @@ def test_float32_forward_on_it(make):
     gives each token the bits 5 one-token steps give it."""
     model = make().float()
     fwd = LlamaForward(model)
-    assert fwd.cpu_attention is attention_cpu.attention
+    assert fwd.backend.attention is attention_cpu.attention
     gen = torch.Generator().manual_seed(5)
     seq = torch.randint(1, 96, (30,), generator=gen)
     other = torch.randint(1, 96, (30,), generator=gen)

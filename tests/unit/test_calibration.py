@@ -15,7 +15,9 @@ from specbatch.plan.costmodel import (CostModel, OnlineCost, calibrate, fit, loa
                                       load_or_calibrate)
 
 TRUE = CostModel((0.035, 0.0012, 2e-7, 1e-8))  # SmolLM2-135M-like, seconds
-FORWARD = SimpleNamespace(device=torch.device("cpu"))  # calibrate only reads .device with time_fn
+# calibrate only reads .device and .backend.packed_attention with time_fn
+FORWARD = SimpleNamespace(device=torch.device("cpu"),
+                          backend=SimpleNamespace(packed_attention=False))
 
 
 def _timer(inflate: dict | None = None):
@@ -401,7 +403,8 @@ def test_packed_attention_prices_the_real_tokens_not_the_padded_rows(tmp_path):
     padded.save(tmp_path / "p.json")
     assert not load(tmp_path / "p.json").packed
     assert OnlineCost(packed).step_time(16, 16, ctx, t) == packed.step_time(16, 16, ctx, t)
-    forward = SimpleNamespace(device=torch.device("cpu"), packed_attention=True)
+    forward = SimpleNamespace(device=torch.device("cpu"),
+                              backend=SimpleNamespace(packed_attention=True))
     assert calibrate(forward, time_fn=_timer()).packed
     assert not calibrate(FORWARD, time_fn=_timer()).packed
 

@@ -11,7 +11,7 @@ import torch
 
 from specbatch.kernels import decode_cpu
 from specbatch.models.llama import LlamaForward
-from tests.helpers import tiny_llama, tiny_qwen2
+from tests.helpers import gguf_exact, tiny_llama, tiny_qwen2
 
 pytestmark = pytest.mark.skipif(not decode_cpu.available(64, 16),
                                 reason="needs an AVX2/FMA CPU and a C compiler")
@@ -30,10 +30,10 @@ def _prefilled(fwd: LlamaForward, prompts: list[torch.Tensor]):
 def test_a_step_is_one_c_call_and_computes_the_model(make, monkeypatch):
     model = make().float()
     fwd = LlamaForward(model)
-    assert fwd._c_decode() and fwd.min_query_len == 1
+    assert fwd.backend.decode is not None and fwd.backend.min_query_len == 1
     monkeypatch.setenv("SPECBATCH_CPU_DECODE", "torch")
     loop = LlamaForward(model)  # the torch loop around the same C matmul and attention
-    assert loop.cpu_decode is None and loop.min_query_len == 2
+    assert loop.backend.decode is None and loop.backend.min_query_len == 2
     seq = torch.randint(1, 96, (30,), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         ref = model(seq[None]).logits[0]
@@ -80,27 +80,12 @@ def test_a_tokens_bits_do_not_depend_on_the_step_or_threads():
     assert torch.equal(outs[0], outs[1])
 
 
-def _gguf_exact(model: torch.nn.Module) -> torch.nn.Module:
-    """The model with every 2-D weight quantised with gguf (Q4_1 for the layers, Q8_0 for the
-    embedding / lm_head, as the bundled GGUF) and dequantised back to float32."""
-    import gguf
-
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                qtype = (gguf.GGMLQuantizationType.Q8_0 if "embed" in name or "lm_head" in name
-                         else gguf.GGMLQuantizationType.Q4_1)
-                back = gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), qtype), qtype)
-                p.copy_(torch.from_numpy(back.copy()).view(p.shape))
-    return model
-
-
 def test_exact_low_bit_weights_change_no_bit(monkeypatch):
     """The same model with its weights streamed as 4/8-bit codes and as float32 panels: the
     logits of decode and verify steps are equal bit for bit."""
     from specbatch.kernels import linear_cpu
 
-    base = _gguf_exact(tiny_llama(96, seed=5).float())
+    base = gguf_exact(tiny_llama(96, seed=5).float())
     other = copy.deepcopy(base)
     seq = torch.randint(1, 96, (24,), generator=torch.Generator().manual_seed(6))
     outs = []
@@ -123,10 +108,11 @@ def test_rows_or_positions_outside_the_cache_are_refused():
     h = torch.zeros(1, 64)
     cs = torch.zeros(1, 16)
     with pytest.raises(ValueError, match="outside the cache"):
-        fwd.cpu_decode(h, cs, cs, cache.k, cache.v, torch.tensor([0]),
-                       torch.tensor([cache.capacity]), 0.25)
+        fwd.backend.decode(h, cs, cs, cache.k, cache.v, torch.tensor([0]),
+                           torch.tensor([cache.capacity]), 0.25)
     with pytest.raises(ValueError, match="outside the cache"):
-        fwd.cpu_decode(h, cs, cs, cache.k, cache.v, torch.tensor([1]), torch.tensor([0]), 0.25)
+        fwd.backend.decode(h, cs, cs, cache.k, cache.v, torch.tensor([1]), torch.tensor([0]),
+                           0.25)
 
 
 def test_a_lone_decode_step_feeds_one_token_only_in_c(monkeypatch):
@@ -146,7 +132,7 @@ def test_prefill_runs_the_decode_step_so_a_prompt_prefilled_equals_one_fed_token
     """Prefill is the C step over every prompt token: a prompt prefilled at once, in two
     chunks, or fed one token a step gives the same last logits and the same keys, bit for bit."""
     fwd = LlamaForward(tiny_llama(96, seed=21).float())
-    assert fwd._c_decode()
+    assert fwd.backend.decode is not None
     seq = torch.randint(1, 96, (20,), generator=torch.Generator().manual_seed(22))
     whole = fwd.new_cache(1, 32)
     at_once = fwd.forward_prefill(seq, whole, [(0, 0, 20)], [19])

@@ -74,9 +74,9 @@ def test_few_query_rows_are_padded_in_attention():
     keys, values = (torch.randn(2, 2, 512, fwd.head_dim, generator=gen) for _ in range(2))
     mask = torch.ones(2, 1, 8, 512, dtype=torch.bool)
     mask[1, :, :, 300:] = False
-    full = fwd._attention(q, keys, values, mask, exact=True)
+    full = fwd.backend._attention(q, keys, values, mask, exact=True)
     for rows in (1, 2, 3, 5):
-        got = fwd._attention(q[:, :, :rows], keys, values, mask[:, :, :rows], exact=True)
+        got = fwd.backend._attention(q[:, :, :rows], keys, values, mask[:, :, :rows], exact=True)
         assert torch.equal(got, full[:, :, :rows]), rows
 
 

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from specbatch.kernels import linear_cpu
-from tests.helpers import at_thread_counts, run_engine, tiny_llama
-from tests.unit.test_decode_cpu import _gguf_exact
+from tests.helpers import at_thread_counts, gguf_exact, run_engine, tiny_llama
 from tests.unit.test_linear_cpu import _gguf_roundtrip
 
 from specbatch.config import SamplingParams
@@ -119,7 +118,7 @@ def test_int8_engine_outputs_do_not_depend_on_proposer_or_batch():
     """A tiny model with exact Q4_1 / Q8_0 weights, marked int8 as the loader marks it (float16
     KV cache): greedy outputs equal for none / ngram k 3 at batch 1 and 4, and logits near the
     float32 ones but not equal."""
-    base = _gguf_exact(tiny_llama(96, seed=11).float())
+    base = gguf_exact(tiny_llama(96, seed=11).float())
     base.specbatch_activations = "int8"
     fwd = LlamaForward(base)
     assert fwd.activations == "int8"

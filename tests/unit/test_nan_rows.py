@@ -30,6 +30,12 @@ class PoisonedForward:
 
     def __init__(self, model, into_cache: bool) -> None:
         self.inner = LlamaForward(model)
+        # the runner's StepBackend is this wrapper: the inner backend, poisoned
+        self.backend = self
+        inner = self.inner.backend
+        self.name, self.kv_dtype = inner.name, inner.kv_dtype
+        self.min_query_len, self.prefill_per_token = inner.min_query_len, inner.prefill_per_token
+        self.packed_attention = inner.packed_attention
         self.into_cache = into_cache
         self.poisoned_rows: dict[int, int] = {}  # cache row -> verify steps seen
         self.num_poisoned = 0
@@ -37,7 +43,7 @@ class PoisonedForward:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def forward_prefill(self, input_ids, cache, chunks, logits_at):
+    def prefill(self, input_ids, cache, chunks, logits_at):
         """Packed prompt chunks: track which row holds the poisoned prompt."""
         c0 = 0
         for row, start, n in chunks:
@@ -46,11 +52,11 @@ class PoisonedForward:
             if (input_ids[c0:c0 + n] == POISON_ID).any():
                 self.poisoned_rows[row] = 0
             c0 += n
-        return self.inner.forward_prefill(input_ids, cache, chunks, logits_at)
+        return self.inner.backend.prefill(input_ids, cache, chunks, logits_at)
 
     @torch.inference_mode()
-    def forward(self, input_ids, positions, cache, rows, logits_index=None, num_fed=None):
-        logits = self.inner.forward(input_ids, positions, cache, rows, logits_index, num_fed)
+    def step(self, input_ids, positions, cache, rows, logits_index=None, num_fed=None):
+        logits = self.inner.backend.step(input_ids, positions, cache, rows, logits_index, num_fed)
         for b, row in enumerate(rows.tolist()):
             if row not in self.poisoned_rows:
                 continue

@@ -111,7 +111,7 @@ def test_a_running_rows_keys_are_copied_into_a_new_row(model):
 def test_off_where_prefill_depends_on_the_chunk():
     """float64 prefills a prompt's first chunk with one fused attention: no reuse there."""
     model64 = tiny_llama(VOCAB, seed=31).double()
-    assert not LlamaForward(model64).prefill_per_token
+    assert not LlamaForward(model64).backend.prefill_per_token
     engine = make_engine(model64, 2, 1)
     assert not engine.runner.prefix_caching
     prompts = _templated(3)

@@ -1,6 +1,9 @@
-"""Speculation never changes the output (greedy, float64): n-gram speculation at k in
-{1, 2, 5, 8} and batch sizes {1, 4, 16} gives exactly the tokens of plain decoding (k = 0,
-batch size 1), which equal transformers' greedy ``generate``; and the stats add up."""
+"""Speculation never changes the output (greedy), on every step backend this machine runs
+(``tests.helpers.backend_cases``: the torch reference in float64, the C kernels in float32 and
+int8, Triton under its interpreter or on CUDA): n-gram speculation at k in {1, 2, 5, 8} and
+batch sizes {1, 4, 16} gives exactly the tokens of plain decoding (k = 0, batch size 1) on the
+same backend, which in float64 equal transformers' greedy ``generate``; and the stats add up.
+Triton under the interpreter is slow: it runs plain decoding and one speculative case."""
 
 from __future__ import annotations
 
@@ -11,8 +14,8 @@ import torch
 
 from specbatch.config import SamplingParams
 from specbatch.engine.sequence import Request
-from tests.helpers import (LLAMA3_ROPE, make_engine, repeating_prompts, run_engine, tiny_llama,
-                           tiny_qwen2, total)
+from tests.helpers import (LLAMA3_ROPE, backend_cases, make_engine, repeating_prompts,
+                           run_engine, tiny_llama, tiny_qwen2, total)
 
 VOCAB = 96
 MAX_TOKENS = 32
@@ -20,35 +23,66 @@ NUM_PROMPTS = 10
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS)
 MODELS = {"llama": lambda: tiny_llama(VOCAB, seed=5, rope_parameters=LLAMA3_ROPE),
           "qwen2": lambda: tiny_qwen2(VOCAB, seed=6)}
+BACKENDS = {case.id: case for case in backend_cases()}
+# (model, backend) pairs; the slow backend runs the Llama model only
+SETUPS = [(m, b) for b, case in BACKENDS.items() for m in MODELS
+          if not case.slow or m == "llama"]
+FAST_SETUPS = [s for s in SETUPS if not BACKENDS[s[1]].slow]
+GRID = [(k, bsz) for bsz in (1, 4, 16) for k in (1, 2, 5, 8)]
+SLOW_GRID = [(5, 4)]
 
 
-@pytest.fixture(scope="module", params=list(MODELS))
-def setup(request):
-    """(model, prompts, plain-decoding completions at batch size 1)."""
-    model = MODELS[request.param]()
-    prompts = repeating_prompts(VOCAB, NUM_PROMPTS, seed=7)
-    return model, prompts, run_engine(model, prompts, 0, 1, GREEDY)
+def _id(setup) -> str:
+    return "-".join(setup)
 
 
+class Setup:
+    """A model on one backend: its ``LlamaForward``, prompts, and plain-decoding completions
+    at batch size 1. ``run`` runs the engine on that backend (under its switches)."""
+
+    def __init__(self, model_name: str, backend_id: str) -> None:
+        self.backend = BACKENDS[backend_id]
+        self.model = self.backend.convert(MODELS[model_name]())
+        self.forward = self.backend.forward(self.model)
+        self.prompts = repeating_prompts(VOCAB, NUM_PROMPTS, seed=7)
+        self.base = self.run(self.prompts, 0, 1, GREEDY)
+
+    def run(self, prompts, k, batch_size, sampling):
+        with self.backend.switches():
+            return run_engine(self.forward, prompts, k, batch_size, sampling)
+
+    def engine(self, k, batch_size):
+        return make_engine(self.forward, k, batch_size)
+
+
+@pytest.fixture(scope="module")
+def setup(request) -> Setup:
+    return Setup(*request.param)
+
+
+@pytest.mark.parametrize("setup", SETUPS, ids=_id, indirect=True)
 def test_plain_decoding_equals_hf_generate(setup):
-    model, prompts, base = setup
-    for i in (0, 3, 9):
-        with torch.no_grad():
-            ref = model.generate(torch.tensor([prompts[i]]), max_new_tokens=MAX_TOKENS,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert base[i].output_ids == ref[0, len(prompts[i]):].tolist()
+    base, prompts = setup.base, setup.prompts
+    if setup.backend.id == "torch-float64":  # the reference computes the model's own tokens
+        for i in (0, 3, 9):
+            with torch.no_grad():
+                ref = setup.model.generate(torch.tensor([prompts[i]]),
+                                           max_new_tokens=MAX_TOKENS, do_sample=False,
+                                           eos_token_id=None, pad_token_id=0)
+            assert base[i].output_ids == ref[0, len(prompts[i]):].tolist()
     assert all(len(c.output_ids) == MAX_TOKENS and c.finish_reason == "length" for c in base)
     # plain decoding never drafts
     assert total(base, "num_draft_tokens") == 0
     assert all(c.stats.num_steps == MAX_TOKENS for c in base)
 
 
-@pytest.mark.parametrize("batch_size", [1, 4, 16])
-@pytest.mark.parametrize("k", [1, 2, 5, 8])
+@pytest.mark.parametrize(
+    "setup,k,batch_size",
+    [pytest.param(s, k, bsz, id=f"{_id(s)}-k{k}-b{bsz}") for s in SETUPS
+     for k, bsz in (SLOW_GRID if BACKENDS[s[1]].slow else GRID)], indirect=["setup"])
 def test_spec_equals_plain(setup, k, batch_size):
-    model, prompts, base = setup
-    out = run_engine(model, prompts, k, batch_size, GREEDY)
-    for c, b in zip(out, base):
+    out = setup.run(setup.prompts, k, batch_size, GREEDY)
+    for c, b in zip(out, setup.base):
         assert c.output_ids == b.output_ids
         assert c.finish_reason == "length"
     # drafts really were accepted, so a verifier that mishandled them would show
@@ -83,26 +117,28 @@ def check_stats(c, k: int) -> None:
         assert len(d["num_accepted_tokens_per_pos"]) == k
 
 
+@pytest.mark.parametrize("setup", FAST_SETUPS, ids=_id, indirect=True)
 def test_mixed_lengths_and_order_change_nothing(setup):
     """Requests in shuffled order with different max_tokens: rows finish at different steps
     and freed rows are refilled mid-run, so every record sees changing neighbours. Greedy
     output is a prefix of the full-length plain output."""
-    model, prompts, base = setup
+    prompts, base = setup.prompts, setup.base
     order = list(range(NUM_PROMPTS))
     random.Random(8).shuffle(order)
     caps = [3 + (7 * i) % (MAX_TOKENS - 2) for i in range(NUM_PROMPTS)]
     sampling = [SamplingParams(max_tokens=caps[i]) for i in order]
-    out = run_engine(model, [prompts[i] for i in order], 5, 3, sampling)
+    out = setup.run([prompts[i] for i in order], 5, 3, sampling)
     for c, i in zip(out, order):
         assert c.output_ids == base[i].output_ids[:caps[i]]
         check_stats(c, 5)
     assert total(out, "num_accepted_tokens") > 0
 
 
+@pytest.mark.parametrize("setup", FAST_SETUPS, ids=_id, indirect=True)
 def test_max_k_per_request_caps_drafts(setup):
     """A request's max_k lowers its own draft length only; output is unchanged."""
-    model, prompts, base = setup
-    engine = make_engine(model, 6, 4)
+    prompts, base = setup.prompts, setup.base
+    engine = setup.engine(6, 4)
     reqs = [Request(i, p, GREEDY, seed=i, max_k=2 if i % 2 else None)
             for i, p in enumerate(prompts)]
     out = sorted(engine.generate(reqs), key=lambda c: c.request.request_id)

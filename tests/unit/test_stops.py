@@ -25,9 +25,10 @@ def succ(t: int) -> int:
 
 
 class ScriptedForward:
-    """Stands in for ``LlamaForward``: the logits at a query depend only on the token fed
-    there. ``succ(t)`` scores 10, ``succ(succ(t))`` 5 (the runner-up, taken when ``succ(t)`` is
-    banned), the rest 0. Records the largest position a real (non-pad) token was fed at."""
+    """Stands in for ``LlamaForward`` and its ``StepBackend``: the logits at a query depend
+    only on the token fed there. ``succ(t)`` scores 10, ``succ(succ(t))`` 5 (the runner-up,
+    taken when ``succ(t)`` is banned), the rest 0. Records the largest position a real
+    (non-pad) token was fed at."""
 
     def __init__(self) -> None:
         assert PAD_ID == 0
@@ -40,11 +41,14 @@ class ScriptedForward:
             self.table[t, succ(succ(t))] = 5.0
         self.max_real_position = -1
         self.num_calls = 0
+        self.backend = self  # StepBackend
+        self.name, self.kv_dtype = "scripted", self.dtype
+        self.min_query_len, self.prefill_per_token, self.packed_attention = 2, False, False
 
     def new_cache(self, num_rows: int, capacity: int) -> KVCache:
         return KVCache(1, num_rows, 1, capacity, 1, self.dtype, self.device)
 
-    def forward(self, input_ids, positions, cache, rows, logits_index=None, num_fed=None):
+    def step(self, input_ids, positions, cache, rows, logits_index=None, num_fed=None):
         assert int(positions.max()) < cache.capacity
         real = input_ids != PAD_ID
         self.max_real_position = max(self.max_real_position, int(positions[real].max()))
@@ -54,8 +58,8 @@ class ScriptedForward:
             logits = torch.gather(logits, 1, logits_index[:, :, None].expand(-1, -1, VOCAB))
         return logits
 
-    def forward_prefill(self, input_ids, cache, chunks, logits_at):
-        """Packed prompt chunks ``(row, start, length)`` (see ``LlamaForward.forward_prefill``)."""
+    def prefill(self, input_ids, cache, chunks, logits_at):
+        """Packed prompt chunks ``(row, start, length)`` (see ``StepBackend.prefill``)."""
         last = max(start + n - 1 for _, start, n in chunks)
         assert last < cache.capacity
         self.max_real_position = max(self.max_real_position, last)
