@@ -5,8 +5,8 @@ Each query token reads its own cache row up to its own position, in one fixed or
 (token, query head), so its output has the same bits whatever other rows or tokens share the
 step and however many keys past its position the cache holds (see the C file). It replaces, for
 a float32 model on such a CPU, the torch path's padded masks, per-block matmuls and segment
-plans (``LlamaForward._attention``). Built and loaded by ``kernels/cpu_build.py``;
-``SPECBATCH_CPU_ATTENTION=torch`` keeps the torch path.
+plans (``TorchBackend._attention`` in ``specbatch/models/backends/reference.py``). Built and
+loaded by ``kernels/cpu_build.py``; ``SPECBATCH_CPU_ATTENTION=torch`` keeps the torch path.
 """
 
 from __future__ import annotations

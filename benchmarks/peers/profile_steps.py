@@ -40,7 +40,6 @@ def main() -> None:
     from specbatch import LLM
     from specbatch.config import EngineConfig, SamplingParams, SpecConfig
     from specbatch.io.records import read_records
-    from specbatch.models.llama import LlamaForward
 
     spent: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
@@ -56,10 +55,32 @@ def main() -> None:
                 calls[name] += 1
         return wrapper
 
-    LlamaForward.forward = timed("forward: decode/verify", LlamaForward.forward)
-    LlamaForward.forward_prefill = timed("forward: prefill", LlamaForward.forward_prefill)
-    LlamaForward._attend = timed("  of which attention (both)", LlamaForward._attend)
-    LlamaForward._plan_reads = timed("  of which read planning", LlamaForward._plan_reads)
+    from specbatch.models.backends import cpu as cpu_backend
+    from specbatch.models.backends.reference import TorchBackend
+    from specbatch.models.backends.triton_cuda import TritonBackend
+
+    depth: dict[str, int] = defaultdict(int)
+
+    def timed_outer(name, fn):  # the outermost call only: a backend may call its fallback's
+        inner = timed(name, fn)
+
+        @functools.wraps(fn)
+        def wrapper(*a, **kw):
+            if depth[name]:
+                return fn(*a, **kw)
+            depth[name] += 1
+            try:
+                return inner(*a, **kw)
+            finally:
+                depth[name] -= 1
+        return wrapper
+
+    for cls in (TorchBackend, cpu_backend.CpuBackend, TritonBackend):
+        cls.step = timed_outer("forward: decode/verify", cls.__dict__["step"])
+        cls.prefill = timed_outer("forward: prefill", cls.__dict__["prefill"])
+
+    TorchBackend._attend = timed("  of which attention (both)", TorchBackend._attend)
+    TorchBackend._plan_reads = timed("  of which read planning", TorchBackend._plan_reads)
     engine_mod.sample_and_accept = timed("sampler + acceptance", engine_mod.sample_and_accept)
     engine_mod.fetch_step_results = timed("sampler + acceptance", engine_mod.fetch_step_results)
     engine_mod.Engine._propose = timed("proposer (+ policy)", engine_mod.Engine._propose)
@@ -67,15 +88,15 @@ def main() -> None:
 
     if args.dense:  # wraps the matmul, so a float32 step can no longer run wholly in C
         linear_for = llama_mod.linear_for
-        llama_mod.linear_for = lambda dt, dev: timed("  of which dense layers (all)",
-                                                     linear_for(dt, dev))
-        cpu_attention_for = llama_mod.cpu_attention_for  # the C attention (float32, x86-64)
+        llama_mod.linear_for = lambda dt, dev, shapes=None: timed(
+            "  of which dense layers (all)", linear_for(dt, dev, shapes))
+        cpu_attention_for = cpu_backend.attention_for  # the C attention (float32, x86-64)
 
         def timed_cpu_attention(forward):
             fn = cpu_attention_for(forward)
             return None if fn is None else timed("  of which attention (both)", fn)
 
-        llama_mod.cpu_attention_for = timed_cpu_attention
+        cpu_backend.attention_for = timed_cpu_attention
     try:
         from specbatch.kernels import decode_cpu
 

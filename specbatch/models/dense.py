@@ -24,7 +24,7 @@ measured on an AMD EPYC Zen 3 with AVX2 only, 1 and 2 threads):
 
 So float32 on CPU uses the kernel where it builds (x86-64 with AVX2 and a C compiler), oneDNN
 otherwise (``SPECBATCH_CPU_LINEAR=onednn`` forces oneDNN). Only the C kernel gets one-row calls
-(``LlamaForward.min_dense_rows``); the others are padded to two rows. ``row_invariant``
+(``CpuBackend.min_dense_rows``); the others are padded to two rows. ``row_invariant``
 re-checks the property at load time on the machine at hand.
 
 On CUDA (and wherever ``specbatch.kernels.enabled``): ``choose_cuda_linear`` takes cuBLAS with

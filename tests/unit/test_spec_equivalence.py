@@ -7,6 +7,7 @@ Triton under the interpreter is slow: it runs plain decoding and one speculative
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -38,14 +39,17 @@ def _id(setup) -> str:
 
 class Setup:
     """A model on one backend: its ``LlamaForward``, prompts, and plain-decoding completions
-    at batch size 1. ``run`` runs the engine on that backend (under its switches)."""
+    at batch size 1 (a slow backend: 4 prompts of 12 tokens). ``run`` runs the engine on that
+    backend (under its switches)."""
 
     def __init__(self, model_name: str, backend_id: str) -> None:
         self.backend = BACKENDS[backend_id]
         self.model = self.backend.convert(MODELS[model_name]())
         self.forward = self.backend.forward(self.model)
-        self.prompts = repeating_prompts(VOCAB, NUM_PROMPTS, seed=7)
-        self.base = self.run(self.prompts, 0, 1, GREEDY)
+        slow = self.backend.slow
+        self.prompts = repeating_prompts(VOCAB, 4 if slow else NUM_PROMPTS, seed=7)
+        self.sampling = SamplingParams(max_tokens=12) if slow else GREEDY
+        self.base = self.run(self.prompts, 0, 1, self.sampling)
 
     def run(self, prompts, k, batch_size, sampling):
         with self.backend.switches():
@@ -55,9 +59,14 @@ class Setup:
         return make_engine(self.forward, k, batch_size)
 
 
-@pytest.fixture(scope="module")
+@functools.cache  # one per (model, backend) for the module: the grid shares its base
+def _setup(model_name: str, backend_id: str) -> Setup:
+    return Setup(model_name, backend_id)
+
+
+@pytest.fixture
 def setup(request) -> Setup:
-    return Setup(*request.param)
+    return _setup(*request.param)
 
 
 @pytest.mark.parametrize("setup", SETUPS, ids=_id, indirect=True)
@@ -70,10 +79,11 @@ def test_plain_decoding_equals_hf_generate(setup):
                                            max_new_tokens=MAX_TOKENS, do_sample=False,
                                            eos_token_id=None, pad_token_id=0)
             assert base[i].output_ids == ref[0, len(prompts[i]):].tolist()
-    assert all(len(c.output_ids) == MAX_TOKENS and c.finish_reason == "length" for c in base)
+    max_tokens = setup.sampling.max_tokens
+    assert all(len(c.output_ids) == max_tokens and c.finish_reason == "length" for c in base)
     # plain decoding never drafts
     assert total(base, "num_draft_tokens") == 0
-    assert all(c.stats.num_steps == MAX_TOKENS for c in base)
+    assert all(c.stats.num_steps == max_tokens for c in base)
 
 
 @pytest.mark.parametrize(
@@ -81,12 +91,12 @@ def test_plain_decoding_equals_hf_generate(setup):
     [pytest.param(s, k, bsz, id=f"{_id(s)}-k{k}-b{bsz}") for s in SETUPS
      for k, bsz in (SLOW_GRID if BACKENDS[s[1]].slow else GRID)], indirect=["setup"])
 def test_spec_equals_plain(setup, k, batch_size):
-    out = setup.run(setup.prompts, k, batch_size, GREEDY)
+    out = setup.run(setup.prompts, k, batch_size, setup.sampling)
     for c, b in zip(out, setup.base):
         assert c.output_ids == b.output_ids
         assert c.finish_reason == "length"
     # drafts really were accepted, so a verifier that mishandled them would show
-    assert total(out, "num_accepted_tokens") >= 2 * NUM_PROMPTS
+    assert total(out, "num_accepted_tokens") >= 2 * len(setup.prompts)
     assert total(out, "num_draft_tokens") > total(out, "num_accepted_tokens")  # some rejected
     for c in out:
         check_stats(c, k)
@@ -150,13 +160,15 @@ def test_max_k_per_request_caps_drafts(setup):
     assert max(max(c.stats.k_histogram) for c in out[::2]) == 6
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_long_prompt_admitted_mid_run(dtype):
+@pytest.mark.parametrize("case", ["float64", "bfloat16"] + [b for b in BACKENDS if b[:2] == "c-"])
+def test_long_prompt_admitted_mid_run(case):
     """A 300-token prompt admitted while other rows decode is prefilled over several steps (a
     budget of 32 prompt tokens per forward: one attention chunk of 64 per step), each step beside the running rows'
     verify steps; every answer equals plain decoding at batch 1 with the prompts prefilled
-    whole, in float64 and bit for bit in bfloat16 (where a greedy flip needs one ulp)."""
-    model = tiny_llama(VOCAB, seed=9).to(dtype)
+    whole, in float64 and bit for bit in bfloat16 (where a greedy flip needs one ulp), and on
+    the C kernels (float32, int8), whose prefill runs the decode step per prompt token."""
+    model = tiny_llama(VOCAB, seed=9)
+    model = BACKENDS[case].convert(model) if case in BACKENDS else model.to(getattr(torch, case))
     gen = torch.Generator().manual_seed(10)
     phrase = torch.randint(0, VOCAB, (7,), generator=gen).tolist()
     long_prompt = (phrase * 50)[:300]
