@@ -64,7 +64,11 @@ def settle_torch_kernels() -> None:
 class LlamaForward:
     """Runs a transformers ``LlamaForCausalLM``-like model with our KV cache.
 
-    Raises ``ValueError`` for an architecture outside the Llama family.
+    Holds the weights (q/k/v and gate/up fused), RoPE, the norms, the dense matmul ``linear``
+    and the one decoder-layer loop (``run_layers``); its steps run on ``backend``, the
+    ``StepBackend`` chosen once here (``models.backends.select_backend``).
+    Raises ``ValueError`` for an architecture outside the Llama family, or for dtype int8
+    without the C kernels.
     """
 
     def __init__(self, hf_model: torch.nn.Module) -> None:
