@@ -10,6 +10,7 @@
 | ``SPECBATCH_CPU_DECODE`` | ``c`` | ``torch``: the torch layer loop (C matmuls and attention) instead of one C call per step. |
 | ``SPECBATCH_CPU_WEIGHTS`` | ``codes`` | ``float32``: the C matmul streams float32 panels even for weights exact as 4/8-bit codes. |
 | ``SPECBATCH_CPU_AVX512`` | on | ``0``: the C matmuls and attention start on their AVX2 forms (same bits; A/B timings). |
+| ``SPECBATCH_TOKENIZER`` | unset: the packaged SmolLM2 GGUF's | A folder holding SmolLM2's ``tokenizer.json``, for the dummy-weights models (``--model dummy:...``) where the GGUF is not installed (the air-gapped GPU bundle). |
 | ``SPECBATCH_CUDA_LINEAR`` | ``auto`` | ``triton`` / ``cublas``: the CUDA dense layers on specbatch's invariant Triton matmul / on cuBLAS, instead of the load-time probe's choice (``models/dense.choose_cuda_linear``). |
 | ``SPECBATCH_CPU_VNNI`` | on | ``0``: the int8 matmul starts on its AVX2 form instead of AVX-512 VNNI (same bits). |
 
@@ -28,7 +29,8 @@ from pathlib import Path
 VARIABLES = ("SPECBATCH_CACHE", "SPECBATCH_KERNELS", "SPECBATCH_CPU_KERNELS",
              "SPECBATCH_CPU_LINEAR", "SPECBATCH_CPU_ATTENTION", "SPECBATCH_CPU_DECODE",
              "SPECBATCH_CPU_WEIGHTS", "SPECBATCH_CPU_AVX512", "SPECBATCH_CPU_VNNI",
-             "SPECBATCH_CUDA_LINEAR")
+             "SPECBATCH_CUDA_LINEAR", "SPECBATCH_TOKENIZER")
+TOKENIZER = "SPECBATCH_TOKENIZER"  # named in messages (models/dummy.py)
 
 
 def _get(name: str) -> str:
@@ -100,3 +102,8 @@ def cuda_linear() -> str:
     """``SPECBATCH_CUDA_LINEAR`` as written (``auto`` when unset or empty); the caller checks
     it is ``auto``, ``triton`` or ``cublas``."""
     return _get("SPECBATCH_CUDA_LINEAR") or "auto"
+
+
+def tokenizer_folder() -> str:
+    """``SPECBATCH_TOKENIZER`` as written (empty when unset); ``models/dummy.py`` checks it."""
+    return _get(TOKENIZER)

@@ -36,8 +36,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from specbatch import settings
+
 PREFIX = "dummy:"
-TOKENIZER_ENV = "SPECBATCH_TOKENIZER"
+TOKENIZER_ENV = settings.TOKENIZER  # read in settings.py
 INIT_VERSION = 1  # bump when the weights a (shape, seed) gives change
 INIT_STD = 0.02
 TOKENIZER_MODEL = "smollm2-135m"  # the registry model whose tokenizer the dummy shapes use
@@ -86,7 +88,7 @@ def canonical_name(shape: str, seed: int) -> str:
 def tokenizer_folder() -> Path | None:
     """The folder ``$SPECBATCH_TOKENIZER`` names, or None when it is unset or empty. Raises
     ValueError when it is set to something that is no tokenizer folder (no tokenizer.json)."""
-    value = os.environ.get(TOKENIZER_ENV, "")
+    value = settings.tokenizer_folder()
     if not value:
         return None
     folder = Path(value).expanduser()
