@@ -435,3 +435,24 @@ def test_cli_run_draft_equals_none(tmp_path):
     assert "does not share the vocabulary of target" in result.output
     assert "': draft model '" not in result.output  # the model named once, not twice
     assert not (tmp_path / "bad.jsonl").exists()
+
+
+def test_int8_draft_prefills_a_long_prompt(setup):
+    """int8 keeps keys and values in float16, which only the C step reads: a draft model's
+    prompt prefill (one ``logits_index`` step of more than 256 query rows x heads) must stay on
+    the C step, not fall back to the torch step (float32 keys into the float16 cache:
+    ``RuntimeError: Index put requires the source and destination dtypes match``). The outputs
+    equal plain decoding's."""
+    from tests.helpers import _int8, backend_cases
+
+    if not any(case.id == "c-int8" for case in backend_cases()):
+        pytest.skip("the C kernels do not build here")
+    target, draft = _int8(copy.deepcopy(setup[0])), _int8(copy.deepcopy(setup[1]))
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in (150, 9, 140)]
+    sp = SamplingParams(max_tokens=8)
+    plain = run_engine(target, prompts, 0, 1, sp, SEEDS[:3])
+    got = run_draft(target, draft, prompts, 3, 2, sp)
+    assert [c.output_ids for c in got] == [c.output_ids for c in plain]
+    assert total(got, "num_draft_tokens") > 0
+    assert LlamaForward(draft).backend.kv_dtype == torch.float16

@@ -91,7 +91,8 @@ class CpuBackend(TorchBackend):
         every layer in one C call."""
         f = self.forward
         bsz, qlen = input_ids.shape
-        if qlen * (self.num_heads // self.num_kv_heads) > self.max_exact_rows:
+        if (qlen * (self.num_heads // self.num_kv_heads) > self.max_exact_rows
+                and self.kv_dtype == f.dtype):  # (a float16 cache of int8: the C step only)
             return super().step(input_ids, positions, cache, rows, logits_index, num_fed)
         cos, sin = f._rope(positions)  # [B, Q, 1, D]
         tok_rows = rows[:, None].expand(bsz, qlen)
