@@ -425,7 +425,7 @@ def auto_dtype(device: str, model: str | None = None, cache_dir: str | None = No
 
     try:
         path = gguf_file(model, cache_dir)
-    except ValueError:  # no such model: the load says so
+    except (ValueError, OSError):  # no such model, parts that do not assemble: the load says
         return dtype, where
     if path is None:
         return dtype, "a Hugging Face folder"
