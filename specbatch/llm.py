@@ -75,7 +75,8 @@ class LLM:
     model: registry name, ``.gguf`` path or Hugging Face folder (default: the packaged
         SmolLM2-135M). method: ``auto`` | ``none`` | ``ngram`` | ``draft``; k: draft tokens per
         verify step (the cap for ``auto``). dtype: ``auto`` (as the CLI: bfloat16 on GPUs;
-        on x86-64 CPUs with AVX2, int8 for a GGUF of Q4_1 / Q8_0 weights, else float32;
+        on x86-64 CPUs with AVX2, int8 for a GGUF of Q4_1 / Q8_0 / K-quant weights, else
+        float32;
         ``config.auto_dtype``) | ``bfloat16`` | ``float32`` | ``float64`` | ``float16`` |
         ``int8``; device: a torch device string. max_batch_size: rows decoded
         together (lowered to the records and to free memory per build). max_model_len: cap on

@@ -3,7 +3,7 @@
 For every answer in ``OUT.jsonl`` this re-renders the prompt exactly as
 ``prompts.PromptRenderer`` does, runs transformers' ``generate`` (greedy, batch 1, the same
 model, dtype and EOS ids, ``max_new_tokens`` = the record's ``max_tokens``; a run in ``int8``,
-which ``--dtype auto`` takes for a Q4_1 / Q8_0 GGUF on x86-64, against transformers in float32
+which ``--dtype auto`` takes for a quantised GGUF on x86-64, against transformers in float32
 on the same weights: ``compared_dtypes`` says which, first) and reports the first
 output position where the token ids differ. There it gives the logit margins that show whether
 the difference sits at a near-tie:

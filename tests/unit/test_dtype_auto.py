@@ -9,6 +9,7 @@ import json
 import logging
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -68,6 +69,47 @@ def test_int8_code_types_are_the_types_whose_weights_pack_q8_takes(models):
         assert taken == [kind in gguf_header.INT8_CODE_TYPES] * 4, (kind, taken)
         assert gguf_header.int8_code_types(models[kind]) == (
             (kind,) if kind in gguf_header.INT8_CODE_TYPES else ())
+
+
+def test_k_quant_types_are_taken_with_the_files_codes(tmp_path):
+    """Q4_K / Q5_K / Q6_K weights (dequantised as transformers loads them) are taken by
+    ``pack_q8`` with the file's codes (``kquant.GGUFCodes``), and ``int8_code_types`` names
+    them; without the file, their floats alone give no codes (so the file is needed: the
+    loader hands it over for int8)."""
+    from specbatch.kernels import kquant, linear_cpu
+    from tests.unit.test_linear_kquant import _dequantized, random_k_blocks, write_gguf
+
+    rng = np.random.default_rng(35)
+    for kind in ("Q4_K", "Q5_K", "Q6_K"):
+        raw = random_k_blocks(kind, 32, 512, rng)
+        path = tmp_path / f"{kind}.gguf"
+        write_gguf(path, {"blk.0.ffn_up.weight": (kind, raw)})
+        weight = _dequantized(kind, raw)
+        assert linear_cpu.pack_q8(weight, kquant.GGUFCodes(path)) is not None, kind
+        assert linear_cpu.pack_q8(weight) is None, kind
+        assert kind in gguf_header.INT8_CODE_TYPES
+        assert gguf_header.int8_code_types(path) == (kind,)
+
+
+@needs_kernels
+def test_a_q4_k_m_gguf_runs_int8_on_its_codes_by_default(tmp_path):
+    """Q4_K_M's mix (Q4_K and Q6_K, as the Qwen2.5-Coder pair): ``LLM()`` with no dtype runs
+    int8, every dense weight on its K-quant codes."""
+    from specbatch import LLM
+    from specbatch.kernels import linear_cpu
+    from specbatch.models.llama import LlamaForward
+    from tests.unit.test_linear_kquant import write_tiny_kquant_gguf
+
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    write_tiny_kquant_gguf(path)
+    llm = LLM(model=str(path), method="none", cache_dir=str(tmp_path / "cache"))
+    assert (llm.engine_config.dtype, llm.engine_config.dtype_auto) == (
+        "int8", "GGUF Q4_K + Q6_K codes on the int8 kernels")
+    fwd = LlamaForward(llm.loaded.model)
+    weights = ([w for w, _ in fwd.qkv] + fwd.gate_up + [fwd.lm_head]
+               + [layer.mlp.down_proj.weight for layer in fwd.layers])
+    assert {linear_cpu._PACKED[w][1][0] for w in weights} == {
+        linear_cpu.SEGMENTS, linear_cpu.Q4_1_X8, linear_cpu.Q6_K_X8}
 
 
 def test_int8_code_types_counts_the_matmul_weights_only(tmp_path):
