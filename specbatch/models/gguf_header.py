@@ -35,10 +35,18 @@ _STRING, _ARRAY = 8, 9
 
 
 def tensor_types(path: str | Path) -> list[tuple[str, str, tuple[int, ...]]]:
-    """``(name, GGML type name, shape)`` of every tensor of the GGUF file at
-    ``path``, in file order (an unknown type id reads as ``"type N"``). Reads the header only
-    (memory-mapped). Raises ``ValueError`` for a file that is not GGUF version 2 or 3 or whose
-    header is cut short, ``OSError`` where it cannot be read."""
+    """``(name, GGML type name, shape)`` of every tensor of the GGUF file at ``path``, in file
+    order (an unknown type id reads as ``"type N"``; shape as GGUF writes it, the row length
+    first). Reads the header only (memory-mapped). Raises ``ValueError`` for a file that is
+    not GGUF version 2 or 3 or whose header is cut short, ``OSError`` where it cannot be
+    read."""
+    return [t[:3] for t in tensor_table(path)]
+
+
+def tensor_table(path: str | Path) -> list[tuple[str, str, tuple[int, ...], int]]:
+    """As ``tensor_types``, each tensor with the byte offset of its data in the file (the data
+    section starts at the header's end rounded up to ``general.alignment``, 32 by default):
+    ``(name, type, shape, offset)``. Raises as ``tensor_types``."""
     with open(path, "rb") as f:
         if f.read(8)[:4] != b"GGUF":
             raise ValueError(f"{path}: not a GGUF file")
@@ -46,7 +54,7 @@ def tensor_types(path: str | Path) -> list[tuple[str, str, tuple[int, ...]]]:
             return _parse(buf, str(path))
 
 
-def _parse(buf, where: str) -> list[tuple[str, str, tuple[int, ...]]]:
+def _parse(buf, where: str) -> list[tuple[str, str, tuple[int, ...], int]]:
     if len(buf) < 24:
         raise ValueError(f"{where}: GGUF header cut short")
     order = "<"
@@ -59,7 +67,7 @@ def _parse(buf, where: str) -> list[tuple[str, str, tuple[int, ...]]]:
     u32, u64 = struct.Struct(order + "I"), struct.Struct(order + "Q")
     try:
         n_tensors, n_kv = struct.unpack_from(order + "QQ", buf, 8)
-        pos = 24
+        pos, alignment = 24, 32
 
         def string(pos: int) -> tuple[str, int]:
             (n,) = u64.unpack_from(buf, pos)
@@ -85,22 +93,25 @@ def _parse(buf, where: str) -> list[tuple[str, str, tuple[int, ...]]]:
             raise ValueError(f"metadata value type {kind}")
 
         for _ in range(n_kv):
-            _, pos = string(pos)
+            key, pos = string(pos)
             (kind,) = u32.unpack_from(buf, pos)
+            if key == "general.alignment" and kind == 4:
+                (alignment,) = u32.unpack_from(buf, pos + 4)
             pos = skip_value(kind, pos + 4)
-        tensors = []
+        infos = []
         for _ in range(n_tensors):
             name, pos = string(pos)
             (n_dims,) = u32.unpack_from(buf, pos)
             dims = struct.unpack_from(f"{order}{n_dims}Q", buf, pos + 4)
             pos += 4 + 8 * n_dims
-            (kind,) = u32.unpack_from(buf, pos)
-            pos += 4 + 8  # the type, then the data offset
-            tensors.append((name, GGML_TYPES.get(kind, f"type {kind}"), tuple(dims)))
+            kind, offset = struct.unpack_from(order + "IQ", buf, pos)
+            pos += 12
+            infos.append((name, GGML_TYPES.get(kind, f"type {kind}"), tuple(dims), offset))
     except (struct.error, ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{where}: GGUF header cut short or malformed"
                          + (f" ({e})" if str(e) else "")) from None
-    return tensors
+    start = -(-pos // max(alignment, 1)) * max(alignment, 1)
+    return [(name, kind, dims, start + offset) for name, kind, dims, offset in infos]
 
 
 def matmul_weights(tensors: list[tuple[str, str, tuple[int, ...]]]) -> list[tuple[str, str, int]]:

@@ -41,14 +41,16 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_the_header_gives_every_tensor_type_as_gguf_reads_them(models):
-    """``tensor_types`` (the header only) agrees with ``gguf.GGUFReader`` (the whole file)."""
+    """``tensor_table`` (the header only) agrees with ``gguf.GGUFReader`` (the whole file):
+    names, types, shapes and data offsets."""
     import gguf
 
     for kind in ("Q8_0", "Q4_1", "F16"):
         reader = gguf.GGUFReader(str(models[kind]))
-        want = [(t.name, t.tensor_type.name, tuple(int(d) for d in t.shape))
+        want = [(t.name, t.tensor_type.name, tuple(int(d) for d in t.shape), t.data_offset)
                 for t in reader.tensors]
-        assert gguf_header.tensor_types(models[kind]) == want
+        assert gguf_header.tensor_table(models[kind]) == want  # kernels/kquant reads offsets
+        assert gguf_header.tensor_types(models[kind]) == [w[:3] for w in want]
     for kind in gguf_header.INT8_CODE_TYPES:
         assert gguf_header.GGML_TYPES[int(gguf.GGMLQuantizationType[kind])] == kind
 
