@@ -422,14 +422,16 @@ def auto_dtype(device: str, model: str | None = None, cache_dir: str | None = No
              else "a CPU without AVX2 + FMA")
     if model is None or dtype != "float32":
         return dtype, where
-    from specbatch.models.registry import gguf_file
+    from specbatch.models.registry import find_model, gguf_file
 
     try:
+        kind = find_model(model)[0]
         path = gguf_file(model, cache_dir)
     except (ValueError, OSError):  # no such model, parts that do not assemble: the load says
         return dtype, where
     if path is None:
-        return dtype, "a Hugging Face folder"
+        return dtype, ("a Hugging Face folder" if kind == "hf_folder"
+                       else "random float32 weights (dummy model)")
     from specbatch.models import gguf_header
 
     codes = " + ".join(gguf_header.int8_code_types(path))

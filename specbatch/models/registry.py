@@ -320,7 +320,7 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
 def gguf_file(name: str, cache_dir: str | Path | None = None) -> Path | None:
     """The GGUF file of ``--model name`` (a registry model's installed file, assembled under
     ``cache_root(cache_dir)`` the first time for one shipped in parts; a ``.gguf`` path), or
-    None for a Hugging Face folder. No torch. Raises ``ValueError`` as ``find_model`` and
+    None for a Hugging Face folder or a ``dummy:`` model. No torch. Raises ``ValueError`` as ``find_model`` and
     ``locate`` do."""
     kind, path = find_model(name)
     if kind == "registry":

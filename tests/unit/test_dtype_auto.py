@@ -295,3 +295,16 @@ def test_int8_from_auto_gives_the_outputs_of_int8_by_name(models, tmp_path):
         assert result.exit_code == 0, result.output
         ids.append([json.loads(x)["output_token_ids"] for x in out.read_text().splitlines()])
     assert ids[0] == ids[1]
+
+
+@cpu_float32
+def test_a_dummy_model_keeps_float32_and_says_why():
+    """``dummy:SHAPE`` models have random float32 weights: no codes, float32, named as such."""
+    from specbatch.models.registry import find_model
+
+    try:
+        find_model("dummy:smollm2-135m")
+    except ValueError as e:
+        pytest.skip(f"no dummy model here: {e}")
+    assert auto_dtype("cpu", "dummy:smollm2-135m") == ("float32",
+                                                       "random float32 weights (dummy model)")
