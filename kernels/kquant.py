@@ -26,7 +26,6 @@ Q4_1 / Q8_0 kinds (docs/design.md), unchanged.
 from __future__ import annotations
 
 import mmap
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +34,6 @@ import torch
 QK_K = 256  # k per super-block
 Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES = 144, 176, 210  # bytes per super-block (ggml-common.h)
 _KEY_K = 16  # values of a row's start that key it
-_GGML_TYPES = {12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}  # ggml_type ids (ggml.h)
 
 
 def _f16(raw: torch.Tensor) -> torch.Tensor:
@@ -141,58 +139,19 @@ def _first_values(kind: str, raw: np.ndarray) -> torch.Tensor:
 
 def _k_quant_tensors(path: str | Path) -> tuple[mmap.mmap, list[tuple[str, int, int, int]]]:
     """The file mapped, and its Q4_K / Q5_K / Q6_K tensors as (kind, byte offset, rows, bytes
-    per row), read from the GGUF header (v2 / v3) without parsing the metadata's values (the
-    ``gguf`` package's reader spends ~20 s on a 150k-token vocabulary)."""
+    per row), from the GGUF header (``models.gguf_header.tensor_table``: v2 / v3, the
+    metadata's values skipped; the ``gguf`` package's reader spends ~20 s on a 150k-token
+    vocabulary)."""
+    from specbatch.models.gguf_header import tensor_table
+
+    table = tensor_table(path)
     with open(path, "rb") as handle:
         data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-    magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", data, 0)
-    if magic != b"GGUF" or version < 2:
-        raise ValueError(f"{path}: not a GGUF v2/v3 file")
-    pos, alignment = 24, 32
-    sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-
-    def string() -> bytes:
-        nonlocal pos
-        (n,) = struct.unpack_from("<Q", data, pos)
-        pos += 8 + n
-        return data[pos - n:pos]
-
-    def skip(vtype: int) -> None:
-        nonlocal pos
-        if vtype == 8:
-            string()
-        elif vtype == 9:
-            etype, count = struct.unpack_from("<IQ", data, pos)
-            pos += 12
-            if etype in sizes:
-                pos += sizes[etype] * count
-            else:
-                for _ in range(count):
-                    skip(etype)
-        else:
-            pos += sizes[vtype]
-
-    for _ in range(n_kv):
-        key = string()
-        (vtype,) = struct.unpack_from("<I", data, pos)
-        pos += 4
-        if key == b"general.alignment" and vtype == 4:
-            (alignment,) = struct.unpack_from("<I", data, pos)
-        skip(vtype)
-    infos = []
-    for _ in range(n_tensors):
-        string()
-        (n_dims,) = struct.unpack_from("<I", data, pos)
-        dims = struct.unpack_from(f"<{n_dims}Q", data, pos + 4)
-        ggml_type, offset = struct.unpack_from("<IQ", data, pos + 4 + 8 * n_dims)
-        pos += 4 + 8 * n_dims + 12
-        infos.append((_GGML_TYPES.get(ggml_type), offset, dims))
-    start = -(-pos // alignment) * alignment
     tensors = []
-    for kind, offset, dims in infos:
-        if kind is not None:
+    for _, kind, dims, offset in table:
+        if kind in _DECODE:
             rows = int(np.prod(dims[1:], dtype=np.int64))
-            tensors.append((kind, start + offset, rows, dims[0] // QK_K * _DECODE[kind][1]))
+            tensors.append((kind, offset, rows, dims[0] // QK_K * _DECODE[kind][1]))
     return data, tensors
 
 

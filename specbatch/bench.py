@@ -15,7 +15,7 @@ import logging
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import click
 
@@ -135,6 +135,7 @@ def run_bench(opts: BenchOptions) -> int:
     spec = next((s for _, s in opts.specs if s.draft_model is not None), opts.specs[0][1])
     if opts.cpu is not None:
         logging.getLogger("specbatch").info(opts.cpu.line())
+    opts = replace(opts, engine=opts.engine.for_model(opts.model, opts.cache_dir))  # dtype auto
     warn_if_busy()
     try:
         llm = LLM.from_config(opts.model, spec, opts.engine, cache_dir=opts.cache_dir,
@@ -249,7 +250,7 @@ def format_table(labels, sizes: dict[str, int], seconds, tokens, stats, opts,
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     asked = opts.engine.max_batch_size
     ran = asked if max_batch_size is None else max_batch_size
-    cfg = (f"model {model}, dtype {opts.engine.dtype}, max_batch_size {ran}"
+    cfg = (f"model {model}, dtype {opts.engine.dtype_text}, max_batch_size {ran}"
            + ("" if ran == asked else f" (--max-batch-size {asked}; each category runs on its "
               "own, at most its records and what fits in memory)")
            + ("" if opts.engine.prefix_caching else ", prefix caching off")

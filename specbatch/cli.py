@@ -175,10 +175,12 @@ def _model_options(f, batch: bool = True):
         click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32", "float64",
                                                    "int8"]),
                      default="auto", show_default=True,
-                     help="Weights and activations dtype. auto: bfloat16 on GPUs, float32 on "
-                     "x86-64 CPUs with AVX2 (specbatch's C kernels); both batch-invariant. int8 (CPU): float32, with a GGUF "
-                     "model's 4/8-bit weights multiplied by activations rounded to 8 bits, "
-                     "as llama.cpp does (batch-invariant, ~2.5x faster matmuls)."),
+                     help="Weights and activations dtype. auto: the fastest batch-invariant "
+                     "one for the model: on x86-64 CPUs with AVX2, int8 for a GGUF of Q4_1 / "
+                     "Q8_0 / K-quant weights, else float32 (specbatch's C kernels); bfloat16 on GPUs. "
+                     "int8 (CPU): float32, with a GGUF model's 4/8-bit weights multiplied by "
+                     "activations rounded to 8 bits per block of 32, as llama.cpp does "
+                     "(batch-invariant; not bit-equal to float32)."),
         click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
                      show_default=True,
                      help="Where the model runs: auto picks cuda when a GPU is visible."),

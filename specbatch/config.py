@@ -319,8 +319,12 @@ class EngineConfig:
     prompts packed); while rows are decoding, one such forward runs per step.
     device: ``auto`` (cuda when available, else cpu), ``cpu``, ``cuda`` or ``cuda:N``; stored
     resolved (``auto`` never remains). Raises ``ValueError`` for cuda without a usable GPU.
-    dtype: one of ``DTYPES`` or ``auto`` (see ``resolve_dtype``); stored resolved. ``int8``
-    (float32 with 8-bit activations into the code-weight matmuls) is for the CPU only.
+    dtype: one of ``DTYPES`` or ``auto`` (see ``auto_dtype``); stored resolved, from the device
+    alone until ``for_model`` resolves it for the model. ``int8`` (float32 with 8-bit
+    activations into the code-weight matmuls) is for the CPU only.
+    dtype_auto: why ``auto`` chose ``dtype`` (e.g. ``GGUF Q4_1 + Q8_0 codes on the int8
+    kernels``), said in the start-up line and saved in ``OUT.config.json``; None when the dtype
+    was named. Set here when dtype is ``auto`` and by ``for_model``; ``replace`` keeps it.
     prefix_caching: a prompt starts its prefill after the longest prefix of it that a cache row
     already holds (``ModelRunner.start``); on where prefill is per token (the CPU kernels:
     float32 on AVX2 CPUs, int8), where it changes no bit; off elsewhere whatever this says.
@@ -333,6 +337,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     prefix_caching: bool = True
+    dtype_auto: str | None = None
 
     def __post_init__(self) -> None:
         _check(_is_int(self.max_batch_size) and self.max_batch_size >= 1, "max_batch_size",
@@ -348,8 +353,13 @@ class EngineConfig:
                "true or false")
         _check(self.dtype in DTYPES + ("auto",), "dtype", self.dtype,
                f"auto or one of {', '.join(DTYPES)}")
+        _check(self.dtype_auto is None or (isinstance(self.dtype_auto, str) and self.dtype_auto),
+               "dtype_auto", self.dtype_auto, "None or why auto chose the dtype")
         object.__setattr__(self, "device", resolve_device(self.device))
-        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.device))
+        if self.dtype == "auto":
+            dtype, why = auto_dtype(self.device)
+            object.__setattr__(self, "dtype", dtype)
+            object.__setattr__(self, "dtype_auto", why)
         _check(self.dtype != "int8" or self.device.startswith("cpu"), "dtype", self.dtype,
                f"auto, bfloat16, float32 or float64 on {self.device} (int8 activations run "
                "on specbatch's CPU kernels only)")
@@ -359,9 +369,89 @@ class EngineConfig:
                    "SPECBATCH_CPU_KERNELS=0)")
 
 
-def resolve_dtype(name: str, device: str) -> str:
-    """``auto`` -> the fastest dtype whose decode/verify path is batch-invariant on ``device``
-    (docs/design.md, "Which CPU"), from the CPU flags in /proc/cpuinfo:
+    def for_model(self, model: str | None, cache_dir: str | None = None) -> EngineConfig:
+        """This config with ``auto`` resolved for ``model`` (a registry name, ``.gguf`` path or
+        HF folder; None: the default model): ``int8`` for a GGUF whose matmul weights the int8
+        kernels take as codes, where they run (``auto_dtype``). Returns ``self`` when the
+        dtype was named. Deterministic per machine and model file; reads the GGUF header only
+        (a registry model shipped in parts is assembled into ``cache_dir`` first, as the load
+        would). Called where the model becomes known (``LLM(...)``, ``specbatch run``,
+        ``bench``, ``calibrate``, ``ray.build_processor``), once: Ray replicas get the
+        driver's resolved config and never resolve again."""
+        if self.dtype_auto is None:
+            return self
+        from specbatch.models.registry import DEFAULT_MODEL
+
+        dtype, why = auto_dtype(self.device, model or DEFAULT_MODEL, cache_dir)
+        return replace(self, dtype=dtype, dtype_auto=why)
+
+    @property
+    def dtype_text(self) -> str:
+        """``dtype`` as the start-up line says it: ``float32``, or ``int8 (auto: GGUF Q4_1 +
+        Q8_0 codes on the int8 kernels)`` where ``auto`` chose it."""
+        return self.dtype if self.dtype_auto is None else f"{self.dtype} (auto: {self.dtype_auto})"
+
+
+def auto_dtype(device: str, model: str | None = None, cache_dir: str | None = None
+               ) -> tuple[str, str]:
+    """What ``--dtype auto`` runs on ``device`` (resolved: ``cpu``, ``cuda``, ``cuda:N``) for
+    ``model``, and why, as ``(dtype, reason)``:
+
+    - from the device alone (``resolve_dtype``'s rule, below) when ``model`` is None;
+    - ``int8`` where that gives float32 on a CPU whose C kernels run (``_cpu_kernels``, as
+      ``EngineConfig`` checks int8, and ``SPECBATCH_CPU_WEIGHTS`` is not ``float32``) and
+      ``model`` (a registry name, ``.gguf`` path or HF folder) is a GGUF whose matmul weights
+      are mostly of types the int8 kernels take as codes (``models.gguf_header.
+      int8_code_types``: Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; a Q4_K_M file is Q4_K + Q6_K):
+      llama.cpp's scheme on the file's own codes,
+      batch-invariant, ~2x float32's batch-16 throughput (docs/models.md, "dtype"). It is
+      another dtype than float32 (outputs differ as bfloat16's do), taken because it is the
+      fastest invariant path for such a file;
+    - float32 otherwise: a Hugging Face folder, an F32 / F16 / BF16 GGUF or one of types the
+      kernels do not take, a name that is no model (the load then reports it).
+
+    Decided from the CPU flags, the ``SPECBATCH_CPU_*`` switches and the file's header (no
+    torch, a few ms): one machine and one model file give one dtype, never the batch size or
+    the load. Raises nothing."""
+    dtype = resolve_dtype("auto", device)
+    if not device.startswith("cpu"):
+        return dtype, "a GPU"
+    flags = _cpu_flags()
+    where = ("an x86-64 CPU with AVX2 + FMA" if {"avx2", "fma"} <= flags
+             else "a CPU with AVX-512 BF16 but not AVX2 + FMA" if dtype == "bfloat16"
+             else "a CPU without AVX2 + FMA")
+    if model is None or dtype != "float32":
+        return dtype, where
+    from specbatch.models.registry import find_model, gguf_file
+
+    try:
+        kind = find_model(model)[0]
+        path = gguf_file(model, cache_dir)
+    except (ValueError, OSError):  # no such model, parts that do not assemble: the load says
+        return dtype, where
+    if path is None:
+        return dtype, ("a Hugging Face folder" if kind == "hf_folder"
+                       else "random float32 weights (dummy model)")
+    from specbatch.models import gguf_header
+
+    codes = " + ".join(gguf_header.int8_code_types(path))
+    if not codes:
+        kinds = " + ".join(gguf_header.weight_types(path)) or "of unread types"
+        return dtype, f"GGUF {kinds}, no codes the int8 kernels take"
+    if not _cpu_kernels():
+        return dtype, (f"GGUF {codes}, but the int8 kernels cannot run here (C kernels off, "
+                       "or no AVX2 + FMA + F16C or C compiler)")
+    if not settings.cpu_code_weights():
+        return dtype, f"GGUF {codes}, but SPECBATCH_CPU_WEIGHTS=float32"
+    return "int8", f"GGUF {codes} codes on the int8 kernels"
+
+
+def resolve_dtype(name: str, device: str, model: str | None = None,
+                  cache_dir: str | None = None) -> str:
+    """``auto`` -> ``auto_dtype(device, model, cache_dir)``'s dtype with a model; any other name
+    as it is. Without a model, from the device: the fastest dtype whose
+    decode/verify path is batch-invariant on ``device`` (docs/design.md, "Which CPU"), from the
+    CPU flags in /proc/cpuinfo:
 
     - a GPU: ``bfloat16``;
     - an x86-64 CPU with AVX2 and FMA, AMX or not: ``float32``, which runs on specbatch's C
@@ -376,11 +466,13 @@ def resolve_dtype(name: str, device: str) -> str:
       ``float32`` (torch's bfloat16 matmul runs at scalar speed on AVX2: SmolLM2-135M batch-16
       decode ~6x slower than float32 on a Zen 3).
 
-    Any other name is returned as it is. The choice depends on the CPU only (never on the
-    batch size or an environment switch), so one machine gives one dtype and one set of
-    outputs."""
+    Any other name is returned as it is. The device's choice depends on the CPU only (never
+    on the batch size or an environment switch), so one machine gives one dtype and one set
+    of outputs."""
     if name != "auto":
         return name
+    if model is not None:
+        return auto_dtype(device, model, cache_dir)[0]
     if not device.startswith("cpu"):
         return "bfloat16"
     flags = _cpu_flags()
@@ -485,7 +577,7 @@ def _as_written(value, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-__all__ = ["ConfigError", "SamplingParams", "SpecConfig", "EngineConfig", "resolve_device", "resolve_dtype", "SAMPLING_FIELDS", "DTYPES",
+__all__ = ["ConfigError", "SamplingParams", "SpecConfig", "EngineConfig", "resolve_device", "resolve_dtype", "auto_dtype", "SAMPLING_FIELDS", "DTYPES",
            "MIN_INT", "MAX_INT", "UNSUPPORTED_SAMPLING_FIELDS"]
 
 

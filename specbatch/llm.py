@@ -74,9 +74,11 @@ class LLM:
 
     model: registry name, ``.gguf`` path or Hugging Face folder (default: the packaged
         SmolLM2-135M). method: ``auto`` | ``none`` | ``ngram`` | ``draft``; k: draft tokens per
-        verify step (the cap for ``auto``). dtype: ``auto`` (as the CLI: bfloat16 on GPUs,
-        float32 on x86-64 CPUs with AVX2; ``config.resolve_dtype``) |
-        ``bfloat16`` | ``float32`` | ``float64`` | ``float16``; device: a torch device string. max_batch_size: rows decoded
+        verify step (the cap for ``auto``). dtype: ``auto`` (as the CLI: bfloat16 on GPUs;
+        on x86-64 CPUs with AVX2, int8 for a GGUF of Q4_1 / Q8_0 / K-quant weights, else
+        float32;
+        ``config.auto_dtype``) | ``bfloat16`` | ``float32`` | ``float64`` | ``float16`` |
+        ``int8``; device: a torch device string. max_batch_size: rows decoded
         together (lowered to the records and to free memory per build). max_model_len: cap on
         prompt + output tokens. draft_model: for ``draft`` (or for ``auto`` to choose per row).
         seed: the run seed a record's seed is derived from (with its id), as ``--seed``.
@@ -122,32 +124,39 @@ class LLM:
                               "or False", "enable_prefix_caching", "True or False")
         engine = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_model_len,
                               dtype=dtype, device=device, prefix_caching=enable_prefix_caching)
-        self._load(model, spec, engine, cache_dir, seed, echo)
+        self._load(model, spec, engine, cache_dir, seed, echo, resolve_dtype=True)
 
     @classmethod
     def from_config(cls, model: str | None, spec: SpecConfig, engine: EngineConfig, *,
                     cache_dir: str | None = None, seed: int = 0,
                     echo: Callable[[str], None] | None = None) -> LLM:
-        """The CLI's way in: configs already built (and checked) from flags."""
+        """The CLI's way in: configs already built (and checked) from flags, the engine's
+        dtype already resolved for the model (``EngineConfig.for_model``: a Ray replica must
+        run the driver's choice, so nothing is resolved here)."""
         llm = cls.__new__(cls)
         llm._load(model, spec, engine, cache_dir, seed, echo)
         return llm
 
     def _load(self, model, spec: SpecConfig, engine: EngineConfig, cache_dir, seed,
-              echo) -> None:
+              echo, resolve_dtype: bool = False) -> None:
         """Load the model (and draft model). Progress goes to the ``specbatch`` logger at INFO
         (``loading model ... ...``, ``model ready in S s``; the CLI prints it on stderr), the
-        first line before torch is imported: a name that is no model fails before that."""
+        first line before torch is imported: a name that is no model fails before that.
+        resolve_dtype: resolve a dtype ``auto`` for the model first (``LLM(...)``)."""
         from specbatch.models.registry import DEFAULT_MODEL, find_model
 
-        self.spec_config, self.engine_config = spec, engine
+        self.spec_config = spec
         self.cache_dir, self.seed = cache_dir, seed
         self.echo = echo or _log.info
         name = model or DEFAULT_MODEL
         t0 = time.perf_counter()
         try:
             find_model(name)  # an unknown name fails here, in milliseconds
-            _log.info("loading model %s (%s, %s) ...", name, engine.dtype, engine.device)
+            if resolve_dtype:
+                engine = engine.for_model(name, cache_dir)
+            self.engine_config = engine
+            _log.info("loading model %s (%s, %s%s) ...", name, engine.dtype, engine.device,
+                      "" if engine.dtype_auto is None else f"; auto: {engine.dtype_auto}")
             from specbatch.models.loader import load_model  # imports torch (seconds)
 
             self.loaded = load_model(name, dtype=engine.dtype, device=engine.device,

@@ -278,8 +278,9 @@ def build_processor(model: str | None = None, method: str = "auto", k: int = 5, 
     spec = SpecConfig(method=method, num_speculative_tokens=k,
                       prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max,
                       draft_model=draft_model)
+    # dtype auto resolved here, once, for the model: every replica runs the driver's choice
     engine = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_model_len,
-                          dtype=dtype, device=device)
+                          dtype=dtype, device=device).for_model(model, cache_dir)
     unknown = sorted(set(sampling) - {f.name for f in fields(SamplingParams)})
     if unknown:
         raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")

@@ -2,7 +2,9 @@
 
 For every answer in ``OUT.jsonl`` this re-renders the prompt exactly as
 ``prompts.PromptRenderer`` does, runs transformers' ``generate`` (greedy, batch 1, the same
-model, dtype and EOS ids, ``max_new_tokens`` = the record's ``max_tokens``) and reports the first
+model, dtype and EOS ids, ``max_new_tokens`` = the record's ``max_tokens``; a run in ``int8``,
+which ``--dtype auto`` takes for a quantised GGUF on x86-64, against transformers in float32
+on the same weights: ``compared_dtypes`` says which, first) and reports the first
 output position where the token ids differ. There it gives the logit margins that show whether
 the difference sits at a near-tie:
 
@@ -173,6 +175,23 @@ def _match_records(records, rows: list[dict]) -> list[tuple]:
     return pairs
 
 
+def compared_dtypes(out_path: str | Path) -> str:
+    """One line saying what ``compare_outputs`` compares for the run at ``out_path``: the
+    run's dtype (from ``OUT.config.json``, with why ``--dtype auto`` chose it) against
+    transformers' forward in the dtype of the weights it loads: the same one, except that
+    ``int8`` (8-bit activations in specbatch's C kernels only) loads float32 weights. Raises
+    ``ValueError`` where the config is missing."""
+    cfg = _load_config(Path(out_path))
+    dtype = cfg.get("dtype", "?")
+    why = f" (dtype auto: {cfg['dtype_auto']})" if cfg.get("dtype_auto") else ""
+    if dtype == "int8":
+        return (f"comparing specbatch int8{why} with transformers float32 on the same weights: "
+                "int8 is llama.cpp's scheme (8-bit activations per block of 32), not bit-equal "
+                "to float32, so differences past near-ties are expected; rerun with --dtype "
+                "float32 to compare float32")
+    return f"comparing specbatch {dtype}{why} with transformers {dtype} on the same weights"
+
+
 def compare_outputs(out_path: str | Path, limit: int | None = None, model: str | None = None,
                     input_path: str | None = None, cache_dir: str | None = None,
                     progress: bool = False) -> list[TurnComparison]:
@@ -265,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="also write the rows as JSONL here")
     args = p.parse_args(argv)
     try:
+        print(compared_dtypes(args.out), flush=True)
         rows = compare_outputs(args.out, args.limit, args.model, args.input, progress=True)
     except ValueError as e:
         print(f"error: {e}")

@@ -209,12 +209,15 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
             _err(f"error: {e}")
             return EXIT_BAD_INPUT
 
+    # --dtype auto for this model (its file's header; every Ray replica runs this choice)
+    opts = replace(opts, engine=opts.engine.for_model(opts.model, opts.cache_dir))
     # the options known without the model: a resume with other options is refused before the
     # load (the writer checks the whole config again after it)
     config = {
         "input": str(Path(opts.input_path).resolve()),
         "input_sha256": _input_digest(opts.input_path),
         "dtype": opts.engine.dtype,
+        **({} if opts.engine.dtype_auto is None else {"dtype_auto": opts.engine.dtype_auto}),
         "method": opts.spec.method,
         "k": opts.spec.k,
         "prompt_lookup_min": opts.spec.prompt_lookup_min,

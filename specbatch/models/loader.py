@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from specbatch import settings
-from specbatch.models.registry import DEFAULT_MODEL, REGISTRY, find_model, write_text_atomic
+from specbatch.models.registry import (DEFAULT_MODEL, REGISTRY, cache_root, find_model,
+                                      write_text_atomic)
 
 logger = logging.getLogger("specbatch")
 
@@ -216,13 +216,6 @@ def _model_folder(source: ModelSource, root: Path) -> tuple[Path, str]:
     if not _is_complete(folder):
         _convert_gguf(gguf_path, folder, digest)
     return folder, digest
-
-
-def cache_root(cache_dir: str | Path | None = None) -> Path:
-    """The cache directory: ``cache_dir``, else ``$SPECBATCH_CACHE``, else ~/.cache/specbatch."""
-    if cache_dir is None:
-        cache_dir = settings.cache_dir() or Path.home() / ".cache" / "specbatch"
-    return Path(cache_dir).expanduser()
 
 
 def _load_gguf(gguf_path: Path) -> tuple[Any, Any]:

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
+from specbatch import settings
+
 logger = logging.getLogger("specbatch")
 _SPLIT_CACHE_DIR = "split-v1"  # under the cache root: <name>/<gguf_file> and its .parts.json
 _COPY_CHUNK = 8 << 20
@@ -306,3 +308,21 @@ def find_model(name: str) -> tuple[str, Path | None]:
     raise ValueError(f"unknown model {name!r}: not a registry name (known: "
                      f"{', '.join(sorted(REGISTRY))}; default {DEFAULT_MODEL}; or dummy:SHAPE[:SEED], "
                      f"seeded random weights) and no such .gguf file or model folder")
+
+
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """The cache directory: ``cache_dir``, else ``$SPECBATCH_CACHE``, else ~/.cache/specbatch."""
+    if cache_dir is None:
+        cache_dir = settings.cache_dir() or Path.home() / ".cache" / "specbatch"
+    return Path(cache_dir).expanduser()
+
+
+def gguf_file(name: str, cache_dir: str | Path | None = None) -> Path | None:
+    """The GGUF file of ``--model name`` (a registry model's installed file, assembled under
+    ``cache_root(cache_dir)`` the first time for one shipped in parts; a ``.gguf`` path), or
+    None for a Hugging Face folder or a ``dummy:`` model. No torch. Raises ``ValueError`` as ``find_model`` and
+    ``locate`` do."""
+    kind, path = find_model(name)
+    if kind == "registry":
+        return REGISTRY[name].locate(cache_root(cache_dir))
+    return path if kind == "gguf" else None

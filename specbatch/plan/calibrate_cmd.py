@@ -23,8 +23,9 @@ def run_calibrate(model: str | None, dtype: str, cache_dir: str | None, output: 
     if cpu is not None:  # cpu_threads.ThreadChoice
         err(cpu.line())
     try:
-        llm = LLM.from_config(model, SpecConfig(method="none"), EngineConfig(dtype=dtype, device=device),
-                              cache_dir=cache_dir, echo=err)
+        engine = EngineConfig(dtype=dtype, device=device).for_model(model, cache_dir)
+        llm = LLM.from_config(model, SpecConfig(method="none"), engine, cache_dir=cache_dir,
+                              echo=err)
     except ModelLoadError as e:
         click.echo(f"error: {e}", err=True)
         return 2

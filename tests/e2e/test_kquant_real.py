@@ -33,6 +33,11 @@ def test_qwen_q4_k_m_runs_on_its_k_quant_codes(tmp_path):
     from specbatch.models.llama import LlamaForward
     from specbatch.models.loader import load_model
 
+    from specbatch.config import EngineConfig
+
+    # the default dtype (auto) is int8 for this file: its Q4_K / Q6_K codes
+    auto = EngineConfig().for_model("qwen2.5-coder-1.5b")
+    assert auto.dtype == "int8" and "Q4_K" in auto.dtype_auto, auto.dtype_auto
     loaded = load_model("qwen2.5-coder-1.5b", dtype="int8")
     fwd = LlamaForward(loaded.model)
     weights = ([w for w, _ in fwd.qkv] + fwd.gate_up + [fwd.lm_head]

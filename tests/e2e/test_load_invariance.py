@@ -18,6 +18,7 @@ from specbatch.engine.engine import Engine
 from specbatch.engine.runner import ModelRunner
 from specbatch.engine.sequence import Request, StopRules
 from specbatch.models.llama import LlamaForward
+from specbatch.models.registry import DEFAULT_MODEL
 from specbatch.spec_decode.draft import DraftProposer
 from specbatch.spec_decode.ngram import NgramProposer
 from specbatch.spec_decode.proposer import NoProposer
@@ -50,13 +51,13 @@ def _generate(forward, prompts, proposer, k: int, batch_size: int) -> tuple[list
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", sorted({resolve_dtype("auto", "cpu"), "bfloat16"}))
+@pytest.mark.parametrize("dtype", sorted({resolve_dtype("auto", "cpu", DEFAULT_MODEL),
+                                          "float32", "bfloat16"}))
 def test_draft_and_ngram_equal_none_under_load(spec_bench, real_model, busy_cores, dtype):
     """Under cpu_count + 1 spinning processes: ngram and self-draft at batch 3, and self-draft
-    at batch 1, give none's tokens, in the dtype ``--dtype auto`` picks here and in
-    bfloat16."""
+    at batch 1, give none's tokens, in the dtype ``--dtype auto`` picks here for the model
+    (int8 on an AVX2 CPU: a Q4_1 GGUF), in float32 and in bfloat16."""
     from specbatch.models.loader import load_model
-    from specbatch.models.registry import DEFAULT_MODEL
     from specbatch.pipeline import PromptRenderer
 
     loaded = load_model(DEFAULT_MODEL, dtype=dtype)

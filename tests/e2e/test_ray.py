@@ -1,7 +1,8 @@
 """``specbatch run --ray`` (issue 12, "Done when" 2): a job split over replicas on a local Ray
 cluster writes the bytes one process writes.
 
-The fast test (in the default suite and CI, ~45 s here: float32, see ``--dtype auto``): 12
+The fast test (in the default suite and CI, ~45 s here: ``--dtype auto``, int8 for the bundled
+Q4_1 GGUF on an AVX2 CPU, the dtype every replica gets from the driver): 12
 Spec-Bench records (short ones), ``--method ngram --k 5 --max-tokens 8``, 2 replicas vs one
 process: byte-identical OUT and the same summary table. The
 others take minutes on a 2-core machine (every replica loads the model; auto calibrates), so

@@ -60,8 +60,8 @@ def feature_runs(spec_bench, real_model, tmp_path_factory):
     inp = d / "features.jsonl"
     inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
     common = ["--max-tokens", str(MAX_TOKENS), "--no-progress"]
-    # --dtype auto (the default): a batch-invariant dtype (float32 on an AVX2 CPU, bfloat16
-    # with AMX), so the equality is exact
+    # --dtype auto (the default): a batch-invariant dtype (int8 for the bundled Q4_1 GGUF on
+    # an x86-64 CPU with AVX2, bfloat16 on a GPU), so the equality is exact
     run_cli("run", str(inp), "-o", str(d / "none.jsonl"), "--method", "none",
             "--max-batch-size", "1", *common, cwd=d, timeout=2400)
     run_cli("run", str(inp), "-o", str(d / "ngram.jsonl"), "--method", "ngram", "--k", "5",

@@ -7,7 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from specbatch import config
 from specbatch.bench import format_table, parse_configs, parse_groups
+from specbatch.config import EngineConfig
 from specbatch.spec_decode.stats import SpecStats
 
 
@@ -55,7 +57,7 @@ def test_table_groups_add_tokens_and_seconds():
     stats["ngram:k=5", "a"] = SpecStats(num_drafts=10, num_accepted_tokens=20)
     stats["ngram:k=5", "b"] = SpecStats(num_drafts=10, num_accepted_tokens=0)
     opts = SimpleNamespace(groups=(("ab", ("a", "b", "missing")),), model=None,
-                           engine=SimpleNamespace(dtype="bfloat16", max_batch_size=16,
+                           engine=SimpleNamespace(dtype_text="bfloat16", max_batch_size=16,
                                                   prefix_caching=True),
                            sampling=SimpleNamespace(max_tokens=128, temperature=0.0), repeats=1)
     table = format_table(labels, {"a": 2, "b": 3, "c": 1}, seconds, tokens, stats, opts)
@@ -96,7 +98,11 @@ def test_header_names_the_model_that_ran_when_model_is_not_given(tmp_path, monke
                                        "--max-tokens", "4", "--cache-dir", str(tmp_path / "c")])
     assert result.exit_code == 0, result.output
     settings = next(line for line in result.stdout.splitlines() if line.startswith("model "))
-    assert settings.startswith(f"model {model}, dtype float32, "), settings
+    # --dtype auto: the tiny model's layers are Q8_0 (int8 where the C kernels run)
+    assert settings.startswith(f"model {model}, dtype "
+                               f"{EngineConfig().for_model(str(model)).dtype_text}, "), settings
+    assert not config._cpu_kernels() or settings.startswith(
+        f"model {model}, dtype int8 (auto: GGUF Q8_0 codes on the int8 kernels), "), settings
     # one record ran one row: the header says the batch size that ran, and what was asked
     assert ", max_batch_size 1 (--max-batch-size 16; each category runs on its own, at most " \
         "its records and what fits in memory), " in settings, settings
@@ -108,7 +114,7 @@ def _table(labels, tps, prefix_caching=True):
     tokens = {(lb, "a"): 100 for lb in labels}
     stats = defaultdict(SpecStats)
     opts = SimpleNamespace(groups=(), model=None, repeats=1,
-                           engine=SimpleNamespace(dtype="bfloat16", max_batch_size=16,
+                           engine=SimpleNamespace(dtype_text="bfloat16", max_batch_size=16,
                                                   prefix_caching=prefix_caching),
                            sampling=SimpleNamespace(max_tokens=128, temperature=0.0))
     return format_table(labels, {"a": 1}, seconds, tokens, stats, opts)

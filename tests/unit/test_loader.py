@@ -77,8 +77,10 @@ def tiny_llama_gguf_writer(path, name: str, hidden: int, num_layers: int, num_he
     return writer, tokens
 
 
-def write_tiny_gguf(path: Path, seed: int = 0) -> None:
-    """A 2-layer Llama GGUF (hidden 64, vocab 258: 256 bytes + <|bos|> <|eos|>), Q8_0 linears."""
+def write_tiny_gguf(path: Path, seed: int = 0, linear_type: str = "Q8_0") -> None:
+    """A 2-layer Llama GGUF (hidden 64, vocab 258: 256 bytes + <|bos|> <|eos|>): the layers'
+    linears of GGML type ``linear_type`` (``Q8_0``, ``Q4_1``, ``Q4_0``, ``F16``, ``F32``, ...:
+    what ``gguf.quants.quantize`` writes), the embedding and lm_head F32."""
     import gguf
 
     hidden, num_layers, num_heads, num_kv_heads, ffn = 64, 2, 4, 2, 128
@@ -90,10 +92,11 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> None:
     def dense(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * 0.1).astype(np.float32)
 
-    def q8(*shape: int) -> np.ndarray:
-        return gguf.quants.quantize(dense(*shape), gguf.GGMLQuantizationType.Q8_0)
+    q_type = gguf.GGMLQuantizationType[linear_type]
 
-    q8_type = gguf.GGMLQuantizationType.Q8_0
+    def quantized(*shape: int) -> np.ndarray:
+        return gguf.quants.quantize(dense(*shape), q_type)
+
     writer.add_tensor("token_embd.weight", dense(len(tokens), hidden))
     writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     writer.add_tensor("output.weight", dense(len(tokens), hidden))
@@ -106,7 +109,7 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> None:
                                  ("attn_v", num_kv_heads * head_dim, hidden),
                                  ("attn_output", hidden, hidden), ("ffn_gate", ffn, hidden),
                                  ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn)):
-            writer.add_tensor(f"blk.{i}.{name}.weight", q8(rows, cols), raw_dtype=q8_type)
+            writer.add_tensor(f"blk.{i}.{name}.weight", quantized(rows, cols), raw_dtype=q_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -13,12 +13,18 @@ import pytest
 from click.testing import CliRunner
 
 from specbatch.cli import main
-from specbatch.config import resolve_dtype
+from specbatch.config import EngineConfig
 from specbatch.plan import costmodel
 from tests.unit.test_calibration import TRUE
 from tests.unit.test_loader import write_tiny_gguf
 
-AUTO_DTYPE = resolve_dtype("auto", "cpu")  # what --dtype auto loads on this machine
+
+
+def loading_line(model: Path) -> str:
+    """What the start-up line says of ``model`` under --dtype auto on this machine (the dtype
+    and why: int8 for the tiny Q8_0 GGUF where the C kernels run; test_dtype_auto.py)."""
+    engine = EngineConfig().for_model(str(model))
+    return f"loading model {model} ({engine.dtype}, cpu; auto: {engine.dtype_auto}) ..."
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +69,7 @@ def test_run_says_what_it_loads_before_the_bar(tiny, tmp_path):
                                        "--max-tokens", "2"])
     assert result.exit_code == 0, result.output
     err = result.stderr
-    loading = err.index(f"loading model {model} ({AUTO_DTYPE}, cpu) ...\n")
+    loading = err.index(loading_line(model) + "\n")
     ready = err.index("model ready in ")
     assert loading < ready < err.index("2/2"), err  # then the bar
     assert "loading" not in result.stdout and "ready" not in result.stdout
@@ -79,7 +85,7 @@ def test_the_library_logs_its_progress(tiny, caplog):
     with caplog.at_level(logging.INFO, logger="specbatch"):
         LLM(model=str(model), method="ngram", cache_dir=str(cache))
     messages = [r.getMessage() for r in caplog.records if r.name == "specbatch"]
-    assert messages[0] == f"loading model {model} ({AUTO_DTYPE}, cpu) ...", messages
+    assert messages[0] == loading_line(model), messages
     assert messages[-1].startswith("model ready in ") and messages[-1].endswith(" s"), messages
 
 
@@ -99,7 +105,7 @@ def test_the_first_progress_line_comes_before_torch_is_imported(tmp_path):
               "LLM(model=sys.argv[1], method='none')\n")
     proc = subprocess.run([sys.executable, "-c", script, str(model)], capture_output=True,
                           text=True, timeout=120)
-    assert proc.stdout == f"loading model {model} ({AUTO_DTYPE}, cpu) ... | False\n", (
+    assert proc.stdout == loading_line(model) + " | False\n", (
         proc.stdout, proc.stderr)
 
 
