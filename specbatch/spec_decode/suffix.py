@@ -66,7 +66,10 @@ indexed.
 
 Determinism. Drafts are a function of the row's committed tokens and of the index, that is of
 which answers finished before, in which order; outputs never depend on them (the verifier
-decides), but a record's acceptance stats depend on job order (docs/output.md).
+decides), but a record's acceptance stats depend on job order (docs/output.md). A resumed job
+replays the interrupted run's schedule (``Request.replay``): finished answers join the index at
+the step they finished and count in the rows of the steps they were in (``propose(num_rows=)``),
+so the records run after the resume draft as in an uninterrupted run.
 """
 
 from __future__ import annotations
