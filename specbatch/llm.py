@@ -61,12 +61,16 @@ class Prepared:
 
     def run(self, seed: int | None = None,
             on_tokens: Callable[[int, Any], None] | None = None,
-            on_step: Callable[[int], None] | None = None) -> Iterator[tuple[Any, dict]]:
+            on_step: Callable[[int], None] | None = None,
+            replay: dict[int, list[dict]] | None = None,
+            schedules: dict[int, list[dict]] | None = None) -> Iterator[tuple[Any, dict]]:
+        """replay, schedules: resume a job exactly (``pipeline.generate_records``)."""
         from specbatch.pipeline import generate_records
 
         return generate_records(self.engine, self.llm.renderer, self.records,
                                 self.llm.seed if seed is None else seed, on_tokens,
-                                plan=self.plan, on_step=on_step)
+                                plan=self.plan, on_step=on_step, replay=replay,
+                                schedules=schedules)
 
 
 class LLM:

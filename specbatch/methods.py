@@ -49,6 +49,10 @@ class Method:
     whatif_note: why the method's own drafts cannot be replayed (shown as a note), or None.
     resume: ``hook(proposer, finished_records)`` run before a resumed job continues, with the
         output lines written before (suffix: re-index them), or None.
+    replay_schedule: whether the drafts depend on the schedule (which answers finished before
+        a step, which rows share it: suffix), so ``specbatch run`` keeps each record's schedule
+        in the work file and a resume replays it (``pipeline.generate_records``): the resumed
+        job's ``spec`` stats are then those of an uninterrupted run.
     memory: ``line(proposer) -> str | None``: the method's part of ``pipeline.memory_summary``
         (a draft model's weights and KV), or None.
     auto: whether ``--method auto`` may choose this method's drafts. Auto knows ngram, suffix
@@ -67,6 +71,7 @@ class Method:
     whatif_self_check: bool = False
     whatif_note: str | None = None
     resume: Callable[[Any, Any], None] | None = None
+    replay_schedule: bool = False
     memory: Callable[[Any], str | None] | None = None
     auto: bool = False
 
@@ -198,7 +203,8 @@ for _m in (
     Method("auto", _auto, draft_model="optional", draft_cap_factor=SUFFIX_CAP_FACTOR,
            whatif_note=_SUFFIX_NOTE, resume=_reindex_finished, memory=_auto_memory),
     Method("suffix", _suffix, drafts_by="suffix lookup drafts", draft_cap_factor=SUFFIX_CAP_FACTOR,
-           whatif_note=_SUFFIX_NOTE, resume=_reindex_finished, auto=True),
+           whatif_note=_SUFFIX_NOTE, resume=_reindex_finished, replay_schedule=True,
+           auto=True),
 ):
     register_method(_m)
 del _m

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from specbatch.engine.engine import Completion, Engine
-from specbatch.engine.sequence import Request
+from specbatch.engine.sequence import Replay, Request
 from specbatch.outputs import output_fields
 from specbatch.prompts import PromptRenderer
 from specbatch.spec_decode.sampler import derive_seed
@@ -67,6 +67,8 @@ def generate_records(engine: Engine, renderer: PromptRenderer, records: Iterable
                      on_tokens: Callable[[int, SpecStats], None] | None = None,
                      plan=None,
                      on_step: Callable[[int], None] | None = None,
+                     replay: dict[int, list[dict]] | None = None,
+                     schedules: dict[int, list[dict]] | None = None,
                      ) -> Iterator[tuple[Any, dict]]:
     """Run records through the engine; yield ``(record, output_fields)`` as records finish.
 
@@ -75,12 +77,21 @@ def generate_records(engine: Engine, renderer: PromptRenderer, records: Iterable
     output tokens generated so far, unfinished rows included (``Engine.generate``).
     plan: a ``plan.planner.Plan`` (``--method auto``): orders records by bucket then length, and
     adds its per-record fields to ``spec``; without one, records run longest prompt first.
+    replay: resume, ``record.index`` -> the ``schedules`` entries of a record an interrupted
+    run finished (``replay_requests``): the record is not generated again, its answers hold
+    rows as placeholders where they ran, so the other records run where, and beside what, they
+    ran in an uninterrupted run. schedules: filled with ``record.index`` -> one entry per
+    answer (``Completion.schedule`` plus ``id``, ``output_ids``, ``finish_reason``) as records
+    finish, before each is yielded (what a resume replays; the work file keeps it).
     """
     pending: dict[int, _Pending] = {}
     requests = []
     compiler = None  # xgrammar, built for the first record with a response_format
     for rec in records:
         ids, messages = renderer.first_prompt(rec)
+        if replay is not None and rec.index in replay:
+            requests.extend(replay_requests(rec, ids, replay[rec.index]))
+            continue
         pending[rec.index] = _Pending(rec, rec.sampling.n)
         if rec.sampling.json_schema is not None and compiler is None:
             from specbatch.engine.grammar import GrammarCompiler
@@ -113,6 +124,10 @@ def generate_records(engine: Engine, renderer: PromptRenderer, records: Iterable
     for c in engine.generate(requests, follow_up=follow_up, on_step=on_step):
         p = pending[c.request.tag]
         p.add(c.request.request_id[2], c)
+        if schedules is not None:
+            schedules.setdefault(c.request.tag, []).append(
+                {"id": list(c.request.request_id), **c.schedule,
+                 "output_ids": c.output_ids, "finish_reason": c.finish_reason})
         if on_tokens is not None:
             on_tokens(len(c.output_ids), c.stats)
         rec = p.record
@@ -122,6 +137,31 @@ def generate_records(engine: Engine, renderer: PromptRenderer, records: Iterable
             if plan is not None:
                 out["spec"].update(plan.annotate(rec.index))
             yield rec, out
+
+
+def replay_requests(rec, prompt_ids: list[int], entries: list[dict]) -> list[Request]:
+    """The placeholder requests of a finished record (``Request.replay``), one per sample,
+    each with its later turns chained (``Replay.next``), from its ``schedules`` entries.
+    Raises ``ValueError`` on an entry that is not one (a work file of another version)."""
+    try:
+        by_id = {tuple(e["id"]): e for e in entries}
+        firsts = []
+        for sample in range(rec.sampling.n):
+            nxt = None
+            turns = sorted(t for (i, t, s) in by_id if s == sample)
+            for turn in reversed(turns):
+                e = by_id[(rec.index, turn, sample)]
+                r = Replay(int(e["admit"]), None if e["verify"] is None else int(e["verify"]),
+                           int(e["finish"]), int(e["row"]), str(e["phase"]),
+                           [int(t) for t in e["output_ids"]], str(e["finish_reason"]), nxt)
+                nxt = Request((rec.index, turn, sample), prompt_ids if turn == 0 else [],
+                              rec.sampling, tag=rec.index, replay=r)
+            if nxt is None or turns[0] != 0:
+                raise ValueError(f"no schedule entry for sample {sample}'s first turn")
+            firsts.append(nxt)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"record {rec.index}: bad schedule entry ({e})") from e
+    return firsts
 
 
 class Throughput:

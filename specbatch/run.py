@@ -310,6 +310,7 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     from specbatch.progress import Progress
 
     progress = None  # made once the engine is ready (after auto's calibration)
+    schedules: dict[int, list] = {}  # --method suffix: where each record's answers ran
 
     def on_tokens(n, stats):
         tput.add(n, stats)
@@ -329,12 +330,20 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
                                   out_path=str(opts.output_path), num_records=len(records),
                                   on_tokens=on_tokens)
     else:  # with --method auto: calibrates, plans, prints the plan
-        prepared = llm.prepare(todo)
+        replay = _replay(opts, writer, done)
+        if replay is not None:  # the whole job's batch size, its records in their order
+            job_records = [r for r in records if r.index not in skip]
+            prepared = llm.prepare(job_records, engine=llm.fit_engine_config(job_records))
+        else:
+            prepared = llm.prepare(todo)
         proposer = prepared.engine.proposer
         resume = methods.get(opts.spec.method).resume  # suffix: re-index finished outputs
-        if done and resume is not None:
+        if done and replay is None and resume is not None:
+            # no schedule to replay (auto; a work file of an older version, or --ray's): the
+            # finished outputs join the index first
             resume(proposer, writer.finished_records())
-        results = prepared.run(opts.run_seed, on_tokens, on_step)
+        results = prepared.run(opts.run_seed, on_tokens, on_step, replay=replay,
+                               schedules=schedules if _replays(opts) else None)
     tput = Throughput()
     by_category: dict[str, list] = defaultdict(list)
     for line in writer.finished_records() if done else ():  # the summary covers the whole job
@@ -348,7 +357,8 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         interval=opts.progress_interval) if opts.progress else None)
     try:
         for rec, out in results:
-            writer.write(rec.index, output_line(rec, out, llm.model_id))
+            writer.write(rec.index, output_line(rec, out, llm.model_id),
+                         schedule=schedules.pop(rec.index, None))
             if _STOP_REQUESTED:  # a SIGTERM whose KeyboardInterrupt was swallowed
                 raise KeyboardInterrupt
             by_category[str(rec.fields.get("category", ""))].append(out)
@@ -359,6 +369,10 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
                 bar.record_done()
         if bar is not None:
             bar.close()
+        if not opts.ray and prepared.engine.replay_mismatches:
+            _err(f"warning: resume: {prepared.engine.replay_mismatches} finished answer(s) did "
+                 "not replay at their recorded step and row; the spec counters of the records "
+                 "run after the resume may differ from an uninterrupted run's (outputs do not)")
         writer.absorb_shards()  # Ray replicas' own work files (none in a local run)
         n = writer.finish(skipped=skipped)
     except ReplicaFailed as e:  # --ray: a replica died and Ray gave up on it
@@ -391,6 +405,26 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     if llm.engine is not None:  # with --ray the engines live in the replicas
         click.echo(llm.memory_summary())
     return EXIT_OK
+
+
+def _replays(opts: RunOptions) -> bool:
+    """Whether the method's drafts depend on the schedule, so its records' schedules are kept
+    and a resume replays them (``methods.Method.replay_schedule``: suffix)."""
+    return not opts.ray and methods.get(opts.spec.method).replay_schedule
+
+
+def _replay(opts: RunOptions, writer, done: set) -> dict | None:
+    """A resumed ``--method suffix`` job: index -> the schedule of each finished record, when
+    every one has one (``pipeline.generate_records`` replays them), else None. A suffix
+    record's drafts depend on what the job-wide index holds at each of its steps and on the
+    rows beside it, i.e. on the schedule; ``ngram`` and ``none`` drafts do not, and ``auto``'s
+    follow its measured step times."""
+    if not done or not _replays(opts):
+        return None
+    schedules = writer.finished_schedules()
+    if not done <= set(schedules):
+        return None
+    return {i: schedules[i] for i in done}
 
 
 def summary_table(by_category: dict[str, list[dict]]) -> str:

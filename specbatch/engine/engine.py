@@ -47,6 +47,9 @@ class Completion:
     stats: SpecStats
     logprobs: list[LogprobEntry] | None
     prompt_fed: bool = True  # False when the prompt was refused before prefill (too long)
+    # where it ran (engine steps, from 1): {"admit", "verify", "finish", "row", "phase"}; a
+    # resumed job replays it (``sequence.Replay``)
+    schedule: dict | None = None
 
 
 class Engine:
@@ -67,6 +70,11 @@ class Engine:
         self.scheduler = Scheduler(runner.cache.num_rows)
         self.follow_up: Callable[[Completion], Request | None] | None = None
         self.num_output_tokens = 0  # committed over every row so far (progress)
+        self.step_index = 0  # steps so far; during a step, its number (from 1)
+        self._phase = "admit"  # where a sequence finishing now finishes: "admit" | "verify"
+        # placeholders (``Request.replay``) admitted at another step or row than recorded: the
+        # schedule then differs from the interrupted run's (the stats may, outputs never)
+        self.replay_mismatches = 0
 
     # ---- public -------------------------------------------------------------------------
     def generate(self, requests: Iterable[Request],
@@ -85,19 +93,61 @@ class Engine:
             yield from done
 
     def step(self) -> list[Completion]:
+        self.step_index += 1
+        self._phase = "admit"
         done = self._admit()
-        running = [s for s in self.scheduler.running_sequences() if s.is_prefilled]
+        self._phase = "verify"
+        rows = self.scheduler.running_sequences()
+        running = [s for s in rows if s.is_prefilled and s.replay is None]
+        ghosts = [s for s in rows if s.replay is not None]
+        for s in running:
+            if s.verify_step is None:
+                s.verify_step = self.step_index
         if running:
-            drafts = self._propose(running)
+            # a placeholder counts as a row of the verify step where its answer was one
+            num_rows = len(running) + sum(g.replay.verify is not None
+                                          and g.replay.verify <= self.step_index
+                                          for g in ghosts)
+            drafts = self._propose(running, num_rows)
             meta = StepMetadata.build(running, drafts, self.stop_rules, self.runner.device,
                                       self.runner.query_len(drafts))
             on_verify = getattr(self.proposer, "on_verify", None)
             t0 = time.perf_counter()
             logits = self.runner.verify(running, drafts, meta)
-            done += self._commit_step(running, drafts, logits, meta)
+            done += self._commit_step(running, drafts, logits, meta, ghosts=ghosts)
             if on_verify is not None:  # auto's cost model learns this machine's steps
                 on_verify(running, drafts, time.perf_counter() - t0)
+        else:
+            self._release_ghosts(ghosts)
         return done
+
+    def _release_ghosts(self, ghosts: list[Sequence], below_row: int | None = None) -> None:
+        """Finish the placeholders of ``ghosts`` (row order) recorded to finish now, in this
+        phase of the step (``below_row``: only those in lower rows, as the verify step's
+        commit reaches each row in order): the row is freed, the answer joins the proposer's
+        index (``proposer.finish``) and the next turn's placeholder is queued first."""
+        for g in ghosts:
+            r = g.replay
+            if below_row is not None and g.row >= below_row:
+                break
+            if g.is_finished or r.finish != self.step_index or r.phase != self._phase:
+                continue
+            g.finish_reason = r.finish_reason
+            self.proposer.finish(g)
+            self.scheduler.release(g)
+            if r.next is not None:
+                self.scheduler.add(r.next, front=True)
+
+    def _admitted_ghost(self, seq: Sequence) -> None:
+        """A placeholder took a row: it holds it, without model work, for the steps its
+        answer held one; at another step or row than recorded the replay has diverged (its
+        steps are then shifted to start now, so it still ends)."""
+        r = seq.replay
+        if r.admit != self.step_index or r.row != seq.row:
+            self.replay_mismatches += 1
+            shift = self.step_index - r.admit
+            r.admit, r.finish = self.step_index, r.finish + shift
+            r.verify = None if r.verify is None else r.verify + shift
 
     # ---- stages -------------------------------------------------------------------------
     def _admit(self) -> list[Completion]:
@@ -110,34 +160,56 @@ class Engine:
             while self.scheduler.waiting and self.scheduler.free_rows:
                 admitted = self.scheduler.admit(self._make_sequence)
                 for i, seq in enumerate(admitted):
+                    seq.admit_step = self.step_index
+                    if seq.replay is not None:
+                        self._admitted_ghost(seq)
+                        continue
                     # prefix caching: from rows that hold their own sequence's keys (not the
-                    # rows admitted after this one, which still hold their last occupant's)
+                    # rows admitted after this one, which still hold their last occupant's;
+                    # not placeholders, which hold none)
                     waiting = {id(s) for s in admitted[i:]}
                     self.runner.start(seq, [s for s in self.scheduler.running_sequences()
-                                            if id(s) not in waiting])
+                                            if id(s) not in waiting and s.replay is None])
                     if seq.num_prompt_tokens >= self.runner.max_model_len:
                         seq.finish_reason = "error"
                         seq.error = (f"prompt is {seq.num_prompt_tokens} tokens; the model's "
                                      f"context is {self.runner.max_model_len}")
                         done.append(self._finish(seq))
-            running = self.scheduler.running_sequences()
+            rows = self.scheduler.running_sequences()
+            running = [s for s in rows if s.replay is None]
+            ghosts = [s for s in rows if s.replay is not None]
+            # placeholders whose answer finished in this phase now (its prefill's first token
+            # ended it, or its prompt was refused)
+            due = [g for g in ghosts if g.replay.phase == "admit"
+                   and g.replay.finish == self.step_index]
             prefilling = [s for s in running if not s.is_prefilled]
-            if not prefilling:
+            if not prefilling and not due:
                 return done
-            ready, logits = self.runner.prefill_step(prefilling)  # [len(ready), V]
-            if ready:
-                no_drafts = [[] for _ in ready]
-                meta = StepMetadata.build(ready, no_drafts, self.stop_rules, logits.device)
-                done += self._commit_step(ready, no_drafts, logits[:, None, :], meta,
-                                          is_prefill=True)
-            if any(s.is_prefilled and not s.is_finished for s in running):
+            if prefilling:
+                ready, logits = self.runner.prefill_step(prefilling)  # [len(ready), V]
+                if ready:
+                    no_drafts = [[] for _ in ready]
+                    meta = StepMetadata.build(ready, no_drafts, self.stop_rules, logits.device)
+                    done += self._commit_step(ready, no_drafts, logits[:, None, :], meta,
+                                              is_prefill=True)
+            self._release_ghosts(due)
+            if (any(s.is_prefilled and not s.is_finished for s in running)
+                    or any(g.replay.verify is not None and g.replay.verify <= self.step_index
+                           and not g.is_finished for g in ghosts)):
                 return done  # rows are decoding: the rest of the prefill waits a step
 
-    def _propose(self, seqs: list[Sequence]) -> list[list[int]]:
+    def _propose(self, seqs: list[Sequence], num_rows: int | None = None) -> list[list[int]]:
         """The drafts to verify, at most each row's cap (``_draft_caps``), cut before the
-        first token a row's grammar refuses (``logits.valid_draft_prefix``)."""
+        first token a row's grammar refuses (``logits.valid_draft_prefix``). num_rows: the
+        rows of the verify step, placeholders of a resumed job included (a proposer whose
+        drafts depend on it, ``counts_rows``, is told; default ``len(seqs)``)."""
         ks = self._draft_caps(seqs)
-        drafts = [d[:k] for d, k in zip(self.proposer.propose(seqs, ks), ks)]
+        if num_rows is not None and num_rows != len(seqs) and getattr(self.proposer,
+                                                                      "counts_rows", False):
+            proposed = self.proposer.propose(seqs, ks, num_rows=num_rows)
+        else:
+            proposed = self.proposer.propose(seqs, ks)
+        drafts = [d[:k] for d, k in zip(proposed, ks)]
         for i, seq in enumerate(seqs):  # a draft token the grammar refuses cannot be accepted
             if seq.matcher is not None and drafts[i]:
                 drafts[i] = drafts[i][:logits_processing.valid_draft_prefix(seq, drafts[i])]
@@ -151,10 +223,13 @@ class Engine:
                 for s in seqs]
 
     def _commit_step(self, seqs: list[Sequence], drafts: list[list[int]], logits: torch.Tensor,
-                     meta: StepMetadata, is_prefill: bool = False) -> list[Completion]:
+                     meta: StepMetadata, is_prefill: bool = False,
+                     ghosts: list[Sequence] = ()) -> list[Completion]:
         """Sample the target at every fed position, accept, commit, roll back.
 
         logits: ``[B, Q, vocab]``; row i uses its first ``len(drafts[i]) + 1`` queries.
+        ghosts: a resumed job's placeholders (row order); those recorded to finish at this
+        verify step finish in row order among the rows (``_release_ghosts``).
         Sampling and acceptance run on the logits' device; one copy brings the results back.
         """
         want_logprobs = any(s.sampling.logprobs is not None for s in seqs)
@@ -182,6 +257,8 @@ class Engine:
 
         done = []
         for i, seq in enumerate(seqs):
+            if ghosts:
+                self._release_ghosts(ghosts, below_row=seq.row)
             if res.has_nan[i]:
                 seq.finish_reason, seq.error = "error", "NaN in the target's logits"
                 self.runner.clear_row(seq.row)  # its NaN keys/values must not outlive it
@@ -207,6 +284,8 @@ class Engine:
                 self.runner.rollback(seq)
             if seq.is_finished:
                 done.append(self._finish(seq))
+        if ghosts:
+            self._release_ghosts(ghosts)
         return done
 
     def _add_logprobs(self, seq: Sequence, scaled: torch.Tensor, ids: list[int]) -> None:
@@ -224,7 +303,7 @@ class Engine:
     def _make_sequence(self, request: Request) -> Sequence:
         k = self.k if request.max_k is None else min(self.k, request.max_k)
         seq = Sequence(request, self.proposer.name, k)
-        if request.grammar is not None:
+        if request.grammar is not None and request.replay is None:
             from specbatch.engine.grammar import new_matcher
 
             seq.matcher = new_matcher(request.grammar,
@@ -248,7 +327,10 @@ class Engine:
         c = Completion(seq.request, seq.token_ids[:seq.num_prompt_tokens], out, text,
                        seq.finish_reason, seq.stop_reason, seq.error, seq.stats,
                        seq.logprobs if seq.sampling.logprobs is not None else None,
-                       prompt_fed=seq.is_prefilled)
+                       prompt_fed=seq.is_prefilled,
+                       schedule={"admit": seq.admit_step, "verify": seq.verify_step,
+                                 "finish": self.step_index, "row": seq.row,
+                                 "phase": self._phase})
         if self.follow_up is not None and seq.finish_reason != "error":
             nxt = self.follow_up(c)
             if nxt is not None:

@@ -30,6 +30,9 @@ class Request:
     derived per turn). max_k: cap on draft tokens per step for this request (None: the
     engine's k). tag: anything the caller wants back with the result. grammar: an
     ``xgrammar.CompiledGrammar`` the output must follow (``response_format``), or None.
+    replay: set for a placeholder of an answer an interrupted run already finished (a
+    ``Replay``): it holds a row from its recorded admission to its recorded finish without
+    model work, so a resumed job's schedule is the interrupted one's (``Engine``).
     """
 
     request_id: Any
@@ -39,6 +42,30 @@ class Request:
     max_k: int | None = None
     tag: Any = None
     grammar: Any = None
+    replay: Replay | None = None
+
+
+@dataclass
+class Replay:
+    """Where an answer finished in an earlier run ran, from its work-file ``schedule`` entry
+    (``Engine``: ``Completion.schedule``). Steps count the engine's steps from 1.
+
+    admit: the step it took a row; verify: the first step it was in a verify step (None: it
+    never was); finish: the step it finished; row: its cache row; phase: ``"admit"`` when it
+    finished while rows were admitted and prefilled, ``"verify"`` when at a verify step;
+    output_ids / finish_reason: its answer (the job-wide suffix index takes the output ids at
+    the finish unless the reason is ``"error"``); next: the placeholder of the record's next
+    turn, queued at the finish as the real one was.
+    """
+
+    admit: int
+    verify: int | None
+    finish: int
+    row: int
+    phase: str
+    output_ids: list[int]
+    finish_reason: str
+    next: Request | None = None
 
 
 @dataclass
@@ -78,6 +105,13 @@ class Sequence:
         self.logprobs: list[LogprobEntry] = []
         self.matcher = None  # xgrammar GrammarMatcher at the committed length (engine.grammar)
         self.stats = SpecStats(proposer=proposer_name, num_speculative_tokens=k)
+        # the schedule (engine steps): where it took a row, first verified, finished
+        self.replay: Replay | None = request.replay
+        self.admit_step = 0
+        self.verify_step: int | None = None
+        if self.replay is not None:  # a placeholder: its answer is known, nothing runs
+            self.token_ids += self.replay.output_ids
+            self.finish_reason = None
 
     @property
     def output_ids(self) -> list[int]:

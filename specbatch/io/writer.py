@@ -2,7 +2,10 @@
 
 Next to the output ``OUT`` live:
     OUT.work.jsonl    one line ``{"index": i, "record": {...}}`` per finished record, appended as
-                      records finish (flushed every write, fsynced every ``fsync_every``).
+                      records finish (flushed every write, fsynced every ``fsync_every``);
+                      ``--method suffix`` adds ``"schedule": [...]``, where each of its answers
+                      ran (``pipeline.generate_records``), which a resume replays. OUT gets
+                      the records only.
     OUT.config.json   the effective config of the run (kept after the run, for ``analyze``).
     OUT.errors.jsonl  the skipped records, ``{"line", "id", "reason"}`` (``--on-error skip``).
     OUT.work.NAME.jsonl  a replica's own work file (``WorkShard``, ``specbatch run --ray``), in
@@ -160,6 +163,7 @@ class OutputWriter:
         self.fsync_every = fsync_every
         self._done: set[int] = set()
         self._finished: dict[int, dict] = {}  # index -> record, from the work file
+        self._schedules: dict[int, list] = {}  # index -> its "schedule", where there is one
         self._num_unsynced = 0
         self._fh = None
 
@@ -211,13 +215,22 @@ class OutputWriter:
         (the work file's order): what a resumed ``--method suffix`` job re-indexes."""
         return list(self._finished.values())
 
-    def write(self, index: int, out: dict) -> bool:
-        """Append one finished record; returns False (and writes nothing) if already done."""
+    def finished_schedules(self) -> dict[int, list]:
+        """index -> the ``schedule`` an earlier run wrote with that finished record (records
+        written without one are absent): what a resumed ``--method suffix`` job replays."""
+        return dict(self._schedules)
+
+    def write(self, index: int, out: dict, schedule: list | None = None) -> bool:
+        """Append one finished record (and, given, its ``schedule``, kept in the work file
+        only); returns False (and writes nothing) if already done."""
         if index in self._done:
             return False
         if not 0 <= index < self.num_records:
             raise ValueError(f"index={index}: expected 0 <= index < {self.num_records}")
-        self._fh.write(orjson.dumps({"index": index, "record": out}, option=JSON_OPTIONS) + b"\n")
+        item = {"index": index, "record": out}
+        if schedule is not None:
+            item["schedule"] = schedule
+        self._fh.write(orjson.dumps(item, option=JSON_OPTIONS) + b"\n")
         self._fh.flush()  # a killed process loses nothing the OS has; fsync guards power loss
         self._done.add(index)
         self._num_unsynced += 1
@@ -332,6 +345,8 @@ class OutputWriter:
                 except ValueError as e:
                     raise ValueError(f"{self.work_path}: line {n + 1}: {e}; --force to start "
                                      "over") from e
+                if index not in records and isinstance(item.get("schedule"), list):
+                    self._schedules[index] = item["schedule"]
                 records.setdefault(index, record)
             offset += len(raw) + 1
         if data and not data.endswith(b"\n"):  # a whole last line that lost only its newline

@@ -66,7 +66,10 @@ indexed.
 
 Determinism. Drafts are a function of the row's committed tokens and of the index, that is of
 which answers finished before, in which order; outputs never depend on them (the verifier
-decides), but a record's acceptance stats depend on job order (docs/output.md).
+decides), but a record's acceptance stats depend on job order (docs/output.md). A resumed job
+replays the interrupted run's schedule (``Request.replay``): finished answers join the index at
+the step they finished and count in the rows of the steps they were in (``propose(num_rows=)``),
+so the records run after the resume draft as in an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -396,10 +399,16 @@ class SuffixProposer:
         job = draft_from(sam, state, n, cap, "job", min_prob, factor)
         return job if job.ids and (job.match_len > own.match_len or not own.ids) else own
 
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+    counts_rows = True  # drafts depend on the rows of the step: ``propose(num_rows=)``
+
+    def propose(self, seqs: list[Sequence], ks: list[int],
+                num_rows: int | None = None) -> list[list[int]]:
+        """num_rows: the rows of the verify step (default ``len(seqs)``; a resumed job's
+        placeholders count, ``engine.Engine``)."""
+        num_rows = len(seqs) if num_rows is None else num_rows
         out = []
         for s, k in zip(seqs, ks):
-            d = self.last[s.seq_id] = self.draft(s, k, len(seqs))
+            d = self.last[s.seq_id] = self.draft(s, k, num_rows)
             out.append(d.ids)
         return out
 

@@ -38,14 +38,17 @@ def main() -> None:
         write = writer.OutputWriter.write
         count = 0
 
-        def paused_write(self, index, out):
+        def paused_write(self, index, out, schedule=None):
             nonlocal count
             if kind == "torn" and count + 1 == num:
-                line = orjson.dumps({"index": index, "record": out}, option=writer.JSON_OPTIONS)
+                item = {"index": index, "record": out}
+                if schedule is not None:
+                    item["schedule"] = schedule
+                line = orjson.dumps(item, option=writer.JSON_OPTIONS)
                 self._fh.write(line[:len(line) // 2])
                 self._fh.flush()
                 pause(marker)
-            is_new = write(self, index, out)
+            is_new = write(self, index, out, schedule)
             count += is_new
             if kind == "after" and count == num:
                 pause(marker)

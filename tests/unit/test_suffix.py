@@ -339,6 +339,78 @@ def test_resume_rebuilds_the_same_index(tmp_path):
     assert _snapshot(prop.index.sam) == _snapshot(live.sam)
 
 
+def _replayed(prompts, sampling, batch_size, cut):
+    """An uninterrupted suffix run, and a rerun where the answers of the first ``cut``
+    finished are placeholders replaying their recorded schedule (a resume): both engines."""
+    from specbatch.engine.sequence import Replay
+
+    model = tiny_llama(VOCAB, seed=5)
+
+    def requests():
+        return [Request(i, p, sp, seed=i) for i, (p, sp) in enumerate(zip(prompts, sampling))]
+
+    first = _suffix_engine(model, batch_size)
+    full = list(first.generate(requests()))
+    done = {c.request.request_id: c for c in full[:cut]}
+    second = _suffix_engine(model, batch_size)
+    reqs = requests()
+    for i, r in enumerate(reqs):
+        if (c := done.get(r.request_id)) is not None:
+            s = c.schedule
+            r.replay = Replay(s["admit"], s["verify"], s["finish"], s["row"], s["phase"],
+                              c.output_ids, c.finish_reason)
+    resumed = list(second.generate(reqs))
+    return first, full, done, second, resumed
+
+
+@pytest.mark.parametrize("batch_size,cut", [(3, 4), (4, 7), (2, 1)])
+def test_a_resume_that_replays_the_schedule_gives_the_same_stats(batch_size, cut):
+    """Placeholders hold the rows of the answers finished before the kill from their recorded
+    admission to their recorded finish and join the job-wide index there: the other records
+    run at the same steps, rows and index as uninterrupted, so their drafts and stats (steps,
+    draft tokens, k histogram) are equal, not only their tokens; one record ends at its
+    prefill (max_tokens 1: the ``admit`` phase)."""
+    prompts = repeating_prompts(VOCAB, 10, seed=7)
+    prompts += [p[:6] for p in prompts]
+    sampling = [SamplingParams(max_tokens=8 + (i * 5) % 20) for i in range(len(prompts))]
+    sampling[5] = SamplingParams(max_tokens=1)
+    first, full, done, second, resumed = _replayed(prompts, sampling, batch_size, cut)
+    assert second.replay_mismatches == 0
+    assert any(c.schedule["phase"] == "admit" for c in full)  # the max_tokens 1 record
+    rest = {c.request.request_id: c for c in full if c.request.request_id not in done}
+    assert sorted(c.request.request_id for c in resumed) == sorted(rest)
+    assert sum(c.stats.num_draft_tokens for c in resumed) > 0
+    for c in resumed:
+        want = rest[c.request.request_id]
+        assert c.output_ids == want.output_ids
+        assert c.stats.to_dict() == want.stats.to_dict()
+        assert c.schedule == want.schedule
+    assert second.step_index == first.step_index
+    assert [list(d) for d in second.proposer.index.docs] == \
+        [list(d) for d in first.proposer.index.docs]
+
+
+def test_a_resume_without_the_replay_drafts_differently():
+    """The premise: restarting the unfinished records with the finished outputs indexed first
+    (the resume before the replay) changes some record's drafts, so the stats differ."""
+    prompts = repeating_prompts(VOCAB, 10, seed=7)
+    prompts += [p[:6] for p in prompts]
+    sampling = [SamplingParams(max_tokens=8 + (i * 5) % 20) for i in range(len(prompts))]
+    model = tiny_llama(VOCAB, seed=5)
+    first = _suffix_engine(model, 3)
+    full = list(first.generate([Request(i, p, sp, seed=i)
+                                for i, (p, sp) in enumerate(zip(prompts, sampling))]))
+    done = {c.request.request_id for c in full[:4]}
+    second = _suffix_engine(model, 3)
+    second.proposer.add_finished(c.output_ids for c in full[:4])
+    resumed = list(second.generate([Request(i, p, sp, seed=i) for i, (p, sp)
+                                    in enumerate(zip(prompts, sampling)) if i not in done]))
+    want = {c.request.request_id: c for c in full}
+    assert all(c.output_ids == want[c.request.request_id].output_ids for c in resumed)
+    assert any(c.stats.to_dict() != want[c.request.request_id].stats.to_dict()
+               for c in resumed)
+
+
 def test_auto_routes_suffix_drafts_per_row_and_keeps_outputs():
     """``auto`` (lookup + suffix behind ``WithSuffix``) with a cost model where verifying is
     nearly free: rows verify suffix drafts on some steps, some longer than k, the suffix pools

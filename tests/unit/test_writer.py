@@ -59,6 +59,29 @@ def test_interrupted_and_resumed_is_byte_identical(tmp_path, resume):
     assert out.read_bytes() == reference
 
 
+def test_schedules_are_kept_in_the_work_file_only(tmp_path):
+    """A record's ``schedule`` (``--method suffix``) survives a kill in the work file, a resume
+    reads it back per index (records written without one have none), and OUT has the records'
+    bytes only."""
+    reference = _uninterrupted(tmp_path / "ref.jsonl")
+    out = tmp_path / "out.jsonl"
+    sched = {i: [{"id": [i, 0, 0], "admit": i + 1, "verify": i + 1, "finish": i + 5, "row": i % 3,
+                  "phase": "verify", "output_ids": [i, 2 * i], "finish_reason": "length"}]
+             for i in range(N)}
+    w = OutputWriter(out, CONFIG, resume=False, force=False, num_records=N)
+    for i in (4, 0, 7):
+        w.write(i, _out(i), schedule=sched[i])
+    w.write(1, _out(1))  # no schedule
+    del w  # killed
+    w = OutputWriter(out, CONFIG, resume=False, force=False, num_records=N)
+    assert w.finished_schedules() == {i: sched[i] for i in (4, 0, 7)}
+    for i in range(N):
+        if i not in w.done_indices():
+            w.write(i, _out(i), schedule=sched[i])
+    w.finish()
+    assert out.read_bytes() == reference
+
+
 def test_killed_process_loses_nothing_written(tmp_path):
     reference = _uninterrupted(tmp_path / "ref.jsonl")
     out = tmp_path / "out.jsonl"
