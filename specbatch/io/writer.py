@@ -8,6 +8,8 @@ Next to the output ``OUT`` live:
                       the records only.
     OUT.config.json   the effective config of the run (kept after the run, for ``analyze``).
     OUT.errors.jsonl  the skipped records, ``{"line", "id", "reason"}`` (``--on-error skip``).
+    OUT.lock          held (``flock``) while a run writes OUT, holding its process id: a second
+                      run on the same OUT is refused at open (``ValueError``), not mixed in.
     OUT.work.NAME.jsonl  a replica's own work file (``WorkShard``, ``specbatch run --ray``), in
                       the work file's format; opening ``OutputWriter`` (and ``absorb_shards``)
                       moves its records into the work file, so a resumed run skips them.
@@ -31,6 +33,11 @@ from __future__ import annotations
 
 import os
 import tempfile
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock (one run per OUT is then the user's to keep)
+    fcntl = None
 from collections.abc import Iterable
 from glob import escape as glob_escape
 from pathlib import Path
@@ -166,7 +173,20 @@ class OutputWriter:
         self._schedules: dict[int, list] = {}  # index -> its "schedule", where there is one
         self._num_unsynced = 0
         self._fh = None
+        self._lock = None
+        self.out_path.parent.mkdir(parents=True, exist_ok=True)
+        self._take_lock()
+        try:
+            self._open(resume, force)
+        except BaseException:
+            if self._fh is None:  # refused: nothing of this run is beside OUT
+                _beside(self.out_path, ".lock").unlink(missing_ok=True)
+            self.close()
+            raise
 
+    def _open(self, resume: bool, force: bool) -> None:
+        """Check the files beside OUT against this run (module doc), load the work file, write
+        the config and open the work file for appending."""
         if force and not resume:
             self._discard_work()
         elif self.work_path.exists() or self._shard_paths():
@@ -183,7 +203,6 @@ class OutputWriter:
         if self.work_path.exists():
             self._finished = self._load_work()
             self._done = set(self._finished)
-        self.out_path.parent.mkdir(parents=True, exist_ok=True)
         self._remove_stale_temp_files()
         _atomic_write(self.config_path, orjson.dumps(self.config, option=orjson.OPT_INDENT_2)
                       + b"\n")
@@ -265,6 +284,7 @@ class OutputWriter:
             Path(tmp).unlink(missing_ok=True)
             raise
         _fsync_dir(self.out_path.parent)
+        _beside(self.out_path, ".lock").unlink(missing_ok=True)  # still held: nobody is in
         self.close()
         self.work_path.unlink(missing_ok=True)
         return len(rows)
@@ -279,10 +299,36 @@ class OutputWriter:
             for e in errors))
 
     def close(self) -> None:
-        """Flush and fsync what is written (call on interrupt); ``finish`` calls it too."""
+        """Flush and fsync what is written (call on interrupt); ``finish`` calls it too. Lets
+        the lock go."""
         if self._fh is not None and not self._fh.closed:
             self._sync()
             self._fh.close()
+        if self._lock is not None:
+            self._lock.close()  # releases the flock
+            self._lock = None
+
+    def _take_lock(self) -> None:
+        """Hold ``OUT.lock`` for as long as this writer is open; raise ``ValueError`` naming
+        the process that holds it."""
+        if fcntl is None:
+            return
+        path = _beside(self.out_path, ".lock")
+        fh = open(path, "a+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            fh.seek(0)
+            holder = fh.read().strip() or "?"
+            fh.close()
+            raise ValueError(f"{self.out_path} is being written by another specbatch run "
+                             f"(process {holder}, {path}); wait for it to end or choose another "
+                             "-o") from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"{os.getpid()}\n")
+        fh.flush()
+        self._lock = fh
 
     def __enter__(self) -> OutputWriter:
         return self

@@ -411,3 +411,34 @@ def test_replica_work_files_are_absorbed_on_open(tmp_path):
     WorkShard(tmp_path / "new.jsonl", "host-14", N).write(1, _out(1))
     w = OutputWriter(tmp_path / "new.jsonl", CONFIG, resume=False, force=True, num_records=N)
     assert w.done_indices() == set() and not list(tmp_path.glob("new.jsonl.work.*.jsonl"))
+
+
+def test_a_second_run_on_the_same_output_is_refused_while_the_first_writes(tmp_path):
+    """Two runs with one ``-o`` would append to one work file (and the second one's finish
+    removed it under the first): the second is refused at open, naming the first's process;
+    once the first is done (or killed), OUT opens again."""
+    out = tmp_path / "out.jsonl"
+    first = OutputWriter(out, CONFIG, resume=False, force=False, num_records=N)
+    first.write(3, _out(3))
+    script = textwrap.dedent(f"""
+        from specbatch.io.writer import OutputWriter
+        try:
+            OutputWriter({str(out)!r}, {CONFIG!r}, resume=False, force=False, num_records={N})
+        except ValueError as e:
+            print(e)
+    """)
+    said = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=ROOT, check=True).stdout
+    assert f"is being written by another specbatch run (process {os.getpid()}," in said
+    assert (out.parent / "out.jsonl.work.jsonl").read_bytes().count(b"\n") == 1
+    del first  # killed: the lock goes with the process's files
+    second = OutputWriter(out, CONFIG, resume=False, force=False, num_records=N)
+    assert second.done_indices() == {3}
+    for i in range(N):
+        if i not in second.done_indices():
+            second.write(i, _out(i))
+    second.finish()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "out.jsonl.config.json"]
+    with pytest.raises(ValueError, match="exists from a finished run"):
+        OutputWriter(out, CONFIG, resume=False, force=False, num_records=N)
+    assert not (tmp_path / "out.jsonl.lock").exists()
