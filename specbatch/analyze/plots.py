@@ -59,7 +59,8 @@ def write_plots(doc: dict, records: list[tuple[str, Record]], out_dir: str | Pat
     try:
         import matplotlib
     except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install 'specbatch[plot]'") from None
+        raise ValueError("--plot needs matplotlib: pip install -c constraints.txt -e '.[plot]' in "
+                         "a checkout (pip install 'specbatch[plot]' from a wheel)") from None
     matplotlib.use("Agg")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

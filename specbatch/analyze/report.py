@@ -163,9 +163,13 @@ def _file_info(f: RunFile) -> dict:
 def format_text(doc: dict) -> str:
     out = []
     for f in doc["files"]:
+        if f["model"] is None:  # no OUT.config.json beside the file: nothing to say of the run
+            out.append(f"{f['path']}: {f['num_records']} records, run settings unknown (no "
+                       "OUT.config.json beside it)")
+            continue
         out.append(f"{f['path']}: {f['num_records']} records, {f['method'] or '?'} "
                    f"k={f['k']} n-gram {f['prompt_lookup_min']}-{f['prompt_lookup_max']}, "
-                   f"{f['model'] or 'model unknown (no OUT.config.json)'}")
+                   f"{f['model']}")
     for grouping, rows in doc["tables"].items():
         out += ["", *_group_table_text(grouping, rows)]
     if doc["what_if"] is not None:

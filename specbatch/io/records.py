@@ -613,6 +613,14 @@ def _as_utf8(data: bytes) -> bytes:
                 raise _FileError(f"starts with a {encoding.upper()} byte order mark but is not "
                                  f"valid {encoding.upper()} at byte {e.start}: convert it to "
                                  "UTF-8") from None
+    if b"\x00" in data[:4096]:  # JSON text never holds a raw NUL: UTF-16/32 without a mark
+        head = data[:4096]
+        odd, even = head[1::2].count(0), head[0::2].count(0)
+        kind = ("UTF-16 (little-endian)" if odd > 2 * even else "UTF-16 (big-endian)"
+                if even > 2 * odd else "UTF-32 or binary")
+        raise _FileError(f"holds NUL bytes between its characters: it looks like {kind} "
+                         "without a byte order mark; convert it to UTF-8 (iconv -f ENCODING "
+                         "-t UTF-8)")
     return data
 
 

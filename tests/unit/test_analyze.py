@@ -585,3 +585,14 @@ def test_a_file_with_some_input_lines_keeps_its_output_records(runs, tmp_path):
     assert any("id='in-2': no prompt" in w for w in warnings), warnings
     doc = json.loads(result.output[result.output.index("{"):])
     assert doc["files"][0]["num_records"] == 36 and doc["files"][0]["num_problems"] == 2
+
+
+def test_an_output_without_its_config_says_the_settings_are_unknown(runs, tmp_path):
+    """An output copied away from OUT.config.json: the header says so instead of printing
+    ``? k=None n-gram None-None`` (fresh-user pass)."""
+    moved = tmp_path / "moved.jsonl"
+    moved.write_bytes(runs["ngram"].read_bytes())
+    _, doc = _doc([moved])
+    header = format_text(doc).splitlines()[0]
+    assert header.endswith("records, run settings unknown (no OUT.config.json beside it)")
+    assert "None" not in header

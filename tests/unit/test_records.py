@@ -930,3 +930,16 @@ def test_sampling_params_name_bad_values_as_written():
         with pytest.raises(ValueError) as e:
             SamplingParams(**kwargs)
         assert str(e.value).startswith(message), (kwargs, str(e.value))
+
+
+def test_utf16_without_a_byte_order_mark_is_one_line_naming_it(tmp_path):
+    """``iconv -t UTF-16LE`` writes no byte order mark: one file-level line naming UTF-16, not
+    an "invalid JSON" per line plus one for the trailing NUL (fresh-user pass)."""
+    for encoding, kind in (("utf-16-le", "UTF-16 (little-endian)"),
+                           ("utf-16-be", "UTF-16 (big-endian)")):
+        path = tmp_path / f"{encoding}.jsonl"
+        path.write_bytes('{"prompt": "a"}\n{"prompt": "b"}\n'.encode(encoding))
+        records, errors = read_records(path)
+        assert records == [] and [str(e) for e in errors] == [
+            f"{path}: holds NUL bytes between its characters: it looks like {kind} without a "
+            "byte order mark; convert it to UTF-8 (iconv -f ENCODING -t UTF-8)"], encoding
