@@ -50,27 +50,30 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def other_load(samples: int = 5, interval: float = 0.02) -> float | None:
-    """How many CPUs other work holds now: the larger of the 1-minute load average and the
-    runnable threads this instant less this one (``/proc/loadavg``'s 4th field, median of
-    ``samples`` reads ``interval`` s apart; the average lags a job that just started by a
-    minute). None where the OS has neither."""
-    try:
-        average = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        average = None
+def other_load(samples: int = 9, interval: float = 0.025,
+               loadavg: str = "/proc/loadavg") -> float | None:
+    """How many CPUs other work holds now: the runnable threads this instant less this one
+    (``/proc/loadavg``'s 4th field, the median of ``samples`` reads ``interval`` s apart). The
+    1-minute load average only where that cannot be read: it lags by a minute both ways, and
+    counted the job that ran just before this one (a script running jobs back to back, or a
+    benchmark's interleaved arms, load 1.2-1.5 on 2 quiet CPUs) as other work, which made
+    threads wait passively on a quiet machine: ngram k5 int8 at batch 16 ran at 0.65x of
+    spinning threads. None where the OS has neither."""
     runnable = []
     for i in range(samples):
         try:
-            with open("/proc/loadavg") as f:
+            with open(loadavg) as f:
                 runnable.append(int(f.read().split()[3].split("/")[0]) - 1)
         except (OSError, IndexError, ValueError):
             break
         if i + 1 < samples:
             time.sleep(interval)
-    now = sorted(runnable)[len(runnable) // 2] if runnable else None
-    known = [x for x in (average, now) if x is not None]
-    return max(known) if known else None
+    if runnable:
+        return float(sorted(runnable)[len(runnable) // 2])
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
 
 
 def choose_threads(threads: int | None = None, load: float | None = None,
@@ -110,8 +113,9 @@ def choose_threads(threads: int | None = None, load: float | None = None,
         load = other_load() if load is None else load
         if load is not None and load >= BUSY_SHARE * cpus:
             wait = "passive"
-            why = (f"other work holds the CPUs: load {load:.1f} on {cpus} usable CPU(s); "
-                   "spin-waiting threads of several jobs slow each other ~10x")
+            why = (f"other work holds the CPUs: {load:.0f} runnable thread(s) beside this job on "
+                   f"{cpus} usable CPU(s); spin-waiting threads of several jobs slow each other "
+                   "~7x")
             if environ is None and "torch" in sys.modules:
                 wait, why = "active", why + "; torch was loaded already, so they spin"
             else:

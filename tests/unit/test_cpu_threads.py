@@ -16,7 +16,7 @@ def test_busy_machine_makes_threads_wait_passively():
     assert env == {"OMP_WAIT_POLICY": "PASSIVE"} and choice.wait == "passive"
     assert choice.threads == cpus
     assert choice.line().startswith(f"cpu: {cpus} thread")
-    assert "wait passively (other work holds the CPUs: load " in choice.line(), choice.line()
+    assert "wait passively (other work holds the CPUs: " in choice.line(), choice.line()
 
 
 def test_quiet_machine_keeps_the_default():
@@ -36,3 +36,16 @@ def test_user_settings_win():
     assert choose_threads(load=0.0, environ=env).threads == 1
     with pytest.raises(ValueError, match="threads=0"):
         choose_threads(0, environ={})
+
+
+def test_other_load_is_the_runnable_threads_now_not_the_minute_average(tmp_path):
+    """The 1-minute average counts the job that ran just before (interleaved bench arms on a
+    quiet 2-core machine read 1.2-1.5 and waited passively: ngram k5 int8 at batch 16 ran at
+    0.65x); what is runnable now, less this process, is what competes."""
+    from specbatch.cpu_threads import other_load
+
+    path = tmp_path / "loadavg"
+    path.write_text("1.52 0.90 0.40 1/412 9999\n")  # quiet now, busy a moment ago
+    assert other_load(samples=3, interval=0, loadavg=str(path)) == 0.0
+    path.write_text("0.20 0.10 0.05 3/412 9999\n")  # two neighbours just started
+    assert other_load(samples=3, interval=0, loadavg=str(path)) == 2.0
