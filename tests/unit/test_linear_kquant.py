@@ -206,18 +206,9 @@ def test_every_kernel_gives_the_same_bits(weights, name):
     linear_cpu.use_int8_activations(w, source)
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(21, w.shape[1], generator=gen) * torch.rand(21, 1, generator=gen) * 10
-    before = linear_cpu.int8_kernel()
-    kernels = ["portable", "avx2"] + (["vnni"] if linear_cpu.int8_kernel("vnni") == "vnni" else [])
-    try:
-        outs = {}
-        for kernel in kernels:
-            assert linear_cpu.int8_kernel(kernel) == kernel
-            outs[kernel] = [linear_cpu.linear(x[:m], w) for m in (1, 3, 5, 8, 21)]
-    finally:
-        linear_cpu.int8_kernel(before)
-    for kernel in kernels[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(outs[kernel], outs["portable"])), kernel
-    assert all(torch.equal(o, outs["portable"][-1][:o.shape[0]]) for o in outs["portable"])
+    from tests.unit.test_linear_q8 import assert_same_bits_on_every_isa
+
+    assert_same_bits_on_every_isa(x, w)
 
 
 def write_tiny_kquant_gguf(path, seed: int = 0) -> None:

@@ -85,6 +85,12 @@ def test_every_kernel_gives_the_same_bits(kind):
     w = _gguf_roundtrip(torch.randn(200, 576, generator=gen) / 24, kind)
     linear_cpu.use_int8_activations(w)
     x = torch.randn(21, 576, generator=gen) * torch.rand(21, 1, generator=gen) * 10
+    assert_same_bits_on_every_isa(x, w)
+
+
+def assert_same_bits_on_every_isa(x: torch.Tensor, w: torch.Tensor) -> None:
+    """``linear_cpu.linear(x[:m], w)`` of an int8 weight gives the same bits on the portable C,
+    AVX2 and (where the CPU has it) VNNI kernels, at 1, 3, 5, 8 and 21 rows; x: ``[21, K]``."""
     before = linear_cpu.int8_kernel()
     kernels = ["portable", "avx2"] + (["vnni"] if linear_cpu.int8_kernel("vnni") == "vnni" else [])
     try:
