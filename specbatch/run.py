@@ -61,28 +61,22 @@ def _err(msg: str) -> None:
 
 
 def busy_machine_warning() -> str | None:
-    """A one-line warning when the 1-minute load average is already at least the number of
-    CPUs this process may use (``os.sched_getaffinity``, else ``os.cpu_count``) and OpenMP
-    threads spin-wait (``OMP_WAIT_POLICY`` not passive): other jobs are running, and their
-    spinning threads and ours slow each other a lot. None on a quieter machine, where the OS
-    has no load average, or where threads wait passively (the CLI chooses that on a busy
-    machine, ``cpu_threads``, and its ``cpu:`` line says so). (A job that ended less than a
-    minute ago still counts in the average.)"""
+    """A one-line warning when other work holds the CPUs (``cpu_threads.other_load``: the
+    threads runnable now, at least ``BUSY_SHARE`` of the usable CPUs: the same measure that
+    makes the CLI choose passive waiting) and OpenMP threads still spin-wait (a wait policy set
+    by hand, or torch loaded before the choice): their spinning threads and ours slow each
+    other a lot. None on a quieter machine, where the OS says nothing of its load, or where
+    threads wait passively (the ``cpu:`` line says so)."""
+    from specbatch import cpu_threads
+
     if os.environ.get("OMP_WAIT_POLICY", "").lower() == "passive":
         return None
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):
+    load, cpus = cpu_threads.other_load(), cpu_threads.usable_cpus()
+    if load is None or load < cpu_threads.BUSY_SHARE * cpus:
         return None
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    if load < cpus:
-        return None
-    return (f"the machine is busy (1-minute load average {load:.1f} with {cpus} usable CPU(s)): "
-            "OpenMP threads spin-wait, so several jobs on the same cores slow each other a lot; "
-            "run one job at a time, or set OMP_WAIT_POLICY=PASSIVE")
+    return (f"the machine is busy ({load:.0f} runnable thread(s) beside this job on {cpus} usable "
+            "CPU(s)): OpenMP threads spin-wait, so several jobs on the same cores slow each "
+            "other a lot; run one job at a time, or set OMP_WAIT_POLICY=PASSIVE")
 
 
 def warn_if_busy() -> None:

@@ -363,7 +363,9 @@ def test_sampled_records_without_id_or_seed_are_warned_about_once(tmp_path, monk
     """Their seed derives from the line number: reordering the file changes their output."""
     import os
 
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # no busy-machine warning
+    from specbatch import cpu_threads
+
+    monkeypatch.setattr(cpu_threads, "other_load", lambda: 0.0)  # no busy-machine warning
 
     model = tiny_gguf
     src = tmp_path / "in.jsonl"
@@ -411,38 +413,41 @@ def test_limit_never_hides_a_bad_record_it_did_not_cut(tmp_path):
 
 
 def test_busy_machine_warning(monkeypatch):
-    """A 1-minute load average at or above the usable CPUs: one line saying why it matters
-    (spin-waiting OpenMP threads) and what helps; nothing on a quieter machine, without a
-    load average, or with threads that wait passively (the ``cpu:`` line says that)."""
+    """Other work runnable on at least half the usable CPUs while OpenMP threads spin: one
+    line saying why it matters (spin-waiting OpenMP threads) and what helps; nothing on a
+    quieter machine, where the OS says nothing of its load, or with threads that wait passively
+    (the ``cpu:`` line says that). The measure is the one the wait-policy choice uses, so the
+    two never disagree (the 1-minute average counted the job run just before)."""
     import os
 
+    from specbatch import cpu_threads
     from specbatch.run import busy_machine_warning
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    monkeypatch.setattr(os, "getloadavg", lambda: (1.9, 5.0, 5.0))
+    monkeypatch.setattr(os, "getloadavg", lambda: (5.0, 5.0, 5.0))  # not what counts
+    monkeypatch.setattr(cpu_threads, "other_load", lambda: 0.0)
     assert busy_machine_warning() is None
-    monkeypatch.setattr(os, "getloadavg", lambda: (2.0, 0.5, 0.5))
+    monkeypatch.setattr(cpu_threads, "other_load", lambda: 1.0)
     assert busy_machine_warning() == (
-        "the machine is busy (1-minute load average 2.0 with 2 usable CPU(s)): OpenMP threads "
-        "spin-wait, so several jobs on the same cores slow each other a lot; run one job at a "
-        "time, or set OMP_WAIT_POLICY=PASSIVE")
+        "the machine is busy (1 runnable thread(s) beside this job on 2 usable CPU(s)): OpenMP "
+        "threads spin-wait, so several jobs on the same cores slow each other a lot; run one "
+        "job at a time, or set OMP_WAIT_POLICY=PASSIVE")
     monkeypatch.setenv("OMP_WAIT_POLICY", "passive")  # threads wait passively: no spinning
     assert busy_machine_warning() is None
-
-    def no_load_average():
-        raise OSError("no load average here")
-
-    monkeypatch.setattr(os, "getloadavg", no_load_average)
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setattr(cpu_threads, "other_load", lambda: None)  # the OS says nothing
     assert busy_machine_warning() is None
 
 
 def test_run_and_bench_warn_once_on_a_busy_machine(tmp_path, monkeypatch, tiny_gguf):
     """The warning goes to the ``specbatch`` logger, shown as one ``warning:`` line on stderr
     before ``loading model ...``."""
-    import os
+    from specbatch import cpu_threads
 
-    monkeypatch.setattr(os, "getloadavg", lambda: (64.0, 64.0, 64.0))
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    # torch is loaded already (in process), so the threads keep spinning beside 64 others
+    monkeypatch.setattr(cpu_threads, "other_load", lambda: 64.0)
     model = tiny_gguf
     src = tmp_path / "in.jsonl"
     src.write_text('{"id": 1, "prompt": "a"}\n')
@@ -454,7 +459,7 @@ def test_run_and_bench_warn_once_on_a_busy_machine(tmp_path, monkeypatch, tiny_g
         assert result.exit_code == 0, result.output
         lines = result.output.splitlines()
         busy = [i for i, line in enumerate(lines)
-                if line.startswith("warning: the machine is busy (1-minute load average 64.0")]
+                if line.startswith("warning: the machine is busy (64 runnable thread(s)")]
         loading = [i for i, line in enumerate(lines) if line.startswith("loading model")]
         assert len(busy) == 1 and busy[0] < loading[0], result.output
 
