@@ -253,10 +253,9 @@ def test_kquant_gguf_engine_outputs_do_not_depend_on_proposer_or_batch(tmp_path)
     """A Q4_K / Q6_K GGUF loaded with dtype int8 runs every dense layer on its K-quant codes;
     greedy outputs are equal for none / ngram k 3 at batch 1 and 4, and the logits are near
     the float32 ones (the same GGUF, dequantised) but not equal."""
-    from specbatch.config import SamplingParams
     from specbatch.models.llama import LlamaForward
     from specbatch.models.loader import load_model
-    from tests.helpers import run_engine
+    from tests.unit.test_linear_q8 import engine_runs_agree
 
     path = tmp_path / "tiny-kquant.gguf"
     write_tiny_kquant_gguf(path)
@@ -267,14 +266,7 @@ def test_kquant_gguf_engine_outputs_do_not_depend_on_proposer_or_batch(tmp_path)
     assert kind(fwd.qkv[0][0]) == linear_cpu.SEGMENTS  # Q4_K q, k rows; Q6_K v rows
     assert kind(fwd.gate_up[0]) == kind(layer.self_attn.o_proj.weight) == linear_cpu.Q4_1_X8
     assert kind(layer.mlp.down_proj.weight) == kind(fwd.lm_head) == linear_cpu.Q6_K_X8
-    gen = torch.Generator().manual_seed(12)
-    prompts = [torch.randint(1, 256, (int(n),), generator=gen).tolist()
-               for n in torch.randint(4, 30, (6,), generator=gen)]
-    prompts = [p + p[:5] for p in prompts]  # something for prompt lookup to draft from
-    greedy = SamplingParams(temperature=0.0, max_tokens=24)
-    runs = [[c.output_ids for c in run_engine(fwd, prompts, k, bsz, greedy)]
-            for k, bsz in ((0, 1), (3, 1), (0, 4), (3, 4))]
-    assert all(r == runs[0] for r in runs[1:])
+    prompts, runs = engine_runs_agree(fwd, vocab=256)
     assert len({tuple(ids) for ids in runs[0]}) > 1  # not one degenerate output for all
     f32 = LlamaForward(load_model(str(path), dtype="float32", cache_dir=tmp_path / "cache").model)
     logits = [f.forward(torch.tensor([prompts[0][:8]]), torch.arange(8)[None],

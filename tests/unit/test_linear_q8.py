@@ -88,6 +88,21 @@ def test_every_kernel_gives_the_same_bits(kind):
     assert_same_bits_on_every_isa(x, w)
 
 
+def engine_runs_agree(fwd, vocab: int) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """Greedy outputs of 6 prompts (random ids below ``vocab``, their first 5 ids repeated for
+    prompt lookup) at k 0 / 3 x batch 1 / 4 on ``fwd``: asserts the four runs agree and
+    returns the prompts and the runs' output ids."""
+    gen = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(1, vocab, (int(n),), generator=gen).tolist()
+               for n in torch.randint(4, 30, (6,), generator=gen)]
+    prompts = [p + p[:5] for p in prompts]  # something for prompt lookup to draft from
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    runs = [[c.output_ids for c in run_engine(fwd, prompts, k, bsz, greedy)]
+            for k, bsz in ((0, 1), (3, 1), (0, 4), (3, 4))]
+    assert all(r == runs[0] for r in runs[1:])
+    return prompts, runs
+
+
 def assert_same_bits_on_every_isa(x: torch.Tensor, w: torch.Tensor) -> None:
     """``linear_cpu.linear(x[:m], w)`` of an int8 weight gives the same bits on the portable C,
     AVX2 and (where the CPU has it) VNNI kernels, at 1, 3, 5, 8 and 21 rows; x: ``[21, K]``."""
@@ -131,14 +146,7 @@ def test_int8_engine_outputs_do_not_depend_on_proposer_or_batch():
     assert linear_cpu._PACKED[fwd.gate_up[0]][1][0] == linear_cpu.Q4_1_X8
     assert linear_cpu._PACKED[fwd.lm_head][1][0] == linear_cpu.Q8_0_X8
     assert fwd.new_cache(1, 16).k[0].dtype == torch.float16  # keys and values in float16
-    gen = torch.Generator().manual_seed(12)
-    prompts = [torch.randint(1, 96, (int(n),), generator=gen).tolist()
-               for n in torch.randint(4, 30, (6,), generator=gen)]
-    prompts = [p + p[:5] for p in prompts]  # something for prompt lookup to draft from
-    greedy = SamplingParams(temperature=0.0, max_tokens=24)
-    runs = [[c.output_ids for c in run_engine(fwd, prompts, k, bsz, greedy)]
-            for k, bsz in ((0, 1), (3, 1), (0, 4), (3, 4))]
-    assert all(r == runs[0] for r in runs[1:])
+    prompts, _ = engine_runs_agree(fwd, vocab=96)
     plain = copy.deepcopy(base)
     del plain.specbatch_activations
     f32 = LlamaForward(plain)
