@@ -361,8 +361,6 @@ def test_auto_device_skips_importing_torch_only_where_torch_sees_no_gpu():
 
 def test_sampled_records_without_id_or_seed_are_warned_about_once(tmp_path, monkeypatch, tiny_gguf):
     """Their seed derives from the line number: reordering the file changes their output."""
-    import os
-
     from specbatch import cpu_threads
 
     monkeypatch.setattr(cpu_threads, "other_load", lambda: 0.0)  # no busy-machine warning
