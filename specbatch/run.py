@@ -225,11 +225,13 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         "limit": opts.limit,
         "recipe": opts.recipe,
     }
-    if not opts.plan_only and not opts.force:
-        from specbatch.io.writer import check_resume
+    if not opts.plan_only:
+        from specbatch.io.writer import check_not_in_use, check_resume
 
         try:
-            check_resume(opts.output_path, config)
+            check_not_in_use(opts.output_path)  # another run writing OUT: before the load
+            if not opts.force:
+                check_resume(opts.output_path, config)
         except ValueError as e:
             _err(f"error: {e}")
             return EXIT_BAD_INPUT

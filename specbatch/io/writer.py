@@ -82,6 +82,33 @@ def check_output_path(out_path: str | os.PathLike,
     _try_writing(path, out_path)
 
 
+def _lock(out_path: Path, create: bool = True):
+    """``OUT.lock`` opened and locked (``flock``, exclusive): the open file, which holds the
+    lock until closed; None without ``fcntl``, or when ``create`` is False and there is no lock
+    file. Raises ``ValueError`` naming the process that holds it."""
+    path = _beside(out_path, ".lock")
+    if fcntl is None or not (create or path.exists()):
+        return None
+    fh = open(path, "a+")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fh.seek(0)
+        holder = fh.read().strip() or "?"
+        fh.close()
+        raise ValueError(f"{out_path} is being written by another specbatch run (process "
+                         f"{holder}, {path}); wait for it to end or choose another -o") from None
+    return fh
+
+
+def check_not_in_use(out_path: str | os.PathLike) -> None:
+    """Raise ``ValueError`` (as ``OutputWriter`` would at open) when another run writes
+    ``out_path`` now, so that a run can refuse before it loads its model. Creates nothing."""
+    fh = _lock(Path(out_path), create=False)
+    if fh is not None:
+        fh.close()
+
+
 def _try_writing(path: Path, out_path: str | os.PathLike) -> None:
     """Create the missing folders of ``path`` and a temporary file beside it, as ``OutputWriter``
     does, then remove both; raise ``ValueError`` with the system's reason if either fails."""
@@ -311,23 +338,12 @@ class OutputWriter:
     def _take_lock(self) -> None:
         """Hold ``OUT.lock`` for as long as this writer is open; raise ``ValueError`` naming
         the process that holds it."""
-        if fcntl is None:
-            return
-        path = _beside(self.out_path, ".lock")
-        fh = open(path, "a+")
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        fh = _lock(self.out_path)
+        if fh is not None:
             fh.seek(0)
-            holder = fh.read().strip() or "?"
-            fh.close()
-            raise ValueError(f"{self.out_path} is being written by another specbatch run "
-                             f"(process {holder}, {path}); wait for it to end or choose another "
-                             "-o") from None
-        fh.seek(0)
-        fh.truncate()
-        fh.write(f"{os.getpid()}\n")
-        fh.flush()
+            fh.truncate()
+            fh.write(f"{os.getpid()}\n")
+            fh.flush()
         self._lock = fh
 
     def __enter__(self) -> OutputWriter:
@@ -547,4 +563,4 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-__all__ = ["OutputWriter", "WorkShard", "check_output_path", "JSON_OPTIONS", "OUTPUT_FORMATS"]
+__all__ = ["OutputWriter", "WorkShard", "check_output_path", "check_not_in_use", "JSON_OPTIONS", "OUTPUT_FORMATS"]

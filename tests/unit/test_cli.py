@@ -588,3 +588,24 @@ def test_calibrate_to_an_unwritable_path_is_one_line(tmp_path, tiny_gguf):
     assert sorted(p.name for p in good.parent.iterdir()) == ["cost.json", "cost.json.tmp"]
     empty = CliRunner().invoke(main, ["calibrate", "--model", str(tiny_gguf), "-o", ""])
     assert empty.exit_code == 2 and "error: cannot write '': an empty path" in empty.output
+
+
+def test_a_run_on_an_output_another_run_writes_is_refused_before_the_model_loads(
+        tmp_path, monkeypatch, tiny_gguf):
+    """One line, exit 2, before ``loading model`` (a fresh-user pass saw the model load first:
+    minutes for a 1.5B model); the running job's files are left as they are."""
+    from specbatch.io.writer import OutputWriter
+
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": 1, "prompt": "a"}\n')
+    out = tmp_path / "o.jsonl"
+    running = OutputWriter(out, {"other": "run"}, resume=False, force=False, num_records=1)
+    result = CliRunner().invoke(main, ["run", str(src), "-o", str(out), "--model", str(tiny_gguf),
+                                       "--cache-dir", str(tmp_path / "c"), "--max-tokens", "2",
+                                       "--force", "--no-progress"])
+    assert result.exit_code == 2, result.output
+    assert "loading model" not in result.output
+    assert result.output.strip().splitlines()[-1].startswith(
+        f"error: {out} is being written by another specbatch run (process ")
+    running.close()
+    assert (tmp_path / "o.jsonl.config.json").read_text().strip() == '{\n  "other": "run"\n}'
