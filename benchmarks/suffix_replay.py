@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specbatch.analyze.load import answers, load_run  # noqa: E402
-from specbatch.analyze.report import load_tokenizer  # noqa: E402
+from specbatch.commands.analyze import load_tokenizer  # noqa: E402
 from specbatch.analyze.whatif import prompt_ids_per_answer  # noqa: E402
 from specbatch.config import SamplingParams  # noqa: E402
 from specbatch.engine.sequence import Request, Sequence  # noqa: E402

@@ -1,24 +1,22 @@
-"""Command line: ``specbatch run | bench``. Options map onto config fields; no logic here."""
+"""Command line: ``specbatch run | bench | analyze | calibrate | predict-eval``: the flags, parsed
+by click, and each command handed to its module in ``specbatch.commands`` (``command``), whose
+exit status is the process's. No command logic here."""
 
 from __future__ import annotations
 
 import logging
 import os
-import re
-import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import click
 from click.core import ParameterSource
 
 from specbatch import methods
-from specbatch.config import MAX_INT, MIN_INT, EngineConfig, SamplingParams, SpecConfig
+from specbatch.config import MAX_INT, MIN_INT
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 
 
 class _MethodChoice(click.Choice):
@@ -36,9 +34,6 @@ class _MethodChoice(click.Choice):
     def choices(self, value) -> None:
         pass
 
-EXIT_BAD_INPUT = 2
-EXIT_INTERRUPTED = 130
-
 
 class _UsageError(click.UsageError):
     """A usage error shown as one ``error:`` line and a hint, instead of click's usage block."""
@@ -49,43 +44,6 @@ class _UsageError(click.UsageError):
             click.echo(f"try '{self.ctx.command_path} --help'", file=file, err=file is None)
 
 
-class _StopError(click.ClickException):
-    """A problem found before anything loads that is not a malformed command line (an unknown
-    model): one ``error:`` line on stderr, exit status 2, no usage hint."""
-
-    exit_code = EXIT_BAD_INPUT
-
-    def show(self, file=None) -> None:
-        click.echo(f"error: {self.format_message()}", file=file, err=file is None)
-
-
-def _check_model(name: str | None, draft: bool = False) -> None:
-    """Fail fast on a ``--model`` (None: the packaged default) or, with ``draft``, a
-    ``--draft-model`` that names no registry model, ``.gguf`` file or model folder, or a registry
-    model that is not installed: checked by ``models.registry.find_model`` before torch is
-    imported (seconds; tens on a loaded machine). Raises ``_StopError`` (exit 2) with the
-    one-line reason, naming the model."""
-    from specbatch.models.registry import DEFAULT_MODEL, find_model
-
-    name = name or DEFAULT_MODEL
-    try:
-        find_model(name)
-    except ValueError as e:
-        raise _StopError(f"draft model {name!r}: {e}" if draft else str(e)) from None
-
-
-# config fields -> the flags that set them, for errors raised while building the configs
-_FLAG_OF = {"num_speculative_tokens": "--k", "prompt_lookup_min": "--prompt-lookup-min",
-            "prompt_lookup_max": "--prompt-lookup-max", "max_batch_size": "--max-batch-size",
-            "max_model_len": "--max-model-len", "max_tokens": "--max-tokens",
-            "min_tokens": "--min-tokens", "top_p": "--top-p", "top_k": "--top-k",
-            "temperature": "--temperature", "draft_model": "--draft-model",
-            "stop_token_ids": "--stop-token-id", "logprobs": "--logprobs", "dtype": "--dtype",
-            "device": "--device",
-            "n": "--n", "repetition_penalty": "--repetition-penalty", "min_p": "--min-p",
-            "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty"}
-
-
 def _version() -> str:
     """``specbatch.__version__``, marked ``(not installed)`` for a checkout run without
     installing (click's own lookup raises there); ``unknown (not installed)`` with neither."""
@@ -93,27 +51,6 @@ def _version() -> str:
 
     version, installed = package_version()
     return version if installed else f"{version or 'unknown'} (not installed)"
-
-
-def _choose_threads(threads: int | None):
-    """``cpu_threads.choose_threads`` (sets the OpenMP environment before torch loads): the
-    ``ThreadChoice`` whose line the command prints before the model loads."""
-    from specbatch.cpu_threads import choose_threads
-
-    return choose_threads(threads)
-
-
-def _stop_strings(stop: tuple[str, ...]) -> tuple[str, ...]:
-    """``--stop`` values; an empty one is a usage error naming the flag (not the tuple)."""
-    if "" in stop:
-        raise click.UsageError("--stop '': expected a non-empty string")
-    return tuple(stop)
-
-
-def _as_flags(message: str) -> str:
-    """``prompt_lookup_max=2: expected an integer >= prompt_lookup_min`` (a config field error)
-    -> ``--prompt-lookup-max=2: expected an integer >= --prompt-lookup-min``."""
-    return re.sub(r"\b[a-z_]+\b", lambda m: _FLAG_OF.get(m.group(0), m.group(0)), message)
 
 
 @contextmanager
@@ -274,31 +211,6 @@ def _sampling_options(f):
     return f
 
 
-def _more_sampling(extra: dict) -> dict:
-    """SamplingParams fields from the options added after the first ten (``_sampling_options``):
-    n, the penalties, min_p and ``--json-schema FILE`` (read and compiled here, so a bad schema
-    is a usage error before anything loads). Raises ``click.UsageError``."""
-    out = {k: extra[k] for k in ("n", "repetition_penalty", "presence_penalty",
-                                 "frequency_penalty", "min_p")}
-    path = extra.get("json_schema")
-    if path is not None:
-        import json
-
-        try:
-            schema = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError) as e:
-            raise click.UsageError(f"--json-schema {path}: cannot read a JSON schema: {e}")
-        from specbatch.engine.grammar import check_schema
-
-        try:
-            check_schema(schema)
-        except ValueError as e:
-            raise click.UsageError(f"--json-schema {path}: {e}") from None
-        out["response_format"] = {"type": "json_schema",
-                                  "json_schema": {"name": Path(path).stem, "schema": schema}}
-    return out
-
-
 class _StderrHandler(logging.Handler):
     """Prints the ``specbatch`` logger's records on stderr as the CLI's other lines: INFO as
     the bare message (progress: ``loading model ...``), other levels prefixed with the level
@@ -368,9 +280,12 @@ def _recipe_defaults(ctx: click.Context, param: click.Parameter, value: str | No
     return recipe
 
 
-def _given(ctx: click.Context, name: str) -> bool:
-    return ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE,
-                                              ParameterSource.ENVIRONMENT)
+def _given_flags(ctx: click.Context) -> frozenset[str]:
+    """The names of the parameters set on the command line (or by the environment), not by a
+    recipe or a default: where a flag and a recipe value conflict, the flag wins."""
+    return frozenset(name for name in ctx.params
+                     if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE,
+                                                           ParameterSource.ENVIRONMENT))
 
 
 @main.command()
@@ -415,62 +330,12 @@ def _given(ctx: click.Context, name: str) -> bool:
               help="With --ray: engine replicas (each holds the model; a GPU each on CUDA, "
               "else the CPUs divided among them).")
 @click.pass_context
-def run(ctx, input_path, output, recipe, template, model, dtype, device, max_batch_size,
-        max_model_len, no_prefix_caching, threads, cache_dir, method, draft_model, k, prompt_lookup_min,
-        prompt_lookup_max,
-        max_tokens, min_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
-        ignore_eos, logprobs, prompt_field, id_field, split, limit, on_error, resume, force,
-        no_progress, progress_interval, calibration, plan_only, use_ray, ray_address, replicas, input_format,
-        **more_sampling):
+def run(ctx, **options):
     """Generate an output for every record of INPUT (JSONL, JSON, Parquet, CSV or a saved
     dataset folder) and write them, with per-record acceptance stats, to OUT."""
-    from specbatch.run import RunOptions, run_job
+    from specbatch.commands import run as command
 
-    cpu = _choose_threads(threads)  # first: before anything imports torch
-    if template is not None and prompt_field is not None:  # one from the recipe: the flag wins
-        if _given(ctx, "template") == _given(ctx, "prompt_field"):
-            raise click.UsageError("--template and --prompt-field exclude each other")
-        template, prompt_field = ((template, None) if _given(ctx, "template")
-                                  else (None, prompt_field))
-    # before anything imports torch; --method none ignores a draft model, ngram refuses it below
-    _check_model(model)
-    if draft_model is not None and methods.uses_draft_model(method):
-        _check_model(draft_model, draft=True)
-    try:
-        if template is not None:
-            from specbatch.io.records import template_fields
-
-            template_fields(template)
-        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=None,
-                                  max_tokens=max_tokens, min_tokens=min_tokens,
-                                  stop=_stop_strings(stop),
-                                  stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
-                                  logprobs=logprobs, **_more_sampling(more_sampling))
-        spec = SpecConfig(method=method, num_speculative_tokens=k,
-                          prompt_lookup_min=prompt_lookup_min,
-                          prompt_lookup_max=prompt_lookup_max, draft_model=draft_model)
-        engine = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_model_len,
-                              dtype=dtype, device=device,
-                              prefix_caching=not no_prefix_caching)
-    except ValueError as e:
-        raise click.UsageError(_as_flags(str(e))) from None
-    if plan_only and method != "auto":  # before anything loads
-        raise click.UsageError(f"--plan-only needs --method auto (got --method {method})")
-    if calibration is not None and method != "auto":
-        raise click.UsageError(f"--calibration needs --method auto (got --method {method})")
-    if (ray_address is not None or _given(ctx, "replicas")) and not use_ray:
-        raise click.UsageError("--ray-address and --replicas need --ray")
-    out = output or f"{Path(input_path).name.split('.')[0]}.out.jsonl"
-    opts = RunOptions(input_path=input_path, output_path=out, model=model, cache_dir=cache_dir,
-                      sampling=sampling, spec=spec, engine=engine, run_seed=seed,
-                      prompt_field=prompt_field, id_field=id_field, split=split, limit=limit,
-                      on_error=on_error, resume=resume, force=force, progress=not no_progress,
-                      plan_only=plan_only, ray=use_ray, ray_address=ray_address,
-                      replicas=replicas, input_format=input_format,
-                      template=template, recipe=recipe.identity if recipe else None,
-                      cpu=cpu, calibration=calibration, progress_interval=progress_interval)
-    _exit_from_signals()
-    sys.exit(run_job(opts))
+    sys.exit(command.command(_given_flags(ctx), **options))
 
 
 @main.command()
@@ -499,38 +364,12 @@ def run(ctx, input_path, output, recipe, template, model, dtype, device, max_bat
 @click.option("--calibration", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Step-cost fit for the auto configurations (`specbatch calibrate -o FILE`) instead of "
               "the one cached for this machine; nothing is measured.")
-def bench(input_path, configs, draft_model, model, dtype, device, max_batch_size, max_model_len,
-          no_prefix_caching, threads, cache_dir, max_tokens, min_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
-          ignore_eos, logprobs, prompt_field, id_field, split, limit, per_category, categories,
-          repeats, groups, template, calibration, **more_sampling):
+def bench(**options):
     """Time several configurations on the same records, interleaved; print output tok/s and
     the ratio to none, overall and per category; check the outputs are identical."""
-    from specbatch.bench import BenchOptions, parse_configs, parse_groups, run_bench
+    from specbatch.commands import bench as command
 
-    cpu = _choose_threads(threads)  # first: before anything imports torch
-    _check_model(model)
-    try:
-        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
-                                  max_tokens=max_tokens, min_tokens=min_tokens,
-                                  stop=_stop_strings(stop),
-                                  stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
-                                  logprobs=logprobs, **_more_sampling(more_sampling))
-        engine = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_model_len,
-                              dtype=dtype, device=device,
-                              prefix_caching=not no_prefix_caching)
-        specs = parse_configs(configs, draft_model)
-        named_groups = parse_groups(groups)
-    except ValueError as e:
-        raise click.UsageError(_as_flags(str(e))) from None
-    if draft_model is not None:  # used by a configuration (parse_configs checked)
-        _check_model(draft_model, draft=True)
-    sys.exit(run_bench(BenchOptions(
-        input_path=input_path, model=model, draft_model=draft_model, cache_dir=cache_dir,
-        sampling=sampling, specs=specs, engine=engine, run_seed=seed, prompt_field=prompt_field,
-        id_field=id_field, split=split, limit=limit, per_category=per_category,
-        categories=tuple(categories.split(",")) if categories else None, repeats=repeats,
-        groups=named_groups, template=template, cpu=cpu, calibration=calibration)))
-
+    sys.exit(command.command(**options))
 
 
 @main.command()
@@ -551,34 +390,25 @@ def bench(input_path, configs, draft_model, model, dtype, device, max_batch_size
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False), default=None,
               help="Write PNG plots into this folder.")
-def analyze(paths, by, what_if, calibration, batch_size, compare, as_json, plot_dir):
+def analyze(**options):
     """Acceptance tables of output files, by --by (default: bucket, category or all) and by
     proposer; what-if replay of other n-gram settings; side-by-side comparison of two files."""
-    from specbatch.analyze.report import AnalyzeOptions, run_analyze
+    from specbatch.commands import analyze as command
 
-    sys.exit(run_analyze(AnalyzeOptions(
-        paths=tuple(paths), by=by, what_if=what_if, calibration=calibration,
-        batch_size=batch_size, compare=compare, as_json=as_json, plot_dir=plot_dir)))
+    sys.exit(command.command(**options))
+
 
 @main.command()
 @_calibration_model_options
 @click.option("--output", "-o", default=None, type=click.Path(dir_okay=False),
               help="Also write the cost model here (JSON).")
 @click.option("--recalibrate", is_flag=True, help="Measure again even if cached.")
-def calibrate(model, dtype, device, cache_dir, output, recalibrate):
+def calibrate(**options):
     """Measure this machine's step cost for the model and dtype (used by --method auto and
     analyze --what-if); cached per (model, dtype, device, CPU kernels, host)."""
-    from specbatch.config import resolve_device
-    from specbatch.plan.calibrate_cmd import run_calibrate
+    from specbatch.commands import calibrate as command
 
-    cpu = _choose_threads(None)  # first: before anything imports torch
-    _check_model(model)
-    try:
-        device = resolve_device(device)
-    except ValueError as e:
-        raise click.UsageError(_as_flags(str(e))) from None
-    sys.exit(run_calibrate(model, dtype, cache_dir, output, recalibrate, device=device,
-                           cpu=cpu))
+    sys.exit(command.command(**options))
 
 
 @main.command("predict-eval")
@@ -593,28 +423,13 @@ def calibrate(model, dtype, device, cache_dir, output, recalibrate):
               "and report their 2-fold out-of-sample rank correlation.")
 @click.option("--probe-tokens", type=click.IntRange(2, None), default=None,
               help="Output tokens the probe replays (default: what --method auto uses, 16).")
-def predict_eval(paths, k, model, cache_dir, refit, probe_tokens):
+def predict_eval(**options):
     """Rank correlation (Spearman) between predicted and measured acceptance length on ngram
     output files: from the prompt alone, and after the probe (the first tokens replayed), with
     per-category means."""
-    from specbatch.plan.calibrate_cmd import run_predict_eval
+    from specbatch.commands import calibrate as command
 
-    if model is not None:
-        _check_model(model)
-    sys.exit(run_predict_eval(paths, k, model, cache_dir, refit, probe_tokens))
-
-
-def _exit_from_signals() -> None:
-    """SIGTERM behaves like Ctrl-C: a KeyboardInterrupt the run loop turns into a clean exit.
-    The signal is also recorded (``run.request_stop``): Python drops an exception raised while
-    a weakref callback runs (torch's caches use them), and the run loop then stops at the next
-    finished record instead."""
-    from specbatch.run import request_stop
-
-    def handler(signum, frame):
-        request_stop(signum)
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, handler)
+    sys.exit(command.predict_eval_command(**options))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from click.testing import CliRunner
 
 from specbatch.analyze import whatif
 from specbatch.analyze.load import config_path, load_run, spec_stats
-from specbatch.analyze.report import AnalyzeOptions, build_document, format_text
+from specbatch.commands.analyze import AnalyzeOptions, build_document, format_text
 from specbatch.cli import main
 from specbatch.config import SamplingParams
 from specbatch.io.records import read_records
@@ -434,7 +434,7 @@ def test_plots_are_written(runs, tmp_path):
 
 def _invoke(args: list[str], tokenizer: bool = False):
     if tokenizer:
-        from specbatch.analyze import report
+        from specbatch.commands import analyze as report
 
         orig = report.load_tokenizer
         report.load_tokenizer = lambda model_id: TOK

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from specbatch import config
-from specbatch.bench import format_table, parse_configs, parse_groups
+from specbatch.commands.bench import format_table, parse_configs, parse_groups
 from specbatch.config import EngineConfig
 from specbatch.spec_decode.stats import SpecStats
 

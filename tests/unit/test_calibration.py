@@ -315,7 +315,7 @@ def test_the_calibrate_table_lists_shapes_by_context(monkeypatch, capsys):
     """``specbatch calibrate``'s table: one row per timed shape, by context, rows, q (also for
     a cached file whose samples are out of order), an outlier labelled where it belongs."""
     from specbatch import llm as llm_module
-    from specbatch.plan.calibrate_cmd import run_calibrate
+    from specbatch.commands.calibrate import run_calibrate
 
     samples = [(*s, TRUE.step_time(*s)) for s in GRID if s != (4, 6, 1024)]
     samples.append(samples.pop(0))  # (1, 2, 256) last, as a re-timed shape was

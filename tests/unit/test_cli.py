@@ -140,7 +140,7 @@ def test_skipped_records_are_warnings_failing_ones_errors(tmp_path, tiny_gguf):
 
 
 def test_summary_table_tells_zero_acceptance_from_no_drafts():
-    from specbatch.run import summary_table
+    from specbatch.commands.run import summary_table
 
     def out(drafts, accepted, tokens):
         return {"spec": {"num_steps": tokens - accepted, "num_drafts": drafts,
@@ -400,7 +400,7 @@ def test_limit_never_hides_a_bad_record_it_did_not_cut(tmp_path):
     from types import SimpleNamespace
 
     from specbatch.config import SamplingParams
-    from specbatch.run import load_records
+    from specbatch.commands.run import load_records
 
     two = tmp_path / "two.jsonl"
     two.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c", "temprature": 1}\n')
@@ -419,7 +419,7 @@ def test_busy_machine_warning(monkeypatch):
     import os
 
     from specbatch import cpu_threads
-    from specbatch.run import busy_machine_warning
+    from specbatch.commands.run import busy_machine_warning
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
@@ -471,7 +471,7 @@ def test_a_swallowed_sigterm_still_stops_the_run_at_the_next_record(tmp_path, mo
     import signal
 
     import specbatch.pipeline as pipeline
-    import specbatch.run as run_mod
+    import specbatch.commands.run as run_mod
     model = tiny_gguf
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"id": i, "prompt": f"hello {i}"}) + "\n"

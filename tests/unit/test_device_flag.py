@@ -8,7 +8,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import specbatch.run
+import specbatch.commands.run
 from specbatch.cli import main
 from specbatch.config import EngineConfig
 
@@ -18,7 +18,7 @@ no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-on
 @pytest.fixture
 def captured(monkeypatch):
     seen = []
-    monkeypatch.setattr(specbatch.run, "run_job", lambda opts: seen.append(opts) or 0)
+    monkeypatch.setattr(specbatch.commands.run, "run_job", lambda opts: seen.append(opts) or 0)
     sigterm = signal.getsignal(signal.SIGTERM)  # ``run`` installs its own
     yield seen
     signal.signal(signal.SIGTERM, sigterm)

@@ -78,7 +78,7 @@ def test_torch_free_stages():
     """The API's import, records, prompts, outputs and the writer load no model code."""
     script = ("import sys\n"
               "import specbatch, specbatch.prompts, specbatch.outputs, specbatch.io.writer\n"
-              "import specbatch.io.records, specbatch.run, specbatch.bench, specbatch.llm\n"
+              "import specbatch.io.records, specbatch.commands.run, specbatch.commands.bench, specbatch.llm\n"
               "from specbatch import LLM, SamplingParams\n"
               "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -355,7 +355,7 @@ def test_load_tokenizer_without_weights(kind: str, tiny_gguf: Path, hf_folder: P
     assert tokenizer(text)["input_ids"] == loaded.tokenizer(text)["input_ids"]
     monkeypatch.setattr(loader, "_load_folder", lambda *a: pytest.fail("loaded the weights"))
     assert loader.load_tokenizer(name, cache_dir=tmp_path)[1] == model_id
-    from specbatch.analyze.report import load_tokenizer  # the run's tokenizer, for the replay
+    from specbatch.commands.analyze import load_tokenizer  # the run's tokenizer, for the replay
 
     monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path))
     assert load_tokenizer(model_id)(text)["input_ids"] == tokenizer(text)["input_ids"]

@@ -140,7 +140,7 @@ def test_a_registered_method_runs_through_run_bench_resume_and_what_if(
 
 
 def test_a_registered_method_is_a_choice_and_a_config(repeat_method):
-    from specbatch.bench import parse_configs
+    from specbatch.commands.bench import parse_configs
 
     assert NAME in methods.names() and methods.get(NAME) is repeat_method
     assert SpecConfig(method=NAME, num_speculative_tokens=2).k == 2

@@ -14,7 +14,7 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
-import specbatch.run
+import specbatch.commands.run
 from specbatch.cli import main
 from specbatch.io.records import read_records, template_fields
 from specbatch.recipe import load_recipe, parse_recipe
@@ -132,7 +132,7 @@ def captured(monkeypatch):
         seen.append(opts)
         return 0
 
-    monkeypatch.setattr(specbatch.run, "run_job", fake_run_job)
+    monkeypatch.setattr(specbatch.commands.run, "run_job", fake_run_job)
     sigterm = signal.getsignal(signal.SIGTERM)  # ``run`` installs its own
     yield seen
     signal.signal(signal.SIGTERM, sigterm)

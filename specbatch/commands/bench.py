@@ -114,7 +114,7 @@ def parse_groups(items) -> tuple[tuple[str, tuple[str, ...]], ...]:
 def run_bench(opts: BenchOptions) -> int:
     from specbatch.io.records import error_lines
     from specbatch.llm import LLM, ModelLoadError
-    from specbatch.run import EXIT_BAD_INPUT, load_records, warn_if_busy
+    from specbatch.commands.run import EXIT_BAD_INPUT, load_records, warn_if_busy
 
     records, errors = load_records(opts)
     if errors:
@@ -259,3 +259,39 @@ def format_table(labels, sizes: dict[str, int], seconds, tokens, stats, opts,
            + ("" if not _drafts(base) else " (no none configuration: add none to the "
               "--configs for speedups over plain decoding)"))
     return cfg + "\n" + "\n".join(lines)
+
+
+def command(input_path, configs, draft_model, model, dtype, device, max_batch_size,
+            max_model_len, no_prefix_caching, threads, cache_dir, max_tokens, min_tokens,
+            temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, logprobs,
+            prompt_field, id_field, split, limit, per_category, categories, repeats, groups,
+            template, calibration, **more_sampling) -> int:
+    """``specbatch bench`` from its parsed flags (``cli.bench``): check them and the model
+    names before anything loads, then ``run_bench``. Returns the exit status. Raises
+    ``click.UsageError`` (a bad flag value) and ``common.StopError`` (an unknown model)."""
+    from specbatch.commands.common import as_flags, check_model, choose_threads, stop_strings
+    from specbatch.commands.common import more_sampling as sampling_fields
+
+    cpu = choose_threads(threads)  # first: before anything imports torch
+    check_model(model)
+    try:
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
+                                  max_tokens=max_tokens, min_tokens=min_tokens,
+                                  stop=stop_strings(stop),
+                                  stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
+                                  logprobs=logprobs, **sampling_fields(more_sampling))
+        engine = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_model_len,
+                              dtype=dtype, device=device,
+                              prefix_caching=not no_prefix_caching)
+        specs = parse_configs(configs, draft_model)
+        named_groups = parse_groups(groups)
+    except ValueError as e:
+        raise click.UsageError(as_flags(str(e))) from None
+    if draft_model is not None:  # used by a configuration (parse_configs checked)
+        check_model(draft_model, draft=True)
+    return run_bench(BenchOptions(
+        input_path=input_path, model=model, draft_model=draft_model, cache_dir=cache_dir,
+        sampling=sampling, specs=specs, engine=engine, run_seed=seed, prompt_field=prompt_field,
+        id_field=id_field, split=split, limit=limit, per_category=per_category,
+        categories=tuple(categories.split(",")) if categories else None, repeats=repeats,
+        groups=named_groups, template=template, cpu=cpu, calibration=calibration))

@@ -461,4 +461,67 @@ def _input_digest(path: str) -> str:
     return h.hexdigest()
 
 
-__all__ = ["RunOptions", "run_job", "summary_table", "replace"]
+def command(given: frozenset[str], input_path, output, recipe, template, model, dtype, device,
+            max_batch_size, max_model_len, no_prefix_caching, threads, cache_dir, method,
+            draft_model, k, prompt_lookup_min, prompt_lookup_max, max_tokens, min_tokens,
+            temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, logprobs,
+            prompt_field, id_field, split, limit, on_error, resume, force, no_progress,
+            progress_interval, calibration, plan_only, use_ray, ray_address, replicas,
+            input_format, **more_sampling) -> int:
+    """``specbatch run`` from its parsed flags (``cli.run``; ``recipe``: the loaded
+    ``--recipe``, whose values were the flags' defaults; ``given``: the names of the flags set
+    on the command line): check them and the model names before anything loads, build the
+    configs, then ``run_job``. Returns the exit status. Raises ``click.UsageError`` (a bad or
+    conflicting flag) and ``common.StopError`` (an unknown model), both exit 2."""
+    from specbatch.commands.common import (as_flags, check_model, choose_threads,
+                                           exit_from_signals, stop_strings)
+    from specbatch.commands.common import more_sampling as sampling_fields
+
+    cpu = choose_threads(threads)  # first: before anything imports torch
+    if template is not None and prompt_field is not None:  # one from the recipe: the flag wins
+        if ("template" in given) == ("prompt_field" in given):
+            raise click.UsageError("--template and --prompt-field exclude each other")
+        template, prompt_field = ((template, None) if "template" in given
+                                  else (None, prompt_field))
+    # before anything imports torch; --method none ignores a draft model, ngram refuses it below
+    check_model(model)
+    if draft_model is not None and methods.uses_draft_model(method):
+        check_model(draft_model, draft=True)
+    try:
+        if template is not None:
+            from specbatch.io.records import template_fields
+
+            template_fields(template)
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=None,
+                                  max_tokens=max_tokens, min_tokens=min_tokens,
+                                  stop=stop_strings(stop),
+                                  stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
+                                  logprobs=logprobs, **sampling_fields(more_sampling))
+        spec = SpecConfig(method=method, num_speculative_tokens=k,
+                          prompt_lookup_min=prompt_lookup_min,
+                          prompt_lookup_max=prompt_lookup_max, draft_model=draft_model)
+        engine = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_model_len,
+                              dtype=dtype, device=device,
+                              prefix_caching=not no_prefix_caching)
+    except ValueError as e:
+        raise click.UsageError(as_flags(str(e))) from None
+    if plan_only and method != "auto":  # before anything loads
+        raise click.UsageError(f"--plan-only needs --method auto (got --method {method})")
+    if calibration is not None and method != "auto":
+        raise click.UsageError(f"--calibration needs --method auto (got --method {method})")
+    if (ray_address is not None or "replicas" in given) and not use_ray:
+        raise click.UsageError("--ray-address and --replicas need --ray")
+    out = output or f"{Path(input_path).name.split('.')[0]}.out.jsonl"
+    opts = RunOptions(input_path=input_path, output_path=out, model=model, cache_dir=cache_dir,
+                      sampling=sampling, spec=spec, engine=engine, run_seed=seed,
+                      prompt_field=prompt_field, id_field=id_field, split=split, limit=limit,
+                      on_error=on_error, resume=resume, force=force, progress=not no_progress,
+                      plan_only=plan_only, ray=use_ray, ray_address=ray_address,
+                      replicas=replicas, input_format=input_format,
+                      template=template, recipe=recipe.identity if recipe else None,
+                      cpu=cpu, calibration=calibration, progress_interval=progress_interval)
+    exit_from_signals()
+    return run_job(opts)
+
+
+__all__ = ["RunOptions", "command", "run_job", "summary_table", "replace"]

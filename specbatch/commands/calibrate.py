@@ -225,3 +225,30 @@ def _refit(feats: list[tuple], meas: list[float], k: int) -> None:
     click.echo(f"refitted weights ({', '.join(FEATURES)}):\n  "
                f"({', '.join(f'{v:.3f}' for v in w.tolist())})")
     click.echo(f"2-fold out-of-sample Spearman of the refitted predictor: {cv:.3f}")
+
+
+def command(model, dtype, device, cache_dir, output, recalibrate) -> int:
+    """``specbatch calibrate`` from its parsed flags (``cli.calibrate``): check the model and
+    the device before anything loads, then ``run_calibrate``. Returns the exit status. Raises
+    ``click.UsageError`` (a device that is not there) and ``common.StopError`` (an unknown
+    model)."""
+    from specbatch.commands.common import as_flags, check_model, choose_threads
+    from specbatch.config import resolve_device
+
+    cpu = choose_threads(None)  # first: before anything imports torch
+    check_model(model)
+    try:
+        device = resolve_device(device)
+    except ValueError as e:
+        raise click.UsageError(as_flags(str(e))) from None
+    return run_calibrate(model, dtype, cache_dir, output, recalibrate, device=device, cpu=cpu)
+
+
+def predict_eval_command(paths, k, model, cache_dir, refit, probe_tokens) -> int:
+    """``specbatch predict-eval`` from its parsed flags (``cli.predict_eval``): check the model
+    (``common.StopError``), then ``run_predict_eval``. Returns the exit status."""
+    from specbatch.commands.common import check_model
+
+    if model is not None:
+        check_model(model)
+    return run_predict_eval(paths, k, model, cache_dir, refit, probe_tokens)

@@ -303,4 +303,12 @@ def _compare_text(cmp: dict) -> list[str]:
     return lines
 
 
-__all__ = ["AnalyzeOptions", "build_document", "run_analyze", "format_text"]
+def command(paths, by, what_if, calibration, batch_size, compare, as_json, plot_dir) -> int:
+    """``specbatch analyze`` from its parsed flags (``cli.analyze``): ``run_analyze``. Returns
+    the exit status."""
+    return run_analyze(AnalyzeOptions(
+        paths=tuple(paths), by=by, what_if=what_if, calibration=calibration,
+        batch_size=batch_size, compare=compare, as_json=as_json, plot_dir=plot_dir))
+
+
+__all__ = ["AnalyzeOptions", "build_document", "command", "run_analyze", "format_text"]
