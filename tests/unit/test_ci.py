@@ -113,3 +113,21 @@ def test_readme_calibrate_usage_lists_its_options():
                                 " ".join(line.split("#")[0] for line in usage)))
     options = {o for p in main.commands["calibrate"].params for o in p.opts}
     assert documented == options, (sorted(documented), sorted(options))
+
+
+def test_readme_commands_name_every_flag():
+    """The README's Commands section (usage block and table) names every option of every
+    command and of ``specbatch`` itself (one of an option's spellings: ``--k`` for
+    ``--num-speculative-tokens``), so a user finds e.g. ``--progress-interval`` there."""
+    from specbatch.cli import main
+
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Commands"):text.index("\n## ", text.index("## Commands") + 1)]
+    named = set(re.findall(r"(?<![\w-])--?[a-z][a-z-]*", section))
+    commands = {"specbatch": main, **main.commands}
+    missing = {name: [p.opts[0] for p in cmd.params
+                      if p.opts[0].startswith("-") and not set(p.opts) & named]
+               for name, cmd in commands.items()}
+    missing = {name: opts for name, opts in missing.items() if opts}
+    assert missing == {}, missing
+    assert len(commands) == 6  # specbatch, run, bench, analyze, calibrate, predict-eval
