@@ -161,13 +161,28 @@ def check_resume(out_path: str | os.PathLike, config: dict) -> None:
     config = orjson.loads(orjson.dumps(config, option=JSON_OPTIONS))
     keys = _diff({k: saved.get(k) for k in config}, config)
     if keys:
-        raise ValueError(_refusal(work_path, f"the saved config {config_path} differs in: "
-                                  f"{', '.join(keys)}; rerun with the same options"))
+        raise ValueError(_refusal(work_path, _differs(config_path, saved, config, keys)))
 
 
 def _shard_paths(out_path: Path) -> list[Path]:
     """The replicas' work files of ``out_path`` (``WorkShard``)."""
     return sorted(out_path.parent.glob(f"{glob_escape(out_path.name)}.work.*.jsonl"))
+
+
+def _differs(config_path: Path, saved: dict, config: dict, keys: list[str]) -> str:
+    """Why a work file is not continued: the keys in which its saved config differs from this
+    run's, and, where the dtype differs, the flag that resumes it: an output written in float32
+    before ``--dtype auto`` picked int8 for a GGUF is continued with ``--dtype float32``."""
+    why = f"the saved config {config_path} differs in: {', '.join(keys)}; "
+    was, now = saved.get("dtype"), config.get("dtype")
+    if "dtype" in keys and isinstance(was, str):
+        picked = (f"--dtype auto now picks {now} for this model ({config['dtype_auto']})"
+                  if config.get("dtype_auto") else f"this run asks for {now}")
+        said = f"it was written in {was} and {picked}"
+        if set(keys) <= {"dtype", "dtype_auto"}:
+            return why + f"{said}: resume with --dtype {was}"
+        return why + f"rerun with the same options ({said}: --dtype {was})"
+    return why + "rerun with the same options"
 
 
 def _refusal(work_path: Path, why: str) -> str:
@@ -222,9 +237,8 @@ class OutputWriter:
                 self._refuse_or_discard(force, f"{self.config_path} is missing or unreadable; "
                                         "--resume to continue anyway")
             elif saved is not None and saved != self.config:
-                keys = ", ".join(_diff(saved, self.config))
-                self._refuse_or_discard(force, f"the saved config {self.config_path} differs in: "
-                                        f"{keys}; rerun with the same options")
+                self._refuse_or_discard(force, _differs(self.config_path, saved, self.config,
+                                                        _diff(saved, self.config)))
         elif self.out_path.exists() and not force:
             raise ValueError(f"{self.out_path} exists from a finished run; --force to overwrite")
         if self.work_path.exists():

@@ -193,6 +193,39 @@ def test_resume_with_other_options_is_refused_before_the_model_loads(tmp_path):
     check_resume(out, early)  # unreadable config: the writer's decision (--resume)
 
 
+def test_resume_of_an_old_float32_output_says_which_dtype_to_add(tmp_path):
+    """A work file written in float32 (the default before ``--dtype auto`` picked int8 for a
+    GGUF: no ``dtype_auto`` saved) resumed under auto's int8 is refused, before the load and by
+    the writer, with the flag that continues it; resuming with that flag is accepted. Other
+    keys differing too: the same hint inside "rerun with the same options"."""
+    out = tmp_path / "out.jsonl"
+    w = OutputWriter(out, CONFIG, resume=False, force=False, num_records=N)
+    w.write(3, _out(3))
+    w.close()
+    auto = {**CONFIG, "dtype": "int8", "dtype_auto": "GGUF Q8_0 codes on the int8 kernels"}
+    with pytest.raises(ValueError) as refused:
+        check_resume(out, auto)
+    with pytest.raises(ValueError) as later:
+        OutputWriter(out, auto, resume=True, force=False, num_records=N)
+    work, config = tmp_path / "out.jsonl.work.jsonl", tmp_path / "out.jsonl.config.json"
+    assert str(refused.value) == str(later.value) == (
+        f"cannot continue {work}: the saved config {config} differs in: dtype, dtype_auto; it "
+        "was written in float32 and --dtype auto now picks int8 for this model (GGUF Q8_0 codes "
+        "on the int8 kernels): resume with --dtype float32, or --force to start over")
+    with pytest.raises(ValueError) as both:
+        check_resume(out, {**auto, "k": 3})
+    assert ("differs in: dtype, k, dtype_auto; rerun with the same options (it was written in "
+            "float32 and --dtype auto now picks int8 for this model (GGUF Q8_0 codes on the "
+            "int8 kernels): --dtype float32), or --force") in str(both.value)
+    with pytest.raises(ValueError, match="it was written in float32 and this run asks for "
+                       "float64: resume with --dtype float32"):
+        check_resume(out, {**CONFIG, "dtype": "float64"})
+    check_resume(out, CONFIG)  # --dtype float32: the saved config's own
+    w = OutputWriter(out, CONFIG, resume=True, force=False, num_records=N)
+    assert w.done_indices() == {3}
+    w.close()
+
+
 def test_missing_config_needs_resume(tmp_path):
     out = tmp_path / "out.jsonl"
     w = OutputWriter(out, CONFIG, resume=False, force=False, num_records=N)
