@@ -31,6 +31,8 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -218,18 +220,49 @@ def _model_folder(source: ModelSource, root: Path) -> tuple[Path, str]:
     return folder, digest
 
 
+@contextmanager
+def _no_transformers_bars() -> Iterator[None]:
+    """transformers' progress bars off for one of our loads: its own (``Loading weights``,
+    ``transformers.utils.logging.disable_progress_bar``) and the plain tqdm bar of the GGUF
+    conversion (``Converting and de-quantizing GGUF tensors...``, which that switch does not
+    reach). Both are restored afterwards, so bars outside our loads (a user's own, transformers'
+    in a user's code) are as they were; our ``converting ...`` log line says what is going on."""
+    import functools
+
+    from transformers.utils import logging as hf_logging
+
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # no gguf package: no conversion bar either
+        gguf_utils = None
+    bars_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    gguf_tqdm = getattr(gguf_utils, "tqdm", None)
+    if gguf_tqdm is not None:
+        gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
+    try:
+        yield
+    finally:
+        if gguf_tqdm is not None:
+            gguf_utils.tqdm = gguf_tqdm
+        if bars_on:
+            hf_logging.enable_progress_bar()
+
+
 def _load_gguf(gguf_path: Path) -> tuple[Any, Any]:
-    """Model (float32, dense, not marked quantized) and tokenizer straight from a GGUF file."""
+    """Model (float32, dense, not marked quantized) and tokenizer straight from a GGUF file,
+    with no progress bar on stderr (``_no_transformers_bars``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     folder, file = str(gguf_path.parent), gguf_path.name
     # dequantize=True makes transformers unpack every weight to a plain tensor and drop its
     # quantizer afterwards; a model still holding the GGUF quantizer refuses save_pretrained
     # ("quantized with gguf and is not serializable").
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=file, dtype=torch.float32, local_files_only=True,
-        quantization_config=GgufConfig(dequantize=True))
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file, local_files_only=True)
+    with _no_transformers_bars():
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=file, dtype=torch.float32, local_files_only=True,
+            quantization_config=GgufConfig(dequantize=True))
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file, local_files_only=True)
     _drop_quantizer(model)
     return model, tokenizer
 
@@ -306,8 +339,9 @@ def _load_folder(folder: Path, torch_dtype: torch.dtype, device: torch.device) -
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch_dtype,
-                                                 local_files_only=True)
+    with _no_transformers_bars():
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch_dtype,
+                                                     local_files_only=True)
     model = model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     return model, tokenizer

@@ -466,3 +466,45 @@ def test_smollm2_metadata_and_chat_template(smollm2) -> None:
     assert tokenizer.bos_token_id == 1 and ids[0] == 1 and ids[1] != 1
     assert ids == smollm2.tokenizer(prompt)["input_ids"]  # cached tokenizer == GGUF tokenizer
     assert tokenizer("Hello")["input_ids"] == [19556]
+
+
+def test_a_run_converting_a_gguf_shows_no_transformers_bar(tiny_gguf: Path,
+                                                           tmp_path: Path) -> None:
+    """``specbatch run`` on a GGUF not yet in the cache (stderr a log file, not a terminal):
+    our ``converting ...`` line, and none of transformers' progress bars (the GGUF conversion's
+    plain tqdm ``Converting and de-quantizing GGUF tensors...``, ``Loading weights``)."""
+    from tests.cli_helpers import cli
+
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": 1, "prompt": "abc abc abc"}\n')
+    result = cli("run", src, "-o", tmp_path / "out.jsonl", "--model", tiny_gguf, "--cache-dir",
+                 tmp_path / "cache", "--method", "none", "--max-tokens", "2", "--no-progress")
+    assert result.returncode == 0, result.stderr
+    assert f"converting {tiny_gguf.resolve()} to float32 safetensors once" in result.stderr
+    for bar in ("Converting and de-quantizing", "Loading weights", "it/s]", "%|"):
+        assert bar not in result.stderr, result.stderr
+
+
+def test_the_bars_are_off_only_while_we_load(tiny_gguf: Path, tmp_path: Path) -> None:
+    """The GGUF conversion silences transformers' bars only while it loads: afterwards the
+    switch and the conversion's tqdm are as before, so a user's bars (and transformers' in
+    the user's own loads) still show."""
+    from tqdm.auto import tqdm
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    seen = []
+    real = gguf_utils.tqdm
+    gguf_utils.tqdm = lambda *a, **kw: seen.append(kw.get("disable")) or real(*a, **kw)
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()
+    try:
+        load_model(str(tiny_gguf), cache_dir=tmp_path / "cache")
+        assert seen == [True]  # the conversion ran, its bar disabled
+        assert hf_logging.is_progress_bar_enabled()
+        assert gguf_utils.tqdm is not real and gguf_utils.tqdm.__name__ == "<lambda>"
+    finally:
+        gguf_utils.tqdm = real
+        if not was_on:
+            hf_logging.disable_progress_bar()
+    assert real is tqdm
