@@ -51,6 +51,8 @@ CALIBRATION_VERSION = 3  # 1: plain least squares, no outlier check; 2: one toke
 TOKEN_KNOTS = (4, 8, 16, 32, 64)
 OUTLIER_RESIDUAL = 0.25  # a timing this far above its fit is taken again, then left out
 OUTLIER_ROUNDS = 2  # times an outlier is timed again before it is left out
+# the online refit (``OnlineCost``) counts a step timed above its fit as at most this share above
+ONLINE_CLIP = 0.25
 MIN_SAMPLES = 12  # never leave out samples below this many (4 coefficients to fit)
 NOISY_RESIDUAL = 0.08  # median |measured / fit - 1| above this: a noisy fit (a note)
 NOISY_REJECTED_SHARE = 0.2  # more timings than this share left out: a noisy fit
@@ -240,6 +242,14 @@ class OnlineCost:
         """One measured step (shape as in ``step_time``; seconds of wall time)."""
         if seconds <= 0:
             return
+        # load only ever adds time: a step timed far above the current fit (another process
+        # took the CPU) counts as ONLINE_CLIP above it, no more. Unclipped, a burst of load
+        # on the steps that drafted moved the token slope and with it auto's choices (the
+        # fitted step at 16 rows went 148 -> 272 -> 76 ms in one run at load 9-11 on 2
+        # CPUs); a machine that is slower all along is still followed, a refit at a time
+        if any(self.model.coef):  # (a model of no coefficients yet predicts nothing)
+            seconds = min(seconds, (1 + ONLINE_CLIP) * self.model.step_time(
+                num_rows, query_len, context_len, num_tokens))
         self._pending.append([f / seconds for f in _features(
             num_rows, query_len, context_len, num_tokens, self.model.knots, self.model.packed)])
         self.num_observed += 1

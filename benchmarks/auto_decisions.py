@@ -1,0 +1,177 @@
+"""What ``--method auto`` decides, step by step, against the static arms on the same records.
+
+    python benchmarks/auto_decisions.py benchmarks/peers/records16.jsonl --batch 16 --dtype int8 \
+        --arms none,ngram,suffix,auto [--max-tokens 128] [--limit N] [--fixed-cost] [--json OUT]
+
+Load-independent measures first: per arm the verify steps, output tokens, draft tokens and
+accepted tokens summed over the records (tokens per step; draft tokens not accepted are the
+wasted ones), whether every arm's token ids equal ``none``'s, and for auto the per-step step
+cap K and drafted tokens (the first steps in full), the time spent in the policy
+(``select`` / ``observe`` / ``observe_step``) and in the proposers as a share of the run's wall
+time, and the online cost fit's predicted step time for a fixed shape at each refit.
+--fixed-cost: auto prices steps with the calibration only (no online refit from wall time).
+Wall times are printed with the load average: on a busy machine they are noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("records")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--arms", default="none,ngram,suffix,auto")
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--fixed-cost", action="store_true")
+    ap.add_argument("--show-steps", type=int, default=12)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    import torch
+
+    torch.set_num_threads(2)
+    from specbatch import LLM
+    from specbatch.config import EngineConfig, SamplingParams, SpecConfig
+    from specbatch.io.records import read_records
+    from specbatch.plan import costmodel
+
+    engine = EngineConfig(max_batch_size=args.batch, dtype=args.dtype, device="cpu")
+    llm = LLM.from_config(None, SpecConfig(method="none"), engine, echo=lambda _l: None)
+    records, errors = read_records(args.records,
+                                   defaults=SamplingParams(max_tokens=args.max_tokens))
+    assert not errors, errors
+    records = records[:args.limit] if args.limit else records
+    records = [replace(r, sampling=replace(r.sampling, max_tokens=args.max_tokens))
+               for r in records]
+    results = {}
+    for arm in args.arms.split(","):
+        spec = (SpecConfig(method="none") if arm == "none"
+                else SpecConfig(method=arm, num_speculative_tokens=args.k))
+        prepared = llm.prepare(records, spec, echo=lambda _l: None)
+        log = {"K": [], "drafted": [], "rows": [], "fit_ms": []}
+        timers = {"select": 0.0, "observe": 0.0, "observe_step": 0.0, "propose": 0.0}
+        policy = prepared.plan.policy if prepared.plan is not None else None
+        if policy is not None:
+            policy._base_cost = (policy.cost.model if hasattr(policy.cost, "model")
+                                 else policy.cost)
+            if args.fixed_cost:
+                policy.cost = policy.cost.model if hasattr(policy.cost, "model") else policy.cost
+            _instrument(policy, prepared.engine.proposer, timers, log)
+        t0 = time.perf_counter()
+        outs = {rec.index: fields for rec, fields in prepared.run(seed=0)}
+        wall = time.perf_counter() - t0
+        tot = {"steps": 0, "tokens": 0, "draft": 0, "accepted": 0}
+        for f in outs.values():
+            s = f["spec"]
+            tot["steps"] += s["num_steps"]
+            tot["draft"] += s["num_draft_tokens"]
+            tot["accepted"] += s["num_accepted_tokens"]
+            tot["tokens"] += f["usage"]["completion_tokens"]
+        ids = {i: f["output_token_ids"] for i, f in outs.items()}
+        results[arm] = {"ids": ids, "tot": tot, "wall": wall, "timers": timers, "log": log,
+                        "proposer_steps": {i: f["spec"].get("proposer_steps") for i, f in
+                                           outs.items()},
+                        "load": os.getloadavg()[0],
+                        "calib_ms": _calib_ms(policy, log)}
+    base = results.get("none")
+    print(f"batch {args.batch}, dtype {llm.engine_config.dtype if hasattr(llm, 'engine_config') else args.dtype}, "
+          f"{len(records)} records, max_tokens {args.max_tokens}")
+    print(f"{'arm':<8}{'steps':>7}{'tokens':>8}{'tok/step':>9}{'draft':>7}{'accepted':>9}"
+          f"{'wasted':>7}{'wall s':>8}{'tok/s':>7}{'load':>6}  same ids as none")
+    for arm, r in results.items():
+        t = r["tot"]
+        same = "-" if base is None else (r["ids"] == base["ids"])
+        print(f"{arm:<8}{t['steps']:>7}{t['tokens']:>8}{t['tokens'] / t['steps']:>9.2f}"
+              f"{t['draft']:>7}{t['accepted']:>9}{t['draft'] - t['accepted']:>7}"
+              f"{r['wall']:>8.2f}{t['tokens'] / r['wall']:>7.1f}{r['load']:>6.1f}  {same}")
+    for arm, r in results.items():
+        if not r["log"]["K"]:
+            continue
+        tm, n_steps = r["timers"], len(r["log"]["K"])
+        per = {k: v / n_steps * 1e3 for k, v in tm.items()}
+        print(f"{arm}: CPU ms per verify step ({n_steps} steps, thread time): policy select "
+              f"{per['select']:.3f} (suffix lookup included), lookup propose "
+              f"{per['propose']:.3f}, observe {per['observe']:.3f}, observe_step "
+              f"{per['observe_step']:.3f}; total {sum(per.values()):.3f}; calibrated step "
+              f"{r['calib_ms']:.2f} ms at the run's mean rows, q=1")
+        n = args.show_steps
+        print(f"  first steps: K {r['log']['K'][:n]} drafted {r['log']['drafted'][:n]} "
+              f"rows {r['log']['rows'][:n]}")
+        drafted = r["log"]["drafted"]
+        print(f"  drafted tokens per step, quarters: "
+              + " ".join(str(sum(q)) for q in _quarters(drafted)))
+        if r["log"]["fit_ms"]:
+            print("  fit: predicted ms of a (rows, q=1, ctx 300) step at each refit: "
+                  + " ".join(f"{x:.1f}" for x in r["log"]["fit_ms"][:40]))
+        print("  proposer steps per record: " + json.dumps(r["proposer_steps"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({a: {k: v for k, v in r.items()} for a, r in results.items()}, f)
+
+
+def _calib_ms(policy, log) -> float:
+    """The calibration's (quiet machine) step time at the run's mean rows, q = 1, ctx 300."""
+    if policy is None or not log["rows"]:
+        return 0.0
+    cost = policy.cost.model if hasattr(policy.cost, "model") else policy.cost
+    base = getattr(policy, "_base_cost", None) or cost
+    rows = round(sum(log["rows"]) / len(log["rows"]))
+    return base.step_time(rows, 1 if rows > 1 else 2, 300) * 1e3
+
+
+def _quarters(xs):
+    n = max(len(xs), 1)
+    return [xs[i * n // 4:(i + 1) * n // 4] for i in range(4)]
+
+
+def _instrument(policy, router, timers, log) -> None:
+    from specbatch.plan.costmodel import OnlineCost
+
+    def timed(obj, name, key, after=None):
+        fn = getattr(obj, name)
+
+        def wrapper(*a, **kw):
+            t0 = time.thread_time()  # this thread's CPU time: other processes add none
+            out = fn(*a, **kw)
+            timers[key] += time.thread_time() - t0
+            if after is not None:
+                after(a, out)
+            return out
+        setattr(obj, name, wrapper)
+
+    last_refits = [-1]
+
+    def after_select(a, out):
+        seqs = a[0]
+        log["K"].append(policy.current_k)
+        log["drafted"].append(sum(len(d) for d in out))
+        log["rows"].append(len(seqs))
+
+    def after_step(a, out):
+        cost = policy.cost
+        if isinstance(cost, OnlineCost) and cost.num_observed != last_refits[0]:
+            n = cost.num_observed
+            if n % (8 if n <= 64 else cost.refit_every) == 0:
+                log["fit_ms"].append(cost.step_time(len(a[0]), 1, 300) * 1e3)
+            last_refits[0] = n
+
+    timed(policy, "select", "select", after_select)
+    timed(policy, "observe", "observe")
+    timed(policy, "observe_step", "observe_step", after_step)
+    timed(router.candidates, "propose", "propose")
+
+
+if __name__ == "__main__":
+    main()
