@@ -54,7 +54,7 @@ tokens (session 15); pooled by frequency alone, auto expected 0.71 tokens from a
 draft that gave 0.45. Like lookup drafts, suffix drafts are checked against the emitted tokens
 every step, verified or not (the pool decays once per step, ``SUFFIX_POOL_DECAY``). A row takes
 its suffix draft when it is worth more than its lookup draft at the step's token value, and the
-step uses suffix drafts only if its predicted rate beats lookup alone. The lookup's own time is
+step uses suffix drafts only if its predicted rate beats lookup alone. The lookup's own CPU time is
 measured every step (``suffix_seconds``, an exponential mean) and counted in that comparison.
 """
 
@@ -429,9 +429,11 @@ class AdaptivePolicy:
         """Rows (not drafting with the model) whose suffix draft, cut where a position stops
         being worth a packed token at the step's value, gains more than their current draft;
         kept if the step's predicted rate, suffix lookup time included, beats it without."""
-        t0 = time.perf_counter()
+        # the lookup's CPU time (Python on this thread): wall time counted other processes'
+        # turns on a busy machine, priced suffix drafts by the load of the moment
+        t0 = time.thread_time()
         drafts = self.suffix.propose_suffix(seqs, caps)
-        seconds = time.perf_counter() - t0
+        seconds = time.thread_time() - t0
         self.suffix_seconds = (seconds if self.suffix_seconds is None
                                else 0.8 * self.suffix_seconds + 0.2 * seconds)
         self._suffix_drafts = {s.seq_id: d for s, d in zip(seqs, drafts) if d.ids}
