@@ -89,14 +89,25 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def _q8_0_codes(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """v ``[B, 32]`` float32 -> (d ``[B]`` float32, q ``[B, 32]`` int8) with ``d * q`` equal to v
-    bit for bit (d a float16 value, so the product is exact), or None if some block has none."""
-    amax = v.abs().amax(1)
-    d = amax / 127  # the block's largest |q| is 127 where v came from Q8_0 (exact division)
-    safe = torch.where(d > 0, d, torch.ones_like(d))
-    q = (v / safe[:, None]).round_().clamp_(-127, 127).to(torch.int8)
-    rec = d[:, None] * q.float()  # what the kernel computes (a -0.0 weight cannot come back)
-    ok = (d.half().float() == d) & (rec.view(torch.int32) == v.view(torch.int32)).all(1)
-    return (d, q) if bool(ok.all()) else None
+    bit for bit (d a float16 value, so the product is exact), or None if some block has none.
+    In chunks of ``_CHUNK`` blocks: the float temporaries of one chunk, not of the whole
+    weight (SmolLM2's 28M-weight embedding: ~0.45 GB of them at once)."""
+    d = torch.empty(v.shape[0], dtype=torch.float32)
+    q = torch.empty(v.shape, dtype=torch.int8)
+    for i in range(0, v.shape[0], _CHUNK):
+        vc = v[i:i + _CHUNK]
+        dc = vc.abs().amax(1) / 127  # the largest |q| is 127 where v came from Q8_0 (exact)
+        safe = torch.where(dc > 0, dc, torch.ones_like(dc))
+        qc = (vc / safe[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        rec = dc[:, None] * qc.float()  # what the kernel computes (a -0.0 cannot come back)
+        if not bool(((dc.half().float() == dc)
+                     & (rec.view(torch.int32) == vc.view(torch.int32)).all(1)).all()):
+            return None
+        d[i:i + _CHUNK], q[i:i + _CHUNK] = dc, qc
+    return d, q
+
+
+_CHUNK = 1 << 16  # blocks of 32 per step of the code searches
 
 
 def _q4_1_codes(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
