@@ -24,7 +24,7 @@ from specbatch.models.backends import StepBackend, select_backend
 from specbatch.models.backends.cpu import Int8Weights
 from specbatch.models.backends.triton_cuda import rms_norm_kernel_for
 from specbatch.models.dense import (form_bytes, fused_weight, linear_for, linear_name,
-                                    row_invariant)
+                                    own_storage, row_invariant)
 
 _log = logging.getLogger(__name__)
 # dtypes whose matmuls were found not row-invariant here and said so: once per process (a
@@ -153,6 +153,7 @@ class LlamaForward:
             int8.take(self.lm_head)
             if int8.released_bytes:  # transformers' forward would read zeros: refuse it
                 hf_model.register_forward_pre_hook(_refuse_released_forward)
+                own_storage(hf_model)  # the rest off the weights file's memory map
         # the code that runs a step (Triton, the C kernels or torch), chosen once
         self.backend: StepBackend = select_backend(self)
 
