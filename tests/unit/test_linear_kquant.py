@@ -6,6 +6,8 @@ or the batch."""
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 import torch
@@ -301,6 +303,10 @@ def test_int8_model_holds_codes_not_float32(tmp_path, monkeypatch):
     assert a.q_proj.weight.shape == (256, 256) and fwd.qkv[0][0].shape == (256 + 2 * 128, 256)
     kept = [fwd.embed, layer.input_layernorm.weight, fwd.norm.weight]
     assert not any(linear_cpu.released(w) for w in kept)
+    # nothing left on transformers' memory map of the cached float32 file: it is unmapped
+    gc.collect()
+    with open("/proc/self/maps") as maps:
+        assert not [line for line in maps if str(tmp_path) in line and "safetensors" in line]
     assert fwd.embed.untyped_storage().nbytes() == fwd.embed.numel() * 4
     # held: the storage left (embedding, norms, rotary buffer, 4-byte stubs) plus the codes
     dense_weights = {id(w): w for w in [fwd.qkv[i][0] for i in range(2)] + fwd.gate_up
