@@ -158,8 +158,8 @@ def _k_quant_tensors(path: str | Path) -> tuple[mmap.mmap, list[tuple[str, int, 
 class GGUFCodes:
     """The Q4_K / Q5_K / Q6_K rows of a GGUF file, found by their float32 values.
 
-    Reading indexes every such row by its first 16 values (the file memory-mapped; 4 s for the
-    949k rows of Qwen2.5-Coder-1.5B Q4_K_M on 2 busy cores). Raises ``ValueError`` for a file
+    The first ``find`` indexes every such row by its first 16 values (the file memory-mapped;
+    4 s for the 949k rows of Qwen2.5-Coder-1.5B Q4_K_M on 2 busy cores, 17 s at a load of 10). Raises ``ValueError`` for a file
     that is not GGUF v2 / v3. ``find`` then gives a float32 weight's codes where every row is
     some K-quant row of the file, checked bit for bit.
     """
@@ -167,17 +167,25 @@ class GGUFCodes:
     def __init__(self, path: str | Path) -> None:
         self._file, found = _k_quant_tensors(path)
         self._tensors: list[tuple[str, np.ndarray]] = []
-        self._index: dict[int, list[tuple[int, int]]] = {}
+        self._index: dict[int, list[tuple[int, int]]] | None = None  # built by the first find
         for kind, offset, rows, row_bytes in found:
             raw = np.frombuffer(self._file, np.uint8, rows * row_bytes, offset).reshape(rows, -1)
-            keys = _keys(_first_values(kind, raw), raw.shape[1] // _DECODE[kind][1] * QK_K)
-            i = len(self._tensors)
             self._tensors.append((kind, raw))
-            for row, key in enumerate(keys):
-                self._index.setdefault(key, []).append((i, row))
 
     def __len__(self) -> int:
         return sum(raw.shape[0] for _, raw in self._tensors)
+
+    def _rows_index(self) -> dict[int, list[tuple[int, int]]]:
+        """key -> the (tensor, row) pairs of that key; built once, at the first ``find`` (a
+        forward whose weights are already packed never pays for it)."""
+        if self._index is None:
+            index: dict[int, list[tuple[int, int]]] = {}
+            for i, (kind, raw) in enumerate(self._tensors):
+                keys = _keys(_first_values(kind, raw), raw.shape[1] // _DECODE[kind][1] * QK_K)
+                for row, key in enumerate(keys):
+                    index.setdefault(key, []).append((i, row))
+            self._index = index
+        return self._index
 
     def find(self, weight: torch.Tensor) -> list[tuple[int, int, str, tuple]] | None:
         """``weight`` ``[N, K]`` float32 as runs ``(row0, row1, kind, form)`` in row order (kind
@@ -188,11 +196,12 @@ class GGUFCodes:
         if k % QK_K or n == 0 or weight.dtype != torch.float32:
             return None
         w = weight.detach()
-        if _keys(w[:1], k)[0] not in self._index:  # the usual miss (a Q8_0 / F32 tensor): cheap
+        index = self._rows_index()
+        if _keys(w[:1], k)[0] not in index:  # the usual miss (a Q8_0 / F32 tensor): cheap
             return None
         picks = []  # per row: its (tensor, row) candidates
         for key in _keys(w, k):
-            found = self._index.get(key)
+            found = index.get(key)
             if not found:
                 return None
             picks.append(found)

@@ -33,6 +33,12 @@ from specbatch import settings
 
 from . import cpu_build
 
+
+def released(weight: torch.Tensor) -> bool:
+    """Whether ``weight``'s values were released (``models.dense.release_float32``: a
+    zero-stride view of one float)."""
+    return weight.numel() > 1 and all(s == 0 for s in weight.stride())
+
 NR = 3  # weight rows per packed panel (csrc/linear_f32.c)
 BLOCK = 32  # k per quantisation block (GGUF's Q4_1 / Q8_0)
 Q4_1, Q8_0 = 1, 2  # the C kernel's codes for the two storage kinds
@@ -83,14 +89,25 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def _q8_0_codes(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """v ``[B, 32]`` float32 -> (d ``[B]`` float32, q ``[B, 32]`` int8) with ``d * q`` equal to v
-    bit for bit (d a float16 value, so the product is exact), or None if some block has none."""
-    amax = v.abs().amax(1)
-    d = amax / 127  # the block's largest |q| is 127 where v came from Q8_0 (exact division)
-    safe = torch.where(d > 0, d, torch.ones_like(d))
-    q = (v / safe[:, None]).round_().clamp_(-127, 127).to(torch.int8)
-    rec = d[:, None] * q.float()  # what the kernel computes (a -0.0 weight cannot come back)
-    ok = (d.half().float() == d) & (rec.view(torch.int32) == v.view(torch.int32)).all(1)
-    return (d, q) if bool(ok.all()) else None
+    bit for bit (d a float16 value, so the product is exact), or None if some block has none.
+    In chunks of ``_CHUNK`` blocks: the float temporaries of one chunk, not of the whole
+    weight (SmolLM2's 28M-weight embedding: ~0.45 GB of them at once)."""
+    d = torch.empty(v.shape[0], dtype=torch.float32)
+    q = torch.empty(v.shape, dtype=torch.int8)
+    for i in range(0, v.shape[0], _CHUNK):
+        vc = v[i:i + _CHUNK]
+        dc = vc.abs().amax(1) / 127  # the largest |q| is 127 where v came from Q8_0 (exact)
+        safe = torch.where(dc > 0, dc, torch.ones_like(dc))
+        qc = (vc / safe[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        rec = dc[:, None] * qc.float()  # what the kernel computes (a -0.0 cannot come back)
+        if not bool(((dc.half().float() == dc)
+                     & (rec.view(torch.int32) == vc.view(torch.int32)).all(1)).all()):
+            return None
+        d[i:i + _CHUNK], q[i:i + _CHUNK] = dc, qc
+    return d, q
+
+
+_CHUNK = 1 << 16  # blocks of 32 per step of the code searches
 
 
 def _q4_1_codes(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -100,23 +117,23 @@ def _q4_1_codes(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     at the float16 nearest ``(max - min) / 15`` and its two neighbours."""
     m = v.amin(1)
     d0 = ((v.amax(1) - m) / 15).half()
-    bits = d0.view(torch.int16)
-    found = torch.zeros(v.shape[0], dtype=torch.bool)
     d_out = torch.zeros_like(m)
     q_out = torch.zeros(v.shape, dtype=torch.uint8)
-    want = v.view(torch.int32)
-    for step in (0, 1, -1):
-        d = (bits + step).view(torch.float16).float() if step else d0.float()
+    todo = None  # indices of the blocks without codes yet (None: all); each block is its own
+    for step in (0, 1, -1):  # computation, so trying the neighbours on the rest alone is exact
+        vv, mm, dd = (v, m, d0) if todo is None else (v[todo], m[todo], d0[todo])
+        d = (dd.view(torch.int16) + step).view(torch.float16).float() if step else dd.float()
         d = torch.where(torch.isfinite(d) & (d >= 0), d, torch.zeros_like(d))
         safe = torch.where(d > 0, d, torch.ones_like(d))
-        q = ((v - m[:, None]) / safe[:, None]).round_().clamp_(0, 15)
+        q = ((vv - mm[:, None]) / safe[:, None]).round_().clamp_(0, 15)
         q = torch.where(d[:, None] > 0, q, torch.zeros_like(q))
-        rec = d[:, None] * q + m[:, None]  # two ops: the product is exact, so one rounding
-        ok = (rec.view(torch.int32) == want).all(1) & ~found
-        d_out = torch.where(ok, d, d_out)
-        q_out[ok] = q[ok].to(torch.uint8)
-        found |= ok
-        if bool(found.all()):
+        rec = d[:, None] * q + mm[:, None]  # two ops: the product is exact, so one rounding
+        ok = (rec.view(torch.int32) == vv.view(torch.int32)).all(1)
+        where = ok.nonzero()[:, 0] if todo is None else todo[ok]
+        d_out[where] = d[ok]
+        q_out[where] = q[ok].to(torch.uint8)
+        todo = (~ok).nonzero()[:, 0] if todo is None else todo[~ok]
+        if not todo.numel():
             return d_out, m, q_out
     return None
 
@@ -224,7 +241,9 @@ def pack_q8(weight: torch.Tensor, source=None) -> tuple | None:
                               for p, (r0, r1, _, _) in zip(parts, runs)], dtype=torch.int64)
         return SEGMENTS, table, torch.empty(0, dtype=torch.uint8), parts
     v = weight.detach().contiguous().reshape(-1, BLOCK)
-    found = _q8_0_codes(v)
+    # the first row's blocks settle which kind to try on all of them (a Q4_1 weight used to
+    # run the whole Q8_0 search first: 12 s of SmolLM2's int8 load at a load of 9)
+    found = _q8_0_codes(v) if _q8_0_codes(v[:nblk]) is not None else None
     if found is not None:
         d, q = found
         return Q8_0_X8, _by_group(d.view(n, nblk), n, nblk).contiguous(), _q8_x8(d, q, n, nblk)
@@ -240,9 +259,14 @@ def use_int8_activations(weight: torch.Tensor, source=None) -> bool:
     """From now on ``linear(x, weight)`` rounds x to 8 bits per block of 32 and runs integer
     dot products on the weight's exact codes (``csrc/linear_q8.c``; the dtype ``int8``).
     source: a ``kquant.GGUFCodes`` of the GGUF the weight came from, for K-quant codes.
-    Returns whether the weight has such codes: one without them keeps the float32 panels."""
+    Returns whether the weight has such codes: one without them keeps the float32 panels.
+    The source is not kept: a weight changed in place no longer has the file's codes anyway
+    (``kquant.GGUFCodes.find`` checks every bit), and the source holds an index of every row
+    of the file (~100 MB of Python objects for the 1.5B Qwen)."""
     _INT8[weight] = source if source is not None else True
-    return packed(weight)[0] in INT8_KINDS
+    form = packed(weight)
+    _INT8[weight] = True
+    return form[0] in INT8_KINDS
 
 
 INT8_KERNELS = ("portable", "avx2", "vnni")  # csrc/linear_q8.c's kernels, slowest first
@@ -274,6 +298,9 @@ def packed(weight: torch.Tensor) -> tuple:
     if entry is not None and entry[0] == (weight._version, int8):
         return entry[1]
     form = None
+    if released(weight):
+        raise RuntimeError(f"weight {tuple(weight.shape)}: its values were released once its "
+                           f"kernel form was made (dtype int8), and the form is gone or stale")
     if _quantized_weights():
         form = (pack_q8(weight, None if mark is True else mark) if int8
                 else pack_quantized(weight))
@@ -281,6 +308,25 @@ def packed(weight: torch.Tensor) -> tuple:
         form = (0, pack_weight(weight))
     _PACKED[weight] = ((weight._version, int8), form)
     return form
+
+
+def form_bytes(weight: torch.Tensor) -> int:
+    """Bytes of the kernel form ``packed`` holds for ``weight`` (codes, scales, float32 panels;
+    a segmented weight's runs), 0 where none is cached."""
+    entry = _PACKED.get(weight)
+    if entry is None:
+        return 0
+    seen: dict[int, int] = {}
+
+    def add(t) -> None:
+        if isinstance(t, torch.Tensor):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        elif isinstance(t, (tuple, list)):
+            for item in t:
+                add(item)
+
+    add(entry[1][1:])
+    return sum(seen.values())
 
 
 def _checked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):

@@ -215,8 +215,6 @@ def fit_batch_size(batch_size: int, tokens_per_row: int, forwards,
     more, the note warns and the batch size stays. Returns (batch size, a one-line note when it
     was lowered or memory is short now, else None); never below 1.
     """
-    from specbatch.spec_decode.draft import weight_bytes
-
     forwards = list(forwards)
     device = forwards[0].device
     if free_bytes is None or available_bytes is None:
@@ -228,7 +226,7 @@ def fit_batch_size(batch_size: int, tokens_per_row: int, forwards,
             mem = psutil.virtual_memory()
             free_now, total = mem.available, mem.total
         if free_bytes is None:
-            free_bytes = max(0, total - sum(weight_bytes(f.hf_model) for f in forwards))
+            free_bytes = max(0, total - sum(f.weight_bytes for f in forwards))
         if available_bytes is None:
             available_bytes = free_now
     from specbatch.engine.kv_cache import round_capacity
@@ -275,16 +273,17 @@ def fit_engine_config(engine_config, records, renderer: PromptRenderer, max_mode
 
 
 def memory_summary(engine: Engine) -> str:
-    """One line: weights and KV cache bytes of the target, the proposer's method's own part
+    """One line: weight bytes the target holds (``LlamaForward.weight_bytes``: its tensors'
+    storage plus the kernels' forms of the dense weights, e.g. int8 codes, whose float32
+    values are released) and its KV cache bytes, the proposer's method's own part
     (its registry entry's ``memory``: a draft model's weights and KV) and, with prefix caching
     on, how many prompt tokens it saved prefilling.
 
     KV bytes are the caches' size at the time of the call (they grow with the longest row)."""
     from specbatch import methods
-    from specbatch.spec_decode.draft import weight_bytes
 
     runner, proposer = engine.runner, engine.proposer
-    line = (f"memory: target weights {_gib(weight_bytes(runner.forward.hf_model))}, KV "
+    line = (f"memory: target weights {_gib(runner.forward.weight_bytes)}, KV "
             f"{_gib(runner.cache.nbytes)} ({runner.cache.num_rows} rows x "
             f"{runner.cache.capacity} positions)")
     entry = methods.get(proposer.name)  # a proposer's name is its method's

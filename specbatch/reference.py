@@ -222,6 +222,14 @@ def compare_outputs(out_path: str | Path, limit: int | None = None, model: str |
                                        max_model_len=cfg.get("max_model_len")),
                           cache_dir=cache_dir)
     loaded, renderer, max_model_len = llm.loaded, llm.renderer, llm.max_model_len
+    if cfg["dtype"] == "int8":  # the int8 model's code weights hold no float32 values (their
+        # codes only: backends.cpu.Int8Weights); transformers gets a float32 copy
+        from dataclasses import replace
+
+        from specbatch.models.loader import load_model
+
+        loaded = replace(loaded, model=load_model(loaded.source.name, "float32",
+                                                  cache_dir=cache_dir).model)
     replayer = _Replayer(llm, max_model_len)
     result = []
     for rec, row in pairs:

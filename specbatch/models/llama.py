@@ -21,9 +21,10 @@ import torch.nn.functional as F
 
 from specbatch.engine.kv_cache import KVCache
 from specbatch.models.backends import StepBackend, select_backend
-from specbatch.models.backends.cpu import use_int8_activations
+from specbatch.models.backends.cpu import Int8Weights
 from specbatch.models.backends.triton_cuda import rms_norm_kernel_for
-from specbatch.models.dense import fused_weight, linear_for, linear_name, row_invariant
+from specbatch.models.dense import (form_bytes, fused_weight, linear_for, linear_name,
+                                    own_storage, row_invariant)
 
 _log = logging.getLogger(__name__)
 # dtypes whose matmuls were found not row-invariant here and said so: once per process (a
@@ -59,6 +60,12 @@ def settle_torch_kernels() -> None:
         torch.softmax(x, dim=0)
         F.rms_norm(x[None], (64,), eps=1e-6)
     _TORCH_KERNELS_SETTLED = True
+
+
+def _refuse_released_forward(module, args):
+    raise RuntimeError("this model was loaded with dtype int8: the float32 values of its code "
+                       "weights were released once specbatch's kernels held their 4/8-bit codes, "
+                       "so transformers' forward cannot run on it; load it in float32 for that")
 
 
 class LlamaForward:
@@ -119,6 +126,12 @@ class LlamaForward:
                              "on x86-64 CPUs, specbatch's invariant C kernels)", name)
         # RMSNorm as one Triton program per row where the kernels are enabled (CUDA)
         self.rms_norm_kernel = rms_norm_kernel_for(self.dtype, self.device)
+        # dtype int8 (models/loader.py marks the model): the code-weight matmuls take 8-bit
+        # activations; each weight is marked (and its float32 values released: backends.cpu.
+        # Int8Weights) right after it is fused, before the C backend takes the kernel forms
+        self.activations = getattr(hf_model, "specbatch_activations", "float32")
+        int8 = (Int8Weights(self, getattr(hf_model, "specbatch_gguf", None))
+                if self.activations == "int8" else None)
         # q/k/v and gate/up as one matmul each (the parameters become views of the fused weights)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -131,13 +144,33 @@ class LlamaForward:
                     if a.q_proj.bias is not None else None)
             self.qkv.append((fused_weight(tuple(m.weight for m in projs)), bias))
             self.gate_up.append(fused_weight((mlp.gate_proj.weight, mlp.up_proj.weight)))
-        # dtype int8 (models/loader.py marks the model): the code-weight matmuls take 8-bit
-        # activations; marked before the C backend takes the weights' kernel forms
-        self.activations = getattr(hf_model, "specbatch_activations", "float32")
-        if self.activations == "int8":
-            use_int8_activations(self, getattr(hf_model, "specbatch_gguf", None))
+            if int8 is not None:
+                int8.take(self.qkv[-1][0], tuple(m.weight for m in projs))
+                int8.take(a.o_proj.weight)
+                int8.take(self.gate_up[-1], (mlp.gate_proj.weight, mlp.up_proj.weight))
+                int8.take(mlp.down_proj.weight)
+        if int8 is not None:
+            int8.take(self.lm_head)
+            if int8.released_bytes:  # transformers' forward would read zeros: refuse it
+                hf_model.register_forward_pre_hook(_refuse_released_forward)
+                own_storage(hf_model)  # the rest off the weights file's memory map
         # the code that runs a step (Triton, the C kernels or torch), chosen once
         self.backend: StepBackend = select_backend(self)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights this forward holds: the storage of the model's parameters and
+        buffers (each storage once: the fused q/k/v and gate/up once, a released weight's
+        4-byte stub) plus the kernel forms the dense weights are multiplied in
+        (``kernels.linear_cpu.form_bytes``: int8 codes and scales, float32 panels; oneDNN's
+        reordered copies)."""
+        from specbatch.spec_decode.draft import weight_bytes
+
+        dense = [w for w, _ in self.qkv] + self.gate_up + [self.lm_head]
+        for layer in self.layers:
+            dense += [layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight]
+        return weight_bytes(self.hf_model) + sum(form_bytes(w) for w in
+                                                 {id(w): w for w in dense}.values())
 
     @property
     def kv_dtype(self) -> torch.dtype:

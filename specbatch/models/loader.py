@@ -147,7 +147,10 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu",
     name: see ``resolve_model``.
     dtype: "float32", "bfloat16", "float16" or "float64"; weights are cast while loading.
         "int8": float32 weights, and the model is marked (``specbatch_activations = "int8"``)
-        so that ``LlamaForward`` runs its code-weight matmuls with 8-bit activations.
+        so that ``LlamaForward`` runs its code-weight matmuls with 8-bit activations; the first
+        ``LlamaForward`` then releases the float32 values of the weights it holds codes of
+        (``backends.cpu.Int8Weights``), after which transformers' forward refuses to
+        run on the model (load it again in float32 for that).
     device: a torch device string ("cpu", "cuda", "cuda:1").
     cache_dir: root of the GGUF cache; else env ``SPECBATCH_CACHE``; else ``~/.cache/specbatch``.
 

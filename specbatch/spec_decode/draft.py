@@ -56,9 +56,15 @@ class _RowState:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of a model's parameters and buffers (tied weights counted once)."""
-    tensors = {t.data_ptr(): t for t in (*model.parameters(), *model.buffers())}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    """Bytes of the storage a model's parameters and buffers hold, each storage once (tied
+    weights, and views of one fused tensor, count once; a weight released for int8,
+    ``dense.release_float32``, counts its 4-byte stub). Without the kernels' own forms of the
+    weights: ``LlamaForward.weight_bytes`` adds those."""
+    storages = {}
+    for t in (*model.parameters(), *model.buffers()):
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 class DraftProposer:
@@ -80,7 +86,7 @@ class DraftProposer:
     # ---- memory ---------------------------------------------------------------------------
     @property
     def weight_bytes(self) -> int:
-        return weight_bytes(self.forward.hf_model)
+        return self.forward.weight_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -322,6 +322,11 @@ def test_split_entry_assembles_once(tmp_path, monkeypatch):
     assert entry.locate(cache) == path and path.stat().st_mtime_ns == mtime  # not redone
     marker = json.loads((path.parent / "tiny.gguf.parts.json").read_text())
     assert [p[1] for p in marker["parts"]] == [third, third, len(blob) - 2 * third]
+    # another installation (other part paths) sharing the cache: the file is reused, not
+    # assembled again (two venvs used to take turns re-assembling the 1.1 GB Qwen file)
+    marker["parts"] = [["/elsewhere/part.bin", s, 1] for _, s, _ in marker["parts"]]
+    (path.parent / "tiny.gguf.parts.json").write_text(json.dumps(marker))
+    assert entry.locate(cache) == path and path.stat().st_mtime_ns == mtime
 
     # wrong expected bytes: refused, nothing left behind
     bad = SplitRegistryEntry("tiny-bad", entry.part_modules, "tiny.gguf", len(blob), "0" * 64,

@@ -6,6 +6,8 @@ or the batch."""
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 import torch
@@ -273,3 +275,68 @@ def test_kquant_gguf_engine_outputs_do_not_depend_on_proposer_or_batch(tmp_path)
                         f.new_cache(1, 16), torch.tensor([0])) for f in (fwd, f32)]
     gap = (logits[0] - logits[1]).abs().max().item()
     assert 0 < gap < 0.05 * logits[1].abs().max().item()
+
+
+def test_int8_model_holds_codes_not_float32(tmp_path, monkeypatch):
+    """dtype int8 releases the float32 values of every dense weight the kernels hold codes of
+    (fused q/k/v and gate/up with their parameters, o, down, an untied lm_head), one weight at
+    a time; the embedding and norms stay float32. Releasing changes no logit bit, a second
+    forward of the same model reuses the codes, ``weight_bytes`` counts what is held (codes +
+    float32 left), and transformers' forward on the model is refused."""
+    from specbatch.models import dense
+    from specbatch.models.llama import LlamaForward
+    from specbatch.models.loader import load_model
+    from specbatch.spec_decode.draft import weight_bytes
+
+    path = tmp_path / "tiny-kquant.gguf"
+    write_tiny_kquant_gguf(path)
+    model = load_model(str(path), dtype="int8", cache_dir=tmp_path / "cache").model
+    float32_bytes = weight_bytes(model)
+    fwd = LlamaForward(model)
+    layer = fwd.layers[0]
+    a, mlp = layer.self_attn, layer.mlp
+    released = [fwd.qkv[0][0], fwd.gate_up[0], a.q_proj.weight, a.k_proj.weight,
+                a.v_proj.weight, a.o_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
+                mlp.down_proj.weight, fwd.lm_head]
+    for w in released:
+        assert linear_cpu.released(w) and w.untyped_storage().nbytes() == 4, w.shape
+    assert a.q_proj.weight.shape == (256, 256) and fwd.qkv[0][0].shape == (256 + 2 * 128, 256)
+    kept = [fwd.embed, layer.input_layernorm.weight, fwd.norm.weight]
+    assert not any(linear_cpu.released(w) for w in kept)
+    # nothing left on transformers' memory map of the cached float32 file: it is unmapped
+    gc.collect()
+    with open("/proc/self/maps") as maps:
+        assert not [line for line in maps if str(tmp_path) in line and "safetensors" in line]
+    assert fwd.embed.untyped_storage().nbytes() == fwd.embed.numel() * 4
+    # held: the storage left (embedding, norms, rotary buffer, 4-byte stubs) plus the codes
+    dense_weights = {id(w): w for w in [fwd.qkv[i][0] for i in range(2)] + fwd.gate_up
+                     + [fwd.lm_head] + [m for lay in fwd.layers for m in
+                                        (lay.self_attn.o_proj.weight, lay.mlp.down_proj.weight)]}
+    codes = sum(linear_cpu.form_bytes(w) for w in dense_weights.values())
+    assert codes > 0 and fwd.weight_bytes == weight_bytes(model) + codes
+    left = sum(t.untyped_storage().nbytes() for t in (*model.parameters(), *model.buffers())
+               if not linear_cpu.released(t))
+    stubs = {t.untyped_storage().data_ptr() for t in model.parameters()
+             if linear_cpu.released(t)}  # one per released weight: a fused one's views share it
+    assert len(stubs) == 2 * 4 + 1 and weight_bytes(model) == left + 4 * len(stubs)
+    assert fwd.weight_bytes < float32_bytes / 2
+    # a second forward (the memory fit's, then the runner's) takes the same codes
+    again = LlamaForward(model)
+    assert again.qkv[0][0] is fwd.qkv[0][0] and again.weight_bytes == fwd.weight_bytes
+    ids, pos = torch.tensor([[3, 17, 42, 7, 99]]), torch.arange(5)[None]
+    logits = fwd.forward(ids, pos, fwd.new_cache(1, 16), torch.tensor([0]))
+    assert torch.equal(again.forward(ids, pos, again.new_cache(1, 16), torch.tensor([0])),
+                       logits)
+    # the same bits as a model whose float32 values are kept
+    monkeypatch.setattr(dense, "release_float32", lambda w, views=(): 0)
+    kept_model = load_model(str(path), dtype="int8", cache_dir=tmp_path / "cache").model
+    full = LlamaForward(kept_model)
+    assert not linear_cpu.released(full.qkv[0][0])
+    assert torch.equal(full.forward(ids, pos, full.new_cache(1, 16), torch.tensor([0])), logits)
+    with pytest.raises(RuntimeError, match="loaded with dtype int8.*load it in float32"):
+        model(ids)
+    kept_model(ids)  # nothing released: transformers' forward runs
+    # a released weight whose codes are gone cannot be packed again from its zeros
+    linear_cpu._PACKED.pop(fwd.lm_head)
+    with pytest.raises(RuntimeError, match="values were released"):
+        linear_cpu.packed(fwd.lm_head)

@@ -140,6 +140,7 @@ def test_int8_engine_outputs_do_not_depend_on_proposer_or_batch():
     KV cache): greedy outputs equal for none / ngram k 3 at batch 1 and 4, and logits near the
     float32 ones but not equal."""
     base = gguf_exact(tiny_llama(96, seed=11).float())
+    plain = copy.deepcopy(base)  # before the int8 forward releases base's float32 values
     base.specbatch_activations = "int8"
     fwd = LlamaForward(base)
     assert fwd.activations == "int8"
@@ -147,8 +148,6 @@ def test_int8_engine_outputs_do_not_depend_on_proposer_or_batch():
     assert linear_cpu._PACKED[fwd.lm_head][1][0] == linear_cpu.Q8_0_X8
     assert fwd.new_cache(1, 16).k[0].dtype == torch.float16  # keys and values in float16
     prompts, _ = engine_runs_agree(fwd, vocab=96)
-    plain = copy.deepcopy(base)
-    del plain.specbatch_activations
     f32 = LlamaForward(plain)
     assert f32.activations == "float32"
     logits = [f.forward(torch.tensor([prompts[0][:8]]), torch.arange(8)[None],

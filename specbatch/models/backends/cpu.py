@@ -150,31 +150,48 @@ def _is_c_linear(linear) -> bool:
     return linear is linear_cpu.linear
 
 
-def use_int8_activations(forward, gguf_path: str | None = None) -> None:
-    """Mark every dense weight of ``forward`` (fused q/k/v, o, fused gate/up, down, lm_head) for
-    8-bit activations (``kernels.linear_cpu.use_int8_activations``), with the Q4_K / Q6_K codes
-    of ``gguf_path`` (the GGUF the model was loaded from, if any: ``kernels.kquant``). Raises
-    ``ValueError`` where the C matmul cannot run (int8 needs it: a float32 CPU model, x86-64
-    with AVX2)."""
-    try:
-        from specbatch.kernels import linear_cpu
-    except ImportError:
-        linear_cpu = None
-    if linear_cpu is None or not linear_cpu.available():
-        raise ValueError("dtype int8 needs specbatch's C kernels (an x86-64 CPU with AVX2 + FMA "
-                         "and a C compiler); use float32")
-    weights = [w for w, _ in forward.qkv] + forward.gate_up + [forward.lm_head]
-    for layer in forward.layers:
-        weights += [layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight]
-    source = None
-    if gguf_path is not None:
-        from specbatch.kernels import kquant
+class Int8Weights:
+    """Marks ``forward``'s dense weights for 8-bit activations one at a time (``take``), with
+    the Q4_K / Q5_K / Q6_K codes of ``gguf_path`` (the GGUF the model was loaded from, if any:
+    ``kernels.kquant``), and releases the float32 values of each weight the kernels then hold
+    codes of (``dense.release_float32``). ``LlamaForward`` takes each layer's weights right
+    after fusing them, so that the load's peak holds one layer's fused float32 copies, not
+    the whole model's. Nothing reads the released values: every step, prefill and the
+    torch-loop fallback multiply through ``forward.linear`` on the codes. Kept: the token
+    embedding (a lookup; a tied lm_head is the same tensor), the norms and biases, and
+    weights without codes (they run on float32 panels). Raises ``ValueError`` where the C
+    matmul cannot run (int8 needs it: a float32 CPU model, x86-64 with AVX2)."""
 
-        source = kquant.GGUFCodes(gguf_path)
-        if not len(source):
-            source = None  # no K-quant tensors: the floats give every code
-    for w in weights:
-        linear_cpu.use_int8_activations(w, source)
+    def __init__(self, forward, gguf_path: str | None = None) -> None:
+        try:
+            from specbatch.kernels import linear_cpu
+        except ImportError:
+            linear_cpu = None
+        if linear_cpu is None or not linear_cpu.available():
+            raise ValueError("dtype int8 needs specbatch's C kernels (an x86-64 CPU with AVX2 + "
+                             "FMA and a C compiler); use float32")
+        self._linear_cpu = linear_cpu
+        self._embed = forward.embed
+        self.source = None
+        if gguf_path is not None:
+            from specbatch.kernels import kquant
+
+            self.source = kquant.GGUFCodes(gguf_path)  # indexed at its first find only
+            if not len(self.source):
+                self.source = None  # no K-quant tensors: the floats give every code
+        self.released_bytes = 0  # float32 bytes released so far (0 on a model's 2nd forward)
+
+    def take(self, weight: torch.Tensor, views: tuple[torch.Tensor, ...] = ()) -> bool:
+        """Mark ``weight`` ``[N, K]`` (``views``: the parameters that are views of it, for a
+        fused weight) and release its float32 values if it has codes. Returns whether it has."""
+        from specbatch.models.dense import release_float32
+
+        lc = self._linear_cpu
+        if not lc.use_int8_activations(weight, self.source):
+            return False
+        if weight is not self._embed and not lc.released(weight):
+            self.released_bytes += release_float32(weight, views)
+        return True
 
 
 def attention_for(forward):
