@@ -45,7 +45,7 @@ def main() -> None:
     from specbatch import LLM
     from specbatch.config import EngineConfig, SamplingParams, SpecConfig
     from specbatch.io.records import read_records
-    from specbatch.plan import costmodel
+    from specbatch.auto import costmodel
 
     engine = EngineConfig(max_batch_size=args.batch, dtype=args.dtype, device="cpu")
     llm = LLM.from_config(None, SpecConfig(method="none"), engine, echo=lambda _l: None)
@@ -68,7 +68,7 @@ def main() -> None:
                                  else policy.cost)
             if args.fixed_cost:
                 policy.cost = policy.cost.model if hasattr(policy.cost, "model") else policy.cost
-            _instrument(policy, prepared.engine.proposer, timers, log)
+            _instrument(policy, timers, log)
         t0 = time.perf_counter()
         outs = {rec.index: fields for rec, fields in prepared.run(seed=0)}
         wall = time.perf_counter() - t0
@@ -136,8 +136,8 @@ def _quarters(xs):
     return [xs[i * n // 4:(i + 1) * n // 4] for i in range(4)]
 
 
-def _instrument(policy, router, timers, log) -> None:
-    from specbatch.plan.costmodel import OnlineCost
+def _instrument(policy, timers, log) -> None:
+    from specbatch.auto.costmodel import OnlineCost
 
     def timed(obj, name, key, after=None):
         fn = getattr(obj, name)
@@ -170,7 +170,7 @@ def _instrument(policy, router, timers, log) -> None:
     timed(policy, "select", "select", after_select)
     timed(policy, "observe", "observe")
     timed(policy, "observe_step", "observe_step", after_step)
-    timed(router.candidates, "propose", "propose")
+    timed(policy.lookup.proposer, "propose", "propose")  # prompt lookup's
 
 
 if __name__ == "__main__":

@@ -150,7 +150,7 @@ def _model_options(f, batch: bool = True):
 
 def _calibration_model_options(f):
     """``_model_options`` without the engine's --max-batch-size and --max-model-len: calibration
-    times fixed shapes (``plan.costmodel.calibrate``)."""
+    times fixed shapes (``auto.costmodel.calibrate``)."""
     return _model_options(f, batch=False)
 
 

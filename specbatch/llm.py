@@ -17,8 +17,8 @@
 (``io.records`` -> ``prompts`` -> ``pipeline`` -> ``engine`` -> ``outputs`` -> ``io.writer``).
 A build is per batch of records: the batch size is fitted to the records and to free memory
 (``pipeline.fit_engine_config``) and, with ``method="auto"``, the records are planned
-(``plan.planner.plan_auto``) and the engine's proposer is a ``spec_decode.router.Router``: the
-candidate proposers behind the adaptive policy that routes and cuts their drafts.
+(``auto.planner.plan_auto``) and the engine's proposer is an ``auto.proposer.AutoProposer``:
+the candidate proposers behind the adaptive policy that routes and cuts their drafts.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class Prepared:
 
     llm: LLM
     engine: Any  # engine.engine.Engine
-    plan: Any  # plan.planner.Plan | None
+    plan: Any  # auto.planner.Plan | None
     records: list
     engine_config: EngineConfig  # as fitted: max_batch_size is the engine's rows
 
@@ -255,7 +255,7 @@ class LLM:
 
     def calibrate(self, recalibrate: bool = False, forward=None, model_id: str | None = None,
                   echo: Callable[[str], None] | None = None, purpose: str | None = None):
-        """The step-cost model of this machine (``plan.costmodel``): ``(cost, path, measured)``,
+        """The step-cost model of this machine (``auto.costmodel``): ``(cost, path, measured)``,
         loaded from the cache shared by every run (and replica) unless ``recalibrate`` (or the
         cached fit fails its checks). forward, model_id: another forward to calibrate (the
         draft model's) and its id. echo: gets what it is doing and why a fit is not cached
@@ -266,7 +266,7 @@ class LLM:
         target's, whatever the cache holds."""
         from specbatch.models.llama import LlamaForward
         from specbatch.models.loader import cache_root
-        from specbatch.plan import costmodel
+        from specbatch.auto import costmodel
 
         key = model_id or self.model_id
         fits = self.__dict__.setdefault("_fits", {})
@@ -291,7 +291,7 @@ class LLM:
         file) when it is no usable calibration."""
         from pathlib import Path
 
-        from specbatch.plan.costmodel import load, other_engine
+        from specbatch.auto.costmodel import load, other_engine
 
         cost = load(path)
         if (why := cost.problem()) is not None:
@@ -314,7 +314,7 @@ class LLM:
         """Build an engine for ``records`` (a list of ``Record``): spec (default: this LLM's),
         engine: an already fitted ``EngineConfig`` (default: fitted to the records here).
         With ``method="auto"``: calibrate (or read the cache), plan, and build the engine with
-        a ``Router`` over the candidate proposers and the adaptive policy. ``echo`` gets the
+        an ``AutoProposer`` over the candidate proposers and the adaptive policy. ``echo`` gets the
         notes and the plan table (``echo_plan``, when given, gets the table: ``--plan-only``
         prints it on stdout)."""
         from specbatch.engine.engine import Engine
@@ -340,7 +340,7 @@ class LLM:
         proposer = make_proposer(spec, draft_forward, rows)
         plan = None
         if spec.method == "auto":
-            from specbatch.plan.planner import plan_auto
+            from specbatch.auto.planner import plan_auto
 
             why = "the plan's k and predicted speedup per bucket depend on it"
             cost, _, _ = self.calibrate(forward=runner.forward, echo=echo, purpose=why)
@@ -349,12 +349,10 @@ class LLM:
                 model_cost, _, _ = self.calibrate(
                     forward=draft_forward, model_id=self.draft_model_id or "draft",
                     echo=echo, purpose=why)
-            from specbatch.spec_decode.router import Router
-
-            plan, policy = plan_auto(records, self.renderer, spec, rows, max_model_len, cost,
-                                     proposer, model_cost, echo=echo, model_id=self.model_id,
-                                     echo_plan=echo_plan)
-            proposer = Router(proposer, policy)  # the policy routes and cuts the drafts
+            # the proposer routes through the plan's policy from now on
+            plan, _ = plan_auto(records, self.renderer, spec, rows, max_model_len, cost,
+                                proposer, model_cost, echo=echo, model_id=self.model_id,
+                                echo_plan=echo_plan)
         self.engine = Engine(runner, proposer, stop_rules, spec.draft_cap,
                              self.renderer.detokenize)
         return Prepared(self, self.engine, plan, records, engine_config)

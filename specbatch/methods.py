@@ -55,9 +55,14 @@ class Method:
         job's ``spec`` stats are then those of an uninterrupted run.
     memory: ``line(proposer) -> str | None``: the method's part of ``pipeline.memory_summary``
         (a draft model's weights and KV), or None.
-    auto: whether ``--method auto`` may choose this method's drafts. Auto knows ngram, suffix
-        and draft only (``spec_decode.composite``, ``plan.policy``); ``register_method`` refuses
-        True for any other method until auto chooses through a candidate protocol.
+    auto: whether ``--method auto`` may choose this method's drafts: auto then builds the
+        method's proposer too (``build``, with auto's ``SpecConfig``; a method that "needs" a
+        draft model only when one is given) and offers its ``candidate`` rows every step.
+    candidate: ``candidate(proposer, setup) -> auto.candidate.Candidate``: how auto values
+        the proposer's drafts (confidence per draft position, cost per step, acceptance pool);
+        setup: an ``auto.candidate.Setup``. Required with ``auto=True``. The ``ngram`` entry's
+        is auto's base (prompt lookup, drafted every step); the others are offered rows in
+        registration order.
     """
 
     name: str
@@ -74,6 +79,7 @@ class Method:
     replay_schedule: bool = False
     memory: Callable[[Any], str | None] | None = None
     auto: bool = False
+    candidate: Callable[[Any, Any], Any] | None = None
 
     def draft_cap(self, k: int) -> int:
         """The engine's per-row draft cap (tokens) for ``k``."""
@@ -81,14 +87,13 @@ class Method:
 
 
 _METHODS: dict[str, Method] = {}
-AUTO_CANDIDATES = frozenset({"ngram", "suffix", "draft"})  # what auto's policy can choose
 
 
 def register_method(method: Method, *, replace: bool = False) -> Method:
     """Add ``method`` to the registry and return it. Raises ``ValueError`` for a name already
     registered (unless ``replace``), a name that is not one word of ``[a-z0-9_-]`` (a
-    ``bench`` label is ``NAME:key=N``), an unknown ``draft_model`` use, or ``auto=True`` for a
-    method auto's policy does not know."""
+    ``bench`` label is ``NAME:key=N``), an unknown ``draft_model`` use, or ``auto=True``
+    without a ``candidate`` builder."""
     name = method.name
     if not name or not all(c.isalnum() or c in "_-" for c in name) or name != name.lower():
         raise ValueError(f"method name {name!r}: expected lowercase letters, digits, _ or -")
@@ -97,9 +102,9 @@ def register_method(method: Method, *, replace: bool = False) -> Method:
     if method.draft_model not in DRAFT_MODEL_USES:
         raise ValueError(f"method {name!r}: draft_model {method.draft_model!r} is not one of "
                          f"{', '.join(DRAFT_MODEL_USES)}")
-    if method.auto and name not in AUTO_CANDIDATES:
-        raise ValueError(f"method {name!r}: auto chooses only among "
-                         f"{', '.join(sorted(AUTO_CANDIDATES))} (auto=False)")
+    if method.auto and method.candidate is None:
+        raise ValueError(f"method {name!r}: auto=True needs a candidate builder (how auto "
+                         "values its drafts, auto.candidate.Candidate)")
     _METHODS[name] = method
     return method
 
@@ -157,22 +162,35 @@ def _draft(config, draft_forward, num_rows: int):
 
 
 def _auto(config, draft_forward, num_rows: int):
-    """Prompt lookup, plus the draft model when there is one, plus suffix drafts: the auto
-    policy chooses per row and step (``spec_decode.composite``)."""
-    from specbatch.spec_decode.composite import LookupAndDraftProposer, WithSuffix
+    """Every method auto may choose (``auto=True``), prompt lookup first: the auto policy
+    chooses among them per row and step (``auto.proposer``; a method that needs a draft model
+    joins only when one is given)."""
+    from specbatch.auto.proposer import AutoProposer
 
-    inner = _ngram(config, None, num_rows)
-    if draft_forward is not None:
-        inner = LookupAndDraftProposer(inner, _draft(config, draft_forward, num_rows))
-    return WithSuffix(inner, _suffix(config, None, num_rows))
+    chosen = [m for m in _METHODS.values() if m.auto]
+    chosen.sort(key=lambda m: m.name != "ngram")  # the base first, then registration order
+    members = []
+    for m in chosen:
+        uses = m.draft_model in ("needs", "optional")
+        if m.draft_model == "needs" and draft_forward is None:
+            continue
+        members.append((m.name, m.build(config, draft_forward if uses else None, num_rows)))
+    return AutoProposer(members)
 
 
 def _reindex_finished(proposer, finished_records) -> None:
-    """Suffix drafts on resume: index the outputs finished before (``SuffixProposer`` or
-    auto's ``Router`` over ``WithSuffix``)."""
+    """Suffix drafts on resume: index the outputs finished before (``SuffixProposer``)."""
     from specbatch.spec_decode.suffix import finished_outputs
 
     proposer.add_finished(finished_outputs(finished_records))
+
+
+def _auto_resume(proposer, finished_records) -> None:
+    """Each of auto's members' own resume hook (suffix: re-index the finished outputs)."""
+    for name, member in proposer.members:
+        hook = _METHODS[name].resume
+        if hook is not None:
+            hook(member, finished_records)
 
 
 def _draft_memory(draft) -> str:
@@ -182,14 +200,30 @@ def _draft_memory(draft) -> str:
 
 
 def _auto_memory(proposer) -> str | None:
-    """The draft model's part under auto: ``Router`` -> ``WithSuffix`` -> lookup (and draft
-    model: ``LookupAndDraftProposer``)."""
-    from specbatch.spec_decode.composite import LookupAndDraftProposer, WithSuffix
-    from specbatch.spec_decode.router import Router
+    """auto's members' own memory lines (the draft model's weights and KV), or None."""
+    lines = [_METHODS[name].memory(member) for name, member in proposer.members
+             if _METHODS[name].memory is not None]
+    return "; ".join(line for line in lines if line) or None
 
-    p = proposer.candidates if isinstance(proposer, Router) else proposer
-    inner = p.inner if isinstance(p, WithSuffix) else p
-    return _draft_memory(inner.model) if isinstance(inner, LookupAndDraftProposer) else None
+
+def _lookup_candidate(proposer, setup):
+    from specbatch.auto.candidate import LookupCandidate
+
+    return LookupCandidate(proposer, setup.k_max, setup.prior_for, probe=setup.probe)
+
+
+def _draft_candidate(proposer, setup):
+    from specbatch.auto.candidate import DraftModelCandidate
+
+    if setup.draft_cost is None:
+        raise ValueError("auto's draft model needs its step cost (Setup.draft_cost)")
+    return DraftModelCandidate(proposer, setup.draft_cost, setup.k_max)
+
+
+def _suffix_candidate(proposer, setup):
+    from specbatch.auto.candidate import SuffixCandidate
+
+    return SuffixCandidate(proposer)
 
 
 _SUFFIX_NOTE = ("suffix drafts depend on the records that finished before (job order), so they "
@@ -198,13 +232,14 @@ _SUFFIX_NOTE = ("suffix drafts depend on the records that finished before (job o
 for _m in (
     Method("none", _none, drafts=False, draft_model="ignored"),
     Method("ngram", _ngram, drafts_by="prompt lookup drafts", whatif_self_check=True,
-           auto=True),
-    Method("draft", _draft, draft_model="needs", memory=_draft_memory, auto=True),
+           auto=True, candidate=_lookup_candidate),
+    Method("draft", _draft, draft_model="needs", memory=_draft_memory, auto=True,
+           candidate=_draft_candidate),
     Method("auto", _auto, draft_model="optional", draft_cap_factor=SUFFIX_CAP_FACTOR,
-           whatif_note=_SUFFIX_NOTE, resume=_reindex_finished, memory=_auto_memory),
+           whatif_note=_SUFFIX_NOTE, resume=_auto_resume, memory=_auto_memory),
     Method("suffix", _suffix, drafts_by="suffix lookup drafts", draft_cap_factor=SUFFIX_CAP_FACTOR,
            whatif_note=_SUFFIX_NOTE, resume=_reindex_finished, replay_schedule=True,
-           auto=True),
+           auto=True, candidate=_suffix_candidate),
 ):
     register_method(_m)
 del _m

@@ -75,7 +75,7 @@ def generate_records(engine: Engine, renderer: PromptRenderer, records: Iterable
     output_fields: see ``outputs.output_fields``. on_tokens(num_new_completion_tokens, stats) is
     called per finished answer; on_step(num_output_tokens) after every engine step with the
     output tokens generated so far, unfinished rows included (``Engine.generate``).
-    plan: a ``plan.planner.Plan`` (``--method auto``): orders records by bucket then length, and
+    plan: a ``auto.planner.Plan`` (``--method auto``): orders records by bucket then length, and
     adds its per-record fields to ``spec``; without one, records run longest prompt first.
     replay: resume, ``record.index`` -> the ``schedules`` entries of a record an interrupted
     run finished (``replay_requests``): the record is not generated again, its answers hold

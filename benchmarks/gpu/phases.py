@@ -264,7 +264,7 @@ def run_model(settings: dict, out: Path, model_name: str) -> int:
     output compared with the first run's) and ``none`` against transformers ``generate``."""
     from specbatch import LLM, SamplingParams
     from specbatch.config import EngineConfig, SpecConfig
-    from specbatch.plan.costmodel import measure
+    from specbatch.auto.costmodel import measure
     from specbatch.spec_decode.stats import SpecStats
 
     phase = Phase(out, settings["deadline_s"])

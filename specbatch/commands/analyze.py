@@ -72,11 +72,11 @@ def _other_run(cost, config: dict | None) -> str | None:
 
 def _cached_calibration(config: dict | None) -> str | None:
     """The calibration `run`, `bench` and `calibrate` cached for the run's model and dtype on
-    this host (``plan.costmodel.find_cached``), or None."""
+    this host (``auto.costmodel.find_cached``), or None."""
     if not config or not config.get("model") or not config.get("dtype"):
         return None
     from specbatch.models.loader import cache_root
-    from specbatch.plan.costmodel import find_cached
+    from specbatch.auto.costmodel import find_cached
 
     path = find_cached(cache_root(), config["model"], config["dtype"], config.get("device"))
     return str(path) if path else None
@@ -97,7 +97,7 @@ def run_analyze(opts: AnalyzeOptions) -> int:
                 click.echo(f"what-if: step costs from the cached calibration {calibration} "
                            "(--calibration FILE takes another)", err=True)
         if calibration:
-            from specbatch.plan.costmodel import load, other_engine
+            from specbatch.auto.costmodel import load, other_engine
 
             cost = load(calibration)
             why = cost.problem() or _other_run(cost, files[0].config) or other_engine(cost)

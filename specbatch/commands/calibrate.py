@@ -102,9 +102,9 @@ def run_predict_eval(paths, k: int, model: str | None, cache_dir: str | None,
     from specbatch.models.loader import load_model
     from specbatch.models.registry import DEFAULT_MODEL
     from specbatch.prompts import PromptRenderer
-    from specbatch.plan.planner import PROBE_TOKENS, Plan
-    from specbatch.plan.policy import RowAcceptance
-    from specbatch.plan.predict import instruction_text, predict, spearman
+    from specbatch.auto.planner import PROBE_TOKENS, Plan
+    from specbatch.auto.candidate import RowAcceptance
+    from specbatch.auto.predict import instruction_text, predict, spearman
     from specbatch.spec_decode.replay import NgramReplay
 
     probe_tokens = PROBE_TOKENS if probe_tokens is None else probe_tokens
@@ -204,7 +204,7 @@ def _refit(feats: list[tuple], meas: list[float], k: int) -> None:
 
     import torch
 
-    from specbatch.plan.predict import FEATURES, spearman
+    from specbatch.auto.predict import FEATURES, spearman
 
     x = torch.tensor(feats, dtype=torch.float64)
     alpha = [_alpha_from_length(m, k) for m in meas]

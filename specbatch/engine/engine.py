@@ -111,12 +111,11 @@ class Engine:
             drafts = self._propose(running, num_rows)
             meta = StepMetadata.build(running, drafts, self.stop_rules, self.runner.device,
                                       self.runner.query_len(drafts))
-            on_verify = getattr(self.proposer, "on_verify", None)
             t0 = time.perf_counter()
             logits = self.runner.verify(running, drafts, meta)
             done += self._commit_step(running, drafts, logits, meta, ghosts=ghosts)
-            if on_verify is not None:  # auto's cost model learns this machine's steps
-                on_verify(running, drafts, time.perf_counter() - t0)
+            # the proposer's hook after a verify step (auto's cost model learns from it)
+            self.proposer.on_verify(running, drafts, time.perf_counter() - t0)
         else:
             self._release_ghosts(ghosts)
         return done
@@ -204,8 +203,7 @@ class Engine:
         rows of the verify step, placeholders of a resumed job included (a proposer whose
         drafts depend on it, ``counts_rows``, is told; default ``len(seqs)``)."""
         ks = self._draft_caps(seqs)
-        if num_rows is not None and num_rows != len(seqs) and getattr(self.proposer,
-                                                                      "counts_rows", False):
+        if num_rows is not None and num_rows != len(seqs) and self.proposer.counts_rows:
             proposed = self.proposer.propose(seqs, ks, num_rows=num_rows)
         else:
             proposed = self.proposer.propose(seqs, ks)

@@ -20,7 +20,7 @@ def make_proposer(config: SpecConfig, draft_forward=None, num_rows: int = 1) -> 
     for an unknown method, or for ``draft`` without ``draft_forward`` (the draft model's
     ``LlamaForward``; its KV cache gets ``num_rows`` rows, the target's row count). ``auto``
     drafts by prompt lookup and may verify suffix drafts (and, with a draft model, the model's)
-    instead, row by row (``spec_decode.composite``)."""
+    instead, row by row (``auto.proposer``; its policy is set by ``auto.planner.plan_auto``)."""
     entry = methods.get(config.method)
     if entry is None:
         raise ValueError(f"unknown method {config.method!r}")

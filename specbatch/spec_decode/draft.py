@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from specbatch.spec_decode import sampler
+from specbatch.spec_decode.proposer import Proposer
 
 if TYPE_CHECKING:
     from specbatch.engine.sequence import Sequence
@@ -67,7 +68,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(storages.values())
 
 
-class DraftProposer:
+class DraftProposer(Proposer):
     """``--method draft``. forward: the draft model's ``LlamaForward``; num_rows: the target
     cache's row count; max_model_len: the draft's context (tokens; default its config's
     ``max_position_embeddings``), rows past it get no drafts."""

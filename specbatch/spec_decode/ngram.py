@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from specbatch.spec_decode.proposer import Proposer
+
 if TYPE_CHECKING:
     from specbatch.engine.sequence import Sequence
 
@@ -66,7 +68,7 @@ class NgramIndex:
         return []
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """``--method ngram``. State per sequence: one ``NgramIndex`` over ``seq.token_ids``."""
 
     name = "ngram"
@@ -87,7 +89,7 @@ class NgramProposer:
 
     def match_len(self, seq: Sequence) -> int:
         """Size (tokens) of the n-gram behind the row's last proposal; 0 if none matched. A
-        longer match is accepted more often (``plan.policy`` uses it)."""
+        longer match is accepted more often (``auto.candidate.LookupCandidate`` uses it)."""
         return self.indexes[seq.seq_id].match_len
 
     def on_commit(self, seq: Sequence, num_new_tokens: int) -> None:

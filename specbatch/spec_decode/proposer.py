@@ -8,9 +8,14 @@ rows) keyed by ``Sequence.seq_id``, and hears about every sequence's lifecycle f
     on_commit(seq, n)     n tokens were appended to seq.token_ids (accepted + recovered/bonus)
     finish(seq)           drop the sequence's state
 
-and, if it defines it, ``on_verify(seqs, drafts, seconds)``: the verify step's wall time, the
-forward plus sampling, grammar masks and commit (``auto``'s ``spec_decode.router.Router`` learns
-the machine's step cost from it; a JSON-schema mask per fed token is part of that cost).
+    on_verify(seqs, drafts, seconds)
+                          a verify step of rows seqs with these drafts ended (after its commits);
+                          seconds: its wall time, the forward plus sampling, grammar masks and
+                          commit (``auto`` learns the machine's step cost from it)
+
+A proposer subclasses ``Proposer`` and so inherits the defaults: ``on_verify`` does nothing and
+``counts_rows`` is False (True: ``propose`` takes ``num_rows=``, the rows of the verify step,
+a resumed job's placeholders included; ``suffix``). The engine calls these directly.
 
 Drafts must be a deterministic function of the committed tokens (and, for a draft model, of
 the record seed and positions; for suffix, of the answers finished before and of the rows in
@@ -27,7 +32,11 @@ if TYPE_CHECKING:
 
 
 class Proposer(Protocol):
+    """What the engine calls (the module docstring). Subclass it: ``on_verify`` and
+    ``counts_rows`` have defaults here."""
+
     name: str
+    counts_rows: bool = False
 
     def start(self, seq: Sequence) -> None: ...
 
@@ -37,8 +46,11 @@ class Proposer(Protocol):
 
     def finish(self, seq: Sequence) -> None: ...
 
+    def on_verify(self, seqs: list[Sequence], drafts: list[list[int]], seconds: float) -> None:
+        """After a verify step (seconds: its wall time); default: nothing."""
 
-class NoProposer:
+
+class NoProposer(Proposer):
     """``--method none``: never drafts, so every step is a plain decode step (k = 0)."""
 
     name = "none"

@@ -19,7 +19,7 @@ the draft. Growth stops when the path probability drops below ``min_token_prob``
 most 2 drafts) and at the cap (the engine's per-row cap, see ``SpecConfig.draft_cap``, which for
 suffix is larger than k: long, frequent matches draft past k). Ties between continuations of
 equal count go to the lowest token id. ``auto`` calibrates the path probabilities against the
-acceptance it measures (``plan.policy``).
+acceptance it measures (``auto.candidate.SuffixCandidate``).
 
 Two choices of ours, both measured by replaying recorded greedy outputs without the
 model (acceptance is exact at temperature 0; docs/benchmarks.md, issue 14):
@@ -79,6 +79,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from specbatch.spec_decode.proposer import Proposer
 
 if TYPE_CHECKING:
     from specbatch.engine.sequence import Sequence
@@ -353,7 +355,7 @@ class _Row:
         return draft_from(sam, v, sam.length[v], cap, "self", min_prob, factor)
 
 
-class SuffixProposer:
+class SuffixProposer(Proposer):
     """``--method suffix``. index: the job-wide ``SuffixIndex`` (shared by the job's rows; a
     fresh one per engine). Finished answers (not ``error`` ones) join it at ``finish``.
     many_rows_cap: in steps of more than ``FEW_ROWS`` rows, drafts stop at this many tokens

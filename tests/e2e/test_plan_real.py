@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from specbatch.plan.costmodel import CostModel
-from specbatch.plan.planner import BUCKETS, make_plan
+from specbatch.auto.costmodel import CostModel
+from specbatch.auto.planner import BUCKETS, make_plan
 
 pytestmark = pytest.mark.slow  # loads the real tokenizer
 
@@ -76,8 +76,8 @@ def test_buckets_split_the_job_on_another_models_prompt_scale(records_and_ids, m
     by 1. The job's own thirds split it the same way as before."""
     import functools
 
-    from specbatch.plan import planner
-    from specbatch.plan.predict import WEIGHTS, predict
+    from specbatch.auto import planner
+    from specbatch.auto.predict import WEIGHTS, predict
 
     records, ids = records_and_ids
     plain = make_plan(records, ids, k_max=5, batch_size=16, cost=SMOLLM2_CPU,

@@ -316,7 +316,7 @@ def test_what_if_from_plain_run_predicts_the_ngram_run(runs):
 
 
 class LinearCost:
-    """Stand-in for ``plan.costmodel``: a fixed cost plus one per query token per row."""
+    """Stand-in for ``auto.costmodel``: a fixed cost plus one per query token per row."""
 
     def __init__(self, base: float, per_token: float) -> None:
         self.base, self.per_token = base, per_token
@@ -511,7 +511,7 @@ def test_what_if_takes_the_cached_calibration(runs, tmp_path, monkeypatch):
     with none cached it still answers, in tokens per step, and says how to get one."""
     import dataclasses
 
-    from specbatch.plan.costmodel import CostModel, cache_path, engine_fingerprint
+    from specbatch.auto.costmodel import CostModel, cache_path, engine_fingerprint
 
     out = tmp_path / "run.jsonl"
     out.write_bytes(runs["ngram"].read_bytes())

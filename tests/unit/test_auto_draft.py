@@ -18,13 +18,13 @@ from specbatch.engine.engine import Engine
 from specbatch.engine.runner import ModelRunner
 from specbatch.engine.sequence import Request, StopRules
 from specbatch.models.llama import LlamaForward
-from specbatch.plan.costmodel import CostModel
-from specbatch.plan.planner import best_k
-from specbatch.plan.policy import AdaptivePolicy
-from specbatch.spec_decode.composite import LookupAndDraftProposer
+from specbatch.auto.candidate import DraftModelCandidate, LookupCandidate
+from specbatch.auto.costmodel import CostModel
+from specbatch.auto.planner import best_k
+from specbatch.auto.policy import AdaptivePolicy
+from specbatch.auto.proposer import AutoProposer
 from specbatch.spec_decode.draft import DraftProposer
 from specbatch.spec_decode.ngram import NgramProposer
-from specbatch.spec_decode.router import Router
 from tests.helpers import repeating_prompts, run_engine, tiny_llama
 from tests.unit.test_draft import _assert_row_holds, perturbed
 
@@ -49,14 +49,16 @@ def setup():
 
 def auto_engine(target, draft, batch_size: int, model_cost: CostModel, k: int = 4) -> Engine:
     runner = ModelRunner(LlamaForward(target), batch_size, 256, initial_capacity=16)
-    proposer = LookupAndDraftProposer(NgramProposer(2, 4),
-                                      DraftProposer(LlamaForward(draft), batch_size,
-                                                    initial_capacity=16))
-    engine = Engine(runner, proposer, StopRules(frozenset(), 256), k)
-    policy = AdaptivePolicy(TARGET_COST, k, prior_for=lambda s: [(1.0, 1.0)] * k,
-                            proposer=proposer, model_cost=model_cost)
-    engine.proposer = Router(engine.proposer, policy)  # as auto's is built
-    return engine
+    model = DraftProposer(LlamaForward(draft), batch_size, initial_capacity=16)
+    lookup = LookupCandidate(NgramProposer(2, 4), k, lambda s: [(1.0, 1.0)] * k,
+                             match_len=False)
+    policy = AdaptivePolicy(TARGET_COST, k, lookup, [DraftModelCandidate(model, model_cost, k)])
+    proposer = AutoProposer([("ngram", lookup.proposer), ("draft", model)], policy)
+    return Engine(runner, proposer, StopRules(frozenset(), 256), k)
+
+
+def _model(engine: Engine) -> DraftModelCandidate:
+    return engine.proposer.policy.candidate("draft")
 
 
 def run_auto(engine: Engine, prompts, sampling: SamplingParams, check_cache: bool = False):
@@ -65,7 +67,7 @@ def run_auto(engine: Engine, prompts, sampling: SamplingParams, check_cache: boo
     that equals a fresh prefill."""
     for i, (p, s) in enumerate(zip(prompts, SEEDS)):
         engine.scheduler.add(Request(i, list(p), sampling, seed=s, tag=i))
-    model = engine.proposer.model
+    model = _model(engine).proposer
     verify = engine.runner.verify
 
     def capped_verify(seqs, drafts, meta=None):  # no row drafts past k, max_tokens, context
@@ -107,7 +109,7 @@ def test_auto_with_draft_equals_plain(setup, batch_size, sampling):
     assert steps["draft"] > 0
     if sampling == "greedy":  # where lookup matches better, rows switch to it
         assert steps["ngram"] > 0
-    assert engine.proposer.model.states == {} and engine.proposer.policy.model_rows == {}
+    assert _model(engine).proposer.states == {} and _model(engine).rows == {}
 
 
 # ---- (b) the choice follows cost and acceptance -----------------------------------------------
@@ -119,7 +121,7 @@ def test_cheap_exact_draft_is_used(setup):
     assert [c.output_ids for c in out] == [b.output_ids for b in base["greedy"]]
     steps = steps_by(engine)
     assert steps["draft"] > 0.8 * sum(steps.values()), steps
-    assert engine.proposer.policy.model_pool.p(0) > 0.95  # it learned that every draft is accepted
+    assert _model(engine).pool.p(0) > 0.95  # it learned that every draft is accepted
 
 
 def test_expensive_draft_is_never_used(setup):
@@ -128,20 +130,20 @@ def test_expensive_draft_is_never_used(setup):
     out = run_auto(engine, prompts, SAMPLINGS["greedy"])
     assert [c.output_ids for c in out] == [b.output_ids for b in base["greedy"]]
     assert steps_by(engine).get("draft", 0) == 0
-    assert engine.proposer.model.cache.seq_lens.count(0) == 4  # never even prefilled
+    assert _model(engine).proposer.cache.seq_lens.count(0) == 4  # never even prefilled
 
 
 def test_wrong_draft_is_dropped(setup):
     target, prompts, base = setup
     engine = auto_engine(target, tiny_llama(VOCAB, seed=99), 1, CHEAP_DRAFT)
     first: list[str] = []  # source of each of the first record's steps, in order
-    policy = engine.proposer.policy
+    policy, model = engine.proposer.policy, _model(engine)
     select = policy.select
 
-    def recording_select(seqs, drafts, caps):
-        out = select(seqs, drafts, caps)
+    def recording_select(seqs, caps):
+        out = select(seqs, caps)
         if seqs[0].request.tag == 0:
-            first.append("draft" if seqs[0].seq_id in policy._model_drafts else "other")
+            first.append("draft" if seqs[0].seq_id in model.drafted else "other")
         return out
 
     policy.select = recording_select
@@ -149,25 +151,27 @@ def test_wrong_draft_is_dropped(setup):
     assert [c.output_ids for c in out] == [b.output_ids for b in base["greedy"]]
     assert first[0] == "draft"  # the prior says try it ...
     assert first[-10:].count("draft") == 0  # ... the failures say stop
-    assert policy.model_pool.p(0) < 0.3
+    assert model.pool.p(0) < 0.3
 
 
 class _FakeModelProposer:
-    """Records which rows the policy prefills and asks for model drafts."""
+    """Records which rows the policy prefills (``states``) and asks for model drafts."""
 
     def __init__(self) -> None:
-        self.started: set[int] = set()
+        self.states: dict[int, bool] = {}
         self.asked: list[int] = []
 
-    def has_model_row(self, seq) -> bool:
-        return seq.seq_id in self.started
+    def start(self, seq) -> None:
+        self.states[seq.seq_id] = True
 
-    def start_model(self, seqs) -> None:
-        self.started.update(s.seq_id for s in seqs)
-
-    def propose_with_model(self, seqs, ks):
+    def propose(self, seqs, ks):
         self.asked += [s.seq_id for s in seqs]
         return [[1] * k for k in ks]
+
+
+class _NoLookup:
+    def propose(self, seqs, ks):
+        return [[] for _ in seqs]
 
 
 def test_prefilling_a_long_context_is_charged():
@@ -183,14 +187,15 @@ def test_prefilling_a_long_context_is_charged():
                                request=SimpleNamespace(tag=seq_id))
 
     fake = _FakeModelProposer()
-    policy = AdaptivePolicy(TARGET_COST, 4, prior_for=lambda s: [(0.5, 9.5)] * 4,
-                            proposer=fake, model_cost=CHEAP_DRAFT, model_prior=0.9)
+    policy = AdaptivePolicy(TARGET_COST, 4,
+                            LookupCandidate(_NoLookup(), 4, lambda s: [(0.5, 9.5)] * 4),
+                            [DraftModelCandidate(fake, CHEAP_DRAFT, 4, prior=0.9)])
     short, long = seq(1, 100), seq(2, 20000)
-    policy.select([short, long], [[], []], [4, 4])
-    assert fake.asked == [1] and fake.started == {1}
-    fake.started.add(2)  # as if the long row had been prefilled: now it pays like the other
+    policy.select([short, long], [4, 4])
+    assert fake.asked == [1] and set(fake.states) == {1}
+    fake.states[2] = True  # as if the long row had been prefilled: now it pays like the other
     fake.asked = []
-    policy.select([short, long], [[], []], [4, 4])
+    policy.select([short, long], [4, 4])
     assert fake.asked == [1, 2]
 
 

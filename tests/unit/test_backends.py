@@ -9,7 +9,7 @@ import torch
 from specbatch.models.backends.cpu import CpuBackend
 from specbatch.models.backends.reference import TorchBackend
 from specbatch.models.llama import LlamaForward
-from specbatch.plan.costmodel import kernel_path
+from specbatch.auto.costmodel import kernel_path
 from tests.helpers import gguf_exact, tiny_llama
 
 # (dtype, switches) -> (backend class, one-call C step, name or its prefix, KV dtype,

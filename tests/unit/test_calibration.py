@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specbatch.plan import costmodel
-from specbatch.plan.costmodel import (CostModel, OnlineCost, calibrate, fit, load,
+from specbatch.auto import costmodel
+from specbatch.auto.costmodel import (CostModel, OnlineCost, calibrate, fit, load,
                                       load_or_calibrate)
 
 TRUE = CostModel((0.035, 0.0012, 2e-7, 1e-8))  # SmolLM2-135M-like, seconds

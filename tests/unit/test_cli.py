@@ -575,7 +575,7 @@ def test_calibrate_to_an_unwritable_path_is_one_line(tmp_path, tiny_gguf):
     assert "Traceback" not in result.output
     assert "loading model" not in result.output and "calibrating" not in result.output
     # a new folder is created; the fit reads back and no PATH.tmp is left beside it
-    from specbatch.plan.costmodel import load
+    from specbatch.auto.costmodel import load
 
     good = tmp_path / "new" / "cost.json"
     own = good.with_name("cost.json.tmp")  # a file of the user's beside it is left alone

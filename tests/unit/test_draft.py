@@ -30,7 +30,7 @@ from specbatch.engine.sequence import Request, StopRules
 from specbatch.models.llama import LlamaForward
 from specbatch.spec_decode import make_proposer
 from specbatch.spec_decode.draft import DraftProposer, check_same_vocab
-from specbatch.spec_decode.router import Router
+from specbatch.spec_decode.proposer import Proposer
 from tests.helpers import repeating_prompts, run_engine, tiny_llama, total
 
 VOCAB = 64
@@ -158,26 +158,33 @@ def test_kv_rollback_both_caches(setup, sampling):
     assert proposer.states == {}  # finished sequences dropped their state
 
 
-class _CuttingPolicy:
-    """A stand-in for the planner's policy: cuts each row's proposed drafts to a length that
-    cycles 0, 1, 3, ..., and sets some rows' k to 0 for the next step (no proposal at all)."""
+class _Cutting(Proposer):
+    """A stand-in for auto's policy over the draft model: cuts each row's proposed drafts to a
+    length that cycles 0, 1, 3, ..., and sets some rows' k to 0 for the next step (no proposal
+    at all)."""
 
-    def __init__(self) -> None:
+    name = "draft"
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
         self.counter = 0
 
-    def select(self, seqs, drafts, caps=None):
+    def start(self, seq) -> None:
+        self.inner.start(seq)
+
+    def propose(self, seqs, ks):
         out = []
-        for seq, d in zip(seqs, drafts):
+        for seq, d in zip(seqs, self.inner.propose(seqs, ks)):
             self.counter += 1
             out.append(d[:(0, 1, 3)[self.counter % 3]])
             seq.k = 0 if self.counter % 4 == 0 else 3
         return out
 
-    def observe(self, seq, draft, emitted):
-        pass
+    def on_commit(self, seq, n: int) -> None:
+        self.inner.on_commit(seq, n)
 
-    def finish(self, seq):
-        pass
+    def finish(self, seq) -> None:
+        self.inner.finish(seq)
 
 
 def test_cut_drafts_and_rows_without_drafts(setup):
@@ -186,8 +193,8 @@ def test_cut_drafts_and_rows_without_drafts(setup):
     tokens and catches up in one forward at its next proposal; output unchanged."""
     target, draft, prompts, base = setup
     engine = draft_engine(target, draft, 4, 3)
-    policy = _CuttingPolicy()
-    engine.proposer = Router(engine.proposer, policy)  # as auto's is built
+    proposer = engine.proposer
+    engine.proposer = _Cutting(proposer)
     for i, (p, s) in enumerate(zip(prompts, SEEDS)):
         engine.scheduler.add(Request(i, list(p), SAMPLINGS["greedy"], seed=s))
     lags, outputs = [], {}
@@ -195,10 +202,9 @@ def test_cut_drafts_and_rows_without_drafts(setup):
         for c in engine.step():
             outputs[c.request.request_id] = c.output_ids
         for seq in engine.scheduler.running_sequences():
-            n = engine.proposer.cache.seq_lens[seq.row]
+            n = proposer.cache.seq_lens[seq.row]
             lags.append(len(seq.token_ids) - n)
-            _assert_row_holds(engine.proposer.cache, engine.proposer.forward, seq.row,
-                              seq.token_ids[:n])
+            _assert_row_holds(proposer.cache, proposer.forward, seq.row, seq.token_ids[:n])
     assert min(lags) >= 1 and max(lags) > 2
     assert [outputs[i] for i in range(NUM_PROMPTS)] == [b.output_ids for b in base["greedy"]]
 

@@ -8,12 +8,13 @@ from types import SimpleNamespace
 import pytest
 
 from specbatch.config import SamplingParams
-from specbatch.plan.costmodel import CostModel, OnlineCost, fit
-from specbatch.plan.planner import best_k, bucket_for, make_plan
-from specbatch.plan.policy import AdaptivePolicy, Probe, RowAcceptance
-from specbatch.plan.predict import FEATURES, predict, repeat_share, spearman
+from specbatch.auto.costmodel import CostModel, OnlineCost, fit
+from specbatch.auto.planner import best_k, bucket_for, make_plan
+from specbatch.auto.candidate import LookupCandidate, Probe, RowAcceptance
+from specbatch.auto.policy import AdaptivePolicy
+from specbatch.auto.predict import FEATURES, predict, repeat_share, spearman
+from specbatch.auto.proposer import AutoProposer
 from specbatch.spec_decode.replay import NgramReplay
-from specbatch.spec_decode.router import Router
 from tests.helpers import make_engine, repeating_prompts, run_engine, tiny_llama
 
 MEMORY_BOUND = CostModel((0.040, 0.0005, 0.0, 0.0))  # verifying 6 tokens ~ free (GPU-like)
@@ -63,8 +64,8 @@ def test_online_cost_follows_the_steps_it_times():
             rows, q, 300, tokens) - 1) > 0.05
     assert online.token_cost() > 0.0012  # from the calibrated 1 ms toward 1.5
     # an AdaptivePolicy given a calibrated model times its steps through OnlineCost
-    policy = AdaptivePolicy(CostModel(calibrated.coef, samples=samples), k_max=5,
-                            prior_for=lambda s: [(1.0, 1.0)] * 5)
+    policy, _ = _policy(CostModel(calibrated.coef, samples=samples), 5,
+                        lambda s: [(1.0, 1.0)] * 5)
     assert isinstance(policy.cost, OnlineCost)
 
 
@@ -73,28 +74,56 @@ def _seq(seq_id: int, length: int = 100):
                            request=SimpleNamespace(tag=seq_id))
 
 
+class _Given:
+    """A lookup proposer whose drafts the test sets (``drafts``, one per row) and whose match
+    lengths are ``match`` (seq id -> n)."""
+
+    def __init__(self, match=None) -> None:
+        self.drafts: list[list[int]] = []
+        self.match = match or {}
+
+    def propose(self, seqs, ks):
+        return [list(d) for d in self.drafts]
+
+    def match_len(self, seq) -> int:
+        return self.match.get(seq.seq_id, 0)
+
+
+def _policy(cost, k_max, prior_for, match=None, decay=0.9, probe=None):
+    """A policy over prompt lookup alone, drafting what ``_select`` gives it."""
+    given = _Given(match)
+    lookup = LookupCandidate(given, k_max, prior_for, decay=decay, probe=probe,
+                             match_len=match is not None)
+    return AdaptivePolicy(cost, k_max, lookup), given
+
+
+def _select(policy, seqs, drafts):
+    """``policy.select`` with these lookup proposals, every row capped at k_max."""
+    policy.lookup.proposer.drafts = drafts
+    return policy.select(seqs, [policy.k_max] * len(seqs))
+
+
 def test_online_adaptation_drops_k_when_drafts_stop_being_accepted():
     # verifying a token costs 10% of a step: drafting pays only while drafts are accepted
-    policy = AdaptivePolicy(CostModel((0.02, 0.002, 0.0, 0.0)), k_max=5,
-                            prior_for=lambda s: [(1.0, 1.0)] * 5)
+    policy, _ = _policy(CostModel((0.02, 0.002, 0.0, 0.0)), 5, lambda s: [(1.0, 1.0)] * 5)
     seq = _seq(1)
     draft = [1, 2, 3, 4, 5]
     for _ in range(20):  # copying: every draft accepted
-        chosen = policy.select([seq], [draft])[0]
-        policy.observe(seq, draft, draft + [9])
+        chosen = _select(policy, [seq], [draft])[0]
+        policy.observe(seq, draft + [9])
     assert len(chosen) == 5
     ks = []
     for _ in range(30):  # text turned novel: the first draft token is always wrong
-        chosen = policy.select([seq], [draft])[0]
+        chosen = _select(policy, [seq], [draft])[0]
         ks.append(len(chosen))
-        policy.observe(seq, draft, [7] * (len(chosen) + 1))
+        policy.observe(seq, [7] * (len(chosen) + 1))
     # with a Beta(1, 1) prior and ~10 steps of memory, p(accept) bottoms out near 0.1,
     # where one draft token still (just) pays at this cost; five no longer do
     assert ks[0] == 5 and ks[-1] <= 1, ks
     # and k comes back once drafts are accepted again, learnt while drafting nothing
     for _ in range(30):
-        chosen = policy.select([seq], [draft])[0]
-        policy.observe(seq, draft, draft[:len(chosen)] + [draft[len(chosen)]]
+        chosen = _select(policy, [seq], [draft])[0]
+        policy.observe(seq, draft[:len(chosen)] + [draft[len(chosen)]]
                        if len(chosen) < 5 else draft + [9])
     assert len(chosen) >= 3
 
@@ -104,10 +133,10 @@ def test_rows_in_one_step_get_their_own_draft_length():
     accepted drafts nothing in the same step; a row in between keeps a shorter prefix."""
     cost = CostModel((0.030, 0.001, 0.0, 0.0))  # one more fed token: 1 ms on a 30 ms step
     priors = {1: (9.0, 1.0), 2: (0.1, 9.9), 3: (5.0, 5.0)}  # p = 0.9, 0.01, 0.5
-    policy = AdaptivePolicy(cost, k_max=5, prior_for=lambda s: [priors[s.seq_id]] * 5)
+    policy, _ = _policy(cost, 5, lambda s: [priors[s.seq_id]] * 5)
     seqs = [_seq(i) for i in (1, 2, 3)]
     draft = [1, 2, 3, 4, 5]
-    cuts = [len(d) for d in policy.select(seqs, [draft] * 3)]
+    cuts = [len(d) for d in _select(policy, seqs, [draft] * 3)]
     assert cuts[0] == 5 and cuts[1] == 0 and 0 < cuts[2] < 5, cuts
     # the same costs without packing (every row padded to the longest) would not do better
     assert policy._rate(seqs, cuts) > policy.rate(seqs, [draft] * 3, 5)
@@ -125,8 +154,8 @@ def test_one_copying_row_drafts_long_where_attention_is_packed():
     draft = list(range(10))
 
     def cuts(cost):
-        policy = AdaptivePolicy(cost, k_max=10, prior_for=lambda s: [priors[s.seq_id]] * 10)
-        return [len(d) for d in policy.select(seqs, [draft] * 16)]
+        policy, _ = _policy(cost, 10, lambda s: [priors[s.seq_id]] * 10)
+        return [len(d) for d in _select(policy, seqs, [draft] * 16)]
     packed, padded = cuts(CostModel(coef, packed=True)), cuts(CostModel(coef))
     assert packed[0] == 10 and max(packed[1:]) <= 2, packed
     assert padded[0] < 6, padded
@@ -139,9 +168,8 @@ def test_longer_lookup_matches_get_longer_drafts():
     lengths both get the same cut."""
     cost = CostModel((0.030, 0.002, 0.0, 0.0))
     match = {1: 4, 2: 2}
-    policy = AdaptivePolicy(cost, k_max=5, prior_for=lambda s: [(3.0, 3.0)] * 5,
-                            match_len_of=lambda s: match[s.seq_id])
-    plain = AdaptivePolicy(cost, k_max=5, prior_for=lambda s: [(3.0, 3.0)] * 5)
+    policy, _ = _policy(cost, 5, lambda s: [(3.0, 3.0)] * 5, match=match)
+    plain, _ = _policy(cost, 5, lambda s: [(3.0, 3.0)] * 5)
     seqs = [_seq(1), _seq(2)]
     draft = [1, 2, 3, 4, 5]
     trainer = _seq(3)
@@ -149,11 +177,13 @@ def test_longer_lookup_matches_get_longer_drafts():
         n = 4 if i % 2 else 2
         # 4-gram drafts: all five accepted 80% of the time; 2-gram: only the first, 40%
         hits = (5 if n == 4 else 1) if (i * 7) % 10 < (9 if n == 4 else 3) else 0
-        policy._match[trainer.seq_id] = n
-        policy.observe(trainer, draft, draft[:hits] + [99])
-    assert policy.by_match_len[4].p(0) > 0.7 > 0.5 > policy.by_match_len[2].p(0)
-    cuts = [len(d) for d in policy.select(seqs, [draft] * 2)]
-    plain_cuts = [len(d) for d in plain.select(seqs, [draft] * 2)]
+        policy.lookup._match[trainer.seq_id] = n  # as its own step's proposal left them
+        policy.lookup._proposed[trainer.seq_id] = draft
+        policy.observe(trainer, draft[:hits] + [99])
+    pools = policy.lookup.by_match_len
+    assert pools[4].p(0) > 0.7 > 0.5 > pools[2].p(0)
+    cuts = [len(d) for d in _select(policy, seqs, [draft] * 2)]
+    plain_cuts = [len(d) for d in _select(plain, seqs, [draft] * 2)]
     assert plain_cuts[0] == plain_cuts[1]
     assert cuts[0] > plain_cuts[0] >= cuts[1], (cuts, plain_cuts)
 
@@ -169,25 +199,25 @@ def test_probe_replays_lookup_over_the_committed_tokens():
     shadow drafts; at the probe the replayed lookup measures every position, exactly."""
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11] * 2 + [40]
     output = [1, 2, 3, 4, 5, 6, 7, 50, 51, 1, 2, 3, 4, 5, 9, 9]
-    policy = AdaptivePolicy(COMPUTE_BOUND, k_max=4, prior_for=lambda s: [(1.0, 1.0)] * 4,
-                            decay=1.0, probe=Probe(tokens=12, prompt_lookup_min=2,
-                                                   prompt_lookup_max=3))
+    policy, _ = _policy(COMPUTE_BOUND, 4, lambda s: [(1.0, 1.0)] * 4, decay=1.0,
+                        probe=Probe(tokens=12, prompt_lookup_min=2, prompt_lookup_max=3))
     seq = SimpleNamespace(seq_id=7, request=SimpleNamespace(tag=3), num_prompt_tokens=len(prompt),
                           token_ids=list(prompt), sampling=SamplingParams(max_tokens=16))
     seq.num_output_tokens = 0
     for n, tok in enumerate(output):
         seq.token_ids.append(tok)
         seq.num_output_tokens = n + 1
-        policy.observe(seq, [], [tok])  # nothing drafted: nothing learnt before the probe
+        policy.observe(seq, [tok])  # nothing drafted: nothing learnt before the probe
         if n + 1 == 11:
-            assert policy.rows[7].trials == [] and 3 not in policy.probe_results
+            assert policy.lookup.rows[7].trials == [] and 3 not in policy.probe_results
     # the probe ran once, at 12 tokens, on those 12 tokens
     replay = NgramReplay(prompt, output[:12], 2, 3, 4)
     expect = RowAcceptance(prior=[(1.0, 1.0)] * 4)
     steps = list(replay.steps(4, 16, 1 << 30))
     for draft, accepted, emitted in steps:
         expect.count(len(draft), accepted, emitted, 1.0)
-    assert policy.rows[7].trials == expect.trials and policy.rows[7].hits == expect.hits
+    rows = policy.lookup.rows
+    assert rows[7].trials == expect.trials and rows[7].hits == expect.hits
     assert len(expect.trials) == 4 and expect.hits[3] > 0  # every position measured
     length, tokens = policy.probe_results[3]
     assert tokens == 12
@@ -253,9 +283,10 @@ def test_auto_outputs_equal_none(cost):
     from specbatch.engine.sequence import Request
 
     engine = make_engine(model, 6, 4)
-    policy = AdaptivePolicy(cost, 6, prior_for=lambda s: [(2.0, 2.0)] * 6,
-                            probe=Probe(tokens=8))
-    engine.proposer = Router(engine.proposer, policy)  # as auto's is built
+    lookup = LookupCandidate(engine.proposer, 6, lambda s: [(2.0, 2.0)] * 6,
+                             probe=Probe(tokens=8), match_len=False)
+    policy = AdaptivePolicy(cost, 6, lookup)
+    engine.proposer = AutoProposer([("ngram", engine.proposer)], policy)  # as auto's is built
     outs = {c.request.request_id: c for c in engine.generate(
         [Request(i, list(p), sp, seed=i, tag=i) for i, p in enumerate(prompts)])}
     assert [outs[i].output_ids for i in range(len(prompts))] == [c.output_ids for c in plain]
@@ -276,7 +307,7 @@ def test_auto_stats_fields_through_generate_records():
     output tokens: equal to replaying the written output), the k actually used; outputs equal
     a plain run."""
     from specbatch.pipeline import generate_records
-    from specbatch.plan.planner import PROBE_TOKENS
+    from specbatch.auto.planner import PROBE_TOKENS
 
     model = tiny_llama(vocab_size=64, seed=3)
     prompts = repeating_prompts(64, 6, seed=5)
@@ -290,8 +321,8 @@ def test_auto_stats_fields_through_generate_records():
     plan = make_plan(records, {r.index: r.ids for r in records}, k_max=5, batch_size=4,
                      cost=MEMORY_BOUND, prompt_lookup_min=2, expected_output_tokens=24)
     engine = make_engine(model, 5, 4)
-    policy = plan.make_policy(MEMORY_BOUND, Probe(PROBE_TOKENS, 2, 4))
-    engine.proposer = Router(engine.proposer, policy)  # as auto's is built
+    engine.proposer = AutoProposer([("ngram", engine.proposer)])
+    plan.make_policy(MEMORY_BOUND, engine.proposer, Probe(PROBE_TOKENS, 2, 4))
     outs = {rec.index: out for rec, out in generate_records(engine, renderer, records, plan=plan)}
     for i, out in outs.items():
         assert out["output_token_ids"] == plain[i]["output_token_ids"]
@@ -313,7 +344,7 @@ def test_plan_table_says_lookup_when_auto_has_suffix_drafts():
     """auto's proposer with suffix drafts (``make_proposer(method="auto")``): a bucket that
     drafts is shown as ``lookup`` (n-gram or suffix per step, the note says), not ``ngram``."""
     from specbatch.config import SpecConfig
-    from specbatch.plan.planner import plan_auto
+    from specbatch.auto.planner import plan_auto
     from specbatch.spec_decode import make_proposer
 
     recs = [SimpleNamespace(index=i, prompt=p, messages=None, turns=None,
@@ -337,7 +368,7 @@ def test_a_plan_at_k0_says_so_and_does_not_describe_lookup():
     the records start without drafts, and no line describes lookup drafting (issue 36: the
     plan chose ``none k=0`` for all three buckets, then printed "lookup: each step ...")."""
     from specbatch.config import SpecConfig
-    from specbatch.plan.planner import plan_auto
+    from specbatch.auto.planner import plan_auto
     from specbatch.spec_decode import make_proposer
 
     recs = [SimpleNamespace(index=i, prompt=p, messages=None, turns=None,
@@ -379,7 +410,7 @@ def test_online_refit_is_not_moved_by_bursts_of_load(monkeypatch):
     true cost at every shape and the token slope within 15%, and the drafts auto picks for
     rows of any acceptance give >= 99% of the true model's best rate. Unclipped, the same
     timings priced a draft token over 1.5x its cost."""
-    from specbatch.plan import costmodel
+    from specbatch.auto import costmodel
 
     true = CostModel((0.020, 0.0012, 1e-7, 0.0))
     online = _bursty_refit(true)
@@ -391,11 +422,11 @@ def test_online_refit_is_not_moved_by_bursts_of_load(monkeypatch):
     for alpha in (0.05, 0.3, 0.6, 0.8, 0.9, 0.97):
         def prior(s, alpha=alpha):
             return [(alpha * 40, (1 - alpha) * 40)] * 5
-        judge = AdaptivePolicy(true, k_max=5, prior_for=prior)
+        judge, _ = _policy(true, 5, prior)
         cuts = {}
         for name, cost in (("true", true), ("online", online)):
-            policy = AdaptivePolicy(cost, k_max=5, prior_for=prior)
-            cuts[name] = [len(d) for d in policy.select(seqs, [[1, 2, 3, 4, 5]] * 16)]
+            policy, _ = _policy(cost, 5, prior)
+            cuts[name] = [len(d) for d in _select(policy, seqs, [[1, 2, 3, 4, 5]] * 16)]
         assert judge._rate(seqs, cuts["online"]) >= 0.99 * judge._rate(seqs, cuts["true"]), (
             alpha, cuts)
     # unclipped, the same timings price a 4-token-per-row step more than 10% high
@@ -410,17 +441,17 @@ def test_auto_settles_on_k0_when_no_draft_is_accepted(alpha):
     planner's prior at ``alpha``): auto reaches k = 0 within 30 steps (10, 18, 23, 27 for
     alpha 0.1 ... 0.8), drafts fewer than 120 tokens before (10 ... 115) and none after. With the prior never forgotten the
     estimate stayed at 0.086 (alpha 0.3) and auto drafted 2 tokens every step for ever."""
-    from specbatch.plan.planner import Plan
+    from specbatch.auto.planner import Plan
 
     cost = CostModel((0.020, 0.0004, 1e-7, 3e-8), packed=True)
     prior = Plan.prior_from_alpha(alpha, 5)
-    policy = AdaptivePolicy(cost, k_max=5, prior_for=lambda s: prior)
+    policy, _ = _policy(cost, 5, lambda s: prior)
     seq, draft = _seq(1, 300), [1, 2, 3, 4, 5]
     drafted = []
     for _ in range(60):
-        chosen = policy.select([seq], [draft])[0]
+        chosen = _select(policy, [seq], [draft])[0]
         drafted.append(len(chosen))
-        policy.observe(seq, draft, [7] * (len(chosen) + 1))
+        policy.observe(seq, [7] * (len(chosen) + 1))
     first = drafted.index(0)
     assert first <= 30 and sum(drafted[:first]) < 120, drafted
     assert sum(drafted[first:]) == 0, drafted

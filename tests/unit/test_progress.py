@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from specbatch.cli import main
 from specbatch.config import EngineConfig
-from specbatch.plan import costmodel
+from specbatch.auto import costmodel
 from tests.unit.test_calibration import TRUE
 from tests.unit.test_loader import write_tiny_gguf
 

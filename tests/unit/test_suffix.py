@@ -11,7 +11,6 @@ import pytest
 from specbatch.config import SamplingParams, SpecConfig
 from specbatch.engine.sequence import Request, Sequence
 from specbatch.spec_decode import make_proposer, suffix
-from specbatch.spec_decode.router import Router
 from specbatch.spec_decode.suffix import (SuffixAutomaton, SuffixIndex, SuffixProposer,
                                           finished_outputs)
 from tests.helpers import make_engine, repeating_prompts, run_engine, tiny_llama, tiny_qwen2
@@ -215,7 +214,8 @@ def test_method_suffix_cuts_many_row_drafts_at_k_and_probability_07():
     job.add([40, 41, 42, 99])  # after "40 41 42": 43 four times, 99 once -> p 0.8 then 0.8
     job.add([40, 41, 42, 43, 98])  # after "... 43": 44 four times, 98 once -> p 0.64
     method = make_proposer(SpecConfig(method="suffix", num_speculative_tokens=3))
-    auto_suffix = make_proposer(SpecConfig(method="auto", num_speculative_tokens=3)).suffix
+    auto_suffix = dict(make_proposer(SpecConfig(method="auto",
+                                                 num_speculative_tokens=3)).members)["suffix"]
     assert method.many_rows_cap == 3 and auto_suffix.many_rows_cap is None
     for prop in (method, auto_suffix):
         prop.index = job
@@ -412,11 +412,12 @@ def test_a_resume_without_the_replay_drafts_differently():
 
 
 def test_auto_routes_suffix_drafts_per_row_and_keeps_outputs():
-    """``auto`` (lookup + suffix behind ``WithSuffix``) with a cost model where verifying is
+    """``auto`` (lookup + suffix candidates, ``auto.proposer``) with a cost model where verifying is
     nearly free: rows verify suffix drafts on some steps, some longer than k, the suffix pools
     learn, and outputs equal plain decoding."""
-    from specbatch.plan.costmodel import CostModel
-    from specbatch.plan.policy import AdaptivePolicy
+    from specbatch.auto.candidate import Setup
+    from specbatch.auto.costmodel import CostModel
+    from specbatch.auto.policy import AdaptivePolicy
 
     model = tiny_llama(VOCAB, seed=5)
     prompts = repeating_prompts(VOCAB, 10, seed=7)
@@ -426,11 +427,9 @@ def test_auto_routes_suffix_drafts_per_row_and_keeps_outputs():
     engine = make_engine(model, 4, 4)
     engine.proposer = make_proposer(config)
     engine.k = config.draft_cap
-    policy = AdaptivePolicy(CostModel((0.040, 0.0005, 0.0, 0.0)), 4,
-                            prior_for=lambda s: [(2.0, 2.0)] * 4,
-                            match_len_of=engine.proposer.match_len,
-                            suffix=engine.proposer)
-    engine.proposer = Router(engine.proposer, policy)  # as auto's is built
+    lookup, suffix = engine.proposer.build_candidates(Setup(4, lambda s: [(2.0, 2.0)] * 4))
+    policy = AdaptivePolicy(CostModel((0.040, 0.0005, 0.0, 0.0)), 4, lookup, [suffix])
+    engine.proposer.use(policy)  # as auto's is built
     reqs = [Request(i, p, GREEDY, seed=i, tag=i) for i, p in enumerate(prompts)]
     out = sorted(engine.generate(reqs), key=lambda c: c.request.request_id)
     assert [c.output_ids for c in out] == [b.output_ids for b in base]
@@ -440,8 +439,8 @@ def test_auto_routes_suffix_drafts_per_row_and_keeps_outputs():
             steps[source] = steps.get(source, 0) + n
     assert steps.get("suffix", 0) > 0 and steps.get("ngram", 0) > 0, steps
     assert max(max(c.stats.k_histogram) for c in out) > 4  # a suffix draft past k
-    assert sum(t for t, _ in policy.suffix_pool.values()) > 0
-    assert policy.suffix_seconds is not None
+    assert sum(t for t, _ in suffix.pool.values()) > 0
+    assert suffix.seconds is not None
 
 
 def test_json_extraction_recipe_and_example_input():

@@ -29,7 +29,7 @@ class StepBackend(Protocol):
     """One packed step of a ``LlamaForward`` (``ModelRunner`` calls these and nothing else).
 
     name: the backend's name; on the CPU the calibration cache's key
-        (``plan.costmodel.kernel_path``: ``ckernels``, ``ckernels_vnni`` / ``_avx2`` /
+        (``auto.costmodel.kernel_path``: ``ckernels``, ``ckernels_vnni`` / ``_avx2`` /
         ``_portable`` for int8, ``torch``), elsewhere ``triton`` or ``torch``.
     kv_dtype: the KV cache's dtype (the model's; float16 for int8 on the one-call C step).
     min_query_len: query slots a one-row decode step is padded to (1 where every op is

@@ -16,11 +16,11 @@ Plan, before any generation:
    measured step costs (``costmodel``; a draft model's k forwards are counted): that is the
    bucket's starting choice and its predicted speedup over none, so a bucket predicted to copy
    more never gets a smaller k or speedup. The draft model's acceptance is not predicted per
-   record: it starts at ``policy.MODEL_PRIOR`` and is learned online.
+   record: it starts at ``candidate.MODEL_PRIOR`` and is learned online.
 
-While generating, ``policy.AdaptivePolicy`` re-chooses the proposer and draft length of every
-row every step from the same cost models and each row's observed acceptance (the bucket's
-prediction is only the prior).
+While generating, ``policy.AdaptivePolicy`` re-chooses the candidate (``candidate``) and draft
+length of every row every step from the same cost models and each row's observed acceptance
+(the bucket's prediction is only the lookup's prior).
 Outputs are identical to ``--method none``: only how many drafts are verified changes.
 """
 
@@ -30,14 +30,15 @@ import math
 
 from dataclasses import dataclass, field
 
-from specbatch.plan.costmodel import CostModel
-from specbatch.plan.policy import MODEL_PRIOR, AdaptivePolicy, Probe
-from specbatch.plan.predict import (FITTED_ON, Prediction, fitted_for,
+from specbatch.auto.candidate import MODEL_PRIOR, Probe, Setup
+from specbatch.auto.costmodel import CostModel
+from specbatch.auto.policy import AdaptivePolicy
+from specbatch.auto.predict import (FITTED_ON, Prediction, fitted_for,
                                     instruction_text, predict)
 
 BUCKETS = ("copy-heavy", "mixed", "novel")
 PRIOR_STRENGTH = 4.0  # pseudo-observations behind the predicted alpha
-PROBE_TOKENS = 16  # committed tokens after which prompt lookup is replayed (policy.Probe)
+PROBE_TOKENS = 16  # committed tokens after which prompt lookup is replayed (candidate.Probe)
 
 
 @dataclass
@@ -102,14 +103,15 @@ class Plan:
         """Beta prior per draft position: ``PRIOR_STRENGTH`` pseudo-trials at ``alpha``."""
         return [(alpha * PRIOR_STRENGTH, (1 - alpha) * PRIOR_STRENGTH)] * max(k_max, 1)
 
-    def make_policy(self, cost: CostModel, probe: Probe | None = None, proposer=None,
-                    model_cost: CostModel | None = None,
-                    match_len_of=None, suffix=None) -> AdaptivePolicy:
-        """proposer, model_cost: a ``LookupAndDraftProposer`` and its draft forward's cost
-        model, when a draft model is given; match_len_of: ``NgramProposer.match_len``."""
-        self.policy = AdaptivePolicy(cost, self.k_max, lambda seq: self.prior(seq.request.tag),
-                                     probe=probe, proposer=proposer, model_cost=model_cost,
-                                     match_len_of=match_len_of, suffix=suffix)
+    def make_policy(self, cost: CostModel, proposer, probe: Probe | None = None,
+                    model_cost: CostModel | None = None) -> AdaptivePolicy:
+        """The policy over ``proposer``'s candidates (an ``auto.proposer.AutoProposer``; its
+        members' registry entries build them, ``Setup``), which ``proposer`` then routes
+        through. model_cost: the draft forward's cost model, when a draft model is given."""
+        setup = Setup(self.k_max, lambda seq: self.prior(seq.request.tag), probe, model_cost)
+        lookup, *others = proposer.build_candidates(setup)
+        self.policy = AdaptivePolicy(cost, self.k_max, lookup, others)
+        proposer.use(self.policy)
         return self.policy
 
     def table(self) -> str:
@@ -216,24 +218,21 @@ def plan_auto(records, renderer, spec_config, batch_size: int, max_model_len: in
               cost: CostModel, proposer, model_cost: CostModel | None = None,
               echo=print, model_id: str = "", echo_plan=None) -> tuple[Plan, AdaptivePolicy]:
     """Plan ``records`` and make the adaptive policy that routes and cuts the drafts of
-    ``proposer`` (``llm.LLM`` builds the engine's ``spec_decode.router.Router`` from the two;
-    nothing reaches into an engine from outside).
+    ``proposer``, which then routes through it (``Plan.make_policy``; nothing reaches into an
+    engine from outside).
 
     cost: the target's step-cost model (``costmodel.load_or_calibrate``); proposer: the engine's
-    auto proposer (``methods``' auto builder: lookup and suffix, and the draft model when one is
-    given); model_cost: the draft forward's cost model, given exactly when the proposer drafts
-    with a draft model; batch_size: the engine's rows; max_model_len: its context. ``echo`` gets
+    ``auto.proposer.AutoProposer`` (``methods``' auto builder: lookup, suffix, any registered
+    method auto may choose, and the draft model when one is given); model_cost: the draft
+    forward's cost model, given exactly when the proposer drafts with a draft model; batch_size: the engine's rows; max_model_len: its context. ``echo`` gets
     the plan table (``echo_plan``, when given, gets it instead); model_id: the target's
     (``LoadedModel.model_id``), for a note when the acceptance predictor was fitted on another
     model."""
-    # auto's builder (``methods``) composes lookup, suffix and, when a draft model is given (its
-    # cost model with it), the draft model: no need to ask the proposer what it holds
-    draft_proposer = proposer if model_cost is not None else None
     prompt_ids = {r.index: renderer.first_prompt(r)[0] for r in records}
     max_tokens = max((r.sampling.max_tokens for r in records), default=1)
     plan = make_plan(records, prompt_ids, spec_config.num_speculative_tokens, batch_size, cost,
                      spec_config.prompt_lookup_min, max_tokens,
-                     model_cost if draft_proposer is not None else None)
+                     model_cost)
     notes = []
     for b in plan.buckets.values():  # auto's suffix drafts: own text or job index, per step
         if b.proposer == "ngram":
@@ -255,11 +254,8 @@ def plan_auto(records, renderer, spec_config, batch_size: int, max_model_len: in
                            f"note: the acceptance predictor was fitted on {FITTED_ON}; for "
                            f"{model_id.split('@')[0]} its scale may be off: the buckets use only "
                            "its ranking, and each record's acceptance is learned as it runs")
-    policy = plan.make_policy(cost, Probe(PROBE_TOKENS, spec_config.prompt_lookup_min,
-                                          spec_config.prompt_lookup_max, max_model_len),
-                              proposer=draft_proposer,
-                              model_cost=model_cost if draft_proposer is not None else None,
-                              match_len_of=getattr(proposer, "match_len", None),
-                              suffix=proposer)
+    policy = plan.make_policy(cost, proposer, Probe(PROBE_TOKENS, spec_config.prompt_lookup_min,
+                                                    spec_config.prompt_lookup_max, max_model_len),
+                              model_cost)
     (echo_plan or echo)(plan.table())
     return plan, policy

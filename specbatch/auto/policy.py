@@ -1,0 +1,225 @@
+"""Online choice of each row's draft, per step, from measured cost and per-candidate confidence.
+
+Each step the policy chooses, for every row, which candidate (``auto.candidate.Candidate``)
+drafts and how many of its tokens are verified, to maximise expected output tokens per second:
+
+    rate = sum_rows E[tokens emitted | row i feeds k_i drafts]
+           / (step_time(rows, 1 + max k_i, ctx, tokens = sum (1 + k_i)) + drafting seconds)
+
+E[tokens] = 1 + sum_{j<k_i} reach_i[j], where reach_i[j] is the candidate's chance that draft
+positions 0..j are all accepted (``Candidate.reach``). The runner packs the real tokens of a
+verify step for the dense layers, so a row's extra draft token costs ``CostModel.token_cost``
+seconds (the dense slope at the step's token count, plus its attention over the row's keys where
+the forward packs attention too, ``CostModel.packed``; elsewhere attention is padded to the
+longest row).
+
+One loop, two stages:
+
+1. The base candidate (prompt lookup, ``LookupCandidate``; drafted every step) sets the step:
+   for each step cap K in 0..k_max every row keeps draft position j only while its reach is
+   worth that token at the step's rate (a fixed point of three rounds), and the cap with the
+   best rate wins. Hysteresis: K changes only when the new choice is predicted to be
+   ``switch_margin`` better than keeping the current one.
+2. Every other candidate, in order (``methods`` registration order: the draft model, then
+   suffix, then any registered method with ``auto=True``), is offered the rows no earlier
+   candidate took (``_offer``). At the base's rate r one more verified token costs
+   ``r * token_cost`` tokens (its value); for each of the candidate's step caps a row takes the
+   candidate's draft, cut where a position stops being worth that value, if its net gain
+   ``sum(reach[:d]) - d * value - entry_seconds * r`` beats its current draft's; the step then
+   pays the verify step plus the candidate's ``step_seconds`` and the rows' entry seconds, and
+   the candidate is used only if the best cap's rate beats the base's (by ``switch_margin``
+   for a candidate with ``hysteresis``, which once used is kept unless the base is that much
+   better). Only then does the candidate draft (``Candidate.drafts``).
+
+``steps_by_proposer`` counts which candidate (or none) drafted each row's steps, per record.
+After every step each candidate learns from the committed tokens (``Candidate.observe``) and
+the target's cost model from the verify step's wall time (``observe_step``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence as Seq
+from itertools import takewhile
+from typing import TYPE_CHECKING
+
+from specbatch.auto.candidate import Candidate, LookupCandidate, online
+from specbatch.auto.costmodel import CostModel, OnlineCost
+
+if TYPE_CHECKING:
+    from specbatch.engine.sequence import Sequence
+
+
+def _context(seqs) -> float:
+    """The step's context for the cost model: the rows' mean length (tokens). Attention reads
+    each row up to its own length, so a step costs by the sum over rows; the longest row times
+    the rows priced a batch of 10 rows at 600-1300 tokens 25-35% high (summarization records),
+    and drafting looked cheaper than it was."""
+    return sum(len(s.token_ids) for s in seqs) / len(seqs)
+
+
+class AdaptivePolicy:
+    """Chooses each row's candidate and draft length per step from a ``CostModel`` and the
+    candidates' confidence.
+
+    cost: the target's step cost (a calibrated one keeps fitting to the run's steps,
+    ``OnlineCost``); k_max: auto's k (tokens); lookup: the base candidate (prompt lookup);
+    others: the candidates offered after it, in order (``Candidate``); switch_margin: the
+    hysteresis of the step cap and of candidates with ``hysteresis``.
+    """
+
+    def __init__(self, cost: CostModel, k_max: int, lookup: LookupCandidate,
+                 others: Seq[Candidate] = (), switch_margin: float = 0.03) -> None:
+        self.cost = online(cost)
+        self.k_max = k_max
+        self.lookup = lookup
+        self.others = list(others)
+        self.switch_margin = switch_margin
+        self.current_k = k_max
+        self.using: dict[str, bool] = {c.name: False for c in self.others}
+        # request tag -> steps per source (a candidate's name, or "none")
+        self.steps_by_proposer: dict = {}
+
+    @property
+    def candidates(self) -> list[Candidate]:
+        """The base, then the others, in the order they are offered rows."""
+        return [self.lookup, *self.others]
+
+    @property
+    def probe_results(self) -> dict:
+        """Request tag -> (replayed lookup acceptance length or None, probe tokens)."""
+        return self.lookup.probe_results
+
+    def candidate(self, name: str) -> Candidate:
+        """The candidate named ``name``; raises ``KeyError``."""
+        for c in self.candidates:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+    def rate(self, seqs, drafts: list[list[int]], k: int) -> float:
+        """Expected output tokens per second if every lookup draft is cut to ``k`` tokens."""
+        return self._rate(seqs, [min(k, len(d)) for d in drafts])
+
+    def _rate(self, seqs, cuts: list[int], reach: list[list[float]] | None = None) -> float:
+        """Expected output tokens per second if row i feeds ``cuts[i]`` base draft tokens
+        (rows run packed: the dense layers cost by the real tokens, attention by the longest
+        row or, where packed, by the real tokens; at the rows' mean context, ``_context``).
+        reach: per row, the base's ``reach`` (default: asked for ``cuts``)."""
+        if reach is None:
+            reach = self.lookup.reach(seqs, cuts)
+        ctx = _context(seqs)
+        tokens = len(seqs) + sum(sum(r[:c]) for r, c in zip(reach, cuts))
+        q = 1 + max(cuts, default=0)
+        return tokens / self.cost.step_time(len(seqs), q, ctx, num_tokens=len(seqs) + sum(cuts))
+
+    def _cuts(self, seqs, lengths: list[int], k: int,
+              reach: list[list[float]]) -> list[int]:
+        """Per-row draft lengths under a step cap ``k``: row i keeps draft position j only if
+        the chance that positions 0..j are all accepted (the expected extra tokens it brings)
+        is worth the packed token it costs at the step's rate (Dinkelbach-style fixed point,
+        3 rounds from "keep everything")."""
+        cuts = [min(k, n) for n in lengths]
+        for _ in range(3):
+            # a packed token's price: the dense slope at the step's token count (plus scoring
+            # the row's keys where attention is packed)
+            rate = self._rate(seqs, cuts, reach)
+            slope, per_key = self.cost.token_cost(len(seqs) + sum(cuts)), self.cost.token_key_cost
+            new = []
+            for s, r, c0 in zip(seqs, reach, (min(k, n) for n in lengths)):
+                threshold = rate * (slope + per_key * len(s.token_ids))
+                new.append(min(c0, sum(1 for _ in takewhile(lambda x: x >= threshold, r))))
+            if new == cuts:
+                break
+            cuts = new
+        return cuts
+
+    def select(self, seqs: list[Sequence], caps: list[int]) -> list[list[int]]:
+        """The drafts to verify this step, one per row (possibly empty). caps: the most tokens
+        each row may draft (its k, ``max_tokens`` and the context; the engine's
+        ``_draft_caps``)."""
+        ctx = _context(seqs)
+        lengths = self.lookup.propose(seqs, caps)
+        cuts, rate = self._select_base(seqs, lengths)
+        chosen = self.lookup.drafts(seqs, cuts, ctx)
+        source = [self.lookup.name if d else "none" for d in chosen]
+        for cand in self.others:
+            chosen = self._offer(cand, seqs, chosen, source, rate, caps, ctx)
+        for s, src in zip(seqs, source):
+            self.steps_by_proposer.setdefault(s.request.tag, Counter())[src] += 1
+        return chosen
+
+    def _select_base(self, seqs, lengths: list[int]) -> tuple[list[int], float]:
+        """Per-row base draft lengths under the chosen step cap, and their predicted rate
+        (tokens/s)."""
+        longest = max(lengths, default=0)
+        if longest == 0:
+            return [0] * len(seqs), self._rate(seqs, [0] * len(seqs), [[] for _ in seqs])
+        reach = self.lookup.reach(seqs, [min(self.k_max, n) for n in lengths])
+        options = {k: self._cuts(seqs, lengths, k, reach)
+                   for k in range(0, min(self.k_max, longest) + 1)}
+        rates = {k: self._rate(seqs, cuts, reach) for k, cuts in options.items()}
+        best = max(rates, key=lambda k: (rates[k], -k))
+        keep = min(self.current_k, longest)
+        if rates[best] > rates[keep] * (1 + self.switch_margin):
+            self.current_k = best
+            keep = best
+        return options[keep], rates[keep]
+
+    def _offer(self, cand: Candidate, seqs, chosen: list[list[int]], source: list[str],
+               base_rate: float, caps: list[int], ctx: float) -> list[list[int]]:
+        """Offer ``cand`` the rows no earlier candidate took (``source`` still the base's or
+        none); returns the drafts with the rows it takes replaced (``source`` updated)."""
+        n = len(seqs)
+        avail = cand.propose(seqs, caps)
+        free = [src in (self.lookup.name, "none") for src in source]
+        value = base_rate * self.cost.token_cost(n + sum(len(d) for d in chosen), ctx)
+        current = self.lookup.reach(seqs, [len(d) for d in chosen])
+        net = [sum(r) - len(r) * value for r in current]
+        reach = cand.reach(seqs, avail)
+        entry = cand.entry_seconds(seqs, reach)
+        best = None  # (rate, lengths per row, 0 = keep the current draft)
+        for cap in cand.cap_options(self.k_max):
+            lengths = []
+            for r, net_i, e, ok in zip(reach, net, entry, free):
+                d = sum(1 for _ in takewhile(lambda x: x >= value, r[:cap])) if ok else 0
+                gain = sum(r[:d]) - d * value - e * base_rate
+                lengths.append(d if d and gain > net_i else 0)
+            if not any(lengths):
+                continue
+            tokens = n + sum(sum(r[:d]) if d else sum(c)
+                             for r, c, d in zip(reach, current, lengths))
+            fed = [d if d else len(c) for d, c in zip(lengths, chosen)]
+            seconds = self.cost.step_time(n, 1 + max(fed), ctx, num_tokens=n + sum(fed))
+            seconds += sum(e for e, d in zip(entry, lengths) if d)
+            for extra in cand.step_seconds(lengths, ctx):
+                seconds += extra
+            rate = tokens / seconds
+            if best is None or rate > best[0]:
+                best = (rate, lengths)
+        margin = 1.0
+        if cand.hysteresis:
+            margin = 1 / (1 + self.switch_margin) if self.using[cand.name] \
+                else 1 + self.switch_margin
+        self.using[cand.name] = best is not None and best[0] > base_rate * margin
+        if not self.using[cand.name]:
+            return chosen
+        rows = [i for i, d in enumerate(best[1]) if d]
+        drafts = cand.drafts([seqs[i] for i in rows], [best[1][i] for i in rows], ctx)
+        out = list(chosen)
+        for i, d in zip(rows, drafts):
+            out[i] = d
+            source[i] = cand.name
+        return out
+
+    def observe_step(self, seqs, drafts: list[list[int]], seconds: float) -> None:
+        """A verify step's wall time (seconds), for the online cost fit (``OnlineCost``)."""
+        if isinstance(self.cost, OnlineCost):
+            self.cost.observe(len(seqs), 1 + max((len(d) for d in drafts), default=0),
+                              _context(seqs),
+                              sum(1 + len(d) for d in drafts), seconds)
+
+    def observe(self, seq, emitted: list[int]) -> None:
+        """The tokens the step committed for a row of the step: every candidate learns."""
+        for c in self.candidates:
+            c.observe(seq, emitted)
