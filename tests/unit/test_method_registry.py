@@ -6,8 +6,10 @@ same output token ids as ``--method none`` (and its ``spec`` shows drafts were v
 ``memory:`` line has the entry's part, a resume of a ``repeat`` job calls the entry's resume
 hook and finishes the job, ``bench --configs none,repeat:k=3`` reports every output identical,
 and ``analyze --what-if`` replays the ``repeat`` run as the ``none`` run (the same tokens give
-the same n-gram tables). The built-in entries keep their behaviour (``SpecConfig`` errors,
-``--method`` choices, the bench keys).
+the same n-gram tables). Its entry says auto may choose it and gives a ``Candidate``: ``run
+--method auto`` verifies ``repeat`` drafts on some steps, outputs equal to ``none``'s. The
+built-in entries keep their behaviour (``SpecConfig`` errors, ``--method`` choices, the bench
+keys).
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ from specbatch import methods
 from specbatch.cli import main
 from specbatch.config import ConfigError, SpecConfig
 from specbatch.methods import Method, register_method
+from specbatch.spec_decode.proposer import Proposer
 from tests.cli_helpers import read_jsonl
 
 NAME = "repeat"
 
 
-class RepeatLastProposer:
+class RepeatLastProposer(Proposer):
     """Drafts ``ks[i]`` copies of row i's last token (``Proposer`` protocol)."""
 
     name = NAME
@@ -48,6 +51,51 @@ class RepeatLastProposer:
         pass
 
 
+class RepeatCandidate:
+    """How auto values ``repeat``'s drafts (``auto.candidate.Candidate``): draft position j is
+    accepted with chance 0.9 ** (j + 1), whatever happened before (no acceptance pool), and
+    drafting costs nothing. Drafts at most k tokens."""
+
+    name = NAME
+    hysteresis = False
+
+    def __init__(self, proposer, setup) -> None:
+        self.proposer, self.k = proposer, setup.k_max
+        self._drafts: dict[int, list[int]] = {}
+
+    def propose(self, seqs, caps):
+        drafts = self.proposer.propose(seqs, [min(self.k, c) for c in caps])
+        self._drafts = {s.seq_id: d for s, d in zip(seqs, drafts)}
+        return [len(d) for d in drafts]
+
+    def reach(self, seqs, lengths):
+        return [[0.9 ** (j + 1) for j in range(n)] for n in lengths]
+
+    def cap_options(self, k_max):
+        return (None,)
+
+    def entry_seconds(self, seqs, reach):
+        return [0.0] * len(seqs)
+
+    def step_seconds(self, lengths, ctx):
+        return []
+
+    def drafts(self, seqs, lengths, ctx):
+        return [self._drafts[s.seq_id][:n] for s, n in zip(seqs, lengths)]
+
+    def observe(self, seq, emitted) -> None:
+        pass
+
+    def start(self, seq) -> None:
+        self.proposer.start(seq)
+
+    def on_commit(self, seq, num_new_tokens: int) -> None:
+        self.proposer.on_commit(seq, num_new_tokens)
+
+    def finish(self, seq) -> None:
+        self.proposer.finish(seq)
+
+
 RESUMED: list = []  # the ids of the records each resume hook call was given
 
 
@@ -61,7 +109,8 @@ def repeat_method():
     RESUMED.clear()
     entry = register_method(Method(NAME, lambda config, draft_forward, num_rows:
                                    RepeatLastProposer(), bench_keys={"k": "num_speculative_tokens"},
-                                   resume=_on_resume, memory=lambda proposer: "repeat: no KV"))
+                                   resume=_on_resume, memory=lambda proposer: "repeat: no KV",
+                                   auto=True, candidate=RepeatCandidate))
     try:
         yield entry
     finally:
@@ -139,6 +188,31 @@ def test_a_registered_method_runs_through_run_bench_resume_and_what_if(
     assert docs[NAME]["settings"] == docs["none"]["settings"]
 
 
+def test_auto_may_choose_a_registered_method(tmp_path, tiny_gguf, repeat_method, monkeypatch):
+    """``--method auto`` builds every method whose entry says auto may choose it: on some steps
+    of some rows it verifies ``repeat``'s drafts (the record's ``proposer_steps``), and the
+    output token ids equal ``--method none``'s. The step cost is a made-up one where a fed
+    token costs 1/80 of a step (calibrating would time the model)."""
+    from specbatch.auto import costmodel
+
+    real, cheap = costmodel.calibrate, costmodel.CostModel((0.040, 0.0005, 0.0, 0.0))
+    monkeypatch.setattr(costmodel, "calibrate", lambda forward, **kw: real(
+        forward, **{**kw, "progress": False, "time_fn": cheap.step_time}))
+    monkeypatch.setattr(costmodel, "load_average", lambda: None)
+    inp = _input(tmp_path)
+    none_out, auto_out = tmp_path / "none.jsonl", tmp_path / "auto.jsonl"
+    _run(tmp_path, tiny_gguf, inp, none_out, "--method", "none")
+    _run(tmp_path, tiny_gguf, inp, auto_out, "--method", "auto", "--k", "3")
+    base, auto = read_jsonl(none_out), read_jsonl(auto_out)
+    assert [r["output_token_ids"] for r in auto] == [r["output_token_ids"] for r in base]
+    steps: dict[str, int] = {}
+    for r in auto:
+        for source, n in r["spec"]["proposer_steps"].items():
+            steps[source] = steps.get(source, 0) + n
+    assert steps.get(NAME, 0) > 0, steps
+    assert set(steps) <= {NAME, "ngram", "suffix", "none"}, steps
+
+
 def test_a_registered_method_is_a_choice_and_a_config(repeat_method):
     from specbatch.commands.bench import parse_configs
 
@@ -162,7 +236,7 @@ def test_register_method_refuses_what_it_cannot_honour(repeat_method):
     build = repeat_method.build
     with pytest.raises(ValueError, match="already registered"):
         register_method(Method(NAME, build))
-    with pytest.raises(ValueError, match="auto chooses only among draft, ngram, suffix"):
+    with pytest.raises(ValueError, match="'other': auto=True needs a candidate builder"):
         register_method(Method("other", build, auto=True))
     with pytest.raises(ValueError, match="lowercase letters"):
         register_method(Method("a:b", build))
