@@ -206,9 +206,29 @@ def _logit_shift(p: float, p_group: float, p_all: float) -> float:
     return odds / (1.0 + odds)
 
 
+class _Forwarding:
+    """The lifecycle calls go to ``self.proposer``; ``finish`` also drops the row's own state
+    (``_drop``)."""
+
+    proposer: Proposer
+
+    def start(self, seq) -> None:
+        self.proposer.start(seq)
+
+    def on_commit(self, seq, num_new_tokens: int) -> None:
+        self.proposer.on_commit(seq, num_new_tokens)
+
+    def finish(self, seq) -> None:
+        self.proposer.finish(seq)
+        self._drop(seq)
+
+    def _drop(self, seq) -> None:
+        pass
+
+
 # ---- prompt lookup ------------------------------------------------------------------------
 
-class LookupCandidate:
+class LookupCandidate(_Forwarding):
     """Prompt lookup (``NgramProposer``): auto's base, drafted every step (a dict lookup per
     row), whose drafts the policy cuts under one step cap (``AdaptivePolicy``).
 
@@ -312,14 +332,7 @@ class LookupCandidate:
         self.rows[seq.seq_id] = acc
         self.probe_results.setdefault(seq.request.tag, (stats.mean_acceptance_length, len(out)))
 
-    def start(self, seq) -> None:
-        self.proposer.start(seq)
-
-    def on_commit(self, seq, num_new_tokens: int) -> None:
-        self.proposer.on_commit(seq, num_new_tokens)
-
-    def finish(self, seq) -> None:
-        self.proposer.finish(seq)
+    def _drop(self, seq) -> None:
         self.rows.pop(seq.seq_id, None)
         self._proposed.pop(seq.seq_id, None)
         self.probed.discard(seq.seq_id)
@@ -327,7 +340,7 @@ class LookupCandidate:
 
 # ---- draft model --------------------------------------------------------------------------
 
-class DraftModelCandidate:
+class DraftModelCandidate(_Forwarding):
     """A draft model (``DraftProposer``; ``--method auto --draft-model NAME``).
 
     Confidence: per row, its own decayed counts over a prior of ``MODEL_PRIOR_STRENGTH``
@@ -424,8 +437,7 @@ class DraftModelCandidate:
         if seq.seq_id in self.proposer.states:
             self.proposer.on_commit(seq, num_new_tokens)
 
-    def finish(self, seq) -> None:
-        self.proposer.finish(seq)
+    def _drop(self, seq) -> None:
         self.rows.pop(seq.seq_id, None)
 
 
@@ -442,7 +454,7 @@ def _suffix_cell(matched: int, freq: float) -> tuple[int, int]:
     return min(max(matched, 1), SUFFIX_MATCH_BINS), _bucket(freq)
 
 
-class SuffixCandidate:
+class SuffixCandidate(_Forwarding):
     """Suffix drafts (``SuffixProposer``; the row's own text and the job's finished answers),
     drafted every step up to the engine's cap (``SUFFIX_CAP_FACTOR * k`` for auto).
 
@@ -523,12 +535,5 @@ class SuffixCandidate:
                 break
             cell[1] += 1.0
 
-    def start(self, seq) -> None:
-        self.proposer.start(seq)
-
-    def on_commit(self, seq, num_new_tokens: int) -> None:
-        self.proposer.on_commit(seq, num_new_tokens)
-
-    def finish(self, seq) -> None:
-        self.proposer.finish(seq)
+    def _drop(self, seq) -> None:
         self._drafts.pop(seq.seq_id, None)

@@ -267,11 +267,9 @@ def simulate(proposer, records: int = 24, seed: int = 5) -> dict:
 
 
 def record() -> dict:  # pragma: no cover - recording only
-    try:
-        import specbatch.plan.policy  # noqa: F401
-        make = old_proposer
-    except ImportError:
-        make = new_proposer
+    from importlib.util import find_spec
+
+    make = old_proposer if find_spec("specbatch.plan.policy") is not None else new_proposer
     return {name: simulate(make(draft_cost, Clock())) for name, draft_cost in SCENARIOS.items()}
 
 
