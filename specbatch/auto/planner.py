@@ -224,15 +224,15 @@ def plan_auto(records, renderer, spec_config, batch_size: int, max_model_len: in
     cost: the target's step-cost model (``costmodel.load_or_calibrate``); proposer: the engine's
     ``auto.proposer.AutoProposer`` (``methods``' auto builder: lookup, suffix, any registered
     method auto may choose, and the draft model when one is given); model_cost: the draft
-    forward's cost model, given exactly when the proposer drafts with a draft model; batch_size: the engine's rows; max_model_len: its context. ``echo`` gets
-    the plan table (``echo_plan``, when given, gets it instead); model_id: the target's
+    forward's cost model, given exactly when the proposer drafts with a draft model;
+    batch_size: the engine's rows; max_model_len: its context. ``echo`` gets the plan table
+    (``echo_plan``, when given, gets it instead); model_id: the target's
     (``LoadedModel.model_id``), for a note when the acceptance predictor was fitted on another
     model."""
     prompt_ids = {r.index: renderer.first_prompt(r)[0] for r in records}
     max_tokens = max((r.sampling.max_tokens for r in records), default=1)
     plan = make_plan(records, prompt_ids, spec_config.num_speculative_tokens, batch_size, cost,
-                     spec_config.prompt_lookup_min, max_tokens,
-                     model_cost)
+                     spec_config.prompt_lookup_min, max_tokens, model_cost)
     notes = []
     for b in plan.buckets.values():  # auto's suffix drafts: own text or job index, per step
         if b.proposer == "ngram":
