@@ -12,7 +12,7 @@ A candidate wraps one method's proposer (``methods.Method.candidate`` builds it)
 - its acceptance pool: what it learns from the tokens each step commits (``observe``), verified
   or not.
 
-Per step the policy (``auto.policy.AdaptivePolicy``) calls ``propose`` once (cheap candidates
+Per step the policy (``auto.policy.AdaptivePolicy``) calls ``prepare`` once (cheap candidates
 draft here), asks ``reach`` for the lengths it weighs, and calls ``drafts`` for the rows it
 gives the candidate (a draft model drafts only then). The lifecycle calls (``start``,
 ``on_commit``, ``finish``) are the ``Proposer``'s; the auto proposer (``auto.proposer``)
@@ -68,7 +68,7 @@ class Candidate(Protocol):
     proposer: Proposer
     hysteresis: bool
 
-    def propose(self, seqs: list[Sequence], caps: list[int]) -> list[int]:
+    def prepare(self, seqs: list[Sequence], caps: list[int]) -> list[int]:
         """Called once per step before any choice: the longest draft row i could get
         (tokens, at most ``caps[i]``, the engine's per-row cap). A candidate whose drafts are
         cheap drafts here; one whose drafts are costly (a draft model) drafts in ``drafts``."""
@@ -76,7 +76,7 @@ class Candidate(Protocol):
 
     def reach(self, seqs: list[Sequence], lengths: list[int]) -> list[list[float]]:
         """Per row, ``lengths[i]`` floats in [0, 1], non-increasing: the chance that draft
-        positions 0..j are all accepted, for j < lengths[i] (at most what ``propose`` gave)."""
+        positions 0..j are all accepted, for j < lengths[i] (at most what ``prepare`` gave)."""
         ...
 
     def cap_options(self, k_max: int) -> Seq[int | None]:
@@ -85,7 +85,7 @@ class Candidate(Protocol):
 
     def entry_seconds(self, seqs: list[Sequence], reach: list[list[float]]) -> list[float]:
         """Per row, one-off seconds of drafting with this candidate, spread over the row's
-        remaining steps (0.0: none). reach: ``reach`` at ``propose``'s lengths."""
+        remaining steps (0.0: none). reach: ``reach`` at ``prepare``'s lengths."""
         ...
 
     def step_seconds(self, lengths: list[int], ctx: float) -> list[float]:
@@ -270,7 +270,7 @@ class LookupCandidate(_Forwarding):
             acc = self.rows[seq.seq_id] = RowAcceptance(self.prior_for(seq))
         return acc
 
-    def propose(self, seqs, caps: list[int]) -> list[int]:
+    def prepare(self, seqs, caps: list[int]) -> list[int]:
         proposed = [d[:k] for d, k in zip(self.proposer.propose(seqs, caps), caps)]
         self._proposed = {s.seq_id: d for s, d in zip(seqs, proposed)}
         if self.use_match_len:
@@ -366,7 +366,7 @@ class DraftModelCandidate(_Forwarding):
         self.rows: dict[int, RowAcceptance] = {}  # seq id -> the model's own counts
         self.drafted: dict[int, list[int]] = {}  # seq id -> this step's model draft
 
-    def propose(self, seqs, caps: list[int]) -> list[int]:
+    def prepare(self, seqs, caps: list[int]) -> list[int]:
         self.drafted = {}
         return [min(self.k_max, c) for c in caps]
 
@@ -480,7 +480,7 @@ class SuffixCandidate(_Forwarding):
         self.seconds: float | None = None  # measured suffix lookup time per step
         self._drafts: dict = {}  # seq id -> this step's suffix Draft (rows with one)
 
-    def propose(self, seqs, caps: list[int]) -> list[int]:
+    def prepare(self, seqs, caps: list[int]) -> list[int]:
         # the lookup's CPU time (Python on this thread): wall time counted other processes'
         # turns on a busy machine, priced suffix drafts by the load of the moment
         t0 = time.thread_time()

@@ -139,7 +139,7 @@ class AdaptivePolicy:
         each row may draft (its k, ``max_tokens`` and the context; the engine's
         ``_draft_caps``)."""
         ctx = _context(seqs)
-        lengths = self.lookup.propose(seqs, caps)
+        lengths = self.lookup.prepare(seqs, caps)
         cuts, rate = self._select_base(seqs, lengths)
         chosen = self.lookup.drafts(seqs, cuts, ctx)
         source = [self.lookup.name if d else "none" for d in chosen]
@@ -171,7 +171,7 @@ class AdaptivePolicy:
         """Offer ``cand`` the rows no earlier candidate took (``source`` still the base's or
         none); returns the drafts with the rows it takes replaced (``source`` updated)."""
         n = len(seqs)
-        avail = cand.propose(seqs, caps)
+        avail = cand.prepare(seqs, caps)
         free = [src in (self.lookup.name, "none") for src in source]
         value = base_rate * self.cost.token_cost(n + sum(len(d) for d in chosen), ctx)
         current = self.lookup.reach(seqs, [len(d) for d in chosen])

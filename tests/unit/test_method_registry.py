@@ -63,7 +63,7 @@ class RepeatCandidate:
         self.proposer, self.k = proposer, setup.k_max
         self._drafts: dict[int, list[int]] = {}
 
-    def propose(self, seqs, caps):
+    def prepare(self, seqs, caps):
         drafts = self.proposer.propose(seqs, [min(self.k, c) for c in caps])
         self._drafts = {s.seq_id: d for s, d in zip(seqs, drafts)}
         return [len(d) for d in drafts]
