@@ -269,7 +269,8 @@ def simulate(proposer, records: int = 24, seed: int = 5) -> dict:
 def record() -> dict:  # pragma: no cover - recording only
     from importlib.util import find_spec
 
-    make = old_proposer if find_spec("specbatch.plan.policy") is not None else new_proposer
+    old = find_spec("specbatch.plan") is not None and find_spec("specbatch.plan.policy")
+    make = old_proposer if old else new_proposer
     return {name: simulate(make(draft_cost, Clock())) for name, draft_cost in SCENARIOS.items()}
 
 
