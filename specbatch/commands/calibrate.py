@@ -89,7 +89,7 @@ def run_predict_eval(paths, k: int, model: str | None, cache_dir: str | None,
 
     - before generation, from the prompt (``predict``), against the record's measured
       ``spec.mean_acceptance_length``;
-    - after the probe (``policy.Probe``): prompt lookup replayed over the first
+    - after the probe (``auto.candidate.Probe``): prompt lookup replayed over the first
       ``probe_tokens`` output tokens of the first turn, combined with the prompt prediction as
       the policy combines them (``RowAcceptance``), against the acceptance length replayed over
       the rest of that turn (positions >= probe_tokens), which the probe never saw.

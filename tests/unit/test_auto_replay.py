@@ -1,9 +1,9 @@
 """Auto's decisions, pinned: a recorded closed-loop run of ``--method auto``'s proposer (prompt
 lookup, a draft model and suffix drafts, all stand-ins driven by a seeded generator) under fixed
 cost models, with no wall time (the candidates' clock is a counter), gives the same drafts,
-step by step, as the policy before the ``specbatch.auto`` package (commit cb6e8c5, per-candidate
-``_select_lookup`` / ``_select_model`` / ``_select_suffix``), whose decisions
-``tests/data/auto_decisions.json`` holds.
+step by step, as the policy before the ``specbatch.auto`` package (``specbatch/plan/policy.py``
+at commit 4815fd0, per-candidate ``_select_lookup`` / ``_select_model`` / ``_select_suffix``),
+whose decisions ``tests/data/auto_decisions.json`` holds.
 
 A step here is what the engine does: admit rows up to the batch (``start``, then the first
 token is committed), ask the proposer for drafts under each row's cap, commit what a target
