@@ -1,7 +1,8 @@
 """What ``--method auto`` decides, step by step, against the static arms on the same records.
 
     python benchmarks/auto_decisions.py benchmarks/peers/records16.jsonl --batch 16 --dtype int8 \
-        --arms none,ngram,suffix,auto [--max-tokens 128] [--limit N] [--fixed-cost] [--json OUT]
+        --arms none,ngram,suffix,auto [--max-tokens 128] [--limit N] [--fixed-cost | --cost FIT.json]
+        [--json OUT]
 
 Load-independent measures first: per arm the verify steps, output tokens, draft tokens and
 accepted tokens summed over the records (tokens per step; draft tokens not accepted are the
@@ -9,7 +10,9 @@ wasted ones), whether every arm's token ids equal ``none``'s, and for auto the p
 cap K and drafted tokens (the first steps in full), the time spent in the policy
 (``select`` / ``observe`` / ``observe_step``) and in the proposers as a share of the run's wall
 time, and the online cost fit's predicted step time for a fixed shape at each refit.
---fixed-cost: auto prices steps with the calibration only (no online refit from wall time).
+--fixed-cost: auto prices steps with the calibration only (no online refit from wall time);
+--cost FILE: with that cost model instead (a ``CostModel`` JSON, e.g. fitted from timings taken
+on a quiet machine), fixed.
 Wall times are printed with the load average: on a busy machine they are noise.
 """
 
@@ -35,6 +38,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--fixed-cost", action="store_true")
+    ap.add_argument("--cost", default=None,
+                    help="a CostModel JSON (CostModel.save) that auto prices steps with, fixed")
     ap.add_argument("--show-steps", type=int, default=12)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -66,7 +71,9 @@ def main() -> None:
         if policy is not None:
             policy._base_cost = (policy.cost.model if hasattr(policy.cost, "model")
                                  else policy.cost)
-            if args.fixed_cost:
+            if args.cost:
+                policy.cost = costmodel.load(args.cost)
+            elif args.fixed_cost:
                 policy.cost = policy.cost.model if hasattr(policy.cost, "model") else policy.cost
             _instrument(policy, timers, log)
         t0 = time.perf_counter()
