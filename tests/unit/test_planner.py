@@ -468,8 +468,6 @@ def test_auto_at_batch_1_keeps_up_with_the_best_static_k(p):
     (measured 0.987-0.996; the 10-step memory of a row's counts costs the ~1%)."""
     import random
 
-    from specbatch.plan.planner import Plan
-
     cost = CostModel((5.52e-3, 1.378e-3, 1.249e-6, 5.14e-7, 1.847e-3), knots=(4,), packed=True)
     assert cost.step_time(1, 1, 256) == pytest.approx(7.35e-3, rel=0.01)
     rng = random.Random(0)
@@ -484,7 +482,7 @@ def test_auto_at_batch_1_keeps_up_with_the_best_static_k(p):
         return (sum(min(a, k) + 1 for a, k in zip(accepted, ks))
                 / sum(cost.step_time(1, 1 + k, 300) for k in ks))
 
-    prior = Plan.prior_from_alpha(0.1, 5)
+    prior = [(0.4, 3.6)] * 5  # Plan.prior_from_alpha(0.1, 5): 4 pseudo-trials at 0.1
     policy = AdaptivePolicy(cost, k_max=5, prior_for=lambda s: prior)
     seq, draft, ks = _seq(1, 300), [1, 2, 3, 4, 5], []
     for a in accepted:
