@@ -483,10 +483,10 @@ def test_auto_at_batch_1_keeps_up_with_the_best_static_k(p):
                 / sum(cost.step_time(1, 1 + k, 300) for k in ks))
 
     prior = [(0.4, 3.6)] * 5  # Plan.prior_from_alpha(0.1, 5): 4 pseudo-trials at 0.1
-    policy = AdaptivePolicy(cost, k_max=5, prior_for=lambda s: prior)
+    policy, _ = _policy(cost, 5, lambda s: prior)
     seq, draft, ks = _seq(1, 300), [1, 2, 3, 4, 5], []
     for a in accepted:
-        ks.append(len(policy.select([seq], [draft])[0]))
-        policy.observe(seq, draft, (draft[:a] + [7])[:ks[-1] + 1])
+        ks.append(len(_select(policy, [seq], [draft])[0]))
+        policy.observe(seq, (draft[:a] + [7])[:ks[-1] + 1])
     best = max(rate([k] * len(accepted)) for k in range(6))
     assert rate(ks) >= 0.98 * best, (rate(ks), best, ks[:40])
