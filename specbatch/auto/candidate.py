@@ -206,9 +206,11 @@ def _logit_shift(p: float, p_group: float, p_all: float) -> float:
     return odds / (1.0 + odds)
 
 
-class _Forwarding:
-    """The lifecycle calls go to ``self.proposer``; ``finish`` also drops the row's own state
-    (``_drop``)."""
+class ForwardingCandidate:
+    """Base for a ``Candidate`` built around a ``Proposer`` (``self.proposer``): the lifecycle
+    calls (``start``, ``on_commit``, ``finish``) go to it, and ``finish`` also drops the row's
+    own state (``_drop``; nothing by default). A registered method's candidate subclasses it
+    and writes only the pricing and drafting half of the protocol."""
 
     proposer: Proposer
 
@@ -228,7 +230,7 @@ class _Forwarding:
 
 # ---- prompt lookup ------------------------------------------------------------------------
 
-class LookupCandidate(_Forwarding):
+class LookupCandidate(ForwardingCandidate):
     """Prompt lookup (``NgramProposer``): auto's base, drafted every step (a dict lookup per
     row), whose drafts the policy cuts under one step cap (``AdaptivePolicy``).
 
@@ -340,7 +342,7 @@ class LookupCandidate(_Forwarding):
 
 # ---- draft model --------------------------------------------------------------------------
 
-class DraftModelCandidate(_Forwarding):
+class DraftModelCandidate(ForwardingCandidate):
     """A draft model (``DraftProposer``; ``--method auto --draft-model NAME``).
 
     Confidence: per row, its own decayed counts over a prior of ``MODEL_PRIOR_STRENGTH``
@@ -454,7 +456,7 @@ def _suffix_cell(matched: int, freq: float) -> tuple[int, int]:
     return min(max(matched, 1), SUFFIX_MATCH_BINS), _bucket(freq)
 
 
-class SuffixCandidate(_Forwarding):
+class SuffixCandidate(ForwardingCandidate):
     """Suffix drafts (``SuffixProposer``; the row's own text and the job's finished answers),
     drafted every step up to the engine's cap (``SUFFIX_CAP_FACTOR * k`` for auto).
 

@@ -21,6 +21,7 @@ from click.testing import CliRunner
 
 from specbatch import methods
 from specbatch.cli import main
+from specbatch.auto.candidate import ForwardingCandidate
 from specbatch.config import ConfigError, SpecConfig
 from specbatch.methods import Method, register_method
 from specbatch.spec_decode.proposer import Proposer
@@ -51,7 +52,7 @@ class RepeatLastProposer(Proposer):
         pass
 
 
-class RepeatCandidate:
+class RepeatCandidate(ForwardingCandidate):
     """How auto values ``repeat``'s drafts (``auto.candidate.Candidate``): draft position j is
     accepted with chance 0.9 ** (j + 1), whatever happened before (no acceptance pool), and
     drafting costs nothing. Drafts at most k tokens."""
@@ -85,15 +86,6 @@ class RepeatCandidate:
 
     def observe(self, seq, emitted) -> None:
         pass
-
-    def start(self, seq) -> None:
-        self.proposer.start(seq)
-
-    def on_commit(self, seq, num_new_tokens: int) -> None:
-        self.proposer.on_commit(seq, num_new_tokens)
-
-    def finish(self, seq) -> None:
-        self.proposer.finish(seq)
 
 
 RESUMED: list = []  # the ids of the records each resume hook call was given
