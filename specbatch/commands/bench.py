@@ -20,31 +20,19 @@ from dataclasses import dataclass, replace
 import click
 
 from specbatch import methods
+from specbatch.commands.common import JobOptions
 from specbatch.config import EngineConfig, SamplingParams, SpecConfig
 from specbatch.spec_decode.stats import SpecStats
 
 
-@dataclass(frozen=True)
-class BenchOptions:
-    input_path: str
-    model: str | None
-    cache_dir: str | None
-    sampling: SamplingParams
+@dataclass(frozen=True, kw_only=True)
+class BenchOptions(JobOptions):
     specs: tuple[tuple[str, SpecConfig], ...]
-    engine: EngineConfig
-    run_seed: int = 0
-    prompt_field: str | None = None
-    id_field: str | None = None
-    split: str | None = None
-    limit: int | None = None
     per_category: int | None = None
     categories: tuple[str, ...] | None = None
     repeats: int = 1
     draft_model: str | None = None
-    template: str | None = None  # as RunOptions.template (load_records reads it)
     groups: tuple[tuple[str, tuple[str, ...]], ...] = ()  # extra table rows: (name, categories)
-    cpu: object = None  # cpu_threads.ThreadChoice: its line is printed before the load
-    calibration: str | None = None  # --calibration FILE: the step-cost fit auto uses
 
 
 def parse_configs(text: str,

@@ -7,9 +7,33 @@ from __future__ import annotations
 
 import re
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
+
+from specbatch.config import EngineConfig, SamplingParams
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobOptions:
+    """What ``run`` and ``bench`` both take: the records, the model and how to generate
+    (each command adds its own fields, keyword-only)."""
+
+    input_path: str
+    model: str | None
+    cache_dir: str | None
+    sampling: SamplingParams
+    engine: EngineConfig
+    run_seed: int = 0
+    prompt_field: str | None = None
+    id_field: str | None = None
+    split: str | None = None
+    limit: int | None = None
+    template: str | None = None  # renders the user message from record fields
+    cpu: object = None  # cpu_threads.ThreadChoice: its line is printed before the load
+    calibration: str | None = None  # --calibration FILE: the step-cost fit auto uses
+
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130

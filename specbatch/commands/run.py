@@ -21,38 +21,26 @@ from pathlib import Path
 import click
 
 from specbatch import methods
+from specbatch.commands.common import JobOptions
 from specbatch.config import EngineConfig, SamplingParams, SpecConfig
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
-@dataclass(frozen=True)
-class RunOptions:
-    input_path: str
+@dataclass(frozen=True, kw_only=True)
+class RunOptions(JobOptions):
     output_path: str
-    model: str | None
-    cache_dir: str | None
-    sampling: SamplingParams
     spec: SpecConfig
-    engine: EngineConfig
-    run_seed: int = 0
-    prompt_field: str | None = None
-    id_field: str | None = None
-    split: str | None = None
-    limit: int | None = None
     on_error: str = "fail"
     resume: bool = False
     force: bool = False
     progress: bool = True
-    template: str | None = None  # renders the user message from record fields
     recipe: dict | None = None  # {"name", "version"} of the recipe the options came from
     plan_only: bool = False  # --method auto: print the plan and exit
     ray: bool = False  # spread the job over Ray Data replicas (``specbatch.ray``)
     ray_address: str | None = None  # None: start a local Ray
     replicas: int = 1
     input_format: str = "auto"  # records | openai-batch | auto (detected per line)
-    cpu: object = None  # cpu_threads.ThreadChoice: its line is printed before the load
-    calibration: str | None = None  # --calibration FILE: the step-cost fit auto uses
     progress_interval: float = 10.0  # seconds between plain progress lines (stderr not a tty)
 
 
