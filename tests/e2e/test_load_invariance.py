@@ -88,7 +88,7 @@ def test_batch_size_does_not_follow_free_memory(monkeypatch):
     from specbatch.pipeline import fit_batch_size
 
     forward = SimpleNamespace(device=torch.device("cpu"), kv_bytes_per_token=24 * 1024,
-                              hf_model=torch.nn.Linear(4, 4))
+                              weight_bytes=4 * 4 * 4 + 4 * 4)  # LlamaForward.weight_bytes
     per_row = 512 * 24 * 1024
     sizes = {}
     for available in (64 << 30, 3 * per_row):  # a quiet machine; one loaded by other jobs
