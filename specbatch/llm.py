@@ -73,6 +73,20 @@ class Prepared:
                                 schedules=schedules)
 
 
+_THREADS_CHOSEN = False
+
+
+def _choose_cpu_threads(device: str) -> None:
+    """The CLI's thread and wait-policy choice for an API user, once per process, logged."""
+    global _THREADS_CHOSEN
+    if _THREADS_CHOSEN or str(device).startswith("cuda"):
+        return
+    _THREADS_CHOSEN = True
+    from specbatch import cpu_threads
+
+    _log.info("%s", cpu_threads.choose_threads().line())
+
+
 class LLM:
     """A loaded model (and draft model) that generates for records, prompts or chats.
 
@@ -90,6 +104,12 @@ class LLM:
         of it a cache row holds (``EngineConfig.prefix_caching``: exact, on the CPU kernels).
         echo: gets the human-readable notes (calibration, plan table, a lowered batch size);
         default: the ``specbatch`` logger at INFO.
+
+    On the CPU, the first ``LLM(...)`` of a process chooses the OpenMP wait policy as the CLI
+    does (``cpu_threads.choose_threads``, before torch loads): passive when other work holds
+    the CPUs (spin-waiting threads of several jobs slow each other ~7x), and logs the
+    ``cpu:`` line. ``OMP_WAIT_POLICY`` / ``OMP_NUM_THREADS`` set by the caller win; where torch
+    was imported before, the policy cannot change any more and the line says so.
 
     vLLM's names, so a vLLM script's ``LLM(...)`` runs: ``max_num_seqs`` (= max_batch_size),
     ``speculative_config`` (a dict: ``method`` ``ngram`` | ``suffix`` | ``draft_model``,
@@ -110,6 +130,7 @@ class LLM:
                  echo: Callable[[str], None] | None = None, max_num_seqs: int | None = None,
                  speculative_config: dict | None = None, tensor_parallel_size: int = 1,
                  trust_remote_code: bool = False) -> None:
+        _choose_cpu_threads(device)
         if tensor_parallel_size != 1:
             raise ConfigError(f"tensor_parallel_size={tensor_parallel_size!r}: specbatch runs "
                               "one engine per process (1); use --ray --replicas N to spread a "

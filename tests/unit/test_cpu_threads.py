@@ -49,3 +49,36 @@ def test_other_load_is_the_runnable_threads_now_not_the_minute_average(tmp_path)
     assert other_load(samples=3, interval=0, loadavg=str(path)) == 0.0
     path.write_text("0.20 0.10 0.05 3/412 9999\n")  # two neighbours just started
     assert other_load(samples=3, interval=0, loadavg=str(path)) == 2.0
+
+
+@pytest.mark.parametrize("load, policy", [(8.0, "PASSIVE"), (0.0, None)])
+def test_python_api_chooses_the_wait_policy_like_the_cli(load, policy):
+    """``LLM(...)`` on a busy machine sets ``OMP_WAIT_POLICY=PASSIVE`` before torch loads (an API
+    user was 3-10x slower than the CLI beside other jobs), logs the ``cpu:`` line, and leaves
+    the default on a quiet one; in a fresh process, so torch is not loaded yet."""
+    import os
+    import subprocess
+    import sys
+
+    script = f"""
+import logging, os, sys
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+import specbatch.cpu_threads as c
+c.other_load = lambda *a, **k: {load}
+from specbatch import LLM
+from specbatch.llm import ModelLoadError
+assert "torch" not in sys.modules
+try:
+    LLM("no-such-model")
+except ModelLoadError:
+    pass
+print("POLICY", os.environ.get("OMP_WAIT_POLICY"))
+"""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f"POLICY {policy}" in out.stdout
+    how = "wait passively" if policy else "spin-wait"
+    assert f"OpenMP threads {how}" in out.stderr
