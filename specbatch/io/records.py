@@ -871,6 +871,10 @@ def _prompt(row: dict, prompt_field: str | None
         # the chat field's name says what it holds: a string here is a mistake, not a prompt
         raise ValueError("messages must be a list of {role, content} messages; got "
                          + _shape(value))
+    if name == "turns" and not isinstance(value, list):
+        # so does ``turns``: a string there would run as a raw prompt without the chat template
+        raise ValueError("turns must be a list of user turns (strings), e.g. [\"...\"]; got "
+                         + _shape(value) + " (a single prompt goes in \"prompt\")")
     if isinstance(value, str):
         if not value.strip():
             raise ValueError(f"{name} is empty")

@@ -943,3 +943,15 @@ def test_utf16_without_a_byte_order_mark_is_one_line_naming_it(tmp_path):
         assert records == [] and [str(e) for e in errors] == [
             f"{path}: holds NUL bytes between its characters: it looks like {kind} without a "
             "byte order mark; convert it to UTF-8 (iconv -f ENCODING -t UTF-8)"], encoding
+
+
+def test_turns_field_must_hold_a_list_of_turns(tmp_path):
+    """``turns`` as a string is a bad record (it ran as a raw prompt without the chat template,
+    one output string instead of a list); a list of strings is the turns."""
+    rows = ['{"id": "t4", "turns": "notalist"}',
+            '{"id": "t5", "turns": ["hello", "and then?"]}']
+    records, errors = _read_lines(tmp_path, rows)
+    assert [r.id for r in records] == ["t5"] and records[0].turns == ["hello", "and then?"]
+    assert [e.reason for e in errors] == [
+        'turns must be a list of user turns (strings), e.g. ["..."]; got string '
+        '(a single prompt goes in "prompt")']
