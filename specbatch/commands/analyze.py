@@ -110,6 +110,9 @@ def run_analyze(opts: AnalyzeOptions) -> int:
     for f in files:
         for p in f.problems:
             click.echo(f"warning: skipped {p}", err=True)
+    unknown = _unknown_grouping(opts.by, files)
+    if unknown:
+        return _bad(unknown)
     doc = build_document(files, opts, cost)
     if doc["what_if"] is not None:
         doc["what_if"]["calibration"] = calibration
@@ -142,6 +145,24 @@ def load_tokenizer(model_id: str):
         click.echo(f"warning: the run used {model_id}; {name} is now {now} (its tokenizer is "
                    "used for the replay)", err=True)
     return tokenizer
+
+
+def _unknown_grouping(by: str | None, files: list[RunFile]) -> str | None:
+    """The error for ``--by FIELD`` that no record holds (a typo would put every record in one
+    group ``-``), naming the fields the records have and the closest one; else None."""
+    import difflib
+
+    from specbatch.analyze.tables import NO_GROUPS
+
+    if by is None or by in ("bucket", "proposer", NO_GROUPS):
+        return None
+    fields = sorted({k for f in files for r in f.records for k in r.fields})
+    if by in fields:
+        return None
+    close = difflib.get_close_matches(by, fields + ["bucket", "proposer"], n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return (f"--by {by}: no record has that field{hint} (fields: {', '.join(fields)}; also "
+            f"bucket, proposer, {NO_GROUPS})")
 
 
 def _bad(msg: str) -> int:

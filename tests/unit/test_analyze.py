@@ -596,3 +596,14 @@ def test_an_output_without_its_config_says_the_settings_are_unknown(runs, tmp_pa
     header = format_text(doc).splitlines()[0]
     assert header.endswith("records, run settings unknown (no OUT.config.json beside it)")
     assert "None" not in header
+
+
+def test_by_a_field_no_record_has_is_refused(runs):
+    """``--by categroy`` (a typo) put every record in one group ``-`` without a word; now one
+    line naming the closest field, exit 2; a field the records hold still works."""
+    result = _invoke(["analyze", str(runs["ngram"]), "--by", "categroy"])
+    assert result.exit_code == 2, result.output
+    line = result.output.strip()
+    assert "\n" not in line and line.startswith("error: --by categroy: no record has that field")
+    assert "did you mean 'category'?" in line
+    assert _invoke(["analyze", str(runs["ngram"]), "--by", "category"]).exit_code == 0
