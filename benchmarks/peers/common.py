@@ -55,13 +55,15 @@ def arg(*args, **kwargs) -> tuple[tuple, dict]:
     return args, kwargs
 
 
-def peer_args(*extra: tuple[tuple, dict]) -> argparse.Namespace:
-    """A peer worker's command line: PROMPTS MODEL --method none|ngram --k --threads, plus
-    ``extra`` ``(args, kwargs)`` pairs for ``add_argument``."""
+def peer_args(*extra: tuple[tuple, dict],
+              methods: tuple[str, ...] = ("none", "ngram")) -> argparse.Namespace:
+    """A peer worker's command line: PROMPTS MODEL --method METHOD --k --threads, plus
+    ``extra`` ``(args, kwargs)`` pairs for ``add_argument``; methods: the ``--method``
+    choices."""
     ap = argparse.ArgumentParser()
     ap.add_argument("prompts")
     ap.add_argument("model")
-    ap.add_argument("--method", default="none", choices=["none", "ngram"])
+    ap.add_argument("--method", default="none", choices=list(methods))
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     for args, kwargs in extra:

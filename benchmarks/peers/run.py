@@ -11,6 +11,13 @@ is read before every run and reported.
     python benchmarks/peers/run.py --work /work/peer-run --rounds 2 \
         --arms specbatch:none:16,specbatch:ngram:16,vllm:none:16,vllm:ngram:16
 
+The models are the ones ``prepare.py`` wrote to ``WORK/model.json`` (target, draft and their
+GGUF files; the packaged SmolLM2-135M and no draft when it is absent); ``--model`` /
+``--draft`` override them (registry names; llama.cpp then needs ``--gguf`` / ``--draft-gguf``).
+Methods: ``none``, ``ngram`` (prompt lookup), ``draft`` (the draft model: specbatch's draft
+proposer; llama.cpp through the binding's ``draft_model`` hook, see ``worker_llamacpp.py``) and
+``auto`` (specbatch; given the draft model when there is one).
+
 Standard library only; the workers import the engines.
 """
 
@@ -33,9 +40,26 @@ PYTHONS = {"specbatch": os.environ.get("SPECBATCH_PYTHON", sys.executable),
 LABELS = {"specbatch": "specbatch", "vllm": "vLLM", "llamacpp": "llama.cpp"}
 
 
+def models(args) -> dict:
+    """``{"model", "draft", "gguf", "draft_gguf"}``: ``WORK/model.json`` (``prepare.py``), the
+    command line's ``--model`` / ``--draft`` / ``--gguf`` / ``--draft-gguf`` over it."""
+    path = Path(args.work) / "model.json"
+    info = json.loads(path.read_text()) if path.exists() else {}
+    gguf = Path(args.work) / "gguf-path.txt"
+    info.setdefault("gguf", gguf.read_text().strip() if gguf.exists() else None)
+    for key, value in (("model", args.model), ("draft", args.draft), ("gguf", args.gguf),
+                       ("draft_gguf", args.draft_gguf)):
+        if value is not None:
+            info[key] = value
+    return info
+
+
 def worker_command(engine: str, method: str, batch: int, dtype: str,
                    args) -> tuple[list[str], dict]:
     work = Path(args.work)
+    info = models(args)
+    if method == "draft" and not info.get("draft"):
+        raise SystemExit("a draft arm needs a draft model: prepare.py --draft NAME (or --draft)")
     prompts = str(work / "prompts.json")
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
     # every engine runs with its own OpenMP wait policy: OMP_WAIT_POLICY=PASSIVE from a shell
@@ -47,9 +71,15 @@ def worker_command(engine: str, method: str, batch: int, dtype: str,
         common += ["--dtype", dtype]
     if engine == "specbatch":
         env["PYTHONPATH"] = str(REPO)
+        if info.get("model"):
+            common += ["--model", info["model"]]
+        if method in ("draft", "auto") and info.get("draft"):
+            common += ["--draft-model", info["draft"]]
         return ([PYTHONS[engine], str(HERE / "worker_specbatch.py"), args.records, prompts,
                  "--batch", str(batch), *common], env)
     if engine == "vllm":
+        if method not in ("none", "ngram"):
+            raise SystemExit(f"vllm arms: methods none and ngram only, not {method}")
         env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND":
                     f"0-{args.threads - 1}", "VLLM_NO_USAGE_STATS": "1",
                     "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
@@ -58,8 +88,14 @@ def worker_command(engine: str, method: str, batch: int, dtype: str,
     if engine == "llamacpp":
         if batch != 1:
             raise SystemExit("llamacpp arms run batch 1 only (see worker_llamacpp.py)")
-        gguf = (work / "gguf-path.txt").read_text().strip()
-        return [PYTHONS[engine], str(HERE / "worker_llamacpp.py"), prompts, gguf, *common], env
+        if method not in ("none", "ngram", "draft"):
+            raise SystemExit(f"llamacpp arms: methods none, ngram and draft, not {method}")
+        if method == "draft":
+            if not info.get("draft_gguf"):
+                raise SystemExit("llamacpp:draft needs the draft's GGUF (prepare.py --draft)")
+            common += ["--draft-gguf", info["draft_gguf"]]
+        return ([PYTHONS[engine], str(HERE / "worker_llamacpp.py"), prompts, info["gguf"],
+                 *common], env)
     raise SystemExit(f"unknown engine {engine!r}")
 
 
@@ -113,8 +149,8 @@ class Worker:
 def parse_arms(text: str) -> list[tuple[str, str, int, str]]:
     """``engine:method:batch[:dtype]`` items. dtype default: specbatch ``auto`` (what
     ``specbatch run`` picks on this CPU; the table shows the resolved dtype), vLLM bfloat16,
-    llama.cpp its GGUF's (q4_1)."""
-    defaults = {"specbatch": "auto", "llamacpp": "q4_1"}
+    llama.cpp its GGUF's (``gguf``: the file's own types)."""
+    defaults = {"specbatch": "auto", "llamacpp": "gguf"}
     arms = []
     for item in text.split(","):
         engine, method, batch, *dtype = item.strip().split(":")
@@ -136,7 +172,7 @@ def table(arms, results, outputs, resolved: dict | None = None) -> str:
     head = ["engine", "method", "batch", "dtype", "output tok/s", "tokens", "seconds"]
     peers = [e for e in ("vllm", "llamacpp") if any(a[0] == e for a in arms)]
     head += [f"/ best {LABELS[p]} arm" for p in peers]
-    head += ["identical to none (same engine, batch)", "identical across batch 1 / 16"]
+    head += ["identical to none (same engine, batch)", "identical across batch sizes"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm in arms:
         engine, method, batch, dtype = arm
@@ -163,7 +199,10 @@ def report(args, arms, workers, results, outputs, out: Path, rounds_done: int) -
     run stopped in a later round keeps what it measured."""
     loads = [r["load_before"] for rs in results.values() for r in rs]
     md = table(arms, results, outputs, {a: w.info.get("dtype") for a, w in workers.items()})
-    summary = (f"{len(outputs[arms[0]])} prompts, max_tokens {args.max_tokens}, greedy, "
+    info = models(args)
+    summary = (f"model {info.get('model') or 'smollm2-135m'}"
+               + (f", draft {info['draft']}" if info.get("draft") else "") + ", "
+               f"{len(outputs[arms[0]])} prompts, max_tokens {args.max_tokens}, greedy, "
                f"{rounds_done} of {args.rounds} rounds, threads {args.threads}; load average "
                f"(1 min) before runs {min(loads):.2f}-{max(loads):.2f}")
     print(summary, flush=True)
@@ -182,28 +221,41 @@ def main() -> None:
     ap.add_argument("--work", required=True, help="folder prepare.py wrote")
     ap.add_argument("--records", default=str(HERE / "records16.jsonl"))
     ap.add_argument("--arms", required=True, help="engine:method:batch[:dtype],... (engine: "
-                    "specbatch, vllm, llamacpp; method: none, ngram, auto (specbatch); dtype: "
-                    "auto (specbatch's default), bfloat16 (vLLM's default) or float32)")
+                    "specbatch, vllm, llamacpp; method: none, ngram, draft (specbatch, llamacpp), auto "
+                    "(specbatch); dtype: auto (specbatch's default), bfloat16 (vLLM's "
+                    "default) or float32)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--limit", type=int, default=None, help="first N prompts only")
     ap.add_argument("--out", default=None, help="results JSON (default WORK/results-<time>.json)")
+    ap.add_argument("--model", default=None, help="specbatch's target (default: WORK/model.json)")
+    ap.add_argument("--draft", default=None, help="specbatch's draft model (default: "
+                    "WORK/model.json)")
+    ap.add_argument("--gguf", default=None, help="llama.cpp's target GGUF (default: "
+                    "WORK/model.json)")
+    ap.add_argument("--draft-gguf", default=None, help="llama.cpp's draft GGUF (default: "
+                    "WORK/model.json)")
     args = ap.parse_args()
 
     arms = parse_arms(args.arms)
     log_dir = Path(args.work) / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     out = Path(args.out or Path(args.work) / f"results-{time.strftime('%H%M%S')}.json")
+    info = models(args)
+    calibrate = [info.get("model")] + [info.get("draft")] * bool(info.get("draft"))
     for dtype in sorted({d for e, m, _, d in arms if e == "specbatch" and m == "auto"}):
-        # auto plans from the cached step-cost fit: measure it now, on the quiet machine, not
-        # in its worker's warm-up while the vLLM engines compile beside it (a fit measured
-        # under that load planned a whole run at 0.41x of none)
+        # auto plans from the cached step-cost fits (the target's, and the draft model's when
+        # it is given): measure them now, on the quiet machine, not in its worker's warm-up
+        # while the vLLM engines compile beside it (a fit measured under that load planned a
+        # whole run at 0.41x of none)
         env = worker_command("specbatch", "auto", 1, dtype, args)[1]
-        subprocess.run([PYTHONS["specbatch"], "-m", "specbatch.cli", "calibrate", "--dtype",
-                        dtype, "--device", "cpu"], env=env, cwd=str(REPO), check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for model in calibrate:
+            subprocess.run([PYTHONS["specbatch"], "-m", "specbatch.cli", "calibrate", "--dtype",
+                            dtype, "--device", "cpu", *(["--model", model] if model else [])],
+                           env=env, cwd=str(REPO), check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     workers = {arm: Worker(arm, args, log_dir) for arm in arms}
     try:
         for w in workers.values():

@@ -1,9 +1,13 @@
 """specbatch worker for ``run.py`` (project venv). One engine configuration per process.
 
-    python worker_specbatch.py RECORDS PROMPTS_JSON --method ngram --k 5 --batch 16 --threads 2
+    python worker_specbatch.py RECORDS PROMPTS_JSON --method ngram --k 5 --batch 16 --threads 2 \
+        [--model NAME] [--draft-model NAME]
 
-``--dtype auto`` (default) is what ``specbatch run`` picks: bfloat16 on a CPU with AMX,
-float32 on other x86-64 CPUs; the ready line reports the resolved dtype.
+``--dtype auto`` (default) is what ``specbatch run`` picks for the model
+(``EngineConfig.for_model``: int8 for a GGUF whose codes the int8 kernels take, on an x86-64 CPU
+with AVX2); the ready line reports the resolved dtype and why. ``--model`` (default: the
+packaged SmolLM2-135M) and ``--draft-model`` (for ``draft``, optional for ``auto``) are registry
+names or paths, as ``specbatch run`` takes them.
 
 Runs the records as ``specbatch run`` does (``specbatch.LLM``: memory check, planning for
 ``auto``, generation), timed from the first record in to the last record out; the model is
@@ -29,6 +33,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--draft-model", default=None)
     args = ap.parse_args()
     channel = protocol_channel()
 
@@ -42,9 +48,13 @@ def main() -> None:
     from specbatch.io.records import read_records
 
     spec = (SpecConfig(method="none") if args.method == "none"
-            else SpecConfig(method=args.method, num_speculative_tokens=args.k))
-    engine = EngineConfig(max_batch_size=args.batch, dtype=args.dtype, device="cpu")
-    llm = LLM.from_config(None, spec, engine, echo=lambda line: print(line, file=sys.stderr))
+            else SpecConfig(method=args.method, num_speculative_tokens=args.k,
+                            draft_model=args.draft_model))
+    # dtype auto resolved for the model, as specbatch run does (int8 for a GGUF on its codes)
+    engine = EngineConfig(max_batch_size=args.batch, dtype=args.dtype,
+                          device="cpu").for_model(args.model)
+    llm = LLM.from_config(args.model, spec, engine,
+                          echo=lambda line: print(line, file=sys.stderr))
     records, errors = read_records(args.records, defaults=SamplingParams(max_tokens=128))
     errors += llm.check_records(records)
     assert not errors, errors
@@ -65,7 +75,8 @@ def main() -> None:
 
     serve(channel, {"engine": "specbatch", "version": version("specbatch"),
                     "torch": torch.__version__, "threads": torch.get_num_threads(),
-                    "dtype": engine.dtype},
+                    "dtype": engine.dtype, "dtype_auto": engine.dtype_auto,
+                    "model": args.model, "draft_model": args.draft_model},
           run, len(records))
 
 
