@@ -5,7 +5,8 @@ line ``{"event": "ready", ...}`` on its protocol channel; then for each JSON com
 stdin (``{"cmd": "run", "limit": N, "max_tokens": M}`` or ``{"cmd": "quit"}``) it runs the first
 N prompts of ``prompts.json`` as one batch job and answers ``{"event": "result", "seconds": s,
 "outputs": [[token ids], ...]}`` (outputs in prompt order; a final EOS id is kept, as specbatch
-keeps it). The protocol channel is the process's original stdout; everything an engine prints
+keeps it). A worker that serves several arms (specbatch with ``run.py --share-workers``) also
+gets ``"method"`` and ``"batch"`` in the run command. The protocol channel is the process's original stdout; everything an engine prints
 to stdout goes to stderr instead, so library logging cannot corrupt it.
 """
 
@@ -28,17 +29,20 @@ def protocol_channel():
     return channel
 
 
-def serve(channel, ready: dict, run: Callable[[int, int], list[list[int]]],
+def serve(channel, ready: dict, run: Callable[..., list[list[int]]],
           num_prompts: int) -> None:
     """Answer run commands until ``quit`` or EOF. ``run(n, max_tokens)`` generates the first n
-    prompts as one batch job and returns the output ids per prompt."""
+    prompts as one batch job and returns the output ids per prompt; a command's ``method`` and
+    ``batch``, when it has them, are passed on as keywords."""
     channel.write(json.dumps({"event": "ready", **ready}) + "\n")
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["cmd"] == "quit":
             break
         t0 = time.perf_counter()
-        outputs = run(min(cmd.get("limit") or num_prompts, num_prompts), cmd["max_tokens"])
+        arm = {key: cmd[key] for key in ("method", "batch") if key in cmd}
+        outputs = run(min(cmd.get("limit") or num_prompts, num_prompts), cmd["max_tokens"],
+                      **arm)
         seconds = time.perf_counter() - t0
         channel.write(json.dumps({"event": "result", "seconds": seconds,
                                   "outputs": outputs}) + "\n")

@@ -100,10 +100,15 @@ def worker_command(engine: str, method: str, batch: int, dtype: str,
 
 
 class Worker:
-    def __init__(self, arm: tuple[str, str, int, str], args, log_dir: Path) -> None:
-        self.arm = arm
+    def __init__(self, arm: tuple[str, str, int, str], args, log_dir: Path,
+                 shared: bool = False) -> None:
+        """arm: the worker's command line; shared: it serves every arm of its engine and dtype
+        (each run command names the arm)."""
+        self.arm, self.shared = arm, shared
         cmd, env = worker_command(*arm, args)
-        self.log = open(log_dir / ("%s-%s-b%d-%s.log" % arm), "w")
+        name = ("%s-%s-shared.log" % (arm[0], arm[3]) if shared
+                else "%s-%s-b%d-%s.log" % arm)
+        self.log = open(log_dir / name, "w")
         # own process group, so that pause() stops the engine's helper processes too
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, env=env, text=True, cwd=str(REPO),
@@ -118,9 +123,12 @@ class Worker:
         self.info = json.loads(line)
         self.info["startup_s"] = time.perf_counter() - self.t0
 
-    def run(self, limit: int | None, max_tokens: int) -> dict:
-        self.proc.stdin.write(json.dumps({"cmd": "run", "limit": limit,
-                                          "max_tokens": max_tokens}) + "\n")
+    def run(self, limit: int | None, max_tokens: int, arm=None) -> dict:
+        """One timed job; arm: the arm to run, sent along to a shared worker."""
+        cmd = {"cmd": "run", "limit": limit, "max_tokens": max_tokens}
+        if self.shared:
+            cmd.update(method=arm[1], batch=arm[2])
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
@@ -230,6 +238,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--limit", type=int, default=None, help="first N prompts only")
     ap.add_argument("--out", default=None, help="results JSON (default WORK/results-<time>.json)")
+    ap.add_argument("--share-workers", action="store_true", help="one specbatch worker per "
+                    "dtype serves all its arms (one copy of the weights: a 1.5B model's "
+                    "worker holds ~6-9 GB, one per arm would not fit in 24 GB); each run still "
+                    "builds its own engine")
+    ap.add_argument("--recalibrate", action="store_true", help="measure auto's step-cost "
+                    "fits again before the workers start (else a cached fit is used: one "
+                    "measured on a busy machine plans for that machine)")
     ap.add_argument("--model", default=None, help="specbatch's target (default: WORK/model.json)")
     ap.add_argument("--draft", default=None, help="specbatch's draft model (default: "
                     "WORK/model.json)")
@@ -253,19 +268,32 @@ def main() -> None:
         env = worker_command("specbatch", "auto", 1, dtype, args)[1]
         for model in calibrate:
             subprocess.run([PYTHONS["specbatch"], "-m", "specbatch.cli", "calibrate", "--dtype",
-                            dtype, "--device", "cpu", *(["--model", model] if model else [])],
+                            dtype, "--device", "cpu", *(["--model", model] if model else []),
+                            *(["--recalibrate"] if args.recalibrate else [])],
                            env=env, cwd=str(REPO), check=True,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    workers = {arm: Worker(arm, args, log_dir) for arm in arms}
+    workers: dict = {}
+    for arm in arms:
+        if args.share_workers and arm[0] == "specbatch":
+            first = next(a for a in arms if a[0] == arm[0] and a[3] == arm[3])
+            # started as a draft arm when there is one, so that it loads the draft model
+            start = next((a for a in arms if a[0] == arm[0] and a[3] == arm[3]
+                          and a[1] == "draft"), first)
+            if first not in workers:
+                workers[first] = Worker(start, args, log_dir, shared=True)
+            workers[arm] = workers[first]
+        else:
+            workers[arm] = Worker(arm, args, log_dir)
+    procs = list({id(w): w for w in workers.values()}.values())
     try:
-        for w in workers.values():
+        for w in procs:
             w.wait_ready()
-            print(f"ready {w.arm}: {w.info}", file=sys.stderr)
-        for w in workers.values():
+            print(f"ready {w.arm}{' (shared)' if w.shared else ''}: {w.info}", file=sys.stderr)
+        for w in procs:
             w.pause()
         for arm, w in workers.items():  # warm-up, untimed
             w.resume()
-            w.run(2, 16)
+            w.run(2, 16, arm)
             w.pause()
         results = {arm: [] for arm in arms}
         outputs: dict = {}
@@ -274,7 +302,7 @@ def main() -> None:
             for arm in order:
                 workers[arm].resume()  # the only engine not stopped (see Worker.pause)
                 load = os.getloadavg()[0]
-                res = workers[arm].run(args.limit, args.max_tokens)
+                res = workers[arm].run(args.limit, args.max_tokens, arm)
                 workers[arm].pause()
                 tokens = sum(len(o) for o in res["outputs"])
                 results[arm].append({"round": rnd, "seconds": res["seconds"], "tokens": tokens,
@@ -287,7 +315,7 @@ def main() -> None:
                       file=sys.stderr)
             report(args, arms, workers, results, outputs, out, rnd + 1)
     finally:
-        for w in workers.values():
+        for w in procs:
             w.close()
 
 

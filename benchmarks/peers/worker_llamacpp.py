@@ -45,7 +45,6 @@ def main() -> None:
 
         def reset(self) -> None:
             self.llm.reset()
-            self.llm._ctx.kv_cache_seq_rm(-1, 0, -1)
 
         def __call__(self, input_ids, /, **kwargs):
             llm = self.llm
@@ -58,12 +57,14 @@ def main() -> None:
                     break
                 n += 1
             n = min(n, len(ids) - 1)  # re-evaluate at least the last id, for its logits
-            llm.n_tokens = n
-            llm._ctx.kv_cache_seq_rm(-1, n, -1)
+            llm.n_tokens = n  # eval drops the KV past n_tokens first
             llm.eval(ids[n:])
             out = []
             for i in range(self.k):
-                tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+                # the last evaluated position's logits (without logits_all the binding keeps
+                # no scores: read the context's one output row)
+                logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+                tok = int(np.argmax(logits))
                 out.append(tok)
                 if i + 1 < self.k:
                     llm.eval([tok])

@@ -11,7 +11,10 @@ names or paths, as ``specbatch run`` takes them.
 
 Runs the records as ``specbatch run`` does (``specbatch.LLM``: memory check, planning for
 ``auto``, generation), timed from the first record in to the last record out; the model is
-loaded once, a fresh engine is built per run (as ``specbatch bench`` does).
+loaded once, a fresh engine is built per run (as ``specbatch bench`` does). A run command's
+``method`` / ``batch`` (``run.py --share-workers``) override ``--method`` / ``--batch`` for that
+run, so one process (one copy of the weights) serves every arm of a dtype: the draft model is
+then loaded whenever ``--draft-model`` is given, and given to the draft and auto arms.
 """
 
 from __future__ import annotations
@@ -47,9 +50,15 @@ def main() -> None:
     from specbatch.config import EngineConfig, SamplingParams, SpecConfig
     from specbatch.io.records import read_records
 
-    spec = (SpecConfig(method="none") if args.method == "none"
-            else SpecConfig(method=args.method, num_speculative_tokens=args.k,
-                            draft_model=args.draft_model))
+    def spec_for(method: str) -> SpecConfig:
+        if method == "none":
+            return SpecConfig(method="none")
+        return SpecConfig(method=method, num_speculative_tokens=args.k,
+                          draft_model=args.draft_model if method in ("draft", "auto")
+                          else None)
+
+    # with a draft model given, load it whatever --method says (a shared worker's later arms)
+    spec = spec_for("auto" if args.draft_model and args.method != "draft" else args.method)
     # dtype auto resolved for the model, as specbatch run does (int8 for a GGUF on its codes)
     engine = EngineConfig(max_batch_size=args.batch, dtype=args.dtype,
                           device="cpu").for_model(args.model)
@@ -62,15 +71,21 @@ def main() -> None:
     assert [llm.renderer.first_prompt(r)[0] for r in records] == want, \
         "records and prompts.json disagree: rerun prepare.py"
 
-    def run(n: int, max_tokens: int) -> list[list[int]]:
+    def run(n: int, max_tokens: int, method: str | None = None,
+            batch: int | None = None) -> list[list[int]]:
         """One ``specbatch run`` of the first n records: engine built and fitted to them
-        (planned, for auto; calibration is cached), generated, output ids in record order."""
+        (planned, for auto; calibration is cached), generated, output ids in record order.
+        method, batch: this run's arm (default: the command line's)."""
         from dataclasses import replace
 
         recs = [replace(r, sampling=replace(r.sampling, max_tokens=max_tokens))
                 for r in records[:n]]
+        fitted = llm.fit_engine_config(
+            recs, replace(engine, max_batch_size=batch or args.batch), echo=lambda line: None)
         outs = {rec.index: out["output_token_ids"][0] if rec.turns else out["output_token_ids"]
-                for rec, out in llm.generate_records(recs, seed=0, echo=lambda line: None)}
+                for rec, out in llm.generate_records(recs, seed=0, echo=lambda line: None,
+                                                     spec=spec_for(method or args.method),
+                                                     engine=fitted)}
         return [outs[r.index] for r in recs]
 
     serve(channel, {"engine": "specbatch", "version": version("specbatch"),
