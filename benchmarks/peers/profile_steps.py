@@ -4,6 +4,8 @@ stats, building step metadata).
 
     OMP_NUM_THREADS=2 python benchmarks/peers/profile_steps.py benchmarks/peers/records16.jsonl \
         --method ngram --k 5 --batch 16
+    OMP_NUM_THREADS=2 python benchmarks/peers/profile_steps.py benchmarks/peers/code_edit20.jsonl \
+        --model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b --method draft --batch 1
 
 Wraps the stage functions with wall-clock timers (no profiler overhead on the rest) and prints
 one table row per stage: seconds, share of the run, calls. Load once, one untimed warm-up of 2
@@ -28,6 +30,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default=None, help="target (default: the packaged SmolLM2)")
+    ap.add_argument("--draft-model", default=None, help="draft model (method draft / auto)")
+    ap.add_argument("--limit", type=int, default=None, help="first N records only")
     ap.add_argument("--dense", action="store_true",
                     help="also time the dense layers and attention apart (float32 steps then "
                          "run the torch loop around the C kernels, not the one C call)")
@@ -83,7 +88,18 @@ def main() -> None:
     TorchBackend._plan_reads = timed("  of which read planning", TorchBackend._plan_reads)
     engine_mod.sample_and_accept = timed("sampler + acceptance", engine_mod.sample_and_accept)
     engine_mod.fetch_step_results = timed("sampler + acceptance", engine_mod.fetch_step_results)
-    engine_mod.Engine._propose = timed("proposer (+ policy)", engine_mod.Engine._propose)
+    propose = timed("proposer (+ policy)", engine_mod.Engine._propose)
+
+    def propose_only(*a, **kw):  # a draft model's forwards count as the proposer's time
+        for name in ("forward: decode/verify", "forward: prefill"):
+            depth[name] += 1
+        try:
+            return propose(*a, **kw)
+        finally:
+            for name in ("forward: decode/verify", "forward: prefill"):
+                depth[name] -= 1
+
+    engine_mod.Engine._propose = propose_only
     import specbatch.models.llama as llama_mod
 
     if args.dense:  # wraps the matmul, so a float32 step can no longer run wholly in C
@@ -106,12 +122,15 @@ def main() -> None:
         pass
 
     spec = (SpecConfig(method="none") if args.method == "none"
-            else SpecConfig(method=args.method, num_speculative_tokens=args.k))
-    engine = EngineConfig(max_batch_size=args.batch, dtype=args.dtype, device="cpu")
-    llm = LLM.from_config(None, spec, engine, echo=lambda line: None)
+            else SpecConfig(method=args.method, num_speculative_tokens=args.k,
+                            draft_model=args.draft_model))
+    engine = EngineConfig(max_batch_size=args.batch, dtype=args.dtype,
+                          device="cpu").for_model(args.model)  # dtype auto: as specbatch run
+    llm = LLM.from_config(args.model, spec, engine, echo=lambda line: None)
     records, errors = read_records(args.records,
                                    defaults=SamplingParams(max_tokens=args.max_tokens))
     assert not errors, errors
+    records = records[:args.limit]
     from dataclasses import replace
 
     warm = [replace(r, sampling=replace(r.sampling, max_tokens=8)) for r in records[:2]]

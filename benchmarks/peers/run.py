@@ -5,8 +5,8 @@ README.md), started once and warmed up (two prompts, 16 tokens); then every roun
 arm on all prompts, one arm at a time (the other workers stopped with SIGSTOP meanwhile), the
 arm order rotating from round to round so drift of a shared machine spreads over all arms.
 Output tok/s = output tokens (a final EOS counted, as every engine emits it) / wall seconds of
-the batch job, summed over rounds. The load average
-is read before every run and reported.
+the batch job, summed over rounds; "per round" gives each round's. The 1-minute load average is
+read before and after every run; the table's "load" column is its range over the arm's runs.
 
     python benchmarks/peers/run.py --work /work/peer-run --rounds 2 \
         --arms specbatch:none:16,specbatch:ngram:16,vllm:none:16,vllm:ngram:16
@@ -177,7 +177,8 @@ def table(arms, results, outputs, resolved: dict | None = None) -> str:
     method at the other batch size."""
     tps = {arm: sum(r["tokens"] for r in results[arm]) / sum(r["seconds"] for r in results[arm])
            for arm in arms}
-    head = ["engine", "method", "batch", "dtype", "output tok/s", "tokens", "seconds"]
+    head = ["engine", "method", "batch", "dtype", "output tok/s", "per round", "tokens",
+            "seconds", "load"]
     peers = [e for e in ("vllm", "llamacpp") if any(a[0] == e for a in arms)]
     head += [f"/ best {LABELS[p]} arm" for p in peers]
     head += ["identical to none (same engine, batch)", "identical across batch sizes"]
@@ -188,8 +189,10 @@ def table(arms, results, outputs, resolved: dict | None = None) -> str:
         seconds = sum(r["seconds"] for r in results[arm])
         shown = (resolved or {}).get(arm) or dtype
         shown = shown if shown == dtype else f"{shown} ({dtype})"
-        row = [LABELS[engine], method, str(batch), shown, f"{tps[arm]:.1f}", str(tokens),
-               f"{seconds:.1f}"]
+        loads = [r[k] for r in results[arm] for k in ("load_before", "load_after") if k in r]
+        row = [LABELS[engine], method, str(batch), shown, f"{tps[arm]:.1f}",
+               ", ".join(f"{r['tokens'] / r['seconds']:.1f}" for r in results[arm]),
+               str(tokens), f"{seconds:.1f}", f"{min(loads):.1f}-{max(loads):.1f}"]
         for p in peers:
             best = max((tps[a] for a in arms if a[0] == p and a[2] == batch), default=None)
             row.append(f"{tps[arm] / best:.2f}x" if best else "-")
@@ -266,6 +269,13 @@ def main() -> None:
         # while the vLLM engines compile beside it (a fit measured under that load planned a
         # whole run at 0.41x of none)
         env = worker_command("specbatch", "auto", 1, dtype, args)[1]
+        # the draft model runs at the target's dtype (resolved for the target: a draft that
+        # alone would resolve to float32 runs int8 beside an int8 target)
+        dtype = subprocess.run(
+            [PYTHONS["specbatch"], "-c", "import sys; from specbatch.config import EngineConfig; "
+             "print(EngineConfig(dtype=sys.argv[1], device='cpu').for_model(sys.argv[2] or "
+             "None).dtype)", dtype, info.get("model") or ""], env=env, cwd=str(REPO),
+            check=True, capture_output=True, text=True).stdout.strip()
         for model in calibrate:
             subprocess.run([PYTHONS["specbatch"], "-m", "specbatch.cli", "calibrate", "--dtype",
                             dtype, "--device", "cpu", *(["--model", model] if model else []),
@@ -304,14 +314,16 @@ def main() -> None:
                 load = os.getloadavg()[0]
                 res = workers[arm].run(args.limit, args.max_tokens, arm)
                 workers[arm].pause()
+                load_after = os.getloadavg()[0]
                 tokens = sum(len(o) for o in res["outputs"])
                 results[arm].append({"round": rnd, "seconds": res["seconds"], "tokens": tokens,
-                                     "load_before": load})
+                                     "load_before": load, "load_after": load_after})
                 if arm in outputs and outputs[arm] != res["outputs"]:
                     print(f"note: {arm} outputs changed between rounds", file=sys.stderr)
                 outputs.setdefault(arm, res["outputs"])
                 print(f"round {rnd + 1} {arm}: {tokens / res['seconds']:.1f} tok/s "
-                      f"({tokens} tokens, {res['seconds']:.1f} s, load {load:.2f})",
+                      f"({tokens} tokens, {res['seconds']:.1f} s, load {load:.2f} before, "
+                      f"{load_after:.2f} after)",
                       file=sys.stderr)
             report(args, arms, workers, results, outputs, out, rnd + 1)
     finally:
