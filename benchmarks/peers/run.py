@@ -240,6 +240,11 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    ap.add_argument("--batch1-limit", type=int, default=None, help="first N prompts only in "
+                    "the batch-1 arms (default: --limit); their tok/s then come from fewer "
+                    "prompts than the batched arms'")
+    ap.add_argument("--warmup-prompts", type=int, default=2, help="prompts of the untimed "
+                    "warm-up per arm (16 tokens each)")
     ap.add_argument("--out", default=None, help="results JSON (default WORK/results-<time>.json)")
     ap.add_argument("--share-workers", action="store_true", help="one specbatch worker per "
                     "dtype serves all its arms (one copy of the weights: a 1.5B model's "
@@ -303,7 +308,7 @@ def main() -> None:
             w.pause()
         for arm, w in workers.items():  # warm-up, untimed
             w.resume()
-            w.run(2, 16, arm)
+            w.run(args.warmup_prompts, 16, arm)
             w.pause()
         results = {arm: [] for arm in arms}
         outputs: dict = {}
@@ -312,7 +317,8 @@ def main() -> None:
             for arm in order:
                 workers[arm].resume()  # the only engine not stopped (see Worker.pause)
                 load = os.getloadavg()[0]
-                res = workers[arm].run(args.limit, args.max_tokens, arm)
+                limit = args.batch1_limit if arm[2] == 1 and args.batch1_limit else args.limit
+                res = workers[arm].run(limit, args.max_tokens, arm)
                 workers[arm].pause()
                 load_after = os.getloadavg()[0]
                 tokens = sum(len(o) for o in res["outputs"])
