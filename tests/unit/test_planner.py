@@ -490,3 +490,58 @@ def test_auto_at_batch_1_keeps_up_with_the_best_static_k(p):
         policy.observe(seq, (draft[:a] + [7])[:ks[-1] + 1])
     best = max(rate([k] * len(accepted)) for k in range(6))
     assert rate(ks) >= 0.98 * best, (rate(ks), best, ks[:40])
+
+
+def _row(seq_id: int, output: int, steps: int, max_tokens: int = 128):
+    """A running row: ``output`` tokens so far in ``steps`` steps, ``max_tokens`` budget."""
+    return SimpleNamespace(seq_id=seq_id, token_ids=[0] * (50 + output),
+                           request=SimpleNamespace(tag=seq_id),
+                           sampling=SimpleNamespace(max_tokens=max_tokens),
+                           num_output_tokens=output, stats=SimpleNamespace(num_steps=steps))
+
+
+def test_a_draining_job_drafts_only_on_the_rows_that_set_its_end():
+    """With requests waiting, every row whose drafts are likely accepted drafts. With none
+    waiting (the last wave), a token saves a whole step only on the rows expected to finish
+    last: row 0 (100 tokens in 50 steps, 28 left: ~14 steps) stops drafting, rows 1-3 (60 in
+    60, 68 left) keep theirs. A row's share of a step here is ~2% (13 ms per step + 0.5 ms per
+    token), not enough for any of its drafts. Unknown queue (None): every token counts."""
+    cost = CostModel((0.013, 0.0005, 0.0, 0.0))
+    draft = [1, 2, 3, 4, 5]
+    chosen = {}
+    for waiting in (None, 3, 0):
+        policy, _ = _policy(cost, 5, lambda s: [(9.0, 1.0)] * 5)
+        policy.num_waiting = waiting
+        rows = [_row(0, 100, 50), _row(1, 60, 60), _row(2, 60, 60), _row(3, 60, 60)]
+        chosen[waiting] = [len(d) for d in _select(policy, rows, [draft] * 4)]
+    assert chosen[None] == chosen[3]
+    assert all(n > 0 for n in chosen[3]), chosen
+    assert chosen[0][0] == 0 and chosen[0][1:] == chosen[3][1:], chosen
+    # one row alone sets the end whatever waits
+    policy, _ = _policy(cost, 5, lambda s: [(9.0, 1.0)] * 5)
+    policy.num_waiting = 0
+    assert len(_select(policy, [_row(0, 100, 50)], [draft])[0]) == 5
+
+
+def test_the_engine_tells_the_proposer_how_many_requests_wait():
+    """``Proposer.on_schedule``: before each verify step, the requests still waiting for a
+    row; 5 prompts on 2 rows wait 3, then fewer, then 0 (the job drains)."""
+    from specbatch.engine.sequence import Request
+    from specbatch.spec_decode.proposer import NoProposer
+
+    class _Counting(NoProposer):
+        def __init__(self):
+            self.seen = []
+
+        def on_schedule(self, num_waiting):
+            self.seen.append(num_waiting)
+
+    engine = make_engine(tiny_llama(), 0, 2)
+    engine.proposer = _Counting()
+    sp = SamplingParams(max_tokens=6)
+    for i, p in enumerate(repeating_prompts(96, 5)):
+        engine.scheduler.add(Request(i, p, sp, seed=i))
+    list(engine.generate([]))
+    seen = engine.proposer.seen
+    assert seen[0] == 3 and seen[-1] == 0 and seen == sorted(seen, reverse=True), seen
+    assert set(seen) == {0, 1, 3}, seen
