@@ -1,10 +1,11 @@
-"""One K-quant matmul, int8 codes vs the float32 weights it dequantises to (``--dtype int8`` vs
-``float32`` on a Q4_K_M GGUF).
+"""One K-quant / Q5_0 / Q5_1 matmul, int8 codes vs the float32 weights it dequantises to
+(``--dtype int8`` vs ``float32`` on a Q4_K_M GGUF).
 
-    python benchmarks/kquant_matmul.py [--shape 2048 8192] [--rows 1 16] [--threads 2]
+    python benchmarks/kquant_matmul.py [--shape 2048 8192] [--rows 1 16] [--threads 2] \
+        [--kinds Q4_K Q6_K Q5_0]
 
-A random ``[N, K]`` weight quantised to Q4_K and to Q6_K (the test quantiser of
-``tests/unit/test_linear_kquant.py``) and written to a temporary GGUF; the float32 path runs the
+A random ``[N, K]`` weight quantised to each kind (Q4_K / Q6_K: the test quantiser of
+``tests/unit/test_linear_kquant.py``; Q5_0 / Q5_1: ``gguf.quants.quantize``) and written to a temporary GGUF; the float32 path runs the
 ``gguf`` package's dequantisation on specbatch's float32 kernel (``linear_cpu``, float32 panels:
 K-quant floats have no Q4_1 / Q8_0 codes), the int8 path the same weight's codes from the GGUF
 (``kernels/kquant.py``, ``csrc/linear_q8.c``, the kernel ``int8_kernel()`` picks). Milliseconds
@@ -46,14 +47,21 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=(1, 16))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--copies", type=int, default=6)
+    parser.add_argument("--kinds", nargs="+", default=("Q4_K", "Q6_K"),
+                        choices=("Q4_K", "Q6_K", "Q5_0", "Q5_1"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     n, k = args.shape
     w = (np.random.default_rng(0).standard_normal((n, k)) / k ** 0.5).astype(np.float32)
     print(f"[{n}, {k}] weight, {args.threads} threads, int8 kernel {linear_cpu.int8_kernel()}")
     with tempfile.TemporaryDirectory() as tmp:
-        for kind in ("Q4_K", "Q6_K"):
-            raw = quantize_k(kind, w)
+        for kind in args.kinds:
+            if kind.endswith("_K"):
+                raw = quantize_k(kind, w)
+            else:
+                import gguf
+
+                raw = gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, kind))
             path = Path(tmp) / f"{kind}.gguf"
             write_gguf(path, {"w": (kind, raw)})
             source = kquant.GGUFCodes(path)

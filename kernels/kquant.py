@@ -1,4 +1,5 @@
-"""GGUF K-quant weights (Q4_K, Q5_K, Q6_K) as codes for the 8-bit-activation matmul (int8).
+"""GGUF weights as codes for the 8-bit-activation matmul (int8): Q4_K, Q5_K, Q6_K, Q5_0, Q5_1
+(and Q4_1, Q8_0), read from the file.
 
 The engine's weights are float32 tensors that transformers dequantised from the GGUF with the
 ``gguf`` package. A Q4_1 / Q8_0 weight gives its codes back from those floats alone
@@ -18,6 +19,15 @@ the kernel's blocks of 32 (``csrc/linear_q8.c``):
 - Q6_K: float16 d; sixteen sub-blocks of 16 with int8 scale sc, 6-bit q; w = (d sc)(q - 32).
   A block of 32 is two sub-blocks: the kernel's Q6_K kind, codes q - 32, scales d sc per 16.
 
+A block of 32 of the legacy kinds (``block_q5_0`` / ``block_q5_1`` / ``block_q4_1`` /
+``block_q8_0``, ggml-common.h) is a kernel block as it stands:
+
+- Q5_0: float16 d, 5-bit q; gguf dequantises w = d (q - 16): the kernel's Q8_0 kind with codes
+  q - 16 in -16..15 (8 bits a code in memory: the integer sums are the same numbers).
+- Q5_1: float16 d, m, 5-bit q; w = d q + m: the kernel's Q5_K kind.
+- Q4_1 / Q8_0: the kernel's Q4_1 / Q8_0 kinds (their floats alone give the same codes:
+  ``linear_cpu.pack_q8``; by name, ``GGUFCodes.named``, they need not be read).
+
 The kernel then sums exact integer products per sub-block and applies each scale with float32
 operations that are one output element's own, in block order: the invariance argument of the
 Q4_1 / Q8_0 kinds (docs/design.md), unchanged.
@@ -33,6 +43,8 @@ import torch
 
 QK_K = 256  # k per super-block
 Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES = 144, 176, 210  # bytes per super-block (ggml-common.h)
+QK = 32  # k per block of the legacy kinds
+Q5_0_BYTES, Q5_1_BYTES, Q4_1_BYTES, Q8_0_BYTES = 22, 24, 20, 34  # bytes per block of 32
 _KEY_K = 16  # values of a row's start that key it
 
 
@@ -97,20 +109,76 @@ def q6_k_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return dw.reshape(r, -1), q
 
 
+def _five_bits(blocks: torch.Tensor, qh_at: int) -> torch.Tensor:
+    """Q5_0 / Q5_1 blocks ``[R, nb, bytes]`` -> q ``[R, nb, 32]`` uint8 in 0..31: k j < 16 the
+    low nibble of byte j of the 16 ``qs`` bytes (after ``qh``), k 16 + j the high one; the
+    fifth bit of k t is bit t of the little-endian 32-bit ``qh`` at byte ``qh_at``."""
+    qh = blocks[..., qh_at:qh_at + 4].to(torch.int64)
+    qh = qh[..., 0] | (qh[..., 1] << 8) | (qh[..., 2] << 16) | (qh[..., 3] << 24)  # [R, nb]
+    high = ((qh[..., None] >> torch.arange(32)) & 1).to(torch.uint8)  # [R, nb, 32]
+    qs = blocks[..., qh_at + 4:qh_at + 20]
+    return torch.cat([qs & 15, qs >> 4], dim=-1) | (high << 4)
+
+
+def q5_0_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q5_0 rows ``raw`` ``[R, K / 32 * 22]`` uint8 -> (d ``[R, K / 32]`` float32, q ``[R, K]``
+    int8 in -16..15) with w = d q per block of 32."""
+    r = raw.shape[0]
+    blocks = raw.reshape(r, -1, Q5_0_BYTES)
+    q = (_five_bits(blocks, 2).to(torch.int16) - 16).to(torch.int8)
+    return _f16(blocks[..., 0:2]), q.reshape(r, -1)
+
+
+def q5_1_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q5_1 rows ``raw`` ``[R, K / 32 * 24]`` uint8 -> (d, m ``[R, K / 32]`` float32, q ``[R,
+    K]`` uint8 in 0..31) with w = d q + m per block of 32."""
+    r = raw.shape[0]
+    blocks = raw.reshape(r, -1, Q5_1_BYTES)
+    return _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4]), _five_bits(blocks, 4).reshape(r, -1)
+
+
+def q4_1_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 rows ``raw`` ``[R, K / 32 * 20]`` uint8 -> (d, m ``[R, K / 32]`` float32, q ``[R,
+    K]`` uint8 in 0..15) with w = d q + m per block of 32 (k j < 16 low nibbles, 16 + j high)."""
+    r = raw.shape[0]
+    blocks = raw.reshape(r, -1, Q4_1_BYTES)
+    qs = blocks[..., 4:20]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1)
+    return _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4]), q.reshape(r, -1)
+
+
+def q8_0_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 rows ``raw`` ``[R, K / 32 * 34]`` uint8 -> (d ``[R, K / 32]`` float32, q ``[R, K]``
+    int8) with w = d q per block of 32."""
+    r = raw.shape[0]
+    blocks = raw.reshape(r, -1, Q8_0_BYTES)
+    return _f16(blocks[..., 0:2]), blocks[..., 2:].contiguous().view(torch.int8).reshape(r, -1)
+
+
+# kinds whose form is (d, m, q) with w = d q + m per block of 32; the others' is (d, q) with
+# w = d q per block of 32, Q6_K's per 16
+OFFSET_KINDS = ("Q4_K", "Q5_K", "Q5_1", "Q4_1")
+
+
 def dequantize(kind: str, form: tuple) -> torch.Tensor:
-    """The float32 weights ``[R, K]`` of ``q4_k_codes`` / ``q6_k_codes``'s form, computed as
-    the ``gguf`` package computes them (so equal bit for bit to what transformers loaded)."""
-    if kind in ("Q4_K", "Q5_K"):
+    """The float32 weights ``[R, K]`` of a ``*_codes`` form, computed as the ``gguf`` package
+    computes them (so equal bit for bit to what transformers loaded)."""
+    if kind in OFFSET_KINDS:
         d, m, q = form
         r = q.shape[0]
         return (d[..., None] * q.view(r, -1, 32).float() + m[..., None]).view(r, -1)
     d, q = form
     r = q.shape[0]
-    return (d[..., None] * q.view(r, -1, 16).float()).view(r, -1)
+    return (d[..., None] * q.view(r, d.shape[1], -1).float()).view(r, -1)
 
 
-_DECODE = {"Q4_K": (q4_k_codes, Q4_K_BYTES), "Q5_K": (q5_k_codes, Q5_K_BYTES),
-           "Q6_K": (q6_k_codes, Q6_K_BYTES)}
+# kind -> (decoder, bytes per block, k per block)
+_DECODE = {"Q4_K": (q4_k_codes, Q4_K_BYTES, QK_K), "Q5_K": (q5_k_codes, Q5_K_BYTES, QK_K),
+           "Q6_K": (q6_k_codes, Q6_K_BYTES, QK_K), "Q5_0": (q5_0_codes, Q5_0_BYTES, QK),
+           "Q5_1": (q5_1_codes, Q5_1_BYTES, QK), "Q4_1": (q4_1_codes, Q4_1_BYTES, QK),
+           "Q8_0": (q8_0_codes, Q8_0_BYTES, QK)}
+# the kinds ``find`` matches by value (Q4_1 / Q8_0 weights give their codes from their floats)
+VALUE_KINDS = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
 _MULT = np.random.default_rng(35).integers(1, 1 << 62, _KEY_K + 1, dtype=np.uint64) | np.uint64(1)
 
 
@@ -124,56 +192,121 @@ def _keys(rows: torch.Tensor, k: int) -> list[int]:
 
 def _first_values(kind: str, raw: np.ndarray) -> torch.Tensor:
     """The first 16 float32 values ``[R, 16]`` of each row of ``raw`` (its first super-block's
-    first sub-block; the ``gguf`` package's arithmetic, as ``dequantize``): the index's keys
-    without dequantising whole super-blocks."""
+    first sub-block, or its first block; the ``gguf`` package's arithmetic, as ``dequantize``):
+    the index's keys without dequantising whole super-blocks."""
     b = torch.from_numpy(np.array(raw[:, :_DECODE[kind][1]]))
     if kind == "Q6_K":
         q = (b[:, :16] & 15) | ((b[:, 128:144] & 3) << 4)
         d = _f16(b[:, 208:210]) * b[:, 192:193].view(torch.int8)[:, 0].float()
         return d[:, None] * (q.to(torch.int16) - 32).float()
+    if _DECODE[kind][2] == QK:  # a block of 32: decode it whole
+        return dequantize(kind, _DECODE[kind][0](b))[:, :_KEY_K]
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
     sc, mn = (b[:, 4] & 63).float(), (b[:, 8] & 63).float()
     q = b[:, 16:32] & 15 if kind == "Q4_K" else (b[:, 48:64] & 15) | ((b[:, 16:32] & 1) << 4)
     return (d * sc)[:, None] * q.float() - (dmin * mn)[:, None]
 
 
-def _k_quant_tensors(path: str | Path) -> tuple[mmap.mmap, list[tuple[str, int, int, int]]]:
-    """The file mapped, and its Q4_K / Q5_K / Q6_K tensors as (kind, byte offset, rows, bytes
-    per row), from the GGUF header (``models.gguf_header.tensor_table``: v2 / v3, the
-    metadata's values skipped; the ``gguf`` package's reader spends ~20 s on a 150k-token
-    vocabulary)."""
+def _code_tensors(path: str | Path) -> tuple[mmap.mmap, list[tuple[str, str, int, int, int]]]:
+    """The file mapped, and its tensors of the kinds of ``_DECODE`` as (name, kind, byte
+    offset, rows, bytes per row), from the GGUF header (``models.gguf_header.tensor_table``:
+    v2 / v3, the metadata's values skipped; the ``gguf`` package's reader spends ~20 s on a
+    150k-token vocabulary)."""
     from specbatch.models.gguf_header import tensor_table
 
     table = tensor_table(path)
     with open(path, "rb") as handle:
         data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
     tensors = []
-    for _, kind, dims, offset in table:
-        if kind in _DECODE:
+    for name, kind, dims, offset in table:
+        if kind in _DECODE and dims[0] % _DECODE[kind][2] == 0:
             rows = int(np.prod(dims[1:], dtype=np.int64))
-            tensors.append((kind, offset, rows, dims[0] // QK_K * _DECODE[kind][1]))
+            tensors.append((name, kind, offset, rows,
+                            dims[0] // _DECODE[kind][2] * _DECODE[kind][1]))
     return data, tensors
 
 
-class GGUFCodes:
-    """The Q4_K / Q5_K / Q6_K rows of a GGUF file, found by their float32 values.
+def _cat_forms(forms: list[tuple]) -> tuple:
+    return forms[0] if len(forms) == 1 else tuple(torch.cat(parts) for parts in zip(*forms))
 
-    The first ``find`` indexes every such row by its first 16 values (the file memory-mapped;
-    4 s for the 949k rows of Qwen2.5-Coder-1.5B Q4_K_M on 2 busy cores, 17 s at a load of 10). Raises ``ValueError`` for a file
-    that is not GGUF v2 / v3. ``find`` then gives a float32 weight's codes where every row is
-    some K-quant row of the file, checked bit for bit.
+
+class GGUFCodes:
+    """The code tensors of a GGUF file (``_DECODE``'s kinds), by name or by float32 values.
+
+    ``named`` gives the codes of tensors named as in the file (``blk.3.attn_q.weight``): what
+    the engine's int8 load uses (``backends.cpu.Int8Weights``), reading only the codes it
+    takes. ``find`` matches a float32 weight's rows by value instead, for a weight whose names
+    are not known: its first call indexes every Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1 row by its
+    first 16 values (4 s for the 949k rows of Qwen2.5-Coder-1.5B Q4_K_M on 2 busy cores, 17 s
+    at a load of 10). Raises ``ValueError`` for a file that is not GGUF v2 / v3.
     """
 
     def __init__(self, path: str | Path) -> None:
-        self._file, found = _k_quant_tensors(path)
+        self._file, found = _code_tensors(path)
         self._tensors: list[tuple[str, np.ndarray]] = []
+        self._names: dict[str, int] = {}
         self._index: dict[int, list[tuple[int, int]]] | None = None  # built by the first find
-        for kind, offset, rows, row_bytes in found:
+        for name, kind, offset, rows, row_bytes in found:
             raw = np.frombuffer(self._file, np.uint8, rows * row_bytes, offset).reshape(rows, -1)
+            self._names[name] = len(self._tensors)
             self._tensors.append((kind, raw))
 
     def __len__(self) -> int:
-        return sum(raw.shape[0] for _, raw in self._tensors)
+        """Rows of the tensors ``find`` matches (Q4_1 / Q8_0 ones not counted)."""
+        return sum(raw.shape[0] for kind, raw in self._tensors if kind in VALUE_KINDS)
+
+    def has_codes(self) -> bool:
+        """Whether the file has any tensor of the kinds of ``_DECODE``."""
+        return bool(self._tensors)
+
+    def kind(self, name: str) -> str | None:
+        """The kind of the file's tensor ``name``, None where it has no codes the kernels take
+        (an F32 / F16 / Q4_0 tensor) or no such tensor."""
+        i = self._names.get(name)
+        return None if i is None else self._tensors[i][0]
+
+    def named(self, names, orders=None, probes=None) -> list[tuple[int, int, str, tuple]] | None:
+        """The file's tensors ``names`` (each ``[N_i, K]``) stacked in that order as ``find``'s
+        runs, or None where one has no codes (``kind``) or their K differ.
+
+        orders: per name None or an int64 ``[N_i]`` tensor, the file row of each row (a
+        permutation: transformers un-permutes llama's q / k heads). probes: per name None or
+        the float32 ``[N_i, K]`` weight that should hold these codes' values; rows 0, 1, N_i /
+        3, N_i / 2 and N_i - 1 are checked bit for bit against it (a wrong name or order: None;
+        five rows read of each, so a weight memory-mapped from a file is barely touched)."""
+        parts, k = [], None
+        for j, name in enumerate(names):
+            kind = self.kind(name)
+            if kind is None:
+                return None
+            raw = self._tensors[self._names[name]][1]
+            row_k = raw.shape[1] // _DECODE[kind][1] * _DECODE[kind][2]
+            if k not in (None, row_k):
+                return None
+            k = row_k
+            order = None if orders is None else orders[j]
+            probe = None if probes is None else probes[j]
+            n = raw.shape[0]
+            if probe is not None:
+                if tuple(probe.shape) != (n, k):
+                    return None
+                rows = torch.tensor(sorted({0, min(1, n - 1), n // 3, n // 2, n - 1}))
+                at = rows if order is None else order[rows]
+                form = _DECODE[kind][0](torch.from_numpy(raw[at.numpy()]))
+                if not torch.equal(dequantize(kind, form).view(torch.int32),
+                                   probe.detach()[rows].contiguous().view(torch.int32)):
+                    return None
+            rows_raw = np.array(raw) if order is None else raw[order.numpy()]  # (a copy)
+            parts.append((n, kind, _DECODE[kind][0](torch.from_numpy(rows_raw))))
+        runs, start = [], 0
+        for n, kind, form in parts:
+            if runs and runs[-1][2] == kind:
+                runs[-1][1] = start + n
+                runs[-1][3].append(form)
+            else:
+                runs.append([start, start + n, kind, [form]])
+            start += n
+        return [(r0, r1, kind, _cat_forms(forms)) for r0, r1, kind, forms in runs]
 
     def _rows_index(self) -> dict[int, list[tuple[int, int]]]:
         """key -> the (tensor, row) pairs of that key; built once, at the first ``find`` (a
@@ -181,7 +314,10 @@ class GGUFCodes:
         if self._index is None:
             index: dict[int, list[tuple[int, int]]] = {}
             for i, (kind, raw) in enumerate(self._tensors):
-                keys = _keys(_first_values(kind, raw), raw.shape[1] // _DECODE[kind][1] * QK_K)
+                if kind not in VALUE_KINDS:
+                    continue
+                keys = _keys(_first_values(kind, raw),
+                             raw.shape[1] // _DECODE[kind][1] * _DECODE[kind][2])
                 for row, key in enumerate(keys):
                     index.setdefault(key, []).append((i, row))
             self._index = index
@@ -189,11 +325,10 @@ class GGUFCodes:
 
     def find(self, weight: torch.Tensor) -> list[tuple[int, int, str, tuple]] | None:
         """``weight`` ``[N, K]`` float32 as runs ``(row0, row1, kind, form)`` in row order (kind
-        ``"Q4_K"``, ``"Q5_K"`` or ``"Q6_K"``; form: ``q4_k_codes`` / ``q5_k_codes`` /
-        ``q6_k_codes`` of rows row0..row1-1), or None unless every row is a K-quant row of the
-        file whose codes give its bits exactly."""
+        one of ``VALUE_KINDS``; form: that kind's ``*_codes`` of rows row0..row1-1), or None
+        unless every row is such a row of the file whose codes give its bits exactly."""
         n, k = weight.shape
-        if k % QK_K or n == 0 or weight.dtype != torch.float32:
+        if k % QK or n == 0 or weight.dtype != torch.float32:
             return None
         w = weight.detach()
         index = self._rows_index()
@@ -223,9 +358,7 @@ class GGUFCodes:
             else:
                 runs.append([start, end, kind, [form]])
             start = end
-        return [(r0, r1, kind, forms[0] if len(forms) == 1
-                 else tuple(torch.cat(parts) for parts in zip(*forms)))
-                for r0, r1, kind, forms in runs]
+        return [(r0, r1, kind, _cat_forms(forms)) for r0, r1, kind, forms in runs]
 
     @staticmethod
     def _checked(kind: str, raw: np.ndarray, rows: torch.Tensor, chunk: int = 4096):
@@ -237,4 +370,4 @@ class GGUFCodes:
                                rows[i:i + chunk].view(torch.int32)):
                 return None
             forms.append(form)
-        return forms[0] if len(forms) == 1 else tuple(torch.cat(parts) for parts in zip(*forms))
+        return _cat_forms(forms)

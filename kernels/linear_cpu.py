@@ -20,8 +20,10 @@ the float32 path; ``SPECBATCH_CPU_WEIGHTS=float32`` keeps it for every weight.
 **8-bit activations** (``--dtype int8``): a weight marked by ``use_int8_activations`` is packed
 by ``pack_q8`` for ``csrc/linear_q8.c``, which rounds each row of x to 8 bits per block of 32
 and sums exact integer products with the codes (llama.cpp's scheme; docs/design.md). GGUF
-K-quant weights (Q4_K, Q5_K, Q6_K) take that path too, their codes read from the GGUF file
-(``kernels/kquant.py``); a weight fused from rows of both (q/k/v) runs as row segments.
+K-quant weights (Q4_K, Q5_K, Q6_K) and Q5_0 / Q5_1 ones take that path too, their codes read
+from the GGUF file (``kernels/kquant.py``: by tensor name at an int8 load, ``pack_runs`` and
+``set_int8_form``; else by value, ``pack_q8``); a weight fused from rows of several kinds
+(q/k/v) runs as row segments.
 """
 
 from __future__ import annotations
@@ -202,44 +204,57 @@ def _q4_1_x8(d: torch.Tensor, m: torch.Tensor, q: torch.Tensor, n: int, nblk: in
     return Q4_1_X8, scales.contiguous(), codes
 
 
-def _k_quant_x8(kind: str, form: tuple, n: int, nblk: int) -> tuple:
-    """``kquant.GGUFCodes.find``'s form of n rows in the layout of ``pack_q8``"""
-    if kind == "Q4_K":
+def _file_x8(kind: str, form: tuple, n: int, nblk: int) -> tuple:
+    """n rows of a ``kquant`` ``*_codes`` form (``GGUFCodes.find`` / ``named``) in the layout
+    of ``pack_q8``: Q4_K and Q4_1 as Q4_1 blocks, Q5_K and Q5_1 as the Q5_K kind, Q5_0 and
+    Q8_0 as Q8_0 blocks (Q5_0's codes q - 16), Q6_K as its own kind."""
+    if kind in ("Q4_K", "Q4_1"):
         return _q4_1_x8(*form, n, nblk)
-    if kind == "Q5_K":
+    if kind in ("Q5_K", "Q5_1"):
         d, m, q = form
         scales = torch.stack([_by_group(d, n, nblk), _by_group(m, n, nblk)], dim=2)
         return Q5_K_X8, scales.contiguous(), _q8_x8(d, q.to(torch.int8), n, nblk)
+    if kind in ("Q5_0", "Q8_0"):
+        d, q = form
+        return Q8_0_X8, _by_group(d.reshape(n, nblk), n, nblk).contiguous(), _q8_x8(d, q, n, nblk)
     d, q = form  # Q6_K: d per 16 k -> scales [G, nblk, 2, 16] (k 0..15, then 16..31)
     scales = _by_group(d.view(n, nblk, 2), n, nblk, 2).transpose(2, 3).contiguous()
     return Q6_K_X8, scales, _q8_x8(d, q, n, nblk)
 
 
+def pack_runs(runs: list[tuple[int, int, str, tuple]], k: int) -> tuple:
+    """``kquant.GGUFCodes.find`` / ``named``'s runs of a weight ``[N, K = k]`` in ``pack_q8``'s
+    form: one run's kind, or ``(SEGMENTS, table, empty, parts)`` for several."""
+    nblk = k // BLOCK
+    parts = [_file_x8(kind, form, r1 - r0, nblk) for r0, r1, kind, form in runs]
+    if len(parts) == 1:
+        return parts[0]
+    table = torch.tensor([[p[0], p[1].data_ptr(), p[2].data_ptr(), r0, r1 - r0]
+                          for p, (r0, r1, _, _) in zip(parts, runs)], dtype=torch.int64)
+    return SEGMENTS, table, torch.empty(0, dtype=torch.uint8), parts
+
+
 def pack_q8(weight: torch.Tensor, source=None) -> tuple | None:
     """``weight`` ``[N, K]`` float32 as exact codes in the 8-bit-activation kernel's layout
-    (``csrc/linear_q8.c``): (``Q4_1_X8``, ``Q8_0_X8`` or ``Q6_K_X8``, scales, codes), None
-    where it has no exact codes (as ``pack_quantized``). Columns in groups of 16 (zero weights
-    past N): Q4_1 codes ``[G, K / 32, 4, 16, 4]`` uint8 (k 4r..4r+3 in the low nibble, 16 +
-    4r.. in the high one), scales ``[G, K / 32, 2, 16]`` (d, m); Q8_0 codes ``[G, K / 32, 8,
-    16, 4]`` uint8 (q + 128), scales ``[G, K / 32, 16]``; Q6_K codes as Q8_0's, scales ``[G, K
-    / 32, 2, 16]`` (d of k 0..15, of k 16..31); Q5_K codes as Q8_0's, scales as Q4_1's.
+    (``csrc/linear_q8.c``): (``Q4_1_X8``, ``Q8_0_X8``, ``Q6_K_X8`` or ``Q5_K_X8``, scales,
+    codes), None where it has no exact codes (as ``pack_quantized``). Columns in groups of 16
+    (zero weights past N): Q4_1 codes ``[G, K / 32, 4, 16, 4]`` uint8 (k 4r..4r+3 in the low
+    nibble, 16 + 4r.. in the high one), scales ``[G, K / 32, 2, 16]`` (d, m); Q8_0 codes ``[G,
+    K / 32, 8, 16, 4]`` uint8 (q + 128), scales ``[G, K / 32, 16]``; Q6_K codes as Q8_0's,
+    scales ``[G, K / 32, 2, 16]`` (d of k 0..15, of k 16..31); Q5_K codes as Q8_0's, scales as
+    Q4_1's.
 
-    source: a ``kquant.GGUFCodes`` whose Q4_K / Q5_K / Q6_K rows are tried first (Q4_K as Q4_1
-    blocks). Rows of both kinds give ``(SEGMENTS, table, empty,
-    parts)``: table ``[runs, 5]`` int64 (kind, scales pointer, codes pointer, first row, rows),
-    parts the runs' forms, which it points into."""
+    source: a ``kquant.GGUFCodes`` whose Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1 rows are tried first
+    (``_file_x8``). Rows of several kinds give ``(SEGMENTS, table, empty, parts)``: table
+    ``[runs, 5]`` int64 (kind, scales pointer, codes pointer, first row, rows), parts the runs'
+    forms, which it points into (``pack_runs``)."""
     n, k = weight.shape
     if k % BLOCK or n == 0 or weight.dtype != torch.float32:
         return None
     nblk = k // BLOCK
     runs = None if source is None else source.find(weight)  # first: a miss costs one row's key
     if runs is not None:
-        parts = [_k_quant_x8(kind, form, r1 - r0, nblk) for r0, r1, kind, form in runs]
-        if len(parts) == 1:
-            return parts[0]
-        table = torch.tensor([[p[0], p[1].data_ptr(), p[2].data_ptr(), r0, r1 - r0]
-                              for p, (r0, r1, _, _) in zip(parts, runs)], dtype=torch.int64)
-        return SEGMENTS, table, torch.empty(0, dtype=torch.uint8), parts
+        return pack_runs(runs, k)
     v = weight.detach().contiguous().reshape(-1, BLOCK)
     # the first row's blocks settle which kind to try on all of them (a Q4_1 weight used to
     # run the whole Q8_0 search first: 12 s of SmolLM2's int8 load at a load of 9)
@@ -249,6 +264,14 @@ def pack_q8(weight: torch.Tensor, source=None) -> tuple | None:
         return Q8_0_X8, _by_group(d.view(n, nblk), n, nblk).contiguous(), _q8_x8(d, q, n, nblk)
     found = _q4_1_codes(v)
     return None if found is None else _q4_1_x8(*found, n, nblk)
+
+
+def set_int8_form(weight: torch.Tensor, form: tuple) -> None:
+    """Mark ``weight`` ``[N, K]`` for 8-bit activations with ``form`` (``pack_runs``' result,
+    made from the GGUF's codes by name: ``kquant.GGUFCodes.named``) as its kernel form, its
+    float32 values not read (the weight may already be released: ``models.dense``)."""
+    _INT8[weight] = True
+    _PACKED[weight] = ((weight._version, True), form)
 
 
 # weights whose matmuls take 8-bit activations (``use_int8_activations``)

@@ -117,6 +117,28 @@ def fused_weight(params: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return fused
 
 
+def cached_fused(params: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+    """The fused tensor ``fused_weight`` made of ``params`` and still holds (they are its
+    views, or its released stubs), else None."""
+    entry = _FUSED.get(params[0])
+    return entry[1] if entry is not None and entry[0] == _fused_key(params) else None
+
+
+def released_fused(params: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """A released fused weight (``release_float32``'s stub, ``[sum N_i, K]``) for ``params``
+    without reading their values: for weights whose kernel form comes from elsewhere (the
+    GGUF's codes by name, ``backends.cpu.Int8Weights``). The parameters become stubs of
+    their shapes; ``fused_weight`` returns the stub for them from then on."""
+    shape = (sum(p.shape[0] for p in params), *params[0].shape[1:])
+    with torch.no_grad():
+        stub = params[0].new_zeros(1)
+        fused = stub.expand(shape)
+        for p in params:
+            p.data = stub.expand(p.shape)
+    _FUSED[params[0]] = (_fused_key(params), fused)
+    return fused
+
+
 def _fused_key(params: tuple[torch.Tensor, ...]) -> tuple:
     return tuple((p._version, p.data_ptr(), tuple(p.shape), p.dtype) for p in params)
 

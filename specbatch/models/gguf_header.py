@@ -8,7 +8,7 @@ machine). No torch, no numpy: the command line decides before anything heavy is 
 
 Which weights the kernels take is decided by ``kernels/linear_cpu.py`` (``pack_q8``: a weight
 whose float32 values are exactly Q4_1 or Q8_0 blocks, or rows of the GGUF's own Q4_K / Q5_K /
-Q6_K tensors, ``kernels/kquant.py``). ``INT8_CODE_TYPES`` names the GGUF types that give such
+Q6_K / Q5_0 / Q5_1 tensors, ``kernels/kquant.py``). ``INT8_CODE_TYPES`` names the GGUF types that give such
 weights; ``tests/unit/test_dtype_auto.py`` checks each against ``pack_q8`` (and that F32 / F16
 / Q4_0 weights are not taken).
 """
@@ -20,8 +20,8 @@ import struct
 from pathlib import Path
 
 # GGUF types whose weights the int8 kernels take as codes (kernels/linear_cpu.pack_q8; the
-# K-quants with the file's codes, kernels/kquant.GGUFCodes)
-INT8_CODE_TYPES = ("Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# K-quants, Q5_0 and Q5_1 with the file's codes, kernels/kquant.GGUFCodes)
+INT8_CODE_TYPES = ("Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
 # GGML type ids -> names (ggml.h; gguf.GGMLQuantizationType), those a model file may hold
 GGML_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
               9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K",

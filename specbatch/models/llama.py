@@ -137,20 +137,26 @@ class LlamaForward:
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self.gate_up: list[torch.Tensor] = []
-        for layer in self.layers:
+        # int8: the GGUF tensors of each weight (llama.cpp's names), for the file's codes
+        blk = lambda i, *names: tuple(f"blk.{i}.{n}.weight" for n in names)  # noqa: E731
+        for i, layer in enumerate(self.layers):
             a, mlp = layer.self_attn, layer.mlp
             projs = (a.q_proj, a.k_proj, a.v_proj)
             bias = (fused_weight(tuple(m.bias for m in projs))
                     if a.q_proj.bias is not None else None)
-            self.qkv.append((fused_weight(tuple(m.weight for m in projs)), bias))
-            self.gate_up.append(fused_weight((mlp.gate_proj.weight, mlp.up_proj.weight)))
-            if int8 is not None:
-                int8.take(self.qkv[-1][0], tuple(m.weight for m in projs))
-                int8.take(a.o_proj.weight)
-                int8.take(self.gate_up[-1], (mlp.gate_proj.weight, mlp.up_proj.weight))
-                int8.take(mlp.down_proj.weight)
+            qkv = tuple(m.weight for m in projs)
+            gate_up = (mlp.gate_proj.weight, mlp.up_proj.weight)
+            if int8 is None:
+                self.qkv.append((fused_weight(qkv), bias))
+                self.gate_up.append(fused_weight(gate_up))
+                continue
+            self.qkv.append((int8.fuse(qkv, blk(i, "attn_q", "attn_k", "attn_v")), bias))
+            int8.take(a.o_proj.weight, names=blk(i, "attn_output"))
+            self.gate_up.append(int8.fuse(gate_up, blk(i, "ffn_gate", "ffn_up")))
+            int8.take(mlp.down_proj.weight, names=blk(i, "ffn_down"))
         if int8 is not None:
-            int8.take(self.lm_head)
+            tied = self.lm_head is self.embed or self.lm_head.data_ptr() == self.embed.data_ptr()
+            int8.take(self.lm_head, names=("token_embd.weight" if tied else "output.weight",))
             if int8.released_bytes:  # transformers' forward would read zeros: refuse it
                 hf_model.register_forward_pre_hook(_refuse_released_forward)
                 own_storage(hf_model)  # the rest off the weights file's memory map

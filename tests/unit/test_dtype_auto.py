@@ -74,7 +74,7 @@ def test_int8_code_types_are_the_types_whose_weights_pack_q8_takes(models):
 
 
 def test_k_quant_types_are_taken_with_the_files_codes(tmp_path):
-    """Q4_K / Q5_K / Q6_K weights (dequantised as transformers loads them) are taken by
+    """Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1 weights (dequantised as transformers loads them) are taken by
     ``pack_q8`` with the file's codes (``kquant.GGUFCodes``), and ``int8_code_types`` names
     them; without the file, their floats alone give no codes (so the file is needed: the
     loader hands it over for int8)."""
@@ -82,7 +82,7 @@ def test_k_quant_types_are_taken_with_the_files_codes(tmp_path):
     from tests.unit.test_linear_kquant import _dequantized, random_k_blocks, write_gguf
 
     rng = np.random.default_rng(35)
-    for kind in ("Q4_K", "Q5_K", "Q6_K"):
+    for kind in ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"):
         raw = random_k_blocks(kind, 32, 512, rng)
         path = tmp_path / f"{kind}.gguf"
         write_gguf(path, {"blk.0.ffn_up.weight": (kind, raw)})

@@ -1,8 +1,9 @@
-"""GGUF Q4_K / Q5_K / Q6_K weights in the 8-bit-activation matmul (kernels/kquant.py,
-csrc/linear_q8.c): codes read from the GGUF that give the float32 weights bit for bit, outputs within 8-bit
-rounding of a dequantise-then-float matmul, the same bits at every row count and on AVX-512
-VNNI, AVX2 and portable C, and a K-quant GGUF whose engine outputs do not depend on the proposer
-or the batch."""
+"""GGUF Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1 weights in the 8-bit-activation matmul
+(kernels/kquant.py, csrc/linear_q8.c): codes read from the GGUF (by tensor name, or by value)
+that give the float32 weights bit for bit, outputs within 8-bit rounding of a
+dequantise-then-float matmul, the same bits at every row count and on AVX-512 VNNI, AVX2 and
+portable C, and K-quant / Q5_0 GGUFs whose engine outputs do not depend on the proposer or the
+batch."""
 
 from __future__ import annotations
 
@@ -28,6 +29,14 @@ def random_k_blocks(kind: str, rows: int, k: int, rng: np.random.Generator,
     """Random valid super-blocks ``[rows, k / 256 * bytes]`` uint8: every code, sub-scale and
     min drawn uniformly, float16 d (and dmin) sized so that |w| ~ scale / sqrt(k)."""
     nb = k // 256
+    if kind in ("Q5_0", "Q5_1"):  # blocks of 32: float16 d (and m), 4 bytes qh, 16 bytes qs
+        nb = k // 32
+        nbytes = kquant.Q5_0_BYTES if kind == "Q5_0" else kquant.Q5_1_BYTES
+        b = rng.integers(0, 256, (rows, nb, nbytes), dtype=np.uint8)
+        b[..., 0:2] = _f16_bytes(rng.uniform(0.5, 1.5, (rows, nb)) * scale / 10 / k ** 0.5)
+        if kind == "Q5_1":
+            b[..., 2:4] = _f16_bytes(-rng.uniform(0.5, 1.5, (rows, nb)) * scale * 1.6 / k ** 0.5)
+        return b.reshape(rows, -1)
     if kind in ("Q4_K", "Q5_K"):
         nbytes = kquant.Q4_K_BYTES if kind == "Q4_K" else kquant.Q5_K_BYTES
         b = rng.integers(0, 256, (rows, nb, nbytes), dtype=np.uint8)
@@ -111,11 +120,14 @@ def weights(tmp_path_factory):
             "k": ("Q4_K", random_k_blocks("Q4_K", 40, 512, rng)),
             "v": ("Q6_K", random_k_blocks("Q6_K", 40, 512, rng)),
             "down": ("Q6_K", random_k_blocks("Q6_K", 96, 768, rng)),
-            "q5": ("Q5_K", random_k_blocks("Q5_K", 50, 512, rng))}
+            "q5": ("Q5_K", random_k_blocks("Q5_K", 50, 512, rng)),
+            "q5_0": ("Q5_0", random_k_blocks("Q5_0", 70, 96, rng)),
+            "q5_1": ("Q5_1", random_k_blocks("Q5_1", 40, 96, rng))}
     path = tmp_path_factory.mktemp("kquant") / "codes.gguf"
     write_gguf(path, raws)
     floats = {name: _dequantized(kind, raw) for name, (kind, raw) in raws.items()}
     floats["qkv"] = torch.cat([floats["q"], floats["k"], floats["v"]])
+    floats["q5_mix"] = torch.cat([floats["q5_0"], floats["q5_1"]])
     # rows in another order (as transformers un-permutes llama's q/k heads)
     order = torch.randperm(200, generator=torch.Generator().manual_seed(1))
     floats["shuffled"] = floats["q"][order]
@@ -134,9 +146,9 @@ def test_quantiser_round_trip(kind):
 
 def test_codes_match_the_gguf_dequantisation(weights):
     source, floats = weights
-    assert len(source) == 200 + 40 + 40 + 96 + 50
+    assert len(source) == 200 + 40 + 40 + 96 + 50 + 70 + 40
     for name, kind in (("q", "Q4_K"), ("v", "Q6_K"), ("down", "Q6_K"), ("shuffled", "Q4_K"),
-                       ("q5", "Q5_K")):
+                       ("q5", "Q5_K"), ("q5_0", "Q5_0"), ("q5_1", "Q5_1")):
         runs = source.find(floats[name])
         assert runs is not None and len(runs) == 1, name
         r0, r1, got, form = runs[0]
@@ -152,6 +164,37 @@ def test_codes_match_the_gguf_dequantisation(weights):
     assert source.find(torch.randn(8, 512)) is None
 
 
+def _same_runs(a, b) -> bool:
+    return len(a) == len(b) and all(
+        ra[:3] == rb[:3] and all(torch.equal(x, y) for x, y in zip(ra[3], rb[3]))
+        for ra, rb in zip(a, b))
+
+
+def test_codes_by_name_are_the_codes_found_by_value(weights):
+    """``GGUFCodes.named`` (the engine's int8 load: llama.cpp's tensor names) gives the codes
+    ``find`` matches by value, stacked in the order named, with rows reordered as told (a
+    llama q / k un-permuted by transformers); a probe weight that is not those codes' values
+    (another tensor, rows in another order, one ulp off in a probed row), a missing name or
+    mismatched K give None."""
+    source, floats = weights
+    for name in ("q", "v", "down", "q5", "q5_0", "q5_1"):
+        assert _same_runs(source.named([name], probes=[floats[name]]), source.find(floats[name]))
+    qkv = source.named(["q", "k", "v"], probes=[floats["q"], floats["k"], floats["v"]])
+    assert [r[:3] for r in qkv] == [(0, 240, "Q4_K"), (240, 280, "Q6_K")]
+    assert _same_runs(qkv, source.find(floats["qkv"]))
+    assert _same_runs(source.named(["q5_0", "q5_1"]), source.find(floats["q5_mix"]))
+    order = torch.randperm(200, generator=torch.Generator().manual_seed(1))
+    assert _same_runs(source.named(["q"], [order], [floats["shuffled"]]),
+                      source.find(floats["shuffled"]))
+    assert source.named(["q"], None, [floats["shuffled"]]) is None
+    assert source.named(["k"], probes=[floats["v"]]) is None
+    nudged = floats["q5_0"].clone()
+    nudged[1, 40] = torch.nextafter(nudged[1, 40], torch.tensor(1.0))
+    assert source.named(["q5_0"], probes=[nudged]) is None
+    assert source.named(["q", "nope"]) is None and source.kind("nope") is None
+    assert source.named(["q", "down"]) is None  # K 512 and 768
+
+
 def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.double() @ w.double().t()).float()
 
@@ -159,6 +202,9 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("name,kind", [("q", linear_cpu.Q4_1_X8), ("down", linear_cpu.Q6_K_X8),
                                        ("qkv", linear_cpu.SEGMENTS),
                                        ("q5", linear_cpu.Q5_K_X8),
+                                       ("q5_0", linear_cpu.Q8_0_X8),
+                                       ("q5_1", linear_cpu.Q5_K_X8),
+                                       ("q5_mix", linear_cpu.SEGMENTS),
                                        ("shuffled", linear_cpu.Q4_1_X8)])
 def test_close_to_the_dequantised_matmul_and_row_invariant(weights, name, kind):
     """Within 8-bit activation rounding of the float64 matmul of the dequantised weights
@@ -199,7 +245,7 @@ def test_segments_are_the_runs_apart(weights):
     assert torch.equal(linear_cpu.linear(x, fused), torch.cat(apart, dim=1))
 
 
-@pytest.mark.parametrize("name", ["q", "down", "qkv", "q5"])
+@pytest.mark.parametrize("name", ["q", "down", "qkv", "q5", "q5_0", "q5_1", "q5_mix"])
 def test_every_kernel_gives_the_same_bits(weights, name):
     """AVX-512 VNNI (where the CPU has it), AVX2 and the portable C loop: equal outputs at 1-21
     rows (AVX2 tiles of 4, VNNI tiles of 8, partial column groups)."""
@@ -213,10 +259,21 @@ def test_every_kernel_gives_the_same_bits(weights, name):
     assert_same_bits_on_every_isa(x, w)
 
 
-def write_tiny_kquant_gguf(path, seed: int = 0) -> None:
+# GGUF type per tensor: Q4_K_M's mix, and what llama.cpp writes for Q4_K_M where a row length
+# is not a multiple of 256 (Q5_0 for Q4_K, Q8_0 for Q6_K: the Qwen2.5-Coder 0.5B, tied head)
+MIXES = {"Q4_K_M": {"token_embd": "Q4_K", "output": "Q6_K", "attn_q": "Q4_K", "attn_k": "Q4_K",
+                    "attn_v": "Q6_K", "attn_output": "Q4_K", "ffn_gate": "Q4_K",
+                    "ffn_up": "Q4_K", "ffn_down": "Q6_K"},
+         "Q5_0": {"token_embd": "Q8_0", "attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0",
+                  "attn_output": "Q5_0", "ffn_gate": "Q5_0", "ffn_up": "Q5_0",
+                  "ffn_down": "Q8_0"}}
+
+
+def write_tiny_kquant_gguf(path, seed: int = 0, mix: str = "Q4_K_M") -> None:
     """A 2-layer Llama GGUF as ``test_loader.write_tiny_gguf``'s, at hidden 256 / ffn 512 (K a
-    multiple of 256) with Q4_K_M's mix: Q4_K q, k, o, gate, up and embedding; Q6_K v, down and
-    output (so the fused q/k/v holds both kinds)."""
+    multiple of 256) with the tensor types of ``MIXES[mix]``: Q4_K_M's (Q4_K q, k, o, gate,
+    up and embedding; Q6_K v, down and output, so the fused q/k/v holds both kinds) or Q5_0's
+    (Q5_0 and Q8_0, no output.weight: the lm_head is the embedding)."""
     import gguf
 
     from tests.unit.test_loader import tiny_llama_gguf_writer
@@ -225,30 +282,107 @@ def write_tiny_kquant_gguf(path, seed: int = 0) -> None:
     writer, tokens = tiny_llama_gguf_writer(path, "tiny-kquant", hidden, num_layers, num_heads,
                                             num_kv_heads, ffn)
     rng = np.random.default_rng(seed)
+    kinds = MIXES[mix]
 
-    def add(name: str, kind: str, rows: int, cols: int) -> None:
+    def add(name: str, rows: int, cols: int) -> None:
+        kind = kinds[name.split(".")[-2]]
+        qtype = getattr(gguf.GGMLQuantizationType, kind)
         w = (rng.standard_normal((rows, cols)) / cols ** 0.5).astype(np.float32)
-        writer.add_tensor(name, quantize_k(kind, w),
-                          raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
+        raw = quantize_k(kind, w) if kind.endswith("_K") else gguf.quants.quantize(w, qtype)
+        writer.add_tensor(name, raw, raw_dtype=qtype)
 
-    add("token_embd.weight", "Q4_K", len(tokens), hidden)
+    add("token_embd.weight", len(tokens), hidden)
     writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    add("output.weight", "Q6_K", len(tokens), hidden)
+    if "output" in kinds:
+        add("output.weight", len(tokens), hidden)
     head_dim = hidden // num_heads
     for i in range(num_layers):
         writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
-        for name, kind, rows, cols in (
-                ("attn_q", "Q4_K", hidden, hidden),
-                ("attn_k", "Q4_K", num_kv_heads * head_dim, hidden),
-                ("attn_v", "Q6_K", num_kv_heads * head_dim, hidden),
-                ("attn_output", "Q4_K", hidden, hidden), ("ffn_gate", "Q4_K", ffn, hidden),
-                ("ffn_up", "Q4_K", ffn, hidden), ("ffn_down", "Q6_K", hidden, ffn)):
-            add(f"blk.{i}.{name}.weight", kind, rows, cols)
+        for name, rows, cols in (
+                ("attn_q", hidden, hidden), ("attn_k", num_kv_heads * head_dim, hidden),
+                ("attn_v", num_kv_heads * head_dim, hidden), ("attn_output", hidden, hidden),
+                ("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn)):
+            add(f"blk.{i}.{name}.weight", rows, cols)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def test_q5_0_gguf_runs_int8_by_default_on_its_codes(tmp_path):
+    """A Q5_0 + Q8_0 GGUF (the Qwen2.5-Coder 0.5B's mix, tied lm_head): ``--dtype auto``
+    takes int8 and says so; every dense weight runs on the file's codes (Q5_0 as the Q8_0
+    kind, codes q - 16), the fused q/k/v as segments of Q5_0 and Q8_0 rows; greedy outputs
+    do not depend on the proposer or the batch."""
+    from specbatch.config import auto_dtype
+    from specbatch.models.llama import LlamaForward
+    from specbatch.models.loader import load_model
+    from tests.unit.test_linear_q8 import engine_runs_agree
+
+    path = tmp_path / "tiny-q5_0.gguf"
+    write_tiny_kquant_gguf(path, mix="Q5_0")
+    assert auto_dtype("cpu", str(path)) == ("int8", "GGUF Q5_0 + Q8_0 codes on the int8 kernels")
+    fwd = LlamaForward(load_model(str(path), dtype="int8", cache_dir=tmp_path / "cache").model)
+    kind = lambda w: linear_cpu._PACKED[w][1][0]  # noqa: E731
+    layer = fwd.layers[0]
+    assert fwd.lm_head is fwd.embed
+    assert kind(fwd.qkv[0][0]) == linear_cpu.SEGMENTS
+    assert {p[0] for p in linear_cpu._PACKED[fwd.qkv[0][0]][1][3]} == {linear_cpu.Q8_0_X8}
+    assert (kind(fwd.gate_up[0]) == kind(layer.self_attn.o_proj.weight)
+            == kind(layer.mlp.down_proj.weight) == kind(fwd.lm_head) == linear_cpu.Q8_0_X8)
+    assert linear_cpu.released(fwd.gate_up[0]) and not linear_cpu.released(fwd.embed)
+    engine_runs_agree(fwd, vocab=256)
+
+
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_0", "Q4_1", "Q8_0"])
+def test_int8_load_takes_codes_by_name_with_the_bits_of_value_matching(tmp_path, monkeypatch,
+                                                                        mix):
+    """The int8 load takes every dense weight's codes by its GGUF tensor names: no row is
+    matched by value (``GGUFCodes.find``) and no q/k/v or gate/up is concatenated from float32
+    values (``dense.fused_weight``); the logits are those of the earlier load (matching by
+    value; Q4_1 / Q8_0: codes derived from the floats) bit for bit, with llama's q / k rows
+    un-permuted as transformers does. (Q5_0 + Q8_0: by value, the q/k/v of both kinds found
+    no codes.)"""
+    from specbatch.kernels import kquant
+    from specbatch.models import dense
+    from specbatch.models.llama import LlamaForward
+    from specbatch.models.loader import load_model
+    from tests.unit.test_loader import write_tiny_gguf
+
+    path = tmp_path / f"tiny-{mix}.gguf"
+    if mix in MIXES:
+        write_tiny_kquant_gguf(path, mix=mix)
+    else:  # the SmolLM2 kinds: layers Q4_1 or Q8_0, embedding and lm_head F32
+        write_tiny_gguf(path, linear_type=mix)
+    ids, pos = torch.tensor([[3, 17, 42, 7, 99, 5, 200]]), torch.arange(7)[None]
+
+    def logits() -> torch.Tensor:
+        model = load_model(str(path), dtype="int8", cache_dir=tmp_path / "cache").model
+        fwd = LlamaForward(model)
+        held.append(linear_cpu.released(fwd.qkv[1][0]) and linear_cpu.released(fwd.gate_up[1]))
+        return fwd.forward(ids, pos, fwd.new_cache(1, 16), torch.tensor([0]))
+
+    held = []
+
+    find = kquant.GGUFCodes.find
+
+    def find_nothing(self, weight):  # (an F32 lm_head is looked up, and not found)
+        assert find(self, weight) is None, "codes matched by value"
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("float32 values concatenated")
+
+    with monkeypatch.context() as m:
+        m.setattr(kquant.GGUFCodes, "find", find_nothing)
+        m.setattr(dense, "fused_weight", refuse)
+        by_name = logits()
+    monkeypatch.setattr(kquant.GGUFCodes, "named", lambda self, *a, **k: None)
+    by_value = logits()
+    if mix == "Q5_0":  # by value, a q/k/v of Q5_0 and Q8_0 rows has no codes: float32 panels
+        assert held == [True, False] and not torch.equal(by_value, by_name)
+    else:
+        assert held == [True, True] and torch.equal(by_value, by_name)
 
 
 def test_kquant_gguf_engine_outputs_do_not_depend_on_proposer_or_batch(tmp_path):
@@ -283,7 +417,6 @@ def test_int8_model_holds_codes_not_float32(tmp_path, monkeypatch):
     a time; the embedding and norms stay float32. Releasing changes no logit bit, a second
     forward of the same model reuses the codes, ``weight_bytes`` counts what is held (codes +
     float32 left), and transformers' forward on the model is refused."""
-    from specbatch.models import dense
     from specbatch.models.llama import LlamaForward
     from specbatch.models.loader import load_model
     from specbatch.spec_decode.draft import weight_bytes
@@ -328,7 +461,9 @@ def test_int8_model_holds_codes_not_float32(tmp_path, monkeypatch):
     assert torch.equal(again.forward(ids, pos, again.new_cache(1, 16), torch.tensor([0])),
                        logits)
     # the same bits as a model whose float32 values are kept
-    monkeypatch.setattr(dense, "release_float32", lambda w, views=(): 0)
+    from specbatch.models.backends import cpu
+
+    monkeypatch.setattr(cpu.Int8Weights, "release", False)
     kept_model = load_model(str(path), dtype="int8", cache_dir=tmp_path / "cache").model
     full = LlamaForward(kept_model)
     assert not linear_cpu.released(full.qkv[0][0])

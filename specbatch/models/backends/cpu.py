@@ -151,16 +151,26 @@ def _is_c_linear(linear) -> bool:
 
 
 class Int8Weights:
-    """Marks ``forward``'s dense weights for 8-bit activations one at a time (``take``), with
-    the Q4_K / Q5_K / Q6_K codes of ``gguf_path`` (the GGUF the model was loaded from, if any:
+    """Marks ``forward``'s dense weights for 8-bit activations one at a time (``fuse``,
+    ``take``) with the codes of ``gguf_path`` (the GGUF the model was loaded from, if any:
     ``kernels.kquant``), and releases the float32 values of each weight the kernels then hold
-    codes of (``dense.release_float32``). ``LlamaForward`` takes each layer's weights right
-    after fusing them, so that the load's peak holds one layer's fused float32 copies, not
-    the whole model's. Nothing reads the released values: every step, prefill and the
-    torch-loop fallback multiply through ``forward.linear`` on the codes. Kept: the token
-    embedding (a lookup; a tied lm_head is the same tensor), the norms and biases, and
-    weights without codes (they run on float32 panels). Raises ``ValueError`` where the C
-    matmul cannot run (int8 needs it: a float32 CPU model, x86-64 with AVX2)."""
+    codes of (``dense.release_float32``). ``LlamaForward`` takes each layer's weights in
+    turn, so that the load's peak holds one layer's forms, not the whole model's.
+
+    A weight named by its GGUF tensors (``blk.3.attn_q.weight``: ``names``) gets the file's
+    codes of those tensors (``GGUFCodes.named``), checked against a few of its rows, and its
+    float32 values are never read: the fused q/k/v and gate/up are not concatenated
+    (``dense.released_fused``), and the pages of the memory-mapped float32 cache that hold
+    them are never touched. A weight without named codes falls back to matching its values
+    (``kquant.GGUFCodes.find``) or to codes derived from its floats (Q4_1 / Q8_0).
+
+    Nothing reads the released values: every step, prefill and the torch-loop fallback
+    multiply through ``forward.linear`` on the codes. Kept: the token embedding (a lookup; a
+    tied lm_head is the same tensor), the norms and biases, and weights without codes (they
+    run on float32 panels). Raises ``ValueError`` where the C matmul cannot run (int8 needs
+    it: a float32 CPU model, x86-64 with AVX2)."""
+
+    release = True  # release the float32 values of weights with codes (tests turn it off)
 
     def __init__(self, forward, gguf_path: str | None = None) -> None:
         try:
@@ -177,19 +187,76 @@ class Int8Weights:
             from specbatch.kernels import kquant
 
             self.source = kquant.GGUFCodes(gguf_path)  # indexed at its first find only
-            if not len(self.source):
-                self.source = None  # no K-quant tensors: the floats give every code
+            if not self.source.has_codes():
+                self.source = None  # no tensors of code kinds: nothing to read from the file
+        # transformers un-permutes a llama GGUF's q / k heads (LlamaTensorProcessor): the
+        # file row of each model row, per projection
+        self._heads = {}
+        if forward.hf_model.config.model_type in ("llama", "mistral"):
+            self._heads = {"attn_q": forward.num_heads, "attn_k": forward.num_kv_heads}
         self.released_bytes = 0  # float32 bytes released so far (0 on a model's 2nd forward)
+        self.named = 0  # weights that took the file's codes by name
 
-    def take(self, weight: torch.Tensor, views: tuple[torch.Tensor, ...] = ()) -> bool:
+    def _order(self, tensor: str, rows: int) -> torch.Tensor | None:
+        heads = self._heads.get(tensor.split(".")[-2])
+        if heads is None:
+            return None
+        # transformers' _reverse_permute_weights on the row indices: model row r is file row
+        # order[r]
+        return (torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2)
+                .reshape(rows))
+
+    def _named_runs(self, names: tuple[str, ...], params: tuple[torch.Tensor, ...]):
+        """The file's codes of ``names`` for ``params`` (checked on a few rows), or None."""
+        if self.source is None or any(self._linear_cpu.released(p) for p in params):
+            return None
+        orders = [self._order(name, p.shape[0]) for name, p in zip(names, params)]
+        runs = self.source.named(names, orders, params)
+        if runs is None and any(o is not None for o in orders):  # another head layout
+            runs = self.source.named(names, None, params)
+        return runs
+
+    def fuse(self, params: tuple[torch.Tensor, ...], names: tuple[str, ...] = ()
+             ) -> torch.Tensor:
+        """``dense.fused_weight(params)`` (q/k/v or gate/up, each ``[N_i, K]``), marked for
+        8-bit activations as ``take`` marks it; with ``names`` (their GGUF tensors) and
+        the file's codes for all of them, made without reading the float32 values."""
+        from specbatch.models import dense
+
+        fused = dense.cached_fused(params)
+        if fused is None and names:
+            runs = self._named_runs(names, params)
+            if runs is not None:
+                form = self._linear_cpu.pack_runs(runs, params[0].shape[1])
+                if self.release:
+                    fused = dense.released_fused(params)
+                    self.released_bytes += sum(p.numel() * 4 for p in params)
+                else:
+                    fused = dense.fused_weight(params)
+                self._linear_cpu.set_int8_form(fused, form)
+                self.named += 1
+                return fused
+        fused = dense.fused_weight(params)
+        self.take(fused, params)
+        return fused
+
+    def take(self, weight: torch.Tensor, views: tuple[torch.Tensor, ...] = (),
+             names: tuple[str, ...] = ()) -> bool:
         """Mark ``weight`` ``[N, K]`` (``views``: the parameters that are views of it, for a
-        fused weight) and release its float32 values if it has codes. Returns whether it has."""
+        fused weight; ``names``: its GGUF tensors, for the file's codes by name) and release
+        its float32 values if it has codes. Returns whether it has."""
         from specbatch.models.dense import release_float32
 
         lc = self._linear_cpu
-        if not lc.use_int8_activations(weight, self.source):
+        entry = lc._PACKED.get(weight)
+        fresh = entry is None or entry[0] != (weight._version, True)
+        runs = self._named_runs(names, (weight,)) if names and fresh else None
+        if runs is not None:
+            lc.set_int8_form(weight, lc.pack_runs(runs, weight.shape[1]))
+            self.named += 1
+        elif not lc.use_int8_activations(weight, self.source):
             return False
-        if weight is not self._embed and not lc.released(weight):
+        if self.release and weight is not self._embed and not lc.released(weight):
             self.released_bytes += release_float32(weight, views)
         return True
 
