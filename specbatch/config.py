@@ -403,7 +403,7 @@ def auto_dtype(device: str, model: str | None = None, cache_dir: str | None = No
       ``model`` (a registry name, ``.gguf`` path or HF folder) is a GGUF whose matmul weights
       are mostly of types the int8 kernels take as codes (``models.gguf_header.
       int8_code_types``: Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1; a Q4_K_M file is Q4_K +
-      Q6_K, or Q5_0 + Q8_0 where a row length is not a multiple of 256, as the Qwen 0.5B's):
+      Q6_K, with Q5_0 / Q8_0 where a row length is not a multiple of 256, as in the Qwen 0.5B):
       llama.cpp's scheme on the file's own codes,
       batch-invariant, ~2x float32's batch-16 throughput (docs/models.md, "dtype"). It is
       another dtype than float32 (outputs differ as bfloat16's do), taken because it is the

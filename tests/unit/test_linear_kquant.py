@@ -260,7 +260,7 @@ def test_every_kernel_gives_the_same_bits(weights, name):
 
 
 # GGUF type per tensor: Q4_K_M's mix, and what llama.cpp writes for Q4_K_M where a row length
-# is not a multiple of 256 (Q5_0 for Q4_K, Q8_0 for Q6_K: the Qwen2.5-Coder 0.5B, tied head)
+# is not a multiple of 256 (Q5_0 for Q4_K, Q8_0 for Q6_K: most of the Qwen2.5-Coder 0.5B)
 MIXES = {"Q4_K_M": {"token_embd": "Q4_K", "output": "Q6_K", "attn_q": "Q4_K", "attn_k": "Q4_K",
                     "attn_v": "Q6_K", "attn_output": "Q4_K", "ffn_gate": "Q4_K",
                     "ffn_up": "Q4_K", "ffn_down": "Q6_K"},
@@ -311,7 +311,7 @@ def write_tiny_kquant_gguf(path, seed: int = 0, mix: str = "Q4_K_M") -> None:
 
 
 def test_q5_0_gguf_runs_int8_by_default_on_its_codes(tmp_path):
-    """A Q5_0 + Q8_0 GGUF (the Qwen2.5-Coder 0.5B's mix, tied lm_head): ``--dtype auto``
+    """A Q5_0 + Q8_0 GGUF (most of the Qwen2.5-Coder 0.5B's mix; a tied lm_head): ``--dtype auto``
     takes int8 and says so; every dense weight runs on the file's codes (Q5_0 as the Q8_0
     kind, codes q - 16), the fused q/k/v as segments of Q5_0 and Q8_0 rows; greedy outputs
     do not depend on the proposer or the batch."""
