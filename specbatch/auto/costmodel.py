@@ -45,7 +45,15 @@ from specbatch import settings
 ROWS = (1, 4, 16)
 QUERY_LENS = (1, 2, 4, 6, 9)
 CONTEXTS = (256, 1024)
-CALIBRATION_VERSION = 3  # 1: plain least squares, no outlier check; 2: one token slope
+# packed verify steps timed besides the uniform grid, (rows, q, real tokens), where the forward
+# packs them (``StepBackend.packed_attention``): a few rows drafting, the rest feeding one token,
+# at token counts that fill a matmul tile in part (TILE_TOKENS), as ``auto`` runs at batch 16
+PACKED_SHAPES = ((4, 2, 5), (4, 6, 11), (16, 2, 17), (16, 6, 21), (16, 6, 28))
+# the matmul kernels multiply the tokens 8 rows at a time (kernels/csrc/linear_q8.c MRQ, the
+# AVX-512 row groups of linear_f32.c): a tile started costs its weight pass whatever it holds
+TILE_TOKENS = 8
+CALIBRATION_VERSION = 4  # 1: plain least squares, no outlier check; 2: one token slope;
+# 3: no packed shapes (uniform rows only; no tile or padded-logits terms)
 # token counts where the dense term's slope may change (segments [0, 4], [4, 8] ... [64, inf));
 # a fit keeps the knots its samples pass (``knots_for``)
 TOKEN_KNOTS = (4, 8, 16, 32, 64)
@@ -98,9 +106,13 @@ class CostModel:
     docstring: c0 seconds per step, s0 seconds per token up to ``knots[0]`` tokens (or for
     every token when ``knots`` is empty: the linear model ``c0 + s0 t + ...``), c2 seconds per
     row x key, c3 per token x key, s_i seconds per token between ``knots[i - 1]`` and
-    ``knots[i]`` tokens (the last slope from the last knot on).
+    ``knots[i]`` tokens (the last slope from the last knot on); where ``tiled``, then ``ct``
+    seconds per matmul tile started (``ceil(t / TILE_TOKENS)``) and ``cp`` per padded query
+    slot of a packed step (``rows * q`` when ``t < rows * q``, else 0: its logits are laid out
+    ``[rows, q, vocab]``, zeros where a row fed fewer).
 
-    samples: the measurements ``[rows, q, ctx, seconds]`` the fit came from.
+    samples: the measurements ``[rows, q, ctx, seconds]`` the fit came from, a packed one
+    ``[rows, q, ctx, seconds, tokens]``.
     """
 
     coef: tuple[float, ...]
@@ -118,11 +130,16 @@ class CostModel:
     # attention runs on the real tokens of a packed step (c3 per real token x key), not on
     # every row padded to the longest (``StepBackend.packed_attention``)
     packed: bool = False
+    # the tile and padded-slot terms (``ct``, ``cp``), fitted from packed shapes too
+    # (``PACKED_SHAPES``); False: the uniform grid alone, which cannot tell them apart
+    tiled: bool = False
 
     def __post_init__(self) -> None:
-        if len(self.coef) != 4 + len(self.knots):
-            raise ValueError(f"a cost model with {len(self.knots)} knots has "
-                             f"{4 + len(self.knots)} coefficients, not {len(self.coef)}")
+        n = 4 + len(self.knots) + 2 * self.tiled
+        if len(self.coef) != n:
+            raise ValueError(f"a cost model with {len(self.knots)} knots"
+                             + (" and tile terms" if self.tiled else "")
+                             + f" has {n} coefficients, not {len(self.coef)}")
 
     def problem(self) -> str | None:
         """Why this calibration cannot be used, or None if it is sound: a negative or
@@ -152,7 +169,7 @@ class CostModel:
         when rows feed different lengths and the dense layers run packed (``runner.verify``);
         default ``num_rows * query_len``. Attention always costs the padded shape."""
         t = num_rows * query_len if num_tokens is None else num_tokens
-        x = _features(num_rows, query_len, context_len, t, self.knots, self.packed)
+        x = _features(num_rows, query_len, context_len, t, self.knots, self.packed, self.tiled)
         return max(sum(c * f for c, f in zip(self.coef, x)), 1e-6)
 
     def token_cost(self, num_tokens: int = 0, context_len: int = 0) -> float:
@@ -161,6 +178,8 @@ class CostModel:
         >= 0. A row that is not the longest adds no attention where it is padded."""
         segment = sum(1 for k in self.knots if num_tokens >= k)
         slope = max(self.coef[1] if segment == 0 else self.coef[3 + segment], 0.0)
+        if self.tiled:  # a tile's cost shared by the tokens that fill it
+            slope += self.coef[4 + len(self.knots)] / TILE_TOKENS
         return slope + self.token_key_cost * context_len
 
     @property
@@ -172,13 +191,18 @@ class CostModel:
     def describe(self) -> str:
         """The fit in words: per-step, per-token (per segment), attention terms."""
         c0, s0, c2, c3 = self.coef[:4]
-        slopes = (s0, *self.coef[4:])
+        slopes = (s0, *self.coef[4:4 + len(self.knots)])
         edges = (0, *self.knots)
         dense = ", ".join(f"{s * 1e3:.3f}" + (f" ({lo}-{hi})" if self.knots else "")
                           for s, lo, hi in zip(slopes, edges, (*self.knots, "")))
+        tiles = ""
+        if self.tiled:
+            ct, cp = self.coef[4 + len(self.knots):]
+            tiles = (f" + {ct * 1e3:.3f} ms per {TILE_TOKENS}-token tile + {cp * 1e6:.1f} us "
+                     "per query slot of a packed step")
         return (f"{c0 * 1e3:.2f} ms + ms per token {dense} + {c2 * 1e6:.3f} us per row x "
                 f"context + {c3 * 1e9:.3f} ns per " + ("real" if self.packed else "padded")
-                + " token x context")
+                + " token x context" + tiles)
 
     def speedup(self, num_rows: int, k: int, context_len: int, tokens_per_step: float) -> float:
         """Throughput with k drafts per row relative to plain decoding (k = 0)."""
@@ -229,7 +253,7 @@ class OnlineCost:
         self._pending: list[list[float]] = []
         # the calibration counts as ``prior_weight`` observed steps in all
         if base.samples:
-            self._fold(_relative_rows(base.samples, base.knots, base.packed),
+            self._fold(_relative_rows(base.samples, base.knots, base.packed, base.tiled),
                        prior_weight / len(base.samples))
 
     def _fold(self, x: np.ndarray, weight: float = 1.0) -> None:
@@ -251,7 +275,8 @@ class OnlineCost:
             seconds = min(seconds, (1 + ONLINE_CLIP) * self.model.step_time(
                 num_rows, query_len, context_len, num_tokens))
         self._pending.append([f / seconds for f in _features(
-            num_rows, query_len, context_len, num_tokens, self.model.knots, self.model.packed)])
+            num_rows, query_len, context_len, num_tokens, self.model.knots, self.model.packed,
+            self.model.tiled)])
         self.num_observed += 1
         n = self.num_observed
         # every 8 steps for the first 64 (a short job, e.g. a bench category of 10 records,
@@ -289,27 +314,54 @@ def load(path: str | os.PathLike) -> CostModel:
                          median_residual=float(d.get("median_residual", 0.0)),
                          load_average=d.get("load_average"), engine=d.get("engine", ""),
                          knots=tuple(int(k) for k in d.get("knots", ())),
-                         packed=bool(d.get("packed", False)))
+                         packed=bool(d.get("packed", False)),
+                         tiled=bool(d.get("tiled", False)))
     except (OSError, KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: not a specbatch calibration file ({e})") from None
 
 
 def _features(rows: int, q: int, ctx: int, tokens: int | None = None,
-              knots: tuple[int, ...] = (), packed: bool = False) -> list[float]:
+              knots: tuple[int, ...] = (), packed: bool = False,
+              tiled: bool = False) -> list[float]:
     """The regressors of ``CostModel.coef``: 1, the tokens in the first dense segment, rows x
     keys, query tokens x keys (the real tokens where attention is ``packed``, else rows x q),
-    then the tokens in each later segment."""
-    t = float(rows * q if tokens is None else tokens)
+    then the tokens in each later segment; where ``tiled``, the matmul tiles started
+    (``ceil(t / TILE_TOKENS)``) and the query slots of a packed step (``rows * q`` when the
+    rows feed fewer tokens than that, else 0)."""
+    slots = rows * q
+    t = float(slots if tokens is None else tokens)
     edges = (0, *knots, math.inf)
     ramps = [min(max(t - lo, 0.0), hi - lo) for lo, hi in zip(edges, edges[1:])]
-    scored = t if packed else float(rows * q)
-    return [1.0, ramps[0], float(rows * ctx), scored * ctx, *ramps[1:]]
+    scored = t if packed else float(slots)
+    x = [1.0, ramps[0], float(rows * ctx), scored * ctx, *ramps[1:]]
+    if tiled:
+        x += [float(math.ceil(t / TILE_TOKENS)), float(slots) if t < slots else 0.0]
+    return x
+
+
+def _shape(s) -> tuple[int, int, int, int]:
+    """(rows, q, ctx, real tokens) of a sample ``[rows, q, ctx, seconds(, tokens)]`` or of a
+    shape ``(rows, q, ctx(, tokens))`` (tokens an int, seconds a float): tokens ``rows * q``
+    unless given."""
+    r, q, c = (int(v) for v in s[:3])
+    if len(s) == 5:
+        return r, q, c, int(s[4])
+    if len(s) == 4 and isinstance(s[3], int):
+        return r, q, c, s[3]
+    return r, q, c, r * q
+
+
+def _sample(shape: tuple[int, int, int, int], seconds: float) -> tuple:
+    """The stored sample of a timed shape: ``(rows, q, ctx, seconds)``, a packed one with its
+    real tokens last."""
+    r, q, c, t = shape
+    return (r, q, c, seconds) if t == r * q else (r, q, c, seconds, t)
 
 
 def knots_for(samples, knots: tuple[int, ...] = TOKEN_KNOTS) -> tuple[int, ...]:
-    """The knots that some sample's token count (rows x q) passes: a segment no sample reaches
-    would get no slope of its own (and extrapolate as free)."""
-    top = max((r * q for r, q, *_ in samples), default=0)
+    """The knots that some sample's token count passes (rows x q, or its real tokens): a segment
+    no sample reaches would get no slope of its own (and extrapolate as free)."""
+    top = max((_shape(s)[3] for s in samples), default=0)
     return tuple(k for k in knots if k < top)
 
 
@@ -346,31 +398,50 @@ def solve_nonnegative(a, b) -> tuple[float, ...]:
 
 
 def fit(samples: list[tuple[int, int, int, float]],
-        knots: tuple[int, ...] = ()) -> tuple[float, ...]:
-    """Non-negative least-squares fit of ``CostModel.coef`` (4 + len(knots) coefficients),
-    relative error weighted (each sample's row divided by its time) so small steps count as
-    much as large ones. A step cannot get cheaper with more tokens or context, so no
-    coefficient is negative (an unconstrained fit of noisy timings can make one so, and then
-    mispredicts every shape far from the samples)."""
-    x = _relative_rows(samples, knots)
+        knots: tuple[int, ...] = (), packed: bool = False,
+        tiled: bool = False) -> tuple[float, ...]:
+    """Non-negative least-squares fit of ``CostModel.coef`` (4 + len(knots) coefficients, 2
+    more where ``tiled``), relative error weighted (each sample's row divided by its time) so
+    small steps count as much as large ones. A step cannot get cheaper with more tokens or
+    context, so no coefficient is negative (an unconstrained fit of noisy timings can make one
+    so, and then mispredicts every shape far from the samples). samples: ``[rows, q, ctx,
+    seconds]``, a packed one ``[rows, q, ctx, seconds, tokens]``."""
+    x = _relative_rows(samples, knots, packed, tiled)
     return solve_nonnegative(x.T @ x, x.sum(0))
 
 
-def _relative_rows(samples, knots: tuple[int, ...], packed: bool = False) -> np.ndarray:
-    """The least-squares rows of ``[rows, q, ctx, seconds]`` samples (uniform shapes): each
-    sample's features over its seconds, ``[len(samples), 4 + len(knots)]`` float64, so the
-    target is 1 and the error relative."""
-    feats = np.array([_features(r, q, c, None, knots, packed) for r, q, c, _ in samples])
+def _relative_rows(samples, knots: tuple[int, ...], packed: bool = False,
+                   tiled: bool = False) -> np.ndarray:
+    """The least-squares rows of ``[rows, q, ctx, seconds(, tokens)]`` samples: each sample's
+    features over its seconds, ``[len(samples), len(coef)]`` float64, so the target is 1 and
+    the error relative."""
+    feats = np.array([_features(r, q, c, t, knots, packed, tiled)
+                      for r, q, c, t in map(_shape, samples)])
     return feats / np.array([s[3] for s in samples], dtype=np.float64)[:, None]
 
 
+def packed_fed(rows: int, query_len: int, num_tokens: int) -> list[int]:
+    """Tokens each row feeds in a packed step of ``num_tokens`` real tokens: one each, the rest
+    as drafts of up to ``query_len - 1`` tokens, row by row (a few rows drafting long, as
+    ``auto`` and prompt lookup do at batch 16). Raises ``ValueError`` when they do not fit."""
+    fed, extra = [1] * rows, num_tokens - rows
+    for i in range(rows):
+        fed[i] += min(query_len - 1, extra)
+        extra -= fed[i] - 1
+    if extra or num_tokens < rows:
+        raise ValueError(f"{num_tokens} tokens do not pack into {rows} rows of 1-{query_len}")
+    return fed
+
+
 def measure(forward, rows: int, query_len: int, context_len: int, repeats: int = 3,
-            cache=None, warmup: bool = True) -> float:
+            cache=None, warmup: bool = True, num_tokens: int | None = None) -> float:
     """Fastest of ``repeats`` timings of one decode/verify forward of this shape, after one
     warm-up unless ``warmup`` is False (the minimum, not the median: other processes only
     ever add time).
     cache: a ``KVCache`` of at least ``rows`` rows and ``context_len + query_len + 1``
-    positions to reuse (default: a new one)."""
+    positions to reuse (default: a new one). num_tokens: fewer real tokens than ``rows *
+    query_len``: a packed step (``packed_fed``; the dense layers and attention on the real
+    tokens, logits laid out ``[rows, query_len, vocab]``, as ``runner.verify`` runs it)."""
     if cache is None:
         cache = forward.new_cache(rows, context_len + query_len + 1)
     for r in range(rows):
@@ -381,10 +452,13 @@ def measure(forward, rows: int, query_len: int, context_len: int, repeats: int =
     qlen = ids.shape[1]
     positions = (context_len + torch.arange(qlen))[None, :].expand(rows, -1).to(forward.device)
     row_ids = torch.arange(rows, device=forward.device)
+    num_fed = None
+    if num_tokens is not None and num_tokens < rows * qlen:
+        num_fed = torch.tensor(packed_fed(rows, qlen, num_tokens), device=forward.device)
     times = []
     for i in range(repeats + int(warmup)):
         t0 = time.perf_counter()
-        forward.forward(ids, positions, cache, row_ids)
+        forward.forward(ids, positions, cache, row_ids, num_fed=num_fed)
         if forward.device.type == "cuda":
             torch.cuda.synchronize()
         if i or not warmup:
@@ -403,7 +477,8 @@ def load_average() -> float | None:
 def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
               rows_grid=ROWS, query_grid=QUERY_LENS, context_grid=CONTEXTS,
               progress: bool = False, time_fn=None,
-              budget_seconds: float | None = BUDGET_SECONDS) -> CostModel:
+              budget_seconds: float | None = BUDGET_SECONDS,
+              packed_grid=PACKED_SHAPES) -> CostModel:
     """Measure the grid and fit, rejecting timings that other processes inflated.
 
     ``forward``: a ``LlamaForward``. Every shape is timed once (after a warm-up), then the
@@ -414,26 +489,39 @@ def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
     again (up to ``OUTLIER_ROUNDS`` times) and, if still out, left out of the fit and kept in
     ``rejected``. ``CostModel.problem`` then says whether the result is fit to cache.
     ``samples`` and ``rejected`` keep the grid's order (context, rows, q).
-    progress: show a tqdm bar on stderr when it is a terminal. time_fn(rows, q, ctx) -> seconds replaces the
-    measurement (tests). budget_seconds: once this much wall time has passed, no more sweeps or
+    Where the forward packs a verify step (``backend.packed_attention``) the packed shapes
+    ``packed_grid`` ``(rows, q, real tokens)`` are timed too, at every context, for rows in
+    ``rows_grid`` (``measure``'s num_tokens), and the fit is ``tiled``: a matmul tile partly
+    filled and a packed step's padded logits get terms of their own (the uniform grid's token
+    counts are whole tiles: 16 rows x 1-2 tokens priced a batch-16 step with a few rows
+    drafting 5-12% low, and ``auto`` drafted where it did not pay).
+    progress: show a tqdm bar on stderr when it is a terminal. time_fn(rows, q, ctx) -> seconds
+    replaces the measurement (tests; a packed shape: time_fn(rows, q, ctx, tokens)). budget_seconds: once this much wall time has passed, no more sweeps or
     retakes (the first sweep always completes: every shape once, one warm-up per cache); None:
     no limit. SmolLM2-135M float32 on a 2-core CPU: ~8 s quiet; beside busy neighbours the first
     sweep is most of the budget (issue 36).
     """
     # a 1-row step feeds at least 2 query tokens (runner.verify: no one-row matmuls), so the
     # 1-row, 1-token shape is timed and fitted as what runs: 2 tokens
-    shapes = list(dict.fromkeys((r, max(q, 2) if r == 1 else q, c) for c in context_grid
-                                for r in rows_grid for q in query_grid))
+    tiled = bool(forward.backend.packed_attention) and bool(packed_grid)
+    shapes = []
+    for c in context_grid:
+        for r in rows_grid:
+            shapes += [(r, max(q, 2) if r == 1 else q, c) for q in query_grid]
+            if tiled:  # (rows, q, ctx, tokens): packed steps beside the uniform ones
+                shapes += [(r, q, c, t) for pr, q, t in packed_grid if pr == r]
+    shapes = [_shape(s) for s in dict.fromkeys(shapes)]
     caches: dict[tuple[int, int], object] = {}
-    max_q = max(max(query_grid), 2)
+    max_q = max(max(query_grid), 2, *(q for _, q, _ in (packed_grid if tiled else ())))
 
-    def one(r: int, q: int, c: int, warm: bool) -> float:
+    def one(r: int, q: int, c: int, t: int, warm: bool) -> float:
         if time_fn is not None:
-            return time_fn(r, q, c)
+            return time_fn(r, q, c) if t == r * q else time_fn(r, q, c, t)
         if (r, c) not in caches:  # one cache per (rows, ctx), reused for every q
             caches.clear()
             caches[(r, c)] = forward.new_cache(r, c + max_q + 1)
-        return measure(forward, r, q, c, repeats=1, cache=caches[(r, c)], warmup=warm)
+        return measure(forward, r, q, c, repeats=1, cache=caches[(r, c)], warmup=warm,
+                       num_tokens=t)
 
     load_before = load_average()
     start = time.perf_counter()
@@ -460,45 +548,53 @@ def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
             best[shape] = min(best.get(shape, t), t)
             if bar is not None:
                 bar.update(1)
+    packed = bool(forward.backend.packed_attention)
     knots = knots_for(shapes)
-    kept, rejected = _reject_outliers(best, knots)
+    kept, rejected = _reject_outliers(best, knots, packed, tiled)
     for _ in range(OUTLIER_ROUNDS):
         if not rejected or not time_left():
             break
         for s in rejected:  # time it again: load comes and goes
             rejected[s] = min(rejected[s], one(*s, warm=False))
-        kept, rejected = _reject_outliers({**kept, **rejected}, knots)
+        kept, rejected = _reject_outliers({**kept, **rejected}, knots, packed, tiled)
     knots = knots_for(kept, knots)
     # a shape timed again comes back last from the merge: back to its place in the grid
     kept = {s: kept[s] for s in shapes if s in kept}
     rejected = {s: rejected[s] for s in shapes if s in rejected}
-    coef = fit([(*s, t) for s, t in kept.items()], knots)
+    coef = fit([_sample(s, t) for s, t in kept.items()], knots, packed, tiled)
     if bar is not None:
         bar.close()
-    model = CostModel(coef, knots=knots)
-    residuals = sorted(abs(t / model.step_time(*s) - 1) for s, t in kept.items())
+    model = CostModel(coef, knots=knots, packed=packed, tiled=tiled)
+    residuals = sorted(abs(t / _predict(model, s) - 1) for s, t in kept.items())
     loads = [x for x in (load_before, load_average()) if x is not None]
     return CostModel(coef, model_id=model_id, dtype=dtype, device=str(forward.device),
-                     host=host_id(), samples=tuple((*s, t) for s, t in kept.items()),
+                     host=host_id(), samples=tuple(_sample(s, t) for s, t in kept.items()),
                      version=CALIBRATION_VERSION,
-                     rejected=tuple((*s, t) for s, t in rejected.items()),
+                     rejected=tuple(_sample(s, t) for s, t in rejected.items()),
                      median_residual=residuals[len(residuals) // 2] if residuals else 0.0,
                      load_average=max(loads) if loads else None,
-                     engine=engine_fingerprint(), knots=knots,
-                     packed=forward.backend.packed_attention)
+                     engine=engine_fingerprint(), knots=knots, packed=packed, tiled=tiled)
 
 
-def _reject_outliers(timings: dict[tuple[int, int, int], float], knots: tuple[int, ...] = (),
-                     ) -> tuple[dict[tuple[int, int, int], float], dict[tuple[int, int, int], float]]:
-    """Split ``{(rows, q, ctx): seconds}`` into (kept, outliers): fit, drop the timing furthest
-    above its fit if it is more than ``OUTLIER_RESIDUAL`` above, refit, repeat (one at a time,
-    so a large outlier cannot drag the fit toward itself and hide behind it); at least
+def _predict(model: CostModel, shape: tuple[int, int, int, int]) -> float:
+    r, q, c, t = shape
+    return model.step_time(r, q, c, num_tokens=t)
+
+
+def _reject_outliers(timings: dict[tuple[int, int, int, int], float],
+                     knots: tuple[int, ...] = (), packed: bool = False, tiled: bool = False,
+                     ) -> tuple[dict[tuple[int, int, int, int], float],
+                                dict[tuple[int, int, int, int], float]]:
+    """Split ``{(rows, q, ctx, tokens): seconds}`` into (kept, outliers): fit, drop the timing
+    furthest above its fit if it is more than ``OUTLIER_RESIDUAL`` above, refit, repeat (one at
+    a time, so a large outlier cannot drag the fit toward itself and hide behind it); at least
     ``MIN_SAMPLES`` are kept. Only slow timings are outliers: load never makes a step faster."""
     kept, out = dict(timings), {}
     while len(kept) > MIN_SAMPLES:
-        model = CostModel(fit([(*s, t) for s, t in kept.items()], knots), knots=knots)
-        worst = max(kept, key=lambda s: kept[s] / model.step_time(*s))
-        if kept[worst] <= model.step_time(*worst) * (1 + OUTLIER_RESIDUAL):
+        model = CostModel(fit([_sample(s, t) for s, t in kept.items()], knots, packed, tiled),
+                          knots=knots, packed=packed, tiled=tiled)
+        worst = max(kept, key=lambda s: kept[s] / _predict(model, s))
+        if kept[worst] <= _predict(model, worst) * (1 + OUTLIER_RESIDUAL):
             break
         out[worst] = kept.pop(worst)
     return kept, out

@@ -32,13 +32,16 @@ def run_calibrate(model: str | None, dtype: str, cache_dir: str | None, output: 
     cost, path, measured = llm.calibrate(recalibrate=recalibrate, echo=err)
     status = "cached" if not measured else "measured"
     click.echo(f"{status}: {path}")
-    click.echo(f"{'rows':>5}{'q':>4}{'ctx':>6}{'measured ms':>13}{'fit ms':>9}")
-    # one row per timed shape, by context, rows, q (files written before calibrate kept the
-    # grid's order list a shape timed again last), outliers labelled in their place
+    click.echo(f"{'rows':>5}{'q':>4}{'ctx':>6}{'tokens':>7}{'measured ms':>13}{'fit ms':>9}")
+    # one row per timed shape, by context, rows, q, tokens (files written before calibrate kept
+    # the grid's order list a shape timed again last), outliers labelled in their place; a
+    # packed shape (fewer real tokens than rows x q) lists its tokens
     rows = [(s, "") for s in cost.samples] + [(s, "  outlier, left out") for s in cost.rejected]
-    for (r, q, c, sec), note in sorted(rows, key=lambda row: (row[0][2], row[0][0], row[0][1])):
-        click.echo(f"{r:>5}{q:>4}{c:>6}{sec * 1e3:>13.1f}{cost.step_time(r, q, c) * 1e3:>9.1f}"
-                   f"{note}")
+    for s, note in sorted(rows, key=lambda row: (row[0][2], row[0][0], row[0][1],
+                                                 _tokens(row[0]))):
+        r, q, c, sec, t = *s[:4], _tokens(s)
+        click.echo(f"{r:>5}{q:>4}{c:>6}{t:>7}{sec * 1e3:>13.1f}"
+                   f"{cost.step_time(r, q, c, num_tokens=t) * 1e3:>9.1f}{note}")
     click.echo(f"fit: {cost.describe()}; median deviation {cost.median_residual:.1%}"
                + (f"; load average {cost.load_average:.1f}" if cost.load_average is not None
                   else ""))
@@ -50,6 +53,11 @@ def run_calibrate(model: str | None, dtype: str, cache_dir: str | None, output: 
             return 2
         click.echo(f"wrote {output}")
     return 0
+
+
+def _tokens(sample) -> int:
+    """Real tokens of a calibration sample ``[rows, q, ctx, seconds(, tokens)]``."""
+    return int(sample[4]) if len(sample) == 5 else int(sample[0]) * int(sample[1])
 
 
 def _unwritable(path: str) -> str | None:
