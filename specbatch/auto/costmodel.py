@@ -17,8 +17,12 @@ linear in t, one slope per segment between ``TOKEN_KNOTS`` (4, 8, 16, 32, 64 tok
 matmul kernels fill their tiles as tokens grow, so a token costs more at 16 -> 32 tokens than
 at 64 -> 144 (SmolLM2-135M int8, 16 rows at 256 keys: q 1 -> 2 cost 1.4 ms a token, q 6 -> 9
 0.9 ms; one slope over-priced long drafts and under-priced the first, and ``auto`` drafted
-where it did not pay at batch 16, docs/benchmarks.md session 10). The slopes are non-negative,
-so a step never gets cheaper with more tokens. Timings far above the
+where it did not pay at batch 16, docs/benchmarks.md session 10). Where the forward packs
+(``CostModel.tiled``), two more terms: ``ct * ceil(t / TILE_TOKENS)`` (the matmuls multiply 8
+tokens a tile; the uniform grid's 16-row shapes are whole tiles) and ``cp * rows * q`` on a
+packed step (its logits laid out padded), fitted from ``PACKED_SHAPES`` timed beside the grid:
+at batch 16 a step where a few rows draft cost 3.6-9% more, relative to a plain step, than the
+uniform fit said. The slopes are non-negative, so a step never gets cheaper with more tokens. Timings far above the
 fit (another process took the CPU) are taken again, then left out, while the time budget
 (``BUDGET_SECONDS``) lasts. The fit is cached as JSON per (model, dtype, device, CPU kernel
 path, host) under the cache directory (``cache_path``), a noisy one too (``CostModel.noise``:
