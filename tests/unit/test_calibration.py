@@ -435,7 +435,7 @@ def test_packed_shapes_price_a_partly_filled_tile_and_padded_logits():
     a step where a few rows draft (17-28 tokens) starts a tile and lays out padded logits
     that no uniform shape has, and a fit of the grid alone priced it low (SmolLM2-135M int8,
     1 thread: 16 -> 17 tokens cost 2.25 ms, the uniform fit said 1.19; auto's drafting steps
-    were 3.6% further above the fit than plain steps). Where the forward packs, calibration
+    ran 2-3.6% further above the fit than its plain steps). Where the forward packs, calibration
     times packed shapes too and fits the tile and padded-slot terms: a step of such a cost
     is recovered on and off the grid, the token price includes a tile's share, the fit
     survives the cache file, and the uniform-only fit of the same machine misprices it."""
