@@ -19,6 +19,9 @@ and context, interleaved, the fastest and the median of ``--repeats``; the forwa
 engine's all-greedy commit path), against the model.
 
 Wall times: the load average is printed; other processes only add time (use the fastest).
+``--clock cpu --threads 1``: steps timed on the process's CPU time, and the fit compared with
+calibrated on it too (``--fit-out`` saves it; ``run`` then prices auto's steps with it, fixed):
+on a shared machine the measure that does not follow the load.
 """
 
 from __future__ import annotations
@@ -84,7 +87,8 @@ def run(args) -> None:
     cost = _cost(llm, args)
     print(f"fit: {cost.describe()} (knots {cost.knots}, load at calibration "
           f"{cost.load_average})")
-    records, errors = read_records(args.records, defaults=SamplingParams(max_tokens=args.max_tokens))
+    records, errors = read_records(args.records,
+                                   defaults=SamplingParams(max_tokens=args.max_tokens))
     assert not errors, errors
     records = [replace(r, sampling=replace(r.sampling, max_tokens=args.max_tokens))
                for r in records[:args.limit]]

@@ -23,9 +23,9 @@ tokens a tile; the uniform grid's 16-row shapes are whole tiles) and ``cp * rows
 packed step (its logits laid out padded), fitted from ``PACKED_SHAPES`` timed beside the grid:
 SmolLM2-135M int8 at batch 16 (1 thread, CPU time), auto's drafting steps ran 2-3.6% further
 above the uniform fit than its plain steps (16 -> 17 tokens cost 2.25 ms, the fit said 1.19),
-within +-1% with these terms. The slopes are non-negative, so a step never gets cheaper with more tokens. Timings far above the
-fit (another process took the CPU) are taken again, then left out, while the time budget
-(``BUDGET_SECONDS``) lasts. The fit is cached as JSON per (model, dtype, device, CPU kernel
+within +-1% with these terms. The slopes are non-negative, so a step never gets cheaper with
+more tokens. Timings far above the fit (another process took the CPU) are taken again, then
+left out, while the time budget (``BUDGET_SECONDS``) lasts. The fit is cached as JSON per (model, dtype, device, CPU kernel
 path, host) under the cache directory (``cache_path``), a noisy one too (``CostModel.noise``:
 the online refit corrects it); ``run --method auto`` calibrates on first use (~8 s for
 SmolLM2-135M float32 on a quiet 2-core CPU, at most ~20 s plus one sweep of the grid).
@@ -501,10 +501,11 @@ def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
     counts are whole tiles: 16 rows x 1-2 tokens priced a batch-16 step with a few rows
     drafting 2-4% low relative to plain steps, and ``auto`` drafted where it did not pay).
     progress: show a tqdm bar on stderr when it is a terminal. time_fn(rows, q, ctx) -> seconds
-    replaces the measurement (tests; a packed shape: time_fn(rows, q, ctx, tokens)). budget_seconds: once this much wall time has passed, no more sweeps or
-    retakes (the first sweep always completes: every shape once, one warm-up per cache); None:
-    no limit. SmolLM2-135M float32 on a 2-core CPU: ~8 s quiet; beside busy neighbours the first
-    sweep is most of the budget (issue 36).
+    replaces the measurement (tests; a packed shape: time_fn(rows, q, ctx, tokens)).
+    budget_seconds: once this much wall time has passed, no more sweeps or retakes (the first
+    sweep always completes: every shape once, one warm-up per cache); None: no limit.
+    SmolLM2-135M float32 on a 2-core CPU: ~8 s quiet (the packed shapes add ~1/3); beside busy
+    neighbours the first sweep is most of the budget (issue 36).
     """
     # a 1-row step feeds at least 2 query tokens (runner.verify: no one-row matmuls), so the
     # 1-row, 1-token shape is timed and fitted as what runs: 2 tokens
