@@ -25,10 +25,11 @@ SmolLM2-135M int8 at batch 16 (1 thread, CPU time), auto's drafting steps ran 2-
 above the uniform fit than its plain steps (16 -> 17 tokens cost 2.25 ms, the fit said 1.19),
 within +-1% with these terms. The slopes are non-negative, so a step never gets cheaper with
 more tokens. Timings far above the fit (another process took the CPU) are taken again, then
-left out, while the time budget (``BUDGET_SECONDS``) lasts. The fit is cached as JSON per (model, dtype, device, CPU kernel
-path, host) under the cache directory (``cache_path``), a noisy one too (``CostModel.noise``:
-the online refit corrects it); ``run --method auto`` calibrates on first use (~8 s for
-SmolLM2-135M float32 on a quiet 2-core CPU, at most ~20 s plus one sweep of the grid).
+left out, while the time budget (``BUDGET_SECONDS``) lasts. The fit is cached as JSON per
+(model, dtype, device, CPU kernel path, host) under the cache directory (``cache_path``), a
+noisy one too (``CostModel.noise``: the online refit corrects it); ``run --method auto``
+calibrates on first use (~8 s for SmolLM2-135M float32 on a quiet 2-core CPU, at most ~20 s
+plus one sweep of the grid).
 """
 
 from __future__ import annotations
