@@ -95,7 +95,6 @@ def main() -> None:
         def layers():
             be.decode(h0.clone(), cos, sin, cache.k, cache.v, rows, pos.flatten(), scale)
         parts["layers (one C call)"] = timed(layers, args.steps, args.reps)
-        hidden = f.embed.shape[1]
         kinds = {"q/k/v": [w for w, _ in f.qkv],
                  "o": [layer.self_attn.o_proj.weight for layer in f.layers],
                  "gate/up": f.gate_up,

@@ -208,16 +208,10 @@ static void group_scalar(int kind, int64_t mr, const int8_t *xq, const float *xd
                             else
                                 dot += (u - 32) * q[4 * r + j];
                         }
-                } else {
+                } else { /* Q8_0, Q5_K: 8-bit codes q_w + 128 */
                     for (int r = 0; r < 8; r++)
-                        for (int j = 0; j < 4; j++) {
-                            const int32_t p =
-                                ((int32_t)cb[r * 64 + c * 4 + j] - 128) * q[4 * r + j];
-                            if (kind == Q6_K_X8 && r >= 4)
-                                dot2 += p;
-                            else
-                                dot += p;
-                        }
+                        for (int j = 0; j < 4; j++)
+                            dot += ((int32_t)cb[r * 64 + c * 4 + j] - 128) * q[4 * r + j];
                 }
                 const float dx = xd[i * nblk + b];
                 float dw = 0.0f, mw = 0.0f, dw2 = 0.0f;
@@ -314,7 +308,7 @@ static inline __attribute__((always_inline)) void group_256(
                             _mm256_add_epi16(pl, ph), ones));
                     }
                 }
-            } else {
+            } else { /* Q8_0, Q5_K: 8-bit codes q_w + 128 */
                 for (int r = 0; r < 8; r++) {
                     const __m256i sw = _mm256_xor_si256(
                         _mm256_loadu_si256((const __m256i *)(cb + 64 * r + 32 * h)), flip);
@@ -323,11 +317,8 @@ static inline __attribute__((always_inline)) void group_256(
                         int32_t qx;
                         memcpy(&qx, xq + i * K + b * QB + 4 * r, 4);
                         const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(qx), sw);
-                        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones);
-                        if (kind == Q6_K_X8 && r >= 4)
-                            dot2[i] = _mm256_add_epi32(dot2[i], p);
-                        else
-                            dot[i] = _mm256_add_epi32(dot[i], p);
+                        dot[i] = _mm256_add_epi32(
+                            dot[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
                     }
                 }
             }
@@ -457,9 +448,9 @@ VNNI static inline __attribute__((always_inline)) void group_512(
         __m512 dw, dw2;
         if (kind == Q4_K_X8) {
             const uint16_t *hs = (const uint16_t *)scales + (b / 8) * 2 * GC;
-            dw = _mm512_mul_ps(
-                _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)hs)),
-                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(cb + 256)))));
+            dw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)hs)),
+                               _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                   _mm_loadu_si128((const __m128i *)(cb + 256)))));
             dw2 = _mm512_mul_ps(
                 _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hs + GC))),
                 _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
