@@ -14,10 +14,12 @@ the kernel's blocks of 32 (``csrc/linear_q8.c``):
 
 - Q4_K: float16 d, dmin; eight sub-blocks of 32 with 6-bit scale sc and min m, 4-bit q.
   gguf dequantises w = (d sc) q - (dmin m) in float32, d sc and dmin m exact, (d sc) q exact:
-  one rounding. That is a Q4_1 block of the kernel with d_w = d sc, m_w = -(dmin m).
+  one rounding. That is a Q4_1 block of the kernel with d_w = d sc, m_w = -(dmin m); the
+  kernel's Q4_K kind keeps d, dmin (float16) and sc, m (uint8) and multiplies them itself.
 - Q5_K: as Q4_K with 5-bit q: the kernel's Q5_K kind (Q4_1's arithmetic on 8-bit codes).
 - Q6_K: float16 d; sixteen sub-blocks of 16 with int8 scale sc, 6-bit q; w = (d sc)(q - 32).
-  A block of 32 is two sub-blocks: the kernel's Q6_K kind, codes q - 32, scales d sc per 16.
+  A block of 32 is two sub-blocks: the kernel's Q6_K kind, codes q (6 bits, stored as q + 32),
+  scales d sc per 16 (d and sc kept apart, multiplied in the kernel).
 
 A block of 32 of the legacy kinds (``block_q5_0`` / ``block_q5_1`` / ``block_q4_1`` /
 ``block_q8_0``, ggml-common.h) is a kernel block as it stands:
@@ -53,10 +55,13 @@ def _f16(raw: torch.Tensor) -> torch.Tensor:
     return raw.contiguous().view(torch.float16)[..., 0].float()
 
 
-def _scales_mins(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K / Q5_K super-blocks ``[R, nb, bytes]`` -> (d sc, -(dmin m)) ``[R, nb, 8]`` float32"""
+def _scales_mins(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Q4_K / Q5_K super-blocks ``[R, nb, bytes]`` -> (d sc, -(dmin m)) ``[R, nb, 8]`` float32,
+    then their parts: d, dmin ``[R, nb]`` float16, sc, m ``[R, nb, 8]`` uint8 (6 bits)"""
     r, nb = blocks.shape[:2]
-    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+    d16 = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0]
+    dmin16 = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]
+    d, dmin = d16.float(), dmin16.float()
     s = blocks[..., 4:16].to(torch.int32).view(r, nb, 3, 4)
     # the 12 scale bytes: sc and m of sub-blocks 0..3 in the low 6 bits of bytes 0..3 / 4..7;
     # of 4..7 in the nibbles of bytes 8..11 (low: sc, high: m) with 2 high bits from 0..3 / 4..7
@@ -64,28 +69,33 @@ def _scales_mins(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     sc = torch.cat([lo & 63, (mix & 15) | ((lo >> 2) & 48)], dim=-1)  # [R, nb, 8]
     mn = torch.cat([hi & 63, (mix >> 4) | ((hi >> 2) & 48)], dim=-1)
     dw = d[..., None] * sc.float()  # exact: 11 significant bits times 6
-    return dw, -(dmin[..., None] * mn.float())
+    return (dw, -(dmin[..., None] * mn.float()), d16, dmin16, sc.to(torch.uint8),
+            mn.to(torch.uint8))
 
 
-def q4_k_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def q4_k_codes(raw: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Q4_K rows ``raw`` ``[R, K / 256 * 144]`` uint8 -> (d ``[R, K / 32]`` float32, m ``[R, K /
-    32]`` float32, q ``[R, K]`` uint8 in 0..15) with w = d q + m per block of 32 (m <= 0)."""
+    32]`` float32, q ``[R, K]`` uint8 in 0..15) with w = d q + m per block of 32 (m <= 0), then
+    the parts d and m are made of: the super-blocks' float16 d, dmin ``[R, K / 256]`` and the
+    blocks' 6-bit sc, m ``[R, K / 32]`` uint8 (d = d sc, m = -(dmin m), both products exact)."""
     r = raw.shape[0]
     blocks = raw.reshape(r, -1, Q4_K_BYTES)
     nb = blocks.shape[1]
-    dw, mw = _scales_mins(blocks)
+    dw, mw, d16, dmin16, sc, mn = _scales_mins(blocks)
     qs = blocks[..., 16:].view(r, nb, 4, 1, 32)  # 4 runs of 32 bytes: sub-blocks 2i (low), 2i+1
     q = torch.cat([qs & 15, qs >> 4], dim=3).reshape(r, nb * QK_K)
-    return dw.reshape(r, -1), mw.reshape(r, -1), q
+    return (dw.reshape(r, -1), mw.reshape(r, -1), q, d16, dmin16, sc.reshape(r, -1),
+            mn.reshape(r, -1))
 
 
 def q5_k_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q5_K rows ``raw`` ``[R, K / 256 * 176]`` uint8 -> as ``q4_k_codes``, q in 0..31 (the
-    fifth bit of sub-block j's k t is bit j of byte t of the 32 ``qh`` bytes)."""
+    """Q5_K rows ``raw`` ``[R, K / 256 * 176]`` uint8 -> (d, m, q) as ``q4_k_codes``'s first
+    three, q in 0..31 (the fifth bit of sub-block j's k t is bit j of byte t of the 32 ``qh``
+    bytes)."""
     r = raw.shape[0]
     blocks = raw.reshape(r, -1, Q5_K_BYTES)
     nb = blocks.shape[1]
-    dw, mw = _scales_mins(blocks)
+    dw, mw = _scales_mins(blocks)[:2]
     qh = blocks[..., 16:48].view(r, nb, 1, 32)
     qh = torch.cat([(qh >> j) & 1 for j in range(8)], dim=2)  # [R, nb, 8, 32]
     qs = blocks[..., 48:].view(r, nb, 4, 1, 32)
@@ -93,9 +103,11 @@ def q5_k_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return dw.reshape(r, -1), mw.reshape(r, -1), q.reshape(r, nb * QK_K)
 
 
-def q6_k_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def q6_k_codes(raw: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Q6_K rows ``raw`` ``[R, K / 256 * 210]`` uint8 -> (d ``[R, K / 16]`` float32, q ``[R,
-    K]`` int8 in -32..31) with w = d q per sub-block of 16."""
+    K]`` int8 in -32..31) with w = d q per sub-block of 16, then the parts of d: the
+    super-blocks' float16 d ``[R, K / 256]`` and the sub-blocks' int8 sc ``[R, K / 16]`` (d =
+    d sc, exact)."""
     r = raw.shape[0]
     blocks = raw.reshape(r, -1, Q6_K_BYTES)
     nb = blocks.shape[1]
@@ -104,9 +116,10 @@ def q6_k_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     qh = blocks[..., 128:192].view(r, nb, 2, 1, 32)  # per half: 32 bytes, four 2-bit fields
     qh = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=3).reshape(r, nb, 2, 128)
     q = ((ql | (qh << 4)).to(torch.int16) - 32).to(torch.int8).reshape(r, nb * QK_K)
-    sc = blocks[..., 192:208].contiguous().view(torch.int8).float()  # [R, nb, 16]
-    dw = _f16(blocks[..., 208:210])[..., None] * sc  # exact: 11 significant bits times 8
-    return dw.reshape(r, -1), q
+    sc = blocks[..., 192:208].contiguous().view(torch.int8)  # [R, nb, 16]
+    d16 = blocks[..., 208:210].contiguous().view(torch.float16)[..., 0]
+    dw = d16.float()[..., None] * sc.float()  # exact: 11 significant bits times 8
+    return dw.reshape(r, -1), q, d16, sc.reshape(r, -1)
 
 
 def _five_bits(blocks: torch.Tensor, qh_at: int) -> torch.Tensor:
@@ -161,13 +174,14 @@ OFFSET_KINDS = ("Q4_K", "Q5_K", "Q5_1", "Q4_1")
 
 
 def dequantize(kind: str, form: tuple) -> torch.Tensor:
-    """The float32 weights ``[R, K]`` of a ``*_codes`` form, computed as the ``gguf`` package
-    computes them (so equal bit for bit to what transformers loaded)."""
+    """The float32 weights ``[R, K]`` of a ``*_codes`` form (its first 3 or 2 tensors: Q4_K's
+    and Q6_K's also hold their scales' parts), computed as the ``gguf`` package computes them
+    (so equal bit for bit to what transformers loaded)."""
     if kind in OFFSET_KINDS:
-        d, m, q = form
+        d, m, q = form[:3]
         r = q.shape[0]
         return (d[..., None] * q.view(r, -1, 32).float() + m[..., None]).view(r, -1)
-    d, q = form
+    d, q = form[:2]
     r = q.shape[0]
     return (d[..., None] * q.view(r, d.shape[1], -1).float()).view(r, -1)
 

@@ -45,10 +45,11 @@ NR = 3  # weight rows per packed panel (csrc/linear_f32.c)
 BLOCK = 32  # k per quantisation block (GGUF's Q4_1 / Q8_0)
 Q4_1, Q8_0 = 1, 2  # the C kernel's codes for the two storage kinds
 Q4_1_X8, Q8_0_X8 = 3, 4  # the same codes with 8-bit activations (csrc/linear_q8.c)
-Q6_K_X8 = 5  # GGUF Q6_K: 8-bit-code layout, a scale per 16 k (csrc/linear_q8.c)
+Q6_K_X8 = 5  # GGUF Q6_K: 6-bit codes, its own scales (int8 per 16 k, float16 per 256)
 SEGMENTS = 6  # rows in runs of different kinds (csrc/linear_f32.c, sb_segment)
 Q5_K_X8 = 7  # GGUF Q5_K: 8-bit-code layout, Q4_1's (d, m) scales
-INT8_KINDS = (Q4_1_X8, Q8_0_X8, Q6_K_X8, SEGMENTS, Q5_K_X8)
+Q4_K_X8 = 8  # GGUF Q4_K: Q4_1's codes, its own scales (6-bit per 32 k, float16 per 256)
+INT8_KINDS = (Q4_1_X8, Q8_0_X8, Q6_K_X8, SEGMENTS, Q5_K_X8, Q4_K_X8)
 
 
 def _library():
@@ -197,18 +198,35 @@ def _q8_x8(d: torch.Tensor, q: torch.Tensor, n: int, nblk: int) -> torch.Tensor:
 
 
 def _q4_1_x8(d: torch.Tensor, m: torch.Tensor, q: torch.Tensor, n: int, nblk: int) -> tuple:
-    q = _by_group(q.reshape(n, nblk, 2, 4, 4), n, nblk, 2, 4, 4).permute(0, 1, 3, 4, 2, 5)
-    codes = (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous()  # [G, nb, r, c, j]
+    codes = _nibbles(q, n, nblk)  # [G, nb, r, c, j]
     scales = torch.stack([_by_group(d.reshape(n, nblk), n, nblk),
                           _by_group(m.reshape(n, nblk), n, nblk)], dim=2)
     return Q4_1_X8, scales.contiguous(), codes
 
 
+def _nibbles(q: torch.Tensor, n: int, nblk: int) -> torch.Tensor:
+    """codes ``[n, K]`` in 0..15 -> ``[G, K / 32, 4, 16, 4]`` uint8: byte (r, c, j) = q(c, 4r +
+    j) | q(c, 16 + 4r + j) << 4 (Q4_1's layout)"""
+    q = _by_group(q.reshape(n, nblk, 2, 4, 4), n, nblk, 2, 4, 4).permute(0, 1, 3, 4, 2, 5)
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous()
+
+
 def _file_x8(kind: str, form: tuple, n: int, nblk: int) -> tuple:
     """n rows of a ``kquant`` ``*_codes`` form (``GGUFCodes.find`` / ``named``) in the layout
-    of ``pack_q8``: Q4_K and Q4_1 as Q4_1 blocks, Q5_K and Q5_1 as the Q5_K kind, Q5_0 and
-    Q8_0 as Q8_0 blocks (Q5_0's codes q - 16), Q6_K as its own kind."""
-    if kind in ("Q4_K", "Q4_1"):
+    of ``pack_q8``: Q4_K and Q6_K as their own kinds, which keep the GGUF's scale parts
+    (float16 per super-block of 256 k, small integers per block) and multiply them back in the
+    kernel (exact products: 4.6 and 6.6 bits a weight instead of 6 and 10 with a float32 scale
+    per block of 32 or 16 k and 8-bit Q6_K codes); Q4_1 as Q4_1 blocks, Q5_K and Q5_1 as the
+    Q5_K kind, Q5_0 and Q8_0 as Q8_0 blocks (Q5_0's codes q - 16)."""
+    groups, nsb = -(-n // GROUP), nblk // 8
+    if kind == "Q4_K":  # codes [G, nblk, 288]: Q4_1's 256 nibble bytes, sc [16], m [16]
+        _, _, q, d16, dmin16, sc, mn = form
+        codes = torch.cat([_nibbles(q, n, nblk).view(groups, nblk, 256),
+                           _by_group(sc, n, nblk), _by_group(mn, n, nblk)], dim=2)
+        # scales [G, K / 256, 2, 16] float16: d, then dmin, per column
+        scales = torch.stack([_by_group(d16, n, nsb), _by_group(dmin16, n, nsb)], dim=2)
+        return Q4_K_X8, scales.contiguous(), codes.contiguous()
+    if kind == "Q4_1":
         return _q4_1_x8(*form, n, nblk)
     if kind in ("Q5_K", "Q5_1"):
         d, m, q = form
@@ -217,9 +235,18 @@ def _file_x8(kind: str, form: tuple, n: int, nblk: int) -> tuple:
     if kind in ("Q5_0", "Q8_0"):
         d, q = form
         return Q8_0_X8, _by_group(d.reshape(n, nblk), n, nblk).contiguous(), _q8_x8(d, q, n, nblk)
-    d, q = form  # Q6_K: d per 16 k -> scales [G, nblk, 2, 16] (k 0..15, then 16..31)
-    scales = _by_group(d.view(n, nblk, 2), n, nblk, 2).transpose(2, 3).contiguous()
-    return Q6_K_X8, scales, _q8_x8(d, q, n, nblk)
+    # Q6_K: codes [G, nblk, 416]: the low 4 bits of q + 32 as Q4_1's nibbles (256 bytes), the
+    # high 2 bits (128 bytes: byte (s, c, j) holds k 8t + 4s + j at bits 2t, t = 0..3), sc of
+    # k 0..15 [16] and of k 16..31 [16] (int8); scales [G, K / 256, 16] float16 d per column
+    _, q, d16, sc = form
+    u = (q.to(torch.int16) + 32).to(torch.uint8)  # 0..63
+    high = _by_group((u >> 4).reshape(n, nblk, 4, 2, 4), n, nblk, 4, 2, 4)  # [G, nb, c, t, s, j]
+    high = high.permute(0, 1, 3, 4, 2, 5)  # [G, nb, t, s, c, j]
+    high = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)
+    scs = _by_group(sc.view(torch.uint8).reshape(n, nblk, 2), n, nblk, 2).transpose(2, 3)
+    codes = torch.cat([_nibbles(u & 15, n, nblk).view(groups, nblk, 256),
+                       high.reshape(groups, nblk, 128), scs.reshape(groups, nblk, 32)], dim=2)
+    return Q6_K_X8, _by_group(d16, n, nsb).contiguous(), codes.contiguous()
 
 
 def pack_runs(runs: list[tuple[int, int, str, tuple]], k: int) -> tuple:
@@ -236,13 +263,14 @@ def pack_runs(runs: list[tuple[int, int, str, tuple]], k: int) -> tuple:
 
 def pack_q8(weight: torch.Tensor, source=None) -> tuple | None:
     """``weight`` ``[N, K]`` float32 as exact codes in the 8-bit-activation kernel's layout
-    (``csrc/linear_q8.c``): (``Q4_1_X8``, ``Q8_0_X8``, ``Q6_K_X8`` or ``Q5_K_X8``, scales,
-    codes), None where it has no exact codes (as ``pack_quantized``). Columns in groups of 16
-    (zero weights past N): Q4_1 codes ``[G, K / 32, 4, 16, 4]`` uint8 (k 4r..4r+3 in the low
-    nibble, 16 + 4r.. in the high one), scales ``[G, K / 32, 2, 16]`` (d, m); Q8_0 codes ``[G,
-    K / 32, 8, 16, 4]`` uint8 (q + 128), scales ``[G, K / 32, 16]``; Q6_K codes as Q8_0's,
-    scales ``[G, K / 32, 2, 16]`` (d of k 0..15, of k 16..31); Q5_K codes as Q8_0's, scales as
-    Q4_1's.
+    (``csrc/linear_q8.c``): (``Q4_1_X8``, ``Q8_0_X8``, ``Q4_K_X8``, ``Q5_K_X8`` or
+    ``Q6_K_X8``, scales, codes), None where it has no exact codes (as ``pack_quantized``).
+    Columns in groups of 16 (zero weights past N): Q4_1 codes ``[G, K / 32, 4, 16, 4]`` uint8
+    (k 4r..4r+3 in the low nibble, 16 + 4r.. in the high one), scales ``[G, K / 32, 2, 16]``
+    (d, m); Q8_0 codes ``[G, K / 32, 8, 16, 4]`` uint8 (q + 128), scales ``[G, K / 32, 16]``;
+    Q5_K codes as Q8_0's, scales as Q4_1's; Q4_K and Q6_K as ``_file_x8`` writes them
+    (float16 scales per 256 k, ``[G, K / 256, 2, 16]`` and ``[G, K / 256, 16]``; codes ``[G,
+    K / 32, 288]`` and ``[G, K / 32, 416]`` uint8 with the blocks' integer scales).
 
     source: a ``kquant.GGUFCodes`` whose Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1 rows are tried first
     (``_file_x8``). Rows of several kinds give ``(SEGMENTS, table, empty, parts)``: table

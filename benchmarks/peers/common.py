@@ -4,8 +4,9 @@ Protocol: the driver (``run.py``) starts a worker, which loads its engine and pr
 line ``{"event": "ready", ...}`` on its protocol channel; then for each JSON command line on
 stdin (``{"cmd": "run", "limit": N, "max_tokens": M}`` or ``{"cmd": "quit"}``) it runs the first
 N prompts of ``prompts.json`` as one batch job and answers ``{"event": "result", "seconds": s,
-"outputs": [[token ids], ...]}`` (outputs in prompt order; a final EOS id is kept, as specbatch
-keeps it). A worker that serves several arms (specbatch with ``run.py --share-workers``) also
+"cpu_seconds": c, "outputs": [[token ids], ...]}`` (s: wall seconds; c: the worker process's CPU
+seconds, all its threads, ``time.process_time``; outputs in prompt order; a final EOS id is
+kept, as specbatch keeps it). A worker that serves several arms (specbatch with ``run.py --share-workers``) also
 gets ``"method"`` and ``"batch"`` in the run command. The protocol channel is the process's original stdout; everything an engine prints
 to stdout goes to stderr instead, so library logging cannot corrupt it.
 """
@@ -39,12 +40,12 @@ def serve(channel, ready: dict, run: Callable[..., list[list[int]]],
         cmd = json.loads(line)
         if cmd["cmd"] == "quit":
             break
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         arm = {key: cmd[key] for key in ("method", "batch") if key in cmd}
         outputs = run(min(cmd.get("limit") or num_prompts, num_prompts), cmd["max_tokens"],
                       **arm)
-        seconds = time.perf_counter() - t0
-        channel.write(json.dumps({"event": "result", "seconds": seconds,
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+        channel.write(json.dumps({"event": "result", "seconds": seconds, "cpu_seconds": cpu,
                                   "outputs": outputs}) + "\n")
 
 

@@ -480,6 +480,7 @@ static const qmicro512_fn QMICROS512[MR512 + 1] = {
 #define Q6_K_X8 5
 #define SEGMENTS 6 /* rows in runs of different kinds: sb_segment below */
 #define Q5_K_X8 7
+#define Q4_K_X8 8
 int sb_linear_q8(const float *x, int64_t ldx, int kind, const float *scales,
                  const uint8_t *codes, const float *bias, float *y, int64_t ldy, int64_t M,
                  int64_t N, int64_t K);
@@ -495,7 +496,7 @@ typedef struct {
 } sb_segment;
 
 /* As sb_linear_f32, with the weight given as (kind, scales, codes) above; K % 32 == 0.
- * Kinds Q4_1_X8 / Q8_0_X8 / Q6_K_X8 / Q5_K_X8 go to linear_q8.c (its own layout, 8-bit
+ * Kinds Q4_1_X8 / Q8_0_X8 / Q6_K_X8 / Q5_K_X8 / Q4_K_X8 go to linear_q8.c (its own layout, 8-bit
  * activations);
  * SEGMENTS: scales points to the runs (sb_segment, in row order, covering 0 .. N - 1).
  * Returns 0, or -1 when a thread's buffer could not be allocated (y is then incomplete). */
@@ -512,7 +513,8 @@ int sb_linear_quant(const float *x, int64_t ldx, int kind, const float *scales,
         }
         return 0;
     }
-    if (kind == Q4_1_X8 || kind == Q8_0_X8 || kind == Q6_K_X8 || kind == Q5_K_X8) /* int8 */
+    if (kind == Q4_1_X8 || kind == Q8_0_X8 || kind == Q6_K_X8 || kind == Q5_K_X8
+        || kind == Q4_K_X8) /* int8 */
         return sb_linear_q8(x, ldx, kind, scales, codes, bias, y, ldy, M, N, K);
     const int64_t panels = (N + NR - 1) / NR;
     const int64_t panel_size = K / 8 * NR * 8, nblk = K / 32;

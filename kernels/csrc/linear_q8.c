@@ -12,7 +12,8 @@
  *       acc = fma(float(sum q_w q_x), d_w * d_x, acc)
  *   Q5_K weight block: as Q4_1's, q_w in 0..31 (a GGUF Q5_K sub-block, as Q4_K's below)
  *   Q6_K weight block (d_lo for k 0..15, d_hi for k 16..31, q_w in -32..31, w = d q_w; a
- *   GGUF Q6_K super-block's sub-blocks of 16, d = its float16 d times the int8 sub-scale):
+ *   GGUF Q6_K super-block's sub-blocks of 16, d = its float16 d times the int8 sub-scale,
+ *   an exact product):
  *       acc = fma(float(sum_lo q_w q_x), d_lo * d_x, acc);
  *       acc = fma(float(sum_hi q_w q_x), d_hi * d_x, acc)
  *   (a GGUF Q4_K sub-block of 32 is a Q4_1 block with d_w = d * sc and m_w = -dmin * m:
@@ -32,8 +33,19 @@
  *         scales [2][16] floats (d_w, then m_w, per column);
  *   Q8_0: codes [8][16][4] bytes, byte (r, c, j) = q(c, 4r + j) + 128 (unsigned for VPDPBUSD:
  *         sum (q_w + 128) q_x - 128 S = sum q_w q_x, exact); scales [16] floats (d_w);
- *   Q6_K: codes as Q8_0's; scales [2][16] floats (d_lo, then d_hi, per column);
  *   Q5_K: codes as Q8_0's (q_w + 128); scales as Q4_1's.
+ *   Q4_K: codes [288] bytes: Q4_1's 256, then sc [16] and m [16] (uint8, 6 bits: the GGUF
+ *         sub-block's scale and min); scales per super-block of 8 blocks: [2][16] float16 (d,
+ *         then dmin, per column). d_w = d * sc and m_w = -(dmin * m) are exact float32
+ *         products (11 significant bits times 6), computed in the kernel: the Q4_1 arithmetic
+ *         above on the same d_w and m_w values, in 4.6 bits a weight instead of 6.
+ *   Q6_K: codes [416] bytes: q_w + 32 (0..63) in two parts, the low 4 bits in Q4_1's layout
+ *         (256), the high 2 bits (128: byte (s, c, j), s = 0, 1, holds those of k 8t + 4s + j
+ *         at bits 2t, t = 0..3), then sc_lo [16] and sc_hi [16] (int8: the GGUF sub-blocks'
+ *         scales of k 0..15 and 16..31); scales per super-block: [16] float16 d per column.
+ *         d_lo = d * sc_lo and d_hi = d * sc_hi (exact) in the kernel; the integer sums run
+ *         on the unsigned codes, sum (q_w + 32) q_x - 32 S = sum q_w q_x (exact). 6.6 bits a
+ *         weight instead of 10.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -50,12 +62,33 @@
 #define Q8_0_X8 4
 #define Q6_K_X8 5
 #define Q5_K_X8 7 /* (6: SEGMENTS, linear_f32.c) */
+#define Q4_K_X8 8
 
-/* bytes of codes and floats of scales per (group, block) */
-static inline int64_t codes_per(int kind) { return kind == Q4_1_X8 ? 256 : 512; }
-static inline int64_t scales_per(int kind) { return kind == Q8_0_X8 ? 16 : 32; }
-/* Q4_1 and Q5_K: w = d_w q + m_w, the m_w d_x S term */
-static inline int has_offset(int kind) { return kind == Q4_1_X8 || kind == Q5_K_X8; }
+/* bytes of codes and floats of scales per (group, block); Q4_K and Q6_K keep float16 scales
+ * per super-block of 8 blocks (64 and 32 bytes per group), i.e. 2 and 1 floats' worth per
+ * block, K a multiple of 256 */
+static inline int64_t codes_per(int kind) {
+    return kind == Q4_1_X8 ? 256 : kind == Q4_K_X8 ? 288 : kind == Q6_K_X8 ? 416 : 512;
+}
+static inline int64_t scales_per(int kind) {
+    return kind == Q8_0_X8 ? 16 : kind == Q4_K_X8 ? 2 : kind == Q6_K_X8 ? 1 : 32;
+}
+/* Q4_1, Q5_K and Q4_K: w = d_w q + m_w, the m_w d_x S term */
+static inline int has_offset(int kind) {
+    return kind == Q4_1_X8 || kind == Q5_K_X8 || kind == Q4_K_X8;
+}
+/* codes in nibbles (Q4_1's 256 bytes first) */
+static inline int nibble_codes(int kind) {
+    return kind == Q4_1_X8 || kind == Q4_K_X8 || kind == Q6_K_X8;
+}
+
+/* float16 bits -> float32, exact (the portable kernel's; the SIMD ones use VCVTPH2PS) */
+static float half_to_float(uint16_t h) {
+    const int e = (h >> 10) & 31, m = h & 1023;
+    float f = e == 0 ? ldexpf((float)m, -24)
+              : e == 31 ? (m ? NAN : INFINITY) : ldexpf((float)(m | 1024), e - 25);
+    return h & 0x8000 ? -f : f;
+}
 
 /* Software prefetch of the weights PREFETCH_BLOCKS blocks ahead (4 KB of Q4_1 codes, 8 KB of
  * Q8_0; past the group's last block that is the next group's, which follows it): a few-row
@@ -157,36 +190,58 @@ static void group_scalar(int kind, int64_t mr, const int8_t *xq, const float *xd
                 const float *sb = scales + b * sp;
                 const int8_t *q = xq + i * K + b * QB;
                 int32_t dot = 0, dot2 = 0;
-                if (kind == Q4_1_X8) {
+                if (kind == Q4_1_X8 || kind == Q4_K_X8) {
                     for (int r = 0; r < 4; r++)
                         for (int j = 0; j < 4; j++) {
                             const uint8_t byte = cb[r * 64 + c * 4 + j];
                             dot += (byte & 15) * q[4 * r + j] + (byte >> 4) * q[16 + 4 * r + j];
                         }
-                } else {
+                } else if (kind == Q6_K_X8) {
                     for (int r = 0; r < 8; r++)
                         for (int j = 0; j < 4; j++) {
-                            const int32_t p =
-                                ((int32_t)cb[r * 64 + c * 4 + j] - 128) * q[4 * r + j];
-                            if (kind == Q6_K_X8 && r >= 4)
-                                dot2 += p;
+                            const uint8_t lo = cb[(r & 3) * 64 + c * 4 + j];
+                            const uint8_t hi = cb[256 + (r & 1) * 64 + c * 4 + j];
+                            const int32_t u = ((r < 4 ? lo : lo >> 4) & 15)
+                                              | ((hi >> (2 * (r >> 1))) & 3) << 4;
+                            if (r >= 4)
+                                dot2 += (u - 32) * q[4 * r + j];
                             else
-                                dot += p;
+                                dot += (u - 32) * q[4 * r + j];
                         }
+                } else { /* Q8_0, Q5_K: 8-bit codes q_w + 128 */
+                    for (int r = 0; r < 8; r++)
+                        for (int j = 0; j < 4; j++)
+                            dot += ((int32_t)cb[r * 64 + c * 4 + j] - 128) * q[4 * r + j];
                 }
                 const float dx = xd[i * nblk + b];
-                acc = fmaf((float)dot, sb[c] * dx, acc);
-                if (has_offset(kind)) acc = fmaf(sb[GC + c], xds[i * nblk + b], acc);
-                if (kind == Q6_K_X8) acc = fmaf((float)dot2, sb[GC + c] * dx, acc);
+                float dw = 0.0f, mw = 0.0f, dw2 = 0.0f;
+                if (kind == Q4_1_X8 || kind == Q5_K_X8) {
+                    dw = sb[c];
+                    mw = sb[GC + c];
+                } else if (kind == Q8_0_X8) {
+                    dw = sb[c];
+                } else if (kind == Q4_K_X8) { /* exact products of the GGUF's parts */
+                    const uint16_t *h = (const uint16_t *)scales + (b / 8) * 2 * GC;
+                    dw = half_to_float(h[c]) * (float)cb[256 + c];
+                    mw = -(half_to_float(h[GC + c]) * (float)cb[256 + GC + c]);
+                } else if (kind == Q6_K_X8) {
+                    const float d = half_to_float(((const uint16_t *)scales)[(b / 8) * GC + c]);
+                    dw = d * (float)(int8_t)cb[384 + c];
+                    dw2 = d * (float)(int8_t)cb[384 + GC + c];
+                }
+                acc = fmaf((float)dot, dw * dx, acc);
+                if (has_offset(kind)) acc = fmaf(mw, xds[i * nblk + b], acc);
+                if (kind == Q6_K_X8) acc = fmaf((float)dot2, dw2 * dx, acc);
             }
             y[i * ldy + c] = bias ? acc + bias[c] : acc;
         }
 }
 
 /* ---- AVX2 (no VNNI): VPMADDUBSW + VPMADDWD, each 256-bit half of a group in turn ----
- * The integer sums are those of the portable kernel (exact: a Q4_1 pair of products is at most
- * 2 * 15 * 127, and Q8_0 / Q6_K run |q_w| times sign-adjusted q_x, at most 2 * 127 * 127, all
- * within int16), the float operations the same per element: the same bits. */
+ * The integer sums are those of the portable kernel (exact: a Q4_1 / Q4_K pair of products is
+ * at most 2 * 15 * 127, a Q6_K pair (unsigned codes) 2 * 63 * 127, and Q8_0 / Q5_K run |q_w|
+ * times sign-adjusted q_x, at most 2 * 127 * 127, all within int16), the float operations the
+ * same per element: the same bits. */
 
 #define MRA 4 /* rows per call: 16 ymm registers */
 
@@ -205,7 +260,39 @@ static inline __attribute__((always_inline)) void group_256(
         for (int h = 0; h < 2; h++) { /* columns 8h .. 8h + 7 */
             __m256i dot[MRA], dot2[MRA]; /* Q6_K: k 0..15, k 16..31 */
             for (int i = 0; i < mr; i++) dot[i] = dot2[i] = _mm256_setzero_si256();
-            if (kind == Q4_1_X8) {
+            if (kind == Q6_K_X8) { /* unsigned codes: - 32 S of each half starts its chain */
+                __m256i w[8];
+                const __m256i m30 = _mm256_set1_epi8(0x30);
+                const __m256i h0 = _mm256_loadu_si256((const __m256i *)(cb + 256 + 32 * h));
+                const __m256i h1 = _mm256_loadu_si256((const __m256i *)(cb + 320 + 32 * h));
+                for (int r = 0; r < 4; r++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(cb + 64 * r + 32 * h));
+                    w[r] = _mm256_and_si256(v, low);
+                    w[r + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                }
+                for (int r = 0; r < 8; r++) { /* the high 2 bits of k 4r..4r + 3 to bits 4, 5 */
+                    const __m256i hs = r & 1 ? h1 : h0;
+                    const int t = r >> 1;
+                    const __m256i sh = t == 0 ? _mm256_slli_epi16(hs, 4)
+                                       : t == 1 ? _mm256_slli_epi16(hs, 2)
+                                       : t == 2 ? hs : _mm256_srli_epi16(hs, 2);
+                    w[r] = _mm256_or_si256(w[r], _mm256_and_si256(sh, m30));
+                }
+                for (int i = 0; i < mr; i++) {
+                    dot[i] = _mm256_set1_epi32(xk[2 * (i * nblk + b)]);
+                    dot2[i] = _mm256_set1_epi32(xk[2 * (i * nblk + b) + 1]);
+                    for (int r = 0; r < 8; r++) {
+                        int32_t qx;
+                        memcpy(&qx, xq + i * K + b * QB + 4 * r, 4);
+                        const __m256i p = _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(w[r], _mm256_set1_epi32(qx)), ones);
+                        if (r >= 4)
+                            dot2[i] = _mm256_add_epi32(dot2[i], p);
+                        else
+                            dot[i] = _mm256_add_epi32(dot[i], p);
+                    }
+                }
+            } else if (kind == Q4_1_X8 || kind == Q4_K_X8) {
                 for (int r = 0; r < 4; r++) {
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(cb + 64 * r + 32 * h));
                     const __m256i wl = _mm256_and_si256(v, low);
@@ -221,7 +308,7 @@ static inline __attribute__((always_inline)) void group_256(
                             _mm256_add_epi16(pl, ph), ones));
                     }
                 }
-            } else {
+            } else { /* Q8_0, Q5_K: 8-bit codes q_w + 128 */
                 for (int r = 0; r < 8; r++) {
                     const __m256i sw = _mm256_xor_si256(
                         _mm256_loadu_si256((const __m256i *)(cb + 64 * r + 32 * h)), flip);
@@ -230,28 +317,49 @@ static inline __attribute__((always_inline)) void group_256(
                         int32_t qx;
                         memcpy(&qx, xq + i * K + b * QB + 4 * r, 4);
                         const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(qx), sw);
-                        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones);
-                        if (kind == Q6_K_X8 && r >= 4)
-                            dot2[i] = _mm256_add_epi32(dot2[i], p);
-                        else
-                            dot[i] = _mm256_add_epi32(dot[i], p);
+                        dot[i] = _mm256_add_epi32(
+                            dot[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
                     }
                 }
             }
-            const __m256 dw = _mm256_loadu_ps(scales + b * sp + 8 * h);
+            /* dw (and m_w, or d_hi): read, or (Q4_K, Q6_K) the exact products of the GGUF's
+             * float16 super-block scales and the block's small integers; Q4_K's m_w is the
+             * negated product: fnmadd(p, ., acc) = fma(-p, ., acc) */
+            __m256 dw, dw2;
+            if (kind == Q4_K_X8) {
+                const uint16_t *hs = (const uint16_t *)scales + (b / 8) * 2 * GC + 8 * h;
+                dw = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)hs)),
+                                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                       _mm_loadl_epi64((const __m128i *)(cb + 256 + 8 * h)))));
+                dw2 = _mm256_mul_ps(
+                    _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hs + GC))),
+                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                        _mm_loadl_epi64((const __m128i *)(cb + 256 + GC + 8 * h)))));
+            } else if (kind == Q6_K_X8) {
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(
+                    (const __m128i *)((const uint16_t *)scales + (b / 8) * GC + 8 * h)));
+                dw = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                          _mm_loadl_epi64((const __m128i *)(cb + 384 + 8 * h)))));
+                dw2 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                                           (const __m128i *)(cb + 384 + GC + 8 * h)))));
+            } else {
+                dw = _mm256_loadu_ps(scales + b * sp + 8 * h);
+                dw2 = has_offset(kind) ? _mm256_loadu_ps(scales + b * sp + GC + 8 * h) : dw;
+            }
             for (int i = 0; i < mr; i++) {
                 const float dx = xd[i * (K / QB) + b];
                 acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i]),
                                             _mm256_mul_ps(dw, _mm256_set1_ps(dx)), acc[i][h]);
-                if (has_offset(kind))
-                    acc[i][h] = _mm256_fmadd_ps(
-                        _mm256_loadu_ps(scales + b * sp + GC + 8 * h),
-                        _mm256_set1_ps(xds[i * (K / QB) + b]), acc[i][h]);
+                if (kind == Q4_K_X8)
+                    acc[i][h] = _mm256_fnmadd_ps(dw2, _mm256_set1_ps(xds[i * (K / QB) + b]),
+                                                 acc[i][h]);
+                else if (has_offset(kind))
+                    acc[i][h] = _mm256_fmadd_ps(dw2, _mm256_set1_ps(xds[i * (K / QB) + b]),
+                                                acc[i][h]);
                 if (kind == Q6_K_X8)
-                    acc[i][h] = _mm256_fmadd_ps(
-                        _mm256_cvtepi32_ps(dot2[i]),
-                        _mm256_mul_ps(_mm256_loadu_ps(scales + b * sp + GC + 8 * h),
-                                      _mm256_set1_ps(dx)), acc[i][h]);
+                    acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2[i]),
+                                                _mm256_mul_ps(dw2, _mm256_set1_ps(dx)),
+                                                acc[i][h]);
             }
         }
     }
@@ -276,6 +384,8 @@ static inline __attribute__((always_inline)) void group_256(
             IMPL(Q8_0_X8, MR, xq, xd, xds, xk, K, codes, scales, bias, y, ldy, ncols);        \
         else if (kind == Q5_K_X8)                                                             \
             IMPL(Q5_K_X8, MR, xq, xd, xds, xk, K, codes, scales, bias, y, ldy, ncols);        \
+        else if (kind == Q4_K_X8)                                                             \
+            IMPL(Q4_K_X8, MR, xq, xd, xds, xk, K, codes, scales, bias, y, ldy, ncols);        \
         else                                                                                  \
             IMPL(Q6_K_X8, MR, xq, xd, xds, xk, K, codes, scales, bias, y, ldy, ncols);        \
     }
@@ -306,27 +416,65 @@ VNNI static inline __attribute__((always_inline)) void group_512(
         const uint8_t *cb = codes + b * cp;
         prefetch_block(kind, codes, scales, b + PREFETCH_BLOCKS);
         __m512i w[8];
-        if (kind == Q4_1_X8) {
+        if (nibble_codes(kind)) {
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++) {
                 const __m512i v = _mm512_loadu_si512((const void *)(cb + 64 * r));
                 w[r] = _mm512_and_si512(v, low);
                 w[r + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             }
+            if (kind == Q6_K_X8) { /* the high 2 bits of k 4r..4r + 3 to bits 4, 5 */
+                const __m512i m30 = _mm512_set1_epi8(0x30);
+                const __m512i h0 = _mm512_loadu_si512((const void *)(cb + 256));
+                const __m512i h1 = _mm512_loadu_si512((const void *)(cb + 320));
+#pragma GCC unroll 8
+                for (int r = 0; r < 8; r++) {
+                    const __m512i hs = r & 1 ? h1 : h0;
+                    const int t = r >> 1;
+                    const __m512i sh = t == 0 ? _mm512_slli_epi16(hs, 4)
+                                       : t == 1 ? _mm512_slli_epi16(hs, 2)
+                                       : t == 2 ? hs : _mm512_srli_epi16(hs, 2);
+                    /* w | (sh & 0x30): one VPTERNLOGD */
+                    w[r] = _mm512_ternarylogic_epi32(w[r], sh, m30, 0xF8);
+                }
+            }
         } else {
 #pragma GCC unroll 8
             for (int r = 0; r < 8; r++) w[r] = _mm512_loadu_si512((const void *)(cb + 64 * r));
         }
-        const __m512 dw = _mm512_loadu_ps(scales + b * sp);
+        /* d_w and m_w (Q4_K: d_w and dmin m, m_w its negation; Q6_K: d_lo and d_hi), read or
+         * (Q4_K, Q6_K) the exact products of the GGUF's float16 super-block scales and the
+         * block's small integers */
+        __m512 dw, dw2;
+        if (kind == Q4_K_X8) {
+            const uint16_t *hs = (const uint16_t *)scales + (b / 8) * 2 * GC;
+            dw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)hs)),
+                               _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                   _mm_loadu_si128((const __m128i *)(cb + 256)))));
+            dw2 = _mm512_mul_ps(
+                _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hs + GC))),
+                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                    _mm_loadu_si128((const __m128i *)(cb + 256 + GC)))));
+        } else if (kind == Q6_K_X8) {
+            const __m512 d = _mm512_cvtph_ps(
+                _mm256_loadu_si256((const __m256i *)((const uint16_t *)scales + (b / 8) * GC)));
+            dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                      _mm_loadu_si128((const __m128i *)(cb + 384)))));
+            dw2 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                       _mm_loadu_si128((const __m128i *)(cb + 384 + GC)))));
+        } else {
+            dw = _mm512_loadu_ps(scales + b * sp);
+            dw2 = has_offset(kind) ? _mm512_loadu_ps(scales + b * sp + GC) : dw;
+        }
         /* two accumulation chains per row (even and odd r): VPDPBUSD's latency (~5 cycles)
          * bound one chain of 8 at few rows; the integer sums are exact, so the order does not
          * change a bit. Q8_0's - 128 S starts the even chain. Q6_K: the first chain sums
-         * k 0..15 (r < 4), the second k 16..31, each started by its own - 128 S. */
+         * k 0..15 (r < 4), the second k 16..31, each started by its own - 32 S. */
         __m512i dot[MRQ], dot2[MRQ];
 #pragma GCC unroll 8
         for (int i = 0; i < mr; i++) {
-            dot[i] = kind != Q4_1_X8 ? _mm512_set1_epi32(xk[2 * (i * nblk + b)])
-                                     : _mm512_setzero_si512();
+            dot[i] = kind != Q4_1_X8 && kind != Q4_K_X8
+                         ? _mm512_set1_epi32(xk[2 * (i * nblk + b)]) : _mm512_setzero_si512();
             dot2[i] = kind == Q6_K_X8 ? _mm512_set1_epi32(xk[2 * (i * nblk + b) + 1])
                                       : _mm512_setzero_si512();
         }
@@ -362,13 +510,12 @@ VNNI static inline __attribute__((always_inline)) void group_512(
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]),
                                      _mm512_mul_ps(dw, _mm512_set1_ps(dx)), acc[i]);
             if (kind == Q6_K_X8)
-                acc[i] = _mm512_fmadd_ps(
-                    _mm512_cvtepi32_ps(dot2[i]),
-                    _mm512_mul_ps(_mm512_loadu_ps(scales + b * sp + GC), _mm512_set1_ps(dx)),
-                    acc[i]);
-            if (has_offset(kind))
-                acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(scales + b * sp + GC),
-                                         _mm512_set1_ps(xds[i * nblk + b]), acc[i]);
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot2[i]),
+                                         _mm512_mul_ps(dw2, _mm512_set1_ps(dx)), acc[i]);
+            if (kind == Q4_K_X8)
+                acc[i] = _mm512_fnmadd_ps(dw2, _mm512_set1_ps(xds[i * nblk + b]), acc[i]);
+            else if (has_offset(kind))
+                acc[i] = _mm512_fmadd_ps(dw2, _mm512_set1_ps(xds[i * nblk + b]), acc[i]);
         }
     }
     const __mmask16 m = (__mmask16)((1u << ncols) - 1);
@@ -464,9 +611,9 @@ int sb_linear_q8(const float *x, int64_t ldx, int kind, const float *scales,
         for (int64_t b = m * nblk; b < (m + 1) * nblk; b++) {
             const int32_t sum = xs[2 * b] + xs[2 * b + 1];
             xds[b] = xd[b] * (float)sum;
-            if (kind == Q6_K_X8) {
-                xk[2 * b] = -128 * xs[2 * b];
-                xk[2 * b + 1] = -128 * xs[2 * b + 1];
+            if (kind == Q6_K_X8) { /* codes q_w + 32 */
+                xk[2 * b] = -32 * xs[2 * b];
+                xk[2 * b + 1] = -32 * xs[2 * b + 1];
             } else {
                 xk[2 * b] = -128 * sum;
             }

@@ -44,9 +44,9 @@ def test_qwen_q4_k_m_runs_on_its_k_quant_codes(tmp_path):
                + [layer.self_attn.o_proj.weight for layer in fwd.layers]
                + [layer.mlp.down_proj.weight for layer in fwd.layers])
     kinds = [linear_cpu._PACKED[w][1][0] for w in weights]
-    # no float32 panels: Q4_K as Q4_1 blocks, Q6_K (lm_head, half the v / down), segments for
-    # the fused q/k/v whose v is Q6_K
-    assert set(kinds) == {linear_cpu.Q4_1_X8, linear_cpu.Q6_K_X8, linear_cpu.SEGMENTS}
+    # no float32 panels: Q4_K, Q6_K (lm_head, half the v / down), segments for the fused
+    # q/k/v whose v is Q6_K
+    assert set(kinds) == {linear_cpu.Q4_K_X8, linear_cpu.Q6_K_X8, linear_cpu.SEGMENTS}
     assert linear_cpu._PACKED[fwd.lm_head][1][0] == linear_cpu.Q6_K_X8
     texts = ["Rename x to count:\n```\ndef f(x):\n    return x + 1\n```",
              "Add a docstring:\n```\ndef clamp(v, lo, hi):\n    return max(lo, min(v, hi))\n```"]

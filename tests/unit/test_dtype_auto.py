@@ -111,7 +111,7 @@ def test_a_q4_k_m_gguf_runs_int8_on_its_codes_by_default(tmp_path):
     weights = ([w for w, _ in fwd.qkv] + fwd.gate_up + [fwd.lm_head]
                + [layer.mlp.down_proj.weight for layer in fwd.layers])
     assert {linear_cpu._PACKED[w][1][0] for w in weights} == {
-        linear_cpu.SEGMENTS, linear_cpu.Q4_1_X8, linear_cpu.Q6_K_X8}
+        linear_cpu.SEGMENTS, linear_cpu.Q4_K_X8, linear_cpu.Q6_K_X8}
 
 
 def test_int8_code_types_counts_the_matmul_weights_only(tmp_path):

@@ -199,13 +199,13 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.double() @ w.double().t()).float()
 
 
-@pytest.mark.parametrize("name,kind", [("q", linear_cpu.Q4_1_X8), ("down", linear_cpu.Q6_K_X8),
+@pytest.mark.parametrize("name,kind", [("q", linear_cpu.Q4_K_X8), ("down", linear_cpu.Q6_K_X8),
                                        ("qkv", linear_cpu.SEGMENTS),
                                        ("q5", linear_cpu.Q5_K_X8),
                                        ("q5_0", linear_cpu.Q8_0_X8),
                                        ("q5_1", linear_cpu.Q5_K_X8),
                                        ("q5_mix", linear_cpu.SEGMENTS),
-                                       ("shuffled", linear_cpu.Q4_1_X8)])
+                                       ("shuffled", linear_cpu.Q4_K_X8)])
 def test_close_to_the_dequantised_matmul_and_row_invariant(weights, name, kind):
     """Within 8-bit activation rounding of the float64 matmul of the dequantised weights
     (stated tolerance: 2% of the largest output, as for Q4_1 / Q8_0; the weights themselves are
@@ -257,6 +257,105 @@ def test_every_kernel_gives_the_same_bits(weights, name):
     from tests.unit.test_linear_q8 import assert_same_bits_on_every_isa
 
     assert_same_bits_on_every_isa(x, w)
+
+
+def _fma32(a, b, c) -> np.float32:
+    """fmaf: a * b + c (float32 values) rounded once to float32, to nearest even (exact
+    rational arithmetic, so no double rounding)."""
+    from fractions import Fraction
+
+    exact = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+    best = np.float32(float(exact))
+    for near in (np.nextafter(best, np.float32(-np.inf)), np.nextafter(best, np.float32(np.inf))):
+        gap, now = abs(Fraction(float(near)) - exact), abs(Fraction(float(best)) - exact)
+        if gap < now or (gap == now and int(near.view(np.int32)) % 2 == 0):
+            best = near
+    return best
+
+
+def _documented(kind: str, form: tuple, x: np.ndarray, cols: list[int]) -> np.ndarray:
+    """csrc/linear_q8.c's arithmetic, one output element at a time: each row of x rounded to
+    8 bits per block of 32 (d_x = max |x| / 127, q_x = rint(x / d_x) as x * (1 / d_x)), exact
+    integer sums per block (Q6_K: per half), and per block in order acc = fma(sum, d_w * d_x,
+    acc) then Q4_K's acc = fma(m_w, d_x * S, acc) or Q6_K's acc = fma(sum_hi, d_hi * d_x, acc),
+    with d_w, m_w (d_lo, d_hi) the float32 values of ``kquant``'s form. -> ``[rows, cols]``"""
+    f32 = np.float32
+    rows, k = x.shape
+    out = np.zeros((rows, len(cols)), np.float32)
+    for i in range(rows):
+        for col, c in enumerate(cols):
+            acc = f32(0)
+            for b in range(k // 32):
+                xb = x[i, 32 * b:32 * b + 32]
+                dx = f32(np.abs(xb).max()) / f32(127)
+                qx = np.rint(xb * (f32(1) / dx if dx > 0 else f32(0))).astype(np.int64)
+                if kind == "Q4_K":
+                    dw, mw, q = form[0][c, b], form[1][c, b], form[2][c, 32 * b:32 * b + 32]
+                    acc = _fma32(f32(int(q.astype(np.int64) @ qx)), dw * dx, acc)
+                    acc = _fma32(mw, dx * f32(int(qx.sum())), acc)
+                else:
+                    d, q = form[0][c], form[1][c, 32 * b:32 * b + 32].astype(np.int64)
+                    acc = _fma32(f32(int(q[:16] @ qx[:16])), d[2 * b] * dx, acc)
+                    acc = _fma32(f32(int(q[16:] @ qx[16:])), d[2 * b + 1] * dx, acc)
+            out[i, col] = acc
+    return out
+
+
+@pytest.mark.parametrize("name,kind", [("q", "Q4_K"), ("down", "Q6_K")])
+def test_every_kernel_computes_the_documented_arithmetic(weights, name, kind):
+    """Q4_K and Q6_K keep the GGUF's float16 super-block scales and integer sub-scales and
+    multiply them back in the kernel: every kernel's outputs equal, bit for bit, the
+    documented per-element arithmetic on d_w = d sc and m_w = -(dmin m) (exact float32
+    products) of kquant's form, at 1 and 5 rows, for a full and the last, partial column
+    group."""
+    source, floats = weights
+    w = floats[name].clone()
+    (_, _, got, form), = source.find(w)
+    assert got == kind
+    form = [t.numpy() if t.dtype != torch.float16 else t for t in form]
+    if kind == "Q4_K":  # the parts give d_w and m_w exactly
+        assert np.array_equal(form[0], np.repeat(form[3].float().numpy(), 8, 1) * form[5])
+        assert np.array_equal(form[1], -(np.repeat(form[4].float().numpy(), 8, 1) * form[6]))
+    else:
+        assert np.array_equal(form[0], np.repeat(form[2].float().numpy(), 16, 1) * form[3])
+    linear_cpu.use_int8_activations(w, source)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(5, w.shape[1], generator=gen) * torch.rand(5, 1, generator=gen) * 4
+    n = w.shape[0]
+    cols = [0, 1, 7, 15, 16, n - 1]
+    want = _documented(kind, form, x.numpy(), cols)
+    before = linear_cpu.int8_kernel()
+    kernels = ["portable", "avx2"] + (["vnni"] if linear_cpu.int8_kernel("vnni") == "vnni" else [])
+    try:
+        for isa in kernels:
+            linear_cpu.int8_kernel(isa)
+            for m in (1, 5):
+                got = linear_cpu.linear(x[:m], w)[:, cols].numpy()
+                assert np.array_equal(got.view(np.int32), want[:m].view(np.int32)), (isa, m)
+    finally:
+        linear_cpu.int8_kernel(before)
+
+
+def test_q4_k_layout_gives_q4_1s_bits(weights):
+    """Q4_K's compact layout (float16 d, dmin per 256 k and 6-bit sc, m per 32, multiplied in
+    the kernel) gives the bits of the same weights in Q4_1's layout (float32 d_w, m_w per
+    block): the same numbers in the same arithmetic."""
+    source, floats = weights
+    w = floats["q"].clone()
+    (_, _, _, form), = source.find(w)
+    n, k = w.shape
+    as_q4_1 = linear_cpu._q4_1_x8(form[0], form[1], form[2], n, k // 32)
+    assert as_q4_1[0] == linear_cpu.Q4_1_X8
+    linear_cpu.use_int8_activations(w, source)
+    assert linear_cpu.packed(w)[0] == linear_cpu.Q4_K_X8
+    x = torch.randn(13, k, generator=torch.Generator().manual_seed(12))
+    lib = linear_cpu._library()
+    y = torch.empty(13, n)
+    assert lib.sb_linear_quant(x.data_ptr(), k, as_q4_1[0], as_q4_1[1].data_ptr(),
+                               as_q4_1[2].data_ptr(), None, y.data_ptr(), n, 13, n, k) == 0
+    assert torch.equal(linear_cpu.linear(x, w), y)
+    # and the bytes a weight takes: 296 per 512 weights against 384
+    assert linear_cpu.form_bytes(w) == -(-n // 16) * (k // 32) * (288 + 8)
 
 
 # GGUF type per tensor: Q4_K_M's mix, and what llama.cpp writes for Q4_K_M where a row length
@@ -400,7 +499,7 @@ def test_kquant_gguf_engine_outputs_do_not_depend_on_proposer_or_batch(tmp_path)
     kind = lambda w: linear_cpu._PACKED[w][1][0]  # noqa: E731
     layer = fwd.layers[0]
     assert kind(fwd.qkv[0][0]) == linear_cpu.SEGMENTS  # Q4_K q, k rows; Q6_K v rows
-    assert kind(fwd.gate_up[0]) == kind(layer.self_attn.o_proj.weight) == linear_cpu.Q4_1_X8
+    assert kind(fwd.gate_up[0]) == kind(layer.self_attn.o_proj.weight) == linear_cpu.Q4_K_X8
     assert kind(layer.mlp.down_proj.weight) == kind(fwd.lm_head) == linear_cpu.Q6_K_X8
     prompts, runs = engine_runs_agree(fwd, vocab=256)
     assert len({tuple(ids) for ids in runs[0]}) > 1  # not one degenerate output for all
