@@ -7,6 +7,14 @@ Next to the output ``OUT`` live:
                       ran (``pipeline.generate_records``), which a resume replays. OUT gets
                       the records only.
     OUT.config.json   the effective config of the run (kept after the run, for ``analyze``).
+    OUT.calibration.json  ``--method auto``: the step-cost fits its decisions use
+                      (``auto.costmodel.save_job_fits``), written when the job starts; a
+                      resume prices its steps with them, whatever the cache holds by then.
+                      Kept after the run (``--calibration`` reads it: another job priced
+                      alike).
+    OUT.decisions.jsonl  ``--method auto``: each verify step's choice per row
+                      (``auto.journal``), which a resume replays for the records that were in
+                      flight; removed by ``finish``.
     OUT.errors.jsonl  the skipped records, ``{"line", "id", "reason"}`` (``--on-error skip``).
     OUT.lock          held (``flock``) while a run writes OUT, holding its process id: a second
                       run on the same OUT is refused at open (``ValueError``), not mixed in.
@@ -207,6 +215,9 @@ class OutputWriter:
         self.work_path = _beside(self.out_path, ".work.jsonl")
         self.config_path = _beside(self.out_path, ".config.json")
         self.errors_path = _beside(self.out_path, ".errors.jsonl")
+        self.fits_path = _beside(self.out_path, ".calibration.json")
+        self.decisions_path = _beside(self.out_path, ".decisions.jsonl")
+        self.resumed = False
         self.config = orjson.loads(orjson.dumps(config, option=JSON_OPTIONS))
         self.num_records = num_records
         self.fsync_every = fsync_every
@@ -241,6 +252,7 @@ class OutputWriter:
                                                         _diff(saved, self.config)))
         elif self.out_path.exists() and not force:
             raise ValueError(f"{self.out_path} exists from a finished run; --force to overwrite")
+        self.resumed = self.work_path.exists()  # an interrupted job continues
         if self.work_path.exists():
             self._finished = self._load_work()
             self._done = set(self._finished)
@@ -328,6 +340,7 @@ class OutputWriter:
         _beside(self.out_path, ".lock").unlink(missing_ok=True)  # still held: nobody is in
         self.close()
         self.work_path.unlink(missing_ok=True)
+        self.decisions_path.unlink(missing_ok=True)
         return len(rows)
 
     def write_errors(self, errors: list[RecordError]) -> None:
@@ -386,12 +399,15 @@ class OutputWriter:
     def _remove_stale_temp_files(self) -> None:
         """A run killed inside ``finish`` (or ``_atomic_write``) leaves ``.OUT.*.tmp``; the
         final file is rebuilt from the work file, so such a leftover is never needed."""
-        for name in (self.out_path.name, self.config_path.name, self.errors_path.name):
+        for name in (self.out_path.name, self.config_path.name, self.errors_path.name,
+                     self.fits_path.name, self.decisions_path.name):
             for tmp in self.out_path.parent.glob(f".{glob_escape(name)}.*.tmp"):
                 tmp.unlink(missing_ok=True)
 
     def _discard_work(self) -> None:
         self.work_path.unlink(missing_ok=True)
+        self.decisions_path.unlink(missing_ok=True)
+        self.fits_path.unlink(missing_ok=True)
         for path in self._shard_paths():
             path.unlink(missing_ok=True)
 
