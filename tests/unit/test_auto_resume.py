@@ -34,16 +34,21 @@ def _prior(seq):
     return [(a * 4, (1 - a) * 4)] * K
 
 
-def _auto_engine(model, batch_size: int):
-    """An engine with auto's proposer (lookup + suffix) and policy, as ``llm.prepare``
-    builds it; returns (engine, policy)."""
+DRAFT_COST = CostModel((0.002, 0.0004, 0.0, 0.0))  # a draft forward: a tenth of a step
+
+
+def _auto_engine(model, batch_size: int, draft=None):
+    """An engine with auto's proposer (lookup + suffix, and the draft model ``draft`` when
+    given) and policy, as ``llm.prepare`` builds it; returns (engine, policy)."""
+    from specbatch.models.llama import LlamaForward
+
     config = SpecConfig(method="auto", num_speculative_tokens=K)
     engine = make_engine(model, K, batch_size)
-    engine.proposer = make_proposer(config)
+    engine.proposer = make_proposer(config, LlamaForward(draft) if draft else None, batch_size)
     engine.k = config.draft_cap
-    lookup, suffix = engine.proposer.build_candidates(Setup(K, _prior,
-                                                            suffix_lookup_seconds=2e-4))
-    policy = AdaptivePolicy(COST, K, lookup, [suffix])
+    lookup, *others = engine.proposer.build_candidates(
+        Setup(K, _prior, draft_cost=DRAFT_COST if draft else None, suffix_lookup_seconds=2e-4))
+    policy = AdaptivePolicy(COST, K, lookup, others)
     engine.proposer.use(policy)
     return engine, policy
 
@@ -60,13 +65,13 @@ def _requests(prompts, sampling):
             for i, (p, sp) in enumerate(zip(prompts, sampling))]
 
 
-def _run(model, batch_size, journal_path, cut=None, kept=None):
+def _run(model, batch_size, journal_path, cut=None, kept=None, draft=None):
     """Run the job with a journal, flushing it before each finished answer is "written" (as
     ``specbatch run`` does); with ``cut``, the journal file as it was right after the
     ``cut``-th answer was written is copied to ``kept`` (a kill there). Returns (engine,
     policy, completions in finish order)."""
     prompts, sampling = _job()
-    engine, policy = _auto_engine(model, batch_size)
+    engine, policy = _auto_engine(model, batch_size, draft)
     journal = DecisionJournal(journal_path, resume=False, done=set())
     journal.attach(policy)
     engine.proposer.journal = journal
@@ -81,11 +86,12 @@ def _run(model, batch_size, journal_path, cut=None, kept=None):
     return engine, policy, out
 
 
-def _resume(model, batch_size, journal_path, done: list, use_journal: bool = True):
+def _resume(model, batch_size, journal_path, done: list, use_journal: bool = True,
+            draft=None):
     """The job again with the answers ``done`` as placeholders (a resume), replaying the
     journal at ``journal_path`` unless not ``use_journal``."""
     prompts, sampling = _job()
-    engine, policy = _auto_engine(model, batch_size)
+    engine, policy = _auto_engine(model, batch_size, draft)
     finished = {c.request.request_id: c for c in done}
     reqs = _requests(prompts, sampling)
     for r in reqs:
@@ -132,6 +138,24 @@ def test_a_resumed_auto_job_decides_as_the_uninterrupted_one(tmp_path, batch_siz
     used = {src for c in policy1.steps_by_proposer.values() for src in c}
     assert {"ngram", "none"} <= used, used
     assert second.step_index == first.step_index
+    assert policy2.state() == policy1.state()
+
+
+def test_a_resumed_auto_job_with_a_draft_model_decides_alike(tmp_path):
+    """The same with a draft model among the candidates (its pooled acceptance and whether it
+    is in use are restored; its drafts come from a forward over the rows it drafts for)."""
+    from tests.unit.test_draft import perturbed
+
+    model = tiny_llama(VOCAB, seed=5)
+    draft = perturbed(model, 0.05, seed=9)
+    _, policy1, full = _run(model, 4, tmp_path / "j.jsonl", 6, tmp_path / "kept.jsonl", draft)
+    assert any("draft" in c for c in policy1.steps_by_proposer.values())
+    _, policy2, resumed = _resume(model, 4, tmp_path / "kept.jsonl", full[:6], draft=draft)
+    assert policy2.forced_mismatches == 0
+    want = {c.request.request_id: c for c in full}
+    for c in resumed:
+        assert c.output_ids == want[c.request.request_id].output_ids
+        assert c.stats.to_dict() == want[c.request.request_id].stats.to_dict()
     assert policy2.state() == policy1.state()
 
 
