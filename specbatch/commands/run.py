@@ -96,6 +96,7 @@ class _Job:
     writer: object = None
     bar: object = None
     done_before: set = field(default_factory=set)
+    lock: object = None  # ``io.writer.OutLock``, taken before the model loads
 
 
 def load_records(opts) -> tuple[list, list]:
@@ -132,6 +133,9 @@ def run_job(opts: RunOptions) -> int:
         return _run_job(opts, job)
     except KeyboardInterrupt:
         return _interrupted(job)
+    finally:
+        if job.lock is not None:  # ended before its writer held OUT.lock: let it go
+            job.lock.release()
 
 
 def _interrupted(job: _Job) -> int:
@@ -214,14 +218,19 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         "recipe": opts.recipe,
     }
     if not opts.plan_only:
-        from specbatch.io.writer import check_not_in_use, check_resume
+        from specbatch.io.writer import OutLock, check_resume
 
         try:
-            check_not_in_use(opts.output_path)  # another run writing OUT: before the load
+            # OUT.lock from now: a run writing OUT, or one starting beside this one, is
+            # refused before either loads its model
+            job.lock = OutLock(opts.output_path)
             if not opts.force:
                 check_resume(opts.output_path, config)
         except ValueError as e:
             _err(f"error: {e}")
+            return EXIT_BAD_INPUT
+        except OSError as e:
+            _err(f"error: cannot write the output: {_os_error(e)}")
             return EXIT_BAD_INPUT
 
     if opts.cpu is not None:
@@ -271,7 +280,7 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         return EXIT_OK
     try:
         writer = OutputWriter(opts.output_path, config, resume=opts.resume, force=opts.force,
-                              num_records=len(records))
+                              num_records=len(records), lock=job.lock)
         writer.write_errors(errors)
     except ValueError as e:
         _err(f"error: {e}")

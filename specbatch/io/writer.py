@@ -109,6 +109,57 @@ def _lock(out_path: Path, create: bool = True):
     return fh
 
 
+class OutLock:
+    """``OUT.lock`` taken before the model loads (``specbatch run``), so that of two runs started
+    on one ``-o`` together the second is refused at once, not after its model load: raises
+    ``ValueError`` naming the process that holds it. Creates the missing folders of OUT (to
+    hold the lock file). An ``OutputWriter`` given it (``lock=``) holds it from then on;
+    ``release`` lets a run that ends before that go, removing the lock file and the folders
+    it created (those still empty)."""
+
+    def __init__(self, out_path: str | os.PathLike) -> None:
+        self.path = _beside(Path(out_path), ".lock")
+        self.adopted = False
+        self._created: list[Path] = []  # deepest first
+        folder = Path(out_path).absolute().parent
+        missing = []
+        while not folder.exists():
+            missing.append(folder)
+            folder = folder.parent
+        try:
+            for f in reversed(missing):
+                f.mkdir(exist_ok=True)
+                self._created.insert(0, f)
+            self.fh = _lock(Path(out_path))
+        except (OSError, ValueError):
+            self._remove_folders()
+            raise
+        if self.fh is not None:
+            self.fh.seek(0)
+            self.fh.truncate()
+            self.fh.write(f"{os.getpid()}\n")
+            self.fh.flush()
+
+    def release(self) -> None:
+        """Unless an ``OutputWriter`` holds it now: let the lock go, remove the lock file and
+        the folders made for it."""
+        if self.adopted:
+            return
+        if self.fh is not None:
+            self.fh.close()
+            self.fh = None
+            self.path.unlink(missing_ok=True)
+        self._remove_folders()
+
+    def _remove_folders(self) -> None:
+        for folder in self._created:
+            try:
+                folder.rmdir()
+            except OSError:
+                pass  # something else is in it now
+        self._created = []
+
+
 def check_not_in_use(out_path: str | os.PathLike) -> None:
     """Raise ``ValueError`` (as ``OutputWriter`` would at open) when another run writes
     ``out_path`` now, so that a run can refuse before it loads its model. Creates nothing."""
@@ -204,10 +255,12 @@ class OutputWriter:
     effective run config, compared key by key with the saved one on resume. num_records: the
     number of valid input records; indices are ``0 .. num_records - 1``.
     Raises ``ValueError`` on open when the existing files may not be reused (see module doc).
+    lock: ``OUT.lock`` as an ``OutLock`` took it (before the model loaded); default: taken
+    here.
     """
 
     def __init__(self, out_path: str | os.PathLike, config: dict, *, resume: bool, force: bool,
-                 fsync_every: int = 8, num_records: int) -> None:
+                 fsync_every: int = 8, num_records: int, lock: OutLock | None = None) -> None:
         self.out_path = Path(out_path)
         check_output_path(out_path)
         if fsync_every < 1:
@@ -228,7 +281,11 @@ class OutputWriter:
         self._fh = None
         self._lock = None
         self.out_path.parent.mkdir(parents=True, exist_ok=True)
-        self._take_lock()
+        if lock is not None:  # taken before the model loaded: this writer holds it now
+            lock.adopted = True
+            self._lock = lock.fh
+        else:
+            self._take_lock()
         try:
             self._open(resume, force)
         except BaseException:
@@ -593,4 +650,4 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-__all__ = ["OutputWriter", "WorkShard", "check_output_path", "check_not_in_use", "JSON_OPTIONS", "OUTPUT_FORMATS"]
+__all__ = ["OutputWriter", "OutLock", "WorkShard", "check_output_path", "check_not_in_use", "JSON_OPTIONS", "OUTPUT_FORMATS"]
