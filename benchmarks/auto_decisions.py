@@ -7,12 +7,12 @@
 Load-independent measures first: per arm the verify steps, output tokens, draft tokens and
 accepted tokens summed over the records (tokens per step; draft tokens not accepted are the
 wasted ones), whether every arm's token ids equal ``none``'s, and for auto the per-step step
-cap K and drafted tokens (the first steps in full), the time spent in the policy
-(``select`` / ``observe`` / ``observe_step``) and in the proposers as a share of the run's wall
-time, and the online cost fit's predicted step time for a fixed shape at each refit.
---fixed-cost: auto prices steps with the calibration only (no online refit from wall time);
+cap K and drafted tokens (the first steps in full), and the time spent in the policy
+(``select`` / ``observe``) and in the proposers as a share of the run's wall time.
+auto prices steps with the job's calibration, fixed for the job (``--fixed-cost``, for the
+command lines of trees that refitted it online, is what it does anyway);
 --cost FILE: with that cost model instead (a ``CostModel`` JSON, e.g. fitted from timings taken
-on a quiet machine), fixed.
+on a quiet machine).
 Wall times are printed with the load average: on a busy machine they are noise.
 """
 
@@ -66,7 +66,7 @@ def main() -> None:
                 else SpecConfig(method=arm, num_speculative_tokens=args.k))
         prepared = llm.prepare(records, spec, echo=lambda _l: None)
         log = {"K": [], "drafted": [], "rows": [], "fit_ms": []}
-        timers = {"select": 0.0, "observe": 0.0, "observe_step": 0.0, "propose": 0.0}
+        timers = {"select": 0.0, "observe": 0.0, "propose": 0.0}
         policy = prepared.plan.policy if prepared.plan is not None else None
         if policy is not None:
             policy._base_cost = (policy.cost.model if hasattr(policy.cost, "model")
@@ -110,8 +110,8 @@ def main() -> None:
         per = {k: v / n_steps * 1e3 for k, v in tm.items()}
         print(f"{arm}: CPU ms per verify step ({n_steps} steps, thread time): policy select "
               f"{per['select']:.3f} (suffix lookup included), lookup propose "
-              f"{per['propose']:.3f}, observe {per['observe']:.3f}, observe_step "
-              f"{per['observe_step']:.3f}; total {sum(per.values()):.3f}; calibrated step "
+              f"{per['propose']:.3f}, observe {per['observe']:.3f}; total "
+              f"{sum(per.values()):.3f}; calibrated step "
               f"{r['calib_ms']:.2f} ms at the run's mean rows, q=1")
         n = args.show_steps
         print(f"  first steps: K {r['log']['K'][:n]} drafted {r['log']['drafted'][:n]} "
@@ -176,7 +176,9 @@ def _instrument(policy, timers, log) -> None:
 
     timed(policy, "select", "select", after_select)
     timed(policy, "observe", "observe")
-    timed(policy, "observe_step", "observe_step", after_step)
+    if hasattr(policy, "observe_step"):  # a tree that refitted the step cost online
+        timers["observe_step"] = 0.0
+        timed(policy, "observe_step", "observe_step", after_step)
     timed(policy.lookup.proposer, "propose", "propose")  # prompt lookup's
 
 

@@ -58,6 +58,8 @@ class Prepared:
     plan: Any  # auto.planner.Plan | None
     records: list
     engine_config: EngineConfig  # as fitted: max_batch_size is the engine's rows
+    # method="auto": the (target, draft model or None) step-cost fits its decisions use
+    fits: tuple | None = None
 
     def run(self, seed: int | None = None,
             on_tokens: Callable[[int, Any], None] | None = None,
@@ -300,7 +302,7 @@ class LLM:
         cost, path, measured = costmodel.load_or_calibrate(
             forward or LlamaForward(self.loaded.model), key, self.engine_config.dtype,
             cache_root(self.cache_dir), recalibrate=recalibrate, echo=echo or self.echo,
-            purpose=purpose)
+            purpose=purpose, lookup=model_id is None)
         fits[key] = (cost, path)
         return cost, path, measured
 
@@ -308,11 +310,11 @@ class LLM:
         """Use the step-cost fit in ``path`` (``specbatch calibrate -o``, or a cached one) for
         the target model instead of the cache: ``--calibration FILE``. Returns warning lines
         when it was measured for another model, dtype or engine setting (it is used anyway;
-        ``auto`` refits it to the run's steps). Raises ``ValueError`` (one line naming the
+        a job prices its steps with it as it is). Raises ``ValueError`` (one line naming the
         file) when it is no usable calibration."""
         from pathlib import Path
 
-        from specbatch.auto.costmodel import load, other_engine
+        from specbatch.auto.costmodel import load, other_engine, with_lookup_seconds
 
         cost = load(path)
         if (why := cost.problem()) is not None:
@@ -324,9 +326,24 @@ class LLM:
             warnings.append(f"measured at dtype {cost.dtype}, not {self.engine_config.dtype}")
         if (why := other_engine(cost)) is not None:
             warnings.append(why)
-        self.__dict__["_pinned"] = (cost, Path(path))
-        return [f"--calibration {path}: {w}; used anyway (the run's own steps refine it)"
+        self.__dict__["_pinned"] = (with_lookup_seconds(cost), Path(path))
+        return [f"--calibration {path}: {w}; used anyway"
                 for w in warnings]
+
+    def use_job_fits(self, path: str) -> None:
+        """Price ``method="auto"`` with the fits a job started with (``OUT.calibration.json``,
+        ``costmodel.save_job_fits``), whatever the cache or ``--calibration`` hold now: a
+        resumed job decides as the interrupted one did. Raises ``ValueError`` (one line naming
+        the file)."""
+        from pathlib import Path
+
+        from specbatch.auto.costmodel import load_job_fits, with_lookup_seconds
+
+        target, draft = load_job_fits(path)
+        self.__dict__["_pinned"] = (with_lookup_seconds(target), Path(path))
+        if draft is not None:
+            key = self.draft_model_id or "draft"
+            self.__dict__.setdefault("_fits", {})[key] = (draft, Path(path))
 
     def prepare(self, records: Iterable, spec: SpecConfig | None = None,
                 engine: EngineConfig | None = None,
@@ -374,9 +391,12 @@ class LLM:
             plan, _ = plan_auto(records, self.renderer, spec, rows, max_model_len, cost,
                                 proposer, model_cost, echo=echo, model_id=self.model_id,
                                 echo_plan=echo_plan)
+            fits = (cost, model_cost)
+        else:
+            fits = None
         self.engine = Engine(runner, proposer, stop_rules, spec.draft_cap,
                              self.renderer.detokenize)
-        return Prepared(self, self.engine, plan, records, engine_config)
+        return Prepared(self, self.engine, plan, records, engine_config, fits)
 
     def memory_summary(self) -> str:
         """One line: weights and KV bytes of the last engine built (see

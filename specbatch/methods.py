@@ -223,7 +223,7 @@ def _draft_candidate(proposer, setup):
 def _suffix_candidate(proposer, setup):
     from specbatch.auto.candidate import SuffixCandidate
 
-    return SuffixCandidate(proposer)
+    return SuffixCandidate(proposer, setup.suffix_lookup_seconds)
 
 
 _SUFFIX_NOTE = ("suffix drafts depend on the records that finished before (job order), so they "
@@ -236,7 +236,8 @@ for _m in (
     Method("draft", _draft, draft_model="needs", memory=_draft_memory, auto=True,
            candidate=_draft_candidate),
     Method("auto", _auto, draft_model="optional", draft_cap_factor=SUFFIX_CAP_FACTOR,
-           whatif_note=_SUFFIX_NOTE, resume=_auto_resume, memory=_auto_memory),
+           whatif_note=_SUFFIX_NOTE, resume=_auto_resume, replay_schedule=True,
+           memory=_auto_memory),
     Method("suffix", _suffix, drafts_by="suffix lookup drafts", draft_cap_factor=SUFFIX_CAP_FACTOR,
            whatif_note=_SUFFIX_NOTE, resume=_reindex_finished, replay_schedule=True,
            auto=True, candidate=_suffix_candidate),

@@ -1,7 +1,8 @@
 """``--method auto``: plan the job, then choose each row's draft every step.
 
 - ``predict``: a record's draft acceptance predicted from its prompt alone.
-- ``costmodel``: the machine's measured step cost (``specbatch calibrate``), refitted online.
+- ``costmodel``: the machine's measured step cost (``specbatch calibrate``), fixed for a job.
+- ``journal``: the per-step decisions a resumed job replays.
 - ``planner``: buckets records by predicted acceptance, orders them, prints the plan, and builds
   the policy (``plan_auto``).
 - ``candidate``: the ``Candidate`` protocol (a proposer with per-position confidence, a cost

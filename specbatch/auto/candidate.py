@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from specbatch.auto.costmodel import CostModel, OnlineCost
+from specbatch.auto.costmodel import CostModel
 from specbatch.spec_decode.replay import NgramReplay
 from specbatch.spec_decode.stats import SpecStats
 
@@ -50,6 +50,9 @@ SUFFIX_PRIOR_STRENGTH = 2.0  # pseudo-trials at the frequency itself, per bucket
 # (``RowAcceptance``): a position seldom tried still leans on it
 PRIOR_FLOOR = 0.05
 SUFFIX_MATCH_BINS = 8  # matched tokens behind a suffix draft position: 1 .. 8 (8 and more)
+# a suffix lookup's CPU seconds per row where none was measured (a fit written before
+# ``CostModel.lookup_seconds``): ~what ``measure_suffix_lookup`` gives on an AVX-512 EPYC
+DEFAULT_LOOKUP_SECONDS = 30e-6
 
 
 class Candidate(Protocol):
@@ -111,6 +114,14 @@ class Candidate(Protocol):
 
     def finish(self, seq: Sequence) -> None: ...
 
+    # Optional:
+    # counts_rows = True: ``prepare`` takes ``num_rows=``, the rows of the verify step (a
+    #     resumed job's placeholders included), where its drafts depend on it (suffix).
+    # global_state() -> dict of JSON values / set_global_state(dict): what it learned pooled
+    #     over rows (not a row's own state, which follows the row's tokens), so a resumed job
+    #     continues from where the interrupted one was (``auto.journal``). A candidate without
+    #     them still resumes with the same outputs; its ``spec`` stats may then differ.
+
 
 @dataclass(frozen=True)
 class Probe:
@@ -129,12 +140,15 @@ class Setup:
 
     k_max: auto's k (tokens); prior_for(seq) -> [(alpha, beta)] per draft position: the
     planner's prediction of the row's lookup acceptance; probe: the lookup probe, or None;
-    draft_cost: the draft forward's ``CostModel`` when a draft model is loaded, else None."""
+    draft_cost: the draft forward's ``CostModel`` when a draft model is loaded, else None;
+    suffix_lookup_seconds: CPU seconds of one suffix lookup per row (``CostModel.lookup_seconds``
+    of the job's fit, ``measure_suffix_lookup``), what suffix drafting adds to a step."""
 
     k_max: int
     prior_for: Callable[[Sequence], list[tuple[float, float]]]
     probe: Probe | None = None
     draft_cost: CostModel | None = None
+    suffix_lookup_seconds: float = DEFAULT_LOOKUP_SECONDS
 
 
 @dataclass
@@ -193,9 +207,57 @@ class RowAcceptance:
         return total
 
 
-def online(cost: CostModel) -> CostModel | OnlineCost:
-    """A calibrated model keeps fitting to the run's steps; a synthetic one (no samples) stays."""
-    return cost if isinstance(cost, OnlineCost) or not cost.samples else OnlineCost(cost)
+def pool_state(acc: RowAcceptance) -> dict:
+    """A pooled ``RowAcceptance`` as JSON values (floats round-trip exactly)."""
+    return {"prior": [list(p) for p in acc.prior], "trials": list(acc.trials),
+            "hits": list(acc.hits), "weight": acc.weight}
+
+
+def pool_from(d: dict) -> RowAcceptance:
+    """The ``RowAcceptance`` of ``pool_state``; raises ``KeyError`` / ``TypeError`` /
+    ``ValueError`` on another shape."""
+    return RowAcceptance([(float(a), float(b)) for a, b in d["prior"]],
+                         [float(t) for t in d["trials"]], [float(h) for h in d["hits"]],
+                         float(d["weight"]))
+
+
+def measure_suffix_lookup(rows: int = 16, cap: int = 15, repeats: int = 7) -> float:
+    """CPU seconds (this thread's) of one suffix lookup (``SuffixProposer.draft``) per row: the
+    median over ``repeats`` steps of ``rows`` rows of 512 tokens, each grown by 3 tokens a
+    step, over a job index of 8 finished answers; the texts are phrases of 8 tokens drawn from
+    32, so matches are long and branch as in real text. Deterministic work, measured once
+    per calibration (``costmodel.load_or_calibrate``): auto prices suffix drafting with it for
+    the whole job, never with the time of the moment."""
+    import random
+    from types import SimpleNamespace
+
+    from specbatch.spec_decode.suffix import SuffixIndex, SuffixProposer
+
+    rng = random.Random(0)
+    phrases = [[rng.randrange(1000) for _ in range(8)] for _ in range(32)]
+
+    def text(n: int) -> list[int]:
+        out = []
+        while len(out) < n:
+            out += rng.choice(phrases)
+        return out[:n]
+
+    proposer = SuffixProposer(SuffixIndex())
+    for _ in range(8):
+        proposer.index.add(text(256))
+    seqs = [SimpleNamespace(seq_id=i, token_ids=text(512)) for i in range(rows)]
+    for s in seqs:
+        proposer.start(s)
+    times = []
+    for _ in range(repeats):
+        for s in seqs:
+            s.token_ids += text(3)
+            proposer.on_commit(s, 3)
+        t0 = time.thread_time()
+        for s in seqs:
+            proposer.draft(s, cap, rows)
+        times.append((time.thread_time() - t0) / rows)
+    return sorted(times)[len(times) // 2]
 
 
 def _logit_shift(p: float, p_group: float, p_all: float) -> float:
@@ -318,6 +380,16 @@ class LookupCandidate(ForwardingCandidate):
                 and seq.num_output_tokens >= self.probe.tokens):
             self._run_probe(seq)
 
+    def global_state(self) -> dict:
+        """The acceptance pooled over rows (``lookup_pool``, ``by_match_len``): what a
+        resumed job restores (``auto.journal``); a row's own state follows its tokens."""
+        return {"pool": pool_state(self.lookup_pool),
+                "by_match_len": [[n, pool_state(a)] for n, a in sorted(self.by_match_len.items())]}
+
+    def set_global_state(self, state: dict) -> None:
+        self.lookup_pool = pool_from(state["pool"])
+        self.by_match_len = {int(n): pool_from(a) for n, a in state["by_match_len"]}
+
     def _run_probe(self, seq) -> None:
         """Replace the row's counts with prompt lookup replayed over its committed tokens."""
         self.probed.add(seq.seq_id)
@@ -347,9 +419,9 @@ class DraftModelCandidate(ForwardingCandidate):
 
     Confidence: per row, its own decayed counts over a prior of ``MODEL_PRIOR_STRENGTH``
     pseudo-trials at the acceptance pooled over all rows (``pool``, which starts at ``prior``).
-    Cost: ``cost``, the draft forward's ``CostModel`` (calibrated like the target's and refitted
-    with the timed draft forwards of the run): one forward of the rows still drafting per draft
-    depth. A row the draft cache does not hold yet is prefilled the first time it is given
+    Cost: ``cost``, the draft forward's ``CostModel`` (calibrated like the target's, fixed for
+    the job: no time measured while it runs enters a decision): one forward of the rows still
+    drafting per draft depth. A row the draft cache does not hold yet is prefilled the first time it is given
     model drafts; that prefill, spread over the row's remaining steps, is its entry cost. A
     row that skipped the model for some steps feeds the committed tokens it has not seen in its
     next draft step (``spec_decode.draft``)."""
@@ -360,7 +432,7 @@ class DraftModelCandidate(ForwardingCandidate):
     def __init__(self, proposer, cost: CostModel, k_max: int, prior: float = MODEL_PRIOR,
                  decay: float = 0.9) -> None:
         self.proposer = proposer
-        self.cost = online(cost)
+        self.cost = cost
         self.k_max = k_max
         self.decay = decay
         self.pool = RowAcceptance([(prior * MODEL_PRIOR_STRENGTH,
@@ -410,17 +482,12 @@ class DraftModelCandidate(ForwardingCandidate):
         return out
 
     def drafts(self, seqs, lengths: list[int], ctx: float) -> list[list[int]]:
-        """Prefills the rows the cache lacks (not timed), then drafts in ``max(lengths)``
-        batched forwards, timed for ``cost`` (mean seconds per forward)."""
+        """Prefills the rows the cache lacks, then drafts in ``max(lengths)`` batched
+        forwards."""
         for seq in seqs:
             if seq.seq_id not in self.proposer.states:
                 self.proposer.start(seq)
-        t0 = time.perf_counter()
         out = self.proposer.propose(seqs, lengths)
-        seconds = time.perf_counter() - t0
-        depth = max((len(d) for d in out), default=0)
-        if depth and isinstance(self.cost, OnlineCost):
-            self.cost.observe(len(seqs), 1, ctx, len(seqs), seconds / depth)
         for s, d in zip(seqs, out):
             self.drafted[s.seq_id] = d
         return out
@@ -434,6 +501,12 @@ class DraftModelCandidate(ForwardingCandidate):
 
     def start(self, seq) -> None:
         pass  # prefilled when first given model drafts (``drafts``)
+
+    def global_state(self) -> dict:
+        return {"pool": pool_state(self.pool)}
+
+    def set_global_state(self, state: dict) -> None:
+        self.pool = pool_from(state["pool"])
 
     def on_commit(self, seq, num_new_tokens: int) -> None:
         if seq.seq_id in self.proposer.states:
@@ -470,25 +543,26 @@ class SuffixCandidate(ForwardingCandidate):
     time after a 1-token match and 92% after 8+ tokens; pooled by frequency alone, auto expected
     0.71 tokens from a 1-token suffix draft that gave 0.45. Every draft is checked against the
     emitted tokens, verified or not (``pool``, [trials, hits] per cell, decays once per step,
-    ``SUFFIX_POOL_DECAY``). Cost: the lookup's own measured CPU time per step (``seconds``, an
-    exponential mean)."""
+    ``SUFFIX_POOL_DECAY``). Cost: ``lookup_seconds`` per row of the step, the lookup's CPU time
+    measured with the job's calibration (``measure_suffix_lookup``), fixed for the job: the
+    time of the moment never enters a decision, so two runs of a job decide alike.
+
+    num_rows (``counts_rows``): the rows of the verify step, a resumed job's placeholders
+    included; the own-text factor depends on it (``SuffixProposer.draft``)."""
 
     name = "suffix"
     hysteresis = False
+    counts_rows = True
 
-    def __init__(self, proposer) -> None:
+    def __init__(self, proposer, lookup_seconds: float = DEFAULT_LOOKUP_SECONDS) -> None:
         self.proposer = proposer
         self.pool: dict[tuple[int, int], list[float]] = {}
-        self.seconds: float | None = None  # measured suffix lookup time per step
+        self.lookup_seconds = lookup_seconds  # CPU seconds of one row's lookup
         self._drafts: dict = {}  # seq id -> this step's suffix Draft (rows with one)
 
-    def prepare(self, seqs, caps: list[int]) -> list[int]:
-        # the lookup's CPU time (Python on this thread): wall time counted other processes'
-        # turns on a busy machine, priced suffix drafts by the load of the moment
-        t0 = time.thread_time()
-        drafts = [self.proposer.draft(s, k, len(seqs)) for s, k in zip(seqs, caps)]
-        seconds = time.thread_time() - t0
-        self.seconds = seconds if self.seconds is None else 0.8 * self.seconds + 0.2 * seconds
+    def prepare(self, seqs, caps: list[int], num_rows: int | None = None) -> list[int]:
+        rows = len(seqs) if num_rows is None else num_rows
+        drafts = [self.proposer.draft(s, k, rows) for s, k in zip(seqs, caps)]
         self._drafts = {s.seq_id: d for s, d in zip(seqs, drafts) if d.ids}
         for cell in self.pool.values():  # once per step (SUFFIX_POOL_DECAY)
             cell[0] *= SUFFIX_POOL_DECAY
@@ -518,7 +592,7 @@ class SuffixCandidate(ForwardingCandidate):
         return [0.0] * len(seqs)
 
     def step_seconds(self, lengths: list[int], ctx: float) -> list[float]:
-        return [self.seconds]
+        return [self.lookup_seconds * len(lengths)]  # every row of the step was looked up
 
     def drafts(self, seqs, lengths: list[int], ctx: float) -> list[list[int]]:
         return [self._drafts[s.seq_id].ids[:n] for s, n in zip(seqs, lengths)]
@@ -536,6 +610,12 @@ class SuffixCandidate(ForwardingCandidate):
             if draft.ids[j] != emitted[j]:
                 break
             cell[1] += 1.0
+
+    def global_state(self) -> dict:
+        return {"pool": [[m, b, t, h] for (m, b), (t, h) in sorted(self.pool.items())]}
+
+    def set_global_state(self, state: dict) -> None:
+        self.pool = {(int(m), int(b)): [float(t), float(h)] for m, b, t, h in state["pool"]}
 
     def _drop(self, seq) -> None:
         self._drafts.pop(seq.seq_id, None)

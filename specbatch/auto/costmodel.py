@@ -27,9 +27,11 @@ within +-1% with these terms. The slopes are non-negative, so a step never gets 
 more tokens. Timings far above the fit (another process took the CPU) are taken again, then
 left out, while the time budget (``BUDGET_SECONDS``) lasts. The fit is cached as JSON per
 (model, dtype, device, CPU kernel path, host) under the cache directory (``cache_path``), a
-noisy one too (``CostModel.noise``: the online refit corrects it); ``run --method auto``
-calibrates on first use (~8 s for SmolLM2-135M float32 on a quiet 2-core CPU, at most ~20 s
-plus one sweep of the grid).
+noisy one too (``CostModel.noise``, with a note); ``run --method auto`` calibrates on first use
+(~8 s for SmolLM2-135M float32 on a quiet 2-core CPU, at most ~20 s plus one sweep of the
+grid). A job prices every step with the fit it started with (kept beside its output,
+``save_job_fits``): no time measured while it runs enters a decision, so two runs of a job, or
+a killed and resumed one, decide alike.
 """
 
 from __future__ import annotations
@@ -139,6 +141,9 @@ class CostModel:
     # the tile and padded-slot terms (``ct``, ``cp``), fitted from packed shapes too
     # (``PACKED_SHAPES``); False: the uniform grid alone, which cannot tell them apart
     tiled: bool = False
+    # CPU seconds of one suffix lookup per row (``candidate.measure_suffix_lookup``), measured
+    # with the fit; None in files written before it (measured when such a fit is used)
+    lookup_seconds: float | None = None
 
     def __post_init__(self) -> None:
         n = 4 + len(self.knots) + 2 * self.tiled
@@ -160,7 +165,7 @@ class CostModel:
         """How noisy the timings were, when noisier than a quiet machine gives (None): more
         than ``NOISY_RESIDUAL`` off the fit at the median, or more than
         ``NOISY_REJECTED_SHARE`` of them left out as outliers. A noisy fit is still cached
-        and used: ``auto`` refits it to the run's own steps (``OnlineCost``)."""
+        and used."""
         if self.median_residual > NOISY_RESIDUAL:
             return f"timings {self.median_residual:.0%} off the fit at the median"
         total = len(self.samples) + len(self.rejected)
@@ -234,7 +239,8 @@ class CostModel:
 
 
 class OnlineCost:
-    """A ``CostModel`` that keeps fitting while the engine runs.
+    """A ``CostModel`` that keeps fitting to timed steps (not used by ``auto``'s decisions, which
+    price a job with the fit it started with; kept for measuring how a fit drifts).
 
     The calibration grid is measured in a few seconds on synthetic batches; the steps of a real
     run (other shapes, a warmer or busier machine, the engine's own work) can cost more or less.
@@ -308,9 +314,20 @@ class OnlineCost:
 
 
 def load(path: str | os.PathLike) -> CostModel:
-    """Read a cost model written by ``CostModel.save``; raises ``ValueError`` if malformed."""
+    """Read a cost model written by ``CostModel.save`` (or the target's of a job's fits,
+    ``save_job_fits``); raises ``ValueError`` if malformed."""
     try:
         d = json.loads(Path(path).read_text())
+        if isinstance(d, dict) and isinstance(d.get("target"), dict):  # a job's fits
+            d = d["target"]
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a specbatch calibration file ({e})") from None
+    return _from_dict(d, path)
+
+
+def _from_dict(d, path) -> CostModel:
+    """The ``CostModel`` of ``asdict``'s JSON ``d`` read from ``path``; raises ``ValueError``."""
+    try:
         return CostModel(coef=tuple(d["coef"]), model_id=d.get("model_id", ""),
                          dtype=d.get("dtype", ""), device=d.get("device", ""),
                          host=d.get("host", ""),
@@ -321,9 +338,55 @@ def load(path: str | os.PathLike) -> CostModel:
                          load_average=d.get("load_average"), engine=d.get("engine", ""),
                          knots=tuple(int(k) for k in d.get("knots", ())),
                          packed=bool(d.get("packed", False)),
-                         tiled=bool(d.get("tiled", False)))
-    except (OSError, KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
+                         tiled=bool(d.get("tiled", False)),
+                         lookup_seconds=(None if d.get("lookup_seconds") is None
+                                         else float(d["lookup_seconds"])))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"{path}: not a specbatch calibration file ({e})") from None
+
+
+def with_lookup_seconds(cost: CostModel) -> CostModel:
+    """``cost`` with ``lookup_seconds`` measured (``candidate.measure_suffix_lookup``) where it
+    has none."""
+    if cost.lookup_seconds is not None:
+        return cost
+    from specbatch.auto.candidate import measure_suffix_lookup
+
+    return replace(cost, lookup_seconds=measure_suffix_lookup())
+
+
+def save_job_fits(path: str | os.PathLike, target: CostModel,
+                  draft: CostModel | None = None) -> None:
+    """Write the fits a job's decisions use (``OUT.calibration.json``): ``{"target": ...,
+    "draft": ... or null}``, each as ``CostModel.save`` writes one (``load`` reads the
+    target's: ``--calibration OUT.calibration.json`` prices another job alike). Atomic (a
+    temporary file renamed over ``path``); raises ``OSError``."""
+    import tempfile
+
+    p = Path(path)
+    data = json.dumps({"target": asdict(target),
+                       "draft": None if draft is None else asdict(draft)}, indent=1)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_job_fits(path: str | os.PathLike) -> tuple[CostModel, CostModel | None]:
+    """The ``(target, draft or None)`` fits of ``save_job_fits``; raises ``ValueError`` (one
+    line naming the file) if it is not such a file."""
+    try:
+        d = json.loads(Path(path).read_text())
+        target, draft = d["target"], d["draft"]
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: not a job's calibration file ({e})") from None
+    return _from_dict(target, path), None if draft is None else _from_dict(draft, path)
 
 
 def _features(rows: int, q: int, ctx: int, tokens: int | None = None,
@@ -650,7 +713,7 @@ def other_engine(cost: CostModel) -> str | None:
 def _without_wait_policy(fingerprint: str) -> str:
     """The fingerprint less its OpenMP wait policy: the CLI makes threads wait passively when
     other work holds the CPUs (``cpu_threads``), a choice of the moment like the load itself,
-    which the online refit (``OnlineCost``) absorbs; a fit is not measured again for it."""
+    which moves step times a little; a fit is not measured again for it."""
     import re
 
     return re.sub(r", OpenMP wait \w+", "", fingerprint)
@@ -671,13 +734,15 @@ def load_or_calibrate(forward, model_id: str, dtype: str, cache_root: Path,
                       recalibrate: bool = False, echo=None, progress: bool = True,
                       time_fn=None, purpose: str | None = None,
                       budget_seconds: float | None = BUDGET_SECONDS,
-                      ) -> tuple[CostModel, Path, bool]:
+                      lookup: bool = False) -> tuple[CostModel, Path, bool]:
     """The cached cost model for this (model, dtype, device, kernel path, host), measured if
     absent, unusable (``CostModel.problem``: an older format, a negative coefficient), of
     another engine build, torch or thread count (``other_engine``), or ``recalibrate``. The
-    load average is no reason to measure again: a fit measured on a busy machine is refined by
-    the run's own steps (``OnlineCost``). A new fit is always cached; a noisy one
-    (``CostModel.noise``) with a ``note:`` line saying so.
+    load average is no reason to measure again (``specbatch calibrate --recalibrate`` on a
+    quieter machine replaces a fit measured on a busy one). A new fit is always cached; a noisy one
+    (``CostModel.noise``) with a ``note:`` line saying so. lookup: the fit also holds the
+    suffix lookup's cost (``CostModel.lookup_seconds``, measured and cached where a cached fit
+    lacks it): the target's fit, which ``auto`` prices suffix drafts with.
     echo: a callable for the lines a person should see (``None``: silent): the line that says
     it is calibrating, for what (``purpose``), how long at most and where the fit is cached;
     progress: a tqdm bar while measuring; time_fn, budget_seconds: as ``calibrate``.
@@ -692,6 +757,12 @@ def load_or_calibrate(forward, model_id: str, dtype: str, cache_root: Path,
         else:
             why = cached.problem() or other_engine(cached)
             if why is None:
+                if lookup and cached.lookup_seconds is None:
+                    cached = with_lookup_seconds(cached)
+                    try:
+                        cached.save(path)
+                    except OSError:
+                        pass  # measured again next time
                 return cached, path, False
             say(f"the cached calibration {path} is not used ({why}); calibrating again")
     load_now = load_average()
@@ -705,11 +776,14 @@ def load_or_calibrate(forward, model_id: str, dtype: str, cache_root: Path,
     model = calibrate(forward, model_id=model_id, dtype=dtype, progress=progress,
                       time_fn=time_fn, budget_seconds=budget_seconds)
     seconds = time.perf_counter() - t0
+    if lookup:
+        model = with_lookup_seconds(model)
     if model.problem() is None:
         model.save(path)
     noisy = model.noise()
     say(f"calibrated in {seconds:.1f} s" + (
-        f"; note: {noisy}, with other work on the CPUs: the run's own steps refine the fit, "
-        "and `specbatch calibrate --recalibrate` on a quieter machine replaces it"
+        f"; note: {noisy}, with other work on the CPUs: it is used as measured (auto's "
+        "decisions follow it, not the time of the moment), and `specbatch calibrate "
+        "--recalibrate` on a quieter machine replaces it"
         if noisy else ""))
     return model, path, True

@@ -44,19 +44,26 @@ batch 16 int8 (one wave) auto drafted 756 tokens for 126 steps against none's 12
 that finished sooner did not shorten the job.
 
 ``steps_by_proposer`` counts which candidate (or none) drafted each row's steps, per record.
-After every step each candidate learns from the committed tokens (``Candidate.observe``) and
-the target's cost model from the verify step's wall time (``observe_step``).
+After every step each candidate learns from the committed tokens (``Candidate.observe``). The
+cost models are fixed for the job (the job's calibration): no time measured while it runs
+enters a decision, so the same job decides the same way in every run.
+
+Resume (``auto.journal``): ``decisions`` holds the last step's choice per row (its request id,
+source, draft length), which the journal appends; ``force`` makes the rows of a resumed job
+take the journaled choices, step by step, until the journal ends, and then sets the pooled
+state (``state``) the interrupted run had there: a row that ran beside records finished before
+the kill (placeholders now, ``sequence.Replay``) is decided as it was beside them.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence as Seq
 from itertools import takewhile
 from typing import TYPE_CHECKING
 
-from specbatch.auto.candidate import Candidate, LookupCandidate, online
-from specbatch.auto.costmodel import CostModel, OnlineCost
+from specbatch.auto.candidate import Candidate, LookupCandidate
+from specbatch.auto.costmodel import CostModel
 
 if TYPE_CHECKING:
     from specbatch.engine.sequence import Sequence
@@ -67,6 +74,22 @@ if TYPE_CHECKING:
 # over tokens per step so far) is rough, and rows this close finish within a few steps of
 # each other
 DRAIN_SLACK = 0.1
+
+
+def _request_id(seq) -> tuple:
+    """A row's request id as a tuple (the journal's key: ``(record index, turn, sample)`` for
+    ``pipeline``'s requests)."""
+    rid = getattr(seq.request, "request_id", None)
+    if rid is None:
+        rid = seq.seq_id
+    return tuple(rid) if isinstance(rid, (tuple, list)) else (rid,)
+
+
+def _prepare(cand: Candidate, seqs, caps: list[int], num_rows: int | None) -> list[int]:
+    """``cand.prepare``, given ``num_rows`` where it ``counts_rows``."""
+    if num_rows is not None and getattr(cand, "counts_rows", False):
+        return cand.prepare(seqs, caps, num_rows=num_rows)
+    return cand.prepare(seqs, caps)
 
 
 def _context(seqs) -> float:
@@ -81,15 +104,14 @@ class AdaptivePolicy:
     """Chooses each row's candidate and draft length per step from a ``CostModel`` and the
     candidates' confidence.
 
-    cost: the target's step cost (a calibrated one keeps fitting to the run's steps,
-    ``OnlineCost``); k_max: auto's k (tokens); lookup: the base candidate (prompt lookup);
+    cost: the target's step cost (fixed for the job); k_max: auto's k (tokens); lookup: the base candidate (prompt lookup);
     others: the candidates offered after it, in order (``Candidate``); switch_margin: the
     hysteresis of the step cap and of candidates with ``hysteresis``.
     """
 
     def __init__(self, cost: CostModel, k_max: int, lookup: LookupCandidate,
                  others: Seq[Candidate] = (), switch_margin: float = 0.03) -> None:
-        self.cost = online(cost)
+        self.cost = cost
         self.k_max = k_max
         self.lookup = lookup
         self.others = list(others)
@@ -101,6 +123,13 @@ class AdaptivePolicy:
         self.num_waiting: int | None = None
         # request tag -> steps per source (a candidate's name, or "none")
         self.steps_by_proposer: dict = {}
+        # the last step's choices, per row: (request id, source, draft length)
+        self.decisions: list[tuple] = []
+        # resume: request id -> journaled (source, length) per step still to replay, and the
+        # pooled state to set when they run out (``force``)
+        self._forced: dict[tuple, deque] | None = None
+        self._forced_state: dict | None = None
+        self.forced_mismatches = 0  # rows whose journaled choices did not fit (a divergence)
 
     @property
     def candidates(self) -> list[Candidate]:
@@ -163,21 +192,105 @@ class AdaptivePolicy:
             cuts = new
         return cuts
 
-    def select(self, seqs: list[Sequence], caps: list[int]) -> list[list[int]]:
+    def select(self, seqs: list[Sequence], caps: list[int],
+               num_rows: int | None = None) -> list[list[int]]:
         """The drafts to verify this step, one per row (possibly empty). caps: the most tokens
         each row may draft (its k, ``max_tokens`` and the context; the engine's
-        ``_draft_caps``)."""
+        ``_draft_caps``). num_rows: the rows of the verify step, a resumed job's placeholders
+        included (default ``len(seqs)``; candidates with ``counts_rows`` are told)."""
         ctx = _context(seqs)
+        if self._forced is not None:
+            queues = [self._forced.get(_request_id(s)) for s in seqs]
+            if any(queues):
+                return self._replay(seqs, caps, num_rows, ctx, queues)
+            self._end_forcing()
         weights = self._row_weights(seqs, ctx)
         lengths = self.lookup.prepare(seqs, caps)
         cuts, rate = self._select_base(seqs, lengths, weights)
         chosen = self.lookup.drafts(seqs, cuts, ctx)
         source = [self.lookup.name if d else "none" for d in chosen]
         for cand in self.others:
-            chosen = self._offer(cand, seqs, chosen, source, rate, caps, ctx, weights)
+            chosen = self._offer(cand, seqs, chosen, source, rate, caps, ctx, weights, num_rows)
+        self._count(seqs, chosen, source)
+        return chosen
+
+    def _count(self, seqs, chosen: list[list[int]], source: list[str]) -> None:
         for s, src in zip(seqs, source):
             self.steps_by_proposer.setdefault(s.request.tag, Counter())[src] += 1
+        self.decisions = [(_request_id(s), src, len(d))
+                          for s, src, d in zip(seqs, source, chosen)]
+
+    # ---- resume ---------------------------------------------------------------------------
+    def force(self, decisions: dict[tuple, list[tuple[str, int]]], state: dict | None) -> None:
+        """Replay journaled choices (``auto.journal``): decisions, request id -> its
+        (source, draft length) per verify step, in order; state: ``state()`` at the journal's
+        end, set once a step comes whose rows have none left. Until then a step's rows take
+        their journaled choices (a row with none left drafts nothing and counts in
+        ``forced_mismatches``); every candidate still prepares and drafts them, and learns
+        from the commits, so each row's own state follows its tokens."""
+        self._forced = {k: deque(v) for k, v in decisions.items() if v}
+        self._forced_state = state
+        if not self._forced:
+            self._end_forcing()
+
+    @property
+    def replaying(self) -> bool:
+        """Whether the rows still take journaled choices (``force``)."""
+        return self._forced is not None
+
+    def _end_forcing(self) -> None:
+        self.forced_mismatches += sum(1 for q in (self._forced or {}).values() if q)
+        if self._forced_state is not None:
+            self.set_state(self._forced_state)
+        self._forced = self._forced_state = None
+
+    def _replay(self, seqs, caps: list[int], num_rows: int | None, ctx: float,
+                queues: list[deque | None]) -> list[list[int]]:
+        """A step of journaled choices (``force``)."""
+        chosen_src: list[tuple[str, int]] = []
+        for q in queues:
+            if q:
+                chosen_src.append(q.popleft())
+            else:
+                self.forced_mismatches += 1
+                chosen_src.append(("none", 0))
+        self.lookup.prepare(seqs, caps)
+        chosen: list[list[int]] = [[] for _ in seqs]
+        source = ["none"] * len(seqs)
+        names = {c.name for c in self.candidates}
+        for i, (src, n) in enumerate(chosen_src):
+            if src not in names and src != "none":
+                self.forced_mismatches += 1
+        for cand in self.candidates:
+            if cand is not self.lookup:
+                _prepare(cand, seqs, caps, num_rows)
+            rows = [i for i, (src, n) in enumerate(chosen_src) if src == cand.name and n]
+            if not rows:
+                continue
+            drafts = cand.drafts([seqs[i] for i in rows], [chosen_src[i][1] for i in rows], ctx)
+            for i, d in zip(rows, drafts):
+                if len(d) != chosen_src[i][1]:
+                    self.forced_mismatches += 1
+                chosen[i], source[i] = d, cand.name if d else "none"
+        self._count(seqs, chosen, source)
         return chosen
+
+    def state(self) -> dict:
+        """What the policy learned pooled over rows, as JSON values: the step cap, which
+        candidates are in use, each candidate's ``global_state`` (those that have one)."""
+        return {"current_k": self.current_k, "using": dict(sorted(self.using.items())),
+                "candidates": {c.name: c.global_state() for c in self.candidates
+                               if hasattr(c, "global_state")}}
+
+    def set_state(self, state: dict) -> None:
+        """Set ``state()``'s values; raises ``KeyError`` / ``TypeError`` / ``ValueError`` on
+        another shape."""
+        self.current_k = int(state["current_k"])
+        self.using.update({str(k): bool(v) for k, v in state["using"].items()})
+        for c in self.candidates:
+            got = state["candidates"].get(c.name)
+            if got is not None and hasattr(c, "set_global_state"):
+                c.set_global_state(got)
 
     def _row_weights(self, seqs, ctx: float) -> list[float] | None:
         """What a row's expected token is worth this step (module docstring, "a draining
@@ -217,14 +330,15 @@ class AdaptivePolicy:
 
     def _offer(self, cand: Candidate, seqs, chosen: list[list[int]], source: list[str],
                base_rate: float, caps: list[int], ctx: float,
-               weights: list[float] | None = None) -> list[list[int]]:
+               weights: list[float] | None = None,
+               num_rows: int | None = None) -> list[list[int]]:
         """Offer ``cand`` the rows no earlier candidate took (``source`` still the base's or
         none); returns the drafts with the rows it takes replaced (``source`` updated).
         weights: what each row's tokens are worth (``_row_weights``; default 1 each)."""
         n = len(seqs)
         if weights is None:
             weights = [1.0] * n
-        avail = cand.prepare(seqs, caps)
+        avail = _prepare(cand, seqs, caps, num_rows)
         free = [src in (self.lookup.name, "none") and w > 0 for src, w in zip(source, weights)]
         value = base_rate * self.cost.token_cost(n + sum(len(d) for d in chosen), ctx)
         current = self.lookup.reach(seqs, [len(d) for d in chosen])
@@ -264,13 +378,6 @@ class AdaptivePolicy:
             out[i] = d
             source[i] = cand.name
         return out
-
-    def observe_step(self, seqs, drafts: list[list[int]], seconds: float) -> None:
-        """A verify step's wall time (seconds), for the online cost fit (``OnlineCost``)."""
-        if isinstance(self.cost, OnlineCost):
-            self.cost.observe(len(seqs), 1 + max((len(d) for d in drafts), default=0),
-                              _context(seqs),
-                              sum(1 + len(d) for d in drafts), seconds)
 
     def observe(self, seq, emitted: list[int]) -> None:
         """The tokens the step committed for a row of the step: every candidate learns."""

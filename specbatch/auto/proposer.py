@@ -3,8 +3,9 @@ policy (``auto.policy.AdaptivePolicy``) that chooses, row by row and step by ste
 candidate's draft is verified and how much of it.
 
 The engine sees an ordinary ``Proposer``: ``propose`` returns the drafts to verify, already
-cut and routed; ``on_schedule`` tells it how many requests wait for a row; ``on_verify`` (the ``Proposer``
-hook after a verify step) gives the policy the step's wall time; ``on_commit`` gives every candidate the tokens the step committed. The
+cut and routed; ``on_schedule`` tells it how many requests wait for a row; ``on_verify`` (the
+``Proposer`` hook after a verify step) ends the step (the decision journal, when kept, appends
+it); ``on_commit`` gives every candidate the tokens the step committed. The
 candidates are built from the registry (``methods``: every method with ``auto=True`` and a
 ``candidate`` builder) once the run is planned (``auto.planner.plan_auto``).
 """
@@ -33,6 +34,7 @@ class AutoProposer(Proposer):
                  policy: AdaptivePolicy | None = None) -> None:
         self.members = members
         self.policy = policy
+        self.journal = None  # an ``auto.journal.DecisionJournal`` (``specbatch run``)
         self._in_step: set[int] = set()  # seq ids of this step's rows
 
     def build_candidates(self, setup: Setup) -> list[Candidate]:
@@ -54,11 +56,16 @@ class AutoProposer(Proposer):
         for c in self._candidates():
             c.start(seq)
 
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
-        """The drafts to verify, at most ``ks[i]`` tokens for ``seqs[i]`` (the engine's cap)."""
+    counts_rows = True  # suffix drafts depend on the rows of the step (a resume's placeholders)
+
+    def propose(self, seqs: list[Sequence], ks: list[int],
+                num_rows: int | None = None) -> list[list[int]]:
+        """The drafts to verify, at most ``ks[i]`` tokens for ``seqs[i]`` (the engine's cap).
+        num_rows: the rows of the verify step, a resumed job's placeholders included (default
+        ``len(seqs)``)."""
         self._candidates()
         self._in_step = {s.seq_id for s in seqs}
-        return self.policy.select(seqs, ks)
+        return self.policy.select(seqs, ks, num_rows)
 
     def on_schedule(self, num_waiting: int) -> None:
         """The requests waiting for a row before this step: with none, the policy values a
@@ -67,9 +74,10 @@ class AutoProposer(Proposer):
         self.policy.num_waiting = num_waiting
 
     def on_verify(self, seqs: list[Sequence], drafts: list[list[int]], seconds: float) -> None:
-        """The verify step's wall time (seconds: forward, sampling and commit, ending with the
-        step's one device-to-host copy) for the policy's cost model."""
-        self.policy.observe_step(seqs, drafts, seconds)
+        """The end of a verify step: the journal (``auto.journal``, when one is kept) appends
+        the step's choices. The step's time is not used: auto's costs are fixed for the job."""
+        if self.journal is not None:
+            self.journal.step(self.policy)
 
     def on_commit(self, seq: Sequence, num_new_tokens: int) -> None:
         if seq.seq_id in self._in_step:  # the candidates check their drafts against it

@@ -96,6 +96,7 @@ class _Job:
     writer: object = None
     bar: object = None
     done_before: set = field(default_factory=set)
+    lock: object = None  # ``io.writer.OutLock``, taken before the model loads
 
 
 def load_records(opts) -> tuple[list, list]:
@@ -132,6 +133,9 @@ def run_job(opts: RunOptions) -> int:
         return _run_job(opts, job)
     except KeyboardInterrupt:
         return _interrupted(job)
+    finally:
+        if job.lock is not None:  # ended before its writer held OUT.lock: let it go
+            job.lock.release()
 
 
 def _interrupted(job: _Job) -> int:
@@ -214,14 +218,19 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         "recipe": opts.recipe,
     }
     if not opts.plan_only:
-        from specbatch.io.writer import check_not_in_use, check_resume
+        from specbatch.io.writer import OutLock, check_resume
 
         try:
-            check_not_in_use(opts.output_path)  # another run writing OUT: before the load
+            # OUT.lock from now: a run writing OUT, or one starting beside this one, is
+            # refused before either loads its model
+            job.lock = OutLock(opts.output_path)
             if not opts.force:
                 check_resume(opts.output_path, config)
         except ValueError as e:
             _err(f"error: {e}")
+            return EXIT_BAD_INPUT
+        except OSError as e:
+            _err(f"error: cannot write the output: {_os_error(e)}")
             return EXIT_BAD_INPUT
 
     if opts.cpu is not None:
@@ -271,7 +280,7 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         return EXIT_OK
     try:
         writer = OutputWriter(opts.output_path, config, resume=opts.resume, force=opts.force,
-                              num_records=len(records))
+                              num_records=len(records), lock=job.lock)
         writer.write_errors(errors)
     except ValueError as e:
         _err(f"error: {e}")
@@ -294,6 +303,7 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     from specbatch.progress import Progress
 
     progress = None  # made once the engine is ready (after auto's calibration)
+    journal = None  # --method auto: its decision journal (``auto.journal``)
     schedules: dict[int, list] = {}  # --method suffix: where each record's answers ran
 
     def on_tokens(n, stats):
@@ -315,6 +325,13 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
                                   on_tokens=on_tokens)
     else:  # with --method auto: calibrates, plans, prints the plan
         replay = _replay(opts, writer, done)
+        auto = opts.spec.method == "auto"
+        if auto and writer.resumed and writer.fits_path.exists():
+            try:  # the fits the interrupted job decided with, whatever the cache holds now
+                llm.use_job_fits(str(writer.fits_path))
+            except ValueError as e:
+                _err(f"warning: {e}; the spec counters of the records run after the resume "
+                     "may differ from an uninterrupted run's (outputs do not)")
         if replay is not None:  # the whole job's batch size, its records in their order
             job_records = [r for r in records if r.index not in skip]
             prepared = llm.prepare(job_records, engine=llm.fit_engine_config(job_records))
@@ -323,9 +340,11 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         proposer = prepared.engine.proposer
         resume = methods.get(opts.spec.method).resume  # suffix: re-index finished outputs
         if done and replay is None and resume is not None:
-            # no schedule to replay (auto; a work file of an older version, or --ray's): the
+            # no schedule to replay (a work file of an older version, or --ray's): the
             # finished outputs join the index first
             resume(proposer, writer.finished_records())
+        if auto:
+            journal = _decision_journal(writer, prepared, done, replay)
         results = prepared.run(opts.run_seed, on_tokens, on_step, replay=replay,
                                schedules=schedules if _replays(opts) else None)
     tput = Throughput()
@@ -341,8 +360,12 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         interval=opts.progress_interval) if opts.progress else None)
     try:
         for rec, out in results:
+            if journal is not None:  # the journal covers every step of what the work file has
+                journal.flush()
             writer.write(rec.index, output_line(rec, out, llm.model_id),
                          schedule=schedules.pop(rec.index, None))
+            if journal is not None:
+                journal.written(rec.index)
             if _STOP_REQUESTED:  # a SIGTERM whose KeyboardInterrupt was swallowed
                 raise KeyboardInterrupt
             by_category[str(rec.fields.get("category", ""))].append(out)
@@ -357,7 +380,15 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
             _err(f"warning: resume: {prepared.engine.replay_mismatches} finished answer(s) did "
                  "not replay at their recorded step and row; the spec counters of the records "
                  "run after the resume may differ from an uninterrupted run's (outputs do not)")
+        policy = getattr(prepared.plan, "policy", None) if not opts.ray else None
+        if policy is not None and policy.forced_mismatches:
+            _err(f"warning: resume: {policy.forced_mismatches} journaled draft choice(s) did "
+                 f"not fit the rows they were replayed for ({writer.decisions_path}); the spec "
+                 "counters of the records run after the resume may differ from an "
+                 "uninterrupted run's (outputs do not)")
         writer.absorb_shards()  # Ray replicas' own work files (none in a local run)
+        if journal is not None:
+            journal.close()
         n = writer.finish(skipped=skipped)
     except ReplicaFailed as e:  # --ray: a replica died and Ray gave up on it
         if bar is not None:
@@ -391,6 +422,39 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     return EXIT_OK
 
 
+def _decision_journal(writer, prepared, done: set, replay):
+    """``--method auto``: keep the job's fits beside OUT (``OUT.calibration.json``) and open its
+    decision journal (``auto.journal``, ``OUT.decisions.jsonl``), which a resumed job replays
+    (``AdaptivePolicy.force``). Returns the journal, or None when it cannot be kept (a warning
+    says why; outputs are the same, a later resume's stats may differ)."""
+    from specbatch.auto.costmodel import save_job_fits
+    from specbatch.auto.journal import DecisionJournal
+
+    target, draft = prepared.fits
+    try:
+        save_job_fits(writer.fits_path, target, draft)
+    except OSError as e:
+        _err(f"warning: cannot keep the job's calibration: {_os_error(e)}")
+    resume = writer.resumed and (not done or replay is not None)
+    if writer.resumed and done and not writer.decisions_path.exists():
+        _err(f"warning: resume: no decision journal ({writer.decisions_path}, written since "
+             "specbatch keeps one); the spec counters of the records run after the resume may "
+             "differ from an uninterrupted run's (outputs do not)")
+    try:
+        journal = DecisionJournal(writer.decisions_path, resume=resume, done=done)
+    except ValueError as e:
+        _err(f"warning: resume: {e}; the spec counters of the records run after the resume may "
+             "differ from an uninterrupted run's (outputs do not)")
+        writer.decisions_path.unlink(missing_ok=True)
+        journal = DecisionJournal(writer.decisions_path, resume=False, done=done)
+    except OSError as e:
+        _err(f"warning: cannot keep auto's decision journal: {_os_error(e)}")
+        return None
+    journal.attach(prepared.plan.policy)
+    prepared.engine.proposer.journal = journal
+    return journal
+
+
 def _replays(opts: RunOptions) -> bool:
     """Whether the method's drafts depend on the schedule, so its records' schedules are kept
     and a resume replays them (``methods.Method.replay_schedule``: suffix)."""
@@ -398,11 +462,12 @@ def _replays(opts: RunOptions) -> bool:
 
 
 def _replay(opts: RunOptions, writer, done: set) -> dict | None:
-    """A resumed ``--method suffix`` job: index -> the schedule of each finished record, when
-    every one has one (``pipeline.generate_records`` replays them), else None. A suffix
-    record's drafts depend on what the job-wide index holds at each of its steps and on the
-    rows beside it, i.e. on the schedule; ``ngram`` and ``none`` drafts do not, and ``auto``'s
-    follow its measured step times."""
+    """A resumed ``--method suffix`` or ``auto`` job: index -> the schedule of each finished
+    record, when every one has one (``pipeline.generate_records`` replays them), else None. A
+    suffix record's drafts depend on what the job-wide index holds at each of its steps and on
+    the rows beside it, i.e. on the schedule, and auto's choices are joint over a step's rows
+    (its decision journal, ``auto.journal``, replays those of the records in flight);
+    ``ngram`` and ``none`` drafts depend on neither."""
     if not done or not _replays(opts):
         return None
     schedules = writer.finished_schedules()

@@ -7,6 +7,14 @@ Next to the output ``OUT`` live:
                       ran (``pipeline.generate_records``), which a resume replays. OUT gets
                       the records only.
     OUT.config.json   the effective config of the run (kept after the run, for ``analyze``).
+    OUT.calibration.json  ``--method auto``: the step-cost fits its decisions use
+                      (``auto.costmodel.save_job_fits``), written when the job starts; a
+                      resume prices its steps with them, whatever the cache holds by then.
+                      Kept after the run (``--calibration`` reads it: another job priced
+                      alike).
+    OUT.decisions.jsonl  ``--method auto``: each verify step's choice per row
+                      (``auto.journal``), which a resume replays for the records that were in
+                      flight; removed by ``finish``.
     OUT.errors.jsonl  the skipped records, ``{"line", "id", "reason"}`` (``--on-error skip``).
     OUT.lock          held (``flock``) while a run writes OUT, holding its process id: a second
                       run on the same OUT is refused at open (``ValueError``), not mixed in.
@@ -99,6 +107,57 @@ def _lock(out_path: Path, create: bool = True):
         raise ValueError(f"{out_path} is being written by another specbatch run (process "
                          f"{holder}, {path}); wait for it to end or choose another -o") from None
     return fh
+
+
+class OutLock:
+    """``OUT.lock`` taken before the model loads (``specbatch run``), so that of two runs started
+    on one ``-o`` together the second is refused at once, not after its model load: raises
+    ``ValueError`` naming the process that holds it. Creates the missing folders of OUT (to
+    hold the lock file). An ``OutputWriter`` given it (``lock=``) holds it from then on;
+    ``release`` lets a run that ends before that go, removing the lock file and the folders
+    it created (those still empty)."""
+
+    def __init__(self, out_path: str | os.PathLike) -> None:
+        self.path = _beside(Path(out_path), ".lock")
+        self.adopted = False
+        self._created: list[Path] = []  # deepest first
+        folder = Path(out_path).absolute().parent
+        missing = []
+        while not folder.exists():
+            missing.append(folder)
+            folder = folder.parent
+        try:
+            for f in reversed(missing):
+                f.mkdir(exist_ok=True)
+                self._created.insert(0, f)
+            self.fh = _lock(Path(out_path))
+        except (OSError, ValueError):
+            self._remove_folders()
+            raise
+        if self.fh is not None:
+            self.fh.seek(0)
+            self.fh.truncate()
+            self.fh.write(f"{os.getpid()}\n")
+            self.fh.flush()
+
+    def release(self) -> None:
+        """Unless an ``OutputWriter`` holds it now: let the lock go, remove the lock file and
+        the folders made for it."""
+        if self.adopted:
+            return
+        if self.fh is not None:
+            self.fh.close()
+            self.fh = None
+            self.path.unlink(missing_ok=True)
+        self._remove_folders()
+
+    def _remove_folders(self) -> None:
+        for folder in self._created:
+            try:
+                folder.rmdir()
+            except OSError:
+                pass  # something else is in it now
+        self._created = []
 
 
 def check_not_in_use(out_path: str | os.PathLike) -> None:
@@ -196,10 +255,12 @@ class OutputWriter:
     effective run config, compared key by key with the saved one on resume. num_records: the
     number of valid input records; indices are ``0 .. num_records - 1``.
     Raises ``ValueError`` on open when the existing files may not be reused (see module doc).
+    lock: ``OUT.lock`` as an ``OutLock`` took it (before the model loaded); default: taken
+    here.
     """
 
     def __init__(self, out_path: str | os.PathLike, config: dict, *, resume: bool, force: bool,
-                 fsync_every: int = 8, num_records: int) -> None:
+                 fsync_every: int = 8, num_records: int, lock: OutLock | None = None) -> None:
         self.out_path = Path(out_path)
         check_output_path(out_path)
         if fsync_every < 1:
@@ -207,6 +268,9 @@ class OutputWriter:
         self.work_path = _beside(self.out_path, ".work.jsonl")
         self.config_path = _beside(self.out_path, ".config.json")
         self.errors_path = _beside(self.out_path, ".errors.jsonl")
+        self.fits_path = _beside(self.out_path, ".calibration.json")
+        self.decisions_path = _beside(self.out_path, ".decisions.jsonl")
+        self.resumed = False
         self.config = orjson.loads(orjson.dumps(config, option=JSON_OPTIONS))
         self.num_records = num_records
         self.fsync_every = fsync_every
@@ -217,7 +281,11 @@ class OutputWriter:
         self._fh = None
         self._lock = None
         self.out_path.parent.mkdir(parents=True, exist_ok=True)
-        self._take_lock()
+        if lock is not None:  # taken before the model loaded: this writer holds it now
+            lock.adopted = True
+            self._lock = lock.fh
+        else:
+            self._take_lock()
         try:
             self._open(resume, force)
         except BaseException:
@@ -241,6 +309,7 @@ class OutputWriter:
                                                         _diff(saved, self.config)))
         elif self.out_path.exists() and not force:
             raise ValueError(f"{self.out_path} exists from a finished run; --force to overwrite")
+        self.resumed = self.work_path.exists()  # an interrupted job continues
         if self.work_path.exists():
             self._finished = self._load_work()
             self._done = set(self._finished)
@@ -328,6 +397,7 @@ class OutputWriter:
         _beside(self.out_path, ".lock").unlink(missing_ok=True)  # still held: nobody is in
         self.close()
         self.work_path.unlink(missing_ok=True)
+        self.decisions_path.unlink(missing_ok=True)
         return len(rows)
 
     def write_errors(self, errors: list[RecordError]) -> None:
@@ -386,12 +456,15 @@ class OutputWriter:
     def _remove_stale_temp_files(self) -> None:
         """A run killed inside ``finish`` (or ``_atomic_write``) leaves ``.OUT.*.tmp``; the
         final file is rebuilt from the work file, so such a leftover is never needed."""
-        for name in (self.out_path.name, self.config_path.name, self.errors_path.name):
+        for name in (self.out_path.name, self.config_path.name, self.errors_path.name,
+                     self.fits_path.name, self.decisions_path.name):
             for tmp in self.out_path.parent.glob(f".{glob_escape(name)}.*.tmp"):
                 tmp.unlink(missing_ok=True)
 
     def _discard_work(self) -> None:
         self.work_path.unlink(missing_ok=True)
+        self.decisions_path.unlink(missing_ok=True)
+        self.fits_path.unlink(missing_ok=True)
         for path in self._shard_paths():
             path.unlink(missing_ok=True)
 
@@ -577,4 +650,4 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-__all__ = ["OutputWriter", "WorkShard", "check_output_path", "check_not_in_use", "JSON_OPTIONS", "OUTPUT_FORMATS"]
+__all__ = ["OutputWriter", "OutLock", "WorkShard", "check_output_path", "check_not_in_use", "JSON_OPTIONS", "OUTPUT_FORMATS"]

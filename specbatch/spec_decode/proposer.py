@@ -14,7 +14,7 @@ rows) keyed by ``Sequence.seq_id``, and hears about every sequence's lifecycle f
     on_verify(seqs, drafts, seconds)
                           a verify step of rows seqs with these drafts ended (after its commits);
                           seconds: its wall time, the forward plus sampling, grammar masks and
-                          commit (``auto`` learns the machine's step cost from it)
+                          commit (``auto`` ends its step there: its decision journal)
 
 A proposer subclasses ``Proposer`` and so inherits the defaults: ``on_schedule`` and
 ``on_verify`` do nothing and

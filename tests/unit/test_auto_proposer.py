@@ -1,6 +1,7 @@
-"""``auto.proposer.AutoProposer``: auto's one proposer asks its policy for the drafts, feeds it
-the verify step's time (the ``Proposer.on_verify`` hook) and the tokens each row of the step
-committed, and forwards the lifecycle to every candidate, in order."""
+"""``auto.proposer.AutoProposer``: auto's one proposer asks its policy for the drafts (with the
+rows of the verify step, a resume's placeholders included), feeds it the tokens each row of the
+step committed, ends the step in the decision journal when one is kept (the ``Proposer.on_verify``
+hook; the step's time is not used), and forwards the lifecycle to every candidate, in order."""
 
 from types import SimpleNamespace
 
@@ -26,17 +27,22 @@ class _Candidate:
 class _Policy:
     def __init__(self, candidates):
         self.candidates = candidates
-        self.selected, self.observed, self.steps = [], [], []
+        self.selected, self.observed = [], []
 
-    def select(self, seqs, caps):
-        self.selected.append(([s.seq_id for s in seqs], caps))
+    def select(self, seqs, caps, num_rows=None):
+        self.selected.append(([s.seq_id for s in seqs], caps, num_rows))
         return [[1, 2][:c] for c in caps]
-
-    def observe_step(self, seqs, drafts, seconds):
-        self.steps.append((len(seqs), drafts, seconds))
 
     def observe(self, seq, emitted):
         self.observed.append((seq.seq_id, emitted))
+
+
+class _Journal:
+    def __init__(self):
+        self.steps = []
+
+    def step(self, policy):
+        self.steps.append(policy)
 
 
 def test_auto_proposer_feeds_the_policy_and_the_candidates():
@@ -52,9 +58,11 @@ def test_auto_proposer_feeds_the_policy_and_the_candidates():
     a.token_ids.append(5)  # the prefill's token: not a row of a step, nothing observed
     proposer.on_commit(a, 1)
     drafts = proposer.propose([a, b], [3, 0])
-    assert policy.selected == [([0, 1], [3, 0])] and drafts == [[1, 2], []]
+    assert policy.selected == [([0, 1], [3, 0], None)] and drafts == [[1, 2], []]
+    proposer.on_verify([a, b], drafts, 0.25)  # no journal: nothing; the time is not used
+    journal = proposer.journal = _Journal()
     proposer.on_verify([a, b], drafts, 0.25)
-    assert policy.steps == [(2, [[1, 2], []], 0.25)]
+    assert journal.steps == [policy]
     a.token_ids += [1, 9]  # one accepted, one recovered
     proposer.on_commit(a, 2)
     assert policy.observed == [(0, [1, 9])]  # what the step committed
@@ -64,4 +72,6 @@ def test_auto_proposer_feeds_the_policy_and_the_candidates():
                      ("ngram", "commit", 0, 1), ("suffix", "commit", 0, 1),
                      ("ngram", "commit", 0, 2), ("suffix", "commit", 0, 2),
                      ("ngram", "finish", 1), ("suffix", "finish", 1)]
-    assert proposer.name == "auto" and proposer.counts_rows is False
+    assert proposer.name == "auto" and proposer.counts_rows is True
+    proposer.propose([a], [2], num_rows=3)  # two placeholders beside it (a resume)
+    assert policy.selected[-1] == ([0], [2], 3)

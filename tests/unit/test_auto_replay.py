@@ -3,7 +3,10 @@ lookup, a draft model and suffix drafts, all stand-ins driven by a seeded genera
 cost models, with no wall time (the candidates' clock is a counter), gives the same drafts,
 step by step, as the policy before the ``specbatch.auto`` package (``specbatch/plan/policy.py``
 at commit 4815fd0, per-candidate ``_select_lookup`` / ``_select_model`` / ``_select_suffix``),
-whose decisions ``tests/data/auto_decisions.json`` holds.
+whose decisions ``tests/data/auto_decisions.json`` holds; re-recorded when auto's costs became
+fixed for a job (no online refit of the target's fit from the reported step times, the suffix
+lookup priced at ``SUFFIX_LOOKUP_SECONDS`` per row): with those two pinned the same way, the
+tree before gave this tree's decisions on all three scenarios.
 
 A step here is what the engine does: admit rows up to the batch (``start``, then the first
 token is committed), ask the proposer for drafts under each row's cap, commit what a target
@@ -29,6 +32,7 @@ K = 4
 BATCH = 6
 CAP = min(32, 3 * K)  # auto's draft cap (SUFFIX_CAP_FACTOR * k)
 VOCAB = 6  # small, so drafts from any source are often right
+SUFFIX_LOOKUP_SECONDS = 3e-4  # a suffix lookup's CPU seconds per row (fixed, as a job's fit)
 # name -> the draft model's step cost (seconds: per forward, per row), or None: no draft model
 SCENARIOS = {"lookup+suffix": None, "lookup+draft+suffix": (0.0015, 0.0002),
              "lookup+slower-draft+suffix": (0.0025, 0.0003)}
@@ -203,7 +207,8 @@ def new_proposer(draft_cost, clock):
         ("suffix", Suffix())]
     proposer = AutoProposer(members)
     setup = Setup(K, _prior, Probe(16, 2, 4, 4096),
-                  cost_model((*draft_cost, 0.0, 0.0)) if draft_cost else None)
+                  cost_model((*draft_cost, 0.0, 0.0)) if draft_cost else None,
+                  suffix_lookup_seconds=SUFFIX_LOOKUP_SECONDS)
     lookup, *others = proposer.build_candidates(setup)
     proposer.use(AdaptivePolicy(target, K, lookup, others))
     return proposer

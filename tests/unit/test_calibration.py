@@ -86,7 +86,7 @@ def test_a_timing_that_stays_slow_is_left_out():
 
 def test_a_noisy_fit_is_cached_with_one_consistent_message(tmp_path, monkeypatch):
     """Half the shapes slowed 1.5-3x in every timing: the fit is used and cached (the next run
-    reuses it; the run's own steps refine it), and what is said never contradicts itself: the
+    reuses it, and prices its steps with it), and what is said never contradicts itself: the
     line before says where it is cached, the line after how long it took and that it is
     noisy (issue 36: "once (cached in ...)" was followed by "not cached (too noisy)")."""
     shapes = [(r, q, c) for c in (256, 1024) for r in (1, 4, 16) for q in (1, 2, 4, 6, 9)]
@@ -104,7 +104,7 @@ def test_a_noisy_fit_is_cached_with_one_consistent_message(tmp_path, monkeypatch
                         "later runs ..."), lines
     assert len(lines) == 2 and lines[1].startswith("calibrated in "), lines
     assert "; note: 14 of 28 timings slowed by other processes" in lines[1], lines
-    assert "refine" in lines[1], lines
+    assert "recalibrate" in lines[1], lines
     assert not any("not cached" in line or "warning" in line for line in lines), lines
     timer = _timer()
     again, _, measured = load_or_calibrate(FORWARD, "m", "bfloat16", tmp_path, progress=False,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from click.testing import CliRunner
 
@@ -588,6 +590,33 @@ def test_calibrate_to_an_unwritable_path_is_one_line(tmp_path, tiny_gguf):
     assert sorted(p.name for p in good.parent.iterdir()) == ["cost.json", "cost.json.tmp"]
     empty = CliRunner().invoke(main, ["calibrate", "--model", str(tiny_gguf), "-o", ""])
     assert empty.exit_code == 2 and "error: cannot write '': an empty path" in empty.output
+
+
+def test_a_run_holds_its_output_lock_while_its_model_loads(tmp_path, monkeypatch, tiny_gguf):
+    """Two runs started on one ``-o`` together: the second is refused before its model loads,
+    because the first holds OUT.lock from before its own load (it took it when its writer
+    opened, after the load, so both loaded first); a run that ends before writing (here its
+    model fails to load) leaves neither the lock file nor the folder it made."""
+    from specbatch import llm as llm_mod
+    from specbatch.io.writer import OutLock
+
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": 1, "prompt": "a"}\n')
+    out = tmp_path / "new" / "o.jsonl"
+    seen = []
+
+    def loading(cls, *args, **kwargs):
+        with pytest.raises(ValueError, match="is being written by another specbatch run"):
+            OutLock(out)  # a second run starting now
+        seen.append(out.with_name("o.jsonl.lock").read_text().strip())
+        raise llm_mod.ModelLoadError("no model here")
+
+    monkeypatch.setattr(llm_mod.LLM, "from_config", classmethod(loading))
+    result = CliRunner().invoke(main, ["run", str(src), "-o", str(out), "--model", str(tiny_gguf),
+                                       "--cache-dir", str(tmp_path / "c"), "--no-progress"])
+    assert result.exit_code == 2 and "error: no model here" in result.output, result.output
+    assert seen == [str(os.getpid())]
+    assert not (tmp_path / "new").exists()
 
 
 def test_a_run_on_an_output_another_run_writes_is_refused_before_the_model_loads(
