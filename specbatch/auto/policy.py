@@ -104,7 +104,8 @@ class AdaptivePolicy:
     """Chooses each row's candidate and draft length per step from a ``CostModel`` and the
     candidates' confidence.
 
-    cost: the target's step cost (fixed for the job); k_max: auto's k (tokens); lookup: the base candidate (prompt lookup);
+    cost: the target's step cost (fixed for the job); k_max: auto's k (tokens); lookup: the base
+    candidate (prompt lookup);
     others: the candidates offered after it, in order (``Candidate``); switch_margin: the
     hysteresis of the step cap and of candidates with ``hysteresis``.
     """
@@ -118,7 +119,7 @@ class AdaptivePolicy:
         self.switch_margin = switch_margin
         self.current_k = k_max
         self.using: dict[str, bool] = {c.name: False for c in self.others}
-        # requests waiting for a row before this step (``AutoProposer.on_step``); None: not
+        # requests waiting for a row before this step (``AutoProposer.on_schedule``); None: not
         # known (every token counts the same)
         self.num_waiting: int | None = None
         # request tag -> steps per source (a candidate's name, or "none")
