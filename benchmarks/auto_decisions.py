@@ -144,7 +144,9 @@ def _quarters(xs):
 
 
 def _instrument(policy, timers, log) -> None:
-    from specbatch.auto.costmodel import OnlineCost
+    from specbatch.auto import costmodel
+
+    online_cost = getattr(costmodel, "OnlineCost", None)  # trees that refitted online
 
     def timed(obj, name, key, after=None):
         fn = getattr(obj, name)
@@ -168,7 +170,8 @@ def _instrument(policy, timers, log) -> None:
 
     def after_step(a, out):
         cost = policy.cost
-        if isinstance(cost, OnlineCost) and cost.num_observed != last_refits[0]:
+        if online_cost is not None and isinstance(cost, online_cost) \
+                and cost.num_observed != last_refits[0]:
             n = cost.num_observed
             if n % (8 if n <= 64 else cost.refit_every) == 0:
                 log["fit_ms"].append(cost.step_time(len(a[0]), 1, 300) * 1e3)

@@ -67,8 +67,6 @@ CALIBRATION_VERSION = 4  # 1: plain least squares, no outlier check; 2: one toke
 TOKEN_KNOTS = (4, 8, 16, 32, 64)
 OUTLIER_RESIDUAL = 0.25  # a timing this far above its fit is taken again, then left out
 OUTLIER_ROUNDS = 2  # times an outlier is timed again before it is left out
-# the online refit (``OnlineCost``) counts a step timed above its fit as at most this share above
-ONLINE_CLIP = 0.25
 MIN_SAMPLES = 12  # never leave out samples below this many (4 coefficients to fit)
 NOISY_RESIDUAL = 0.08  # median |measured / fit - 1| above this: a noisy fit (a note)
 NOISY_REJECTED_SHARE = 0.2  # more timings than this share left out: a noisy fit
@@ -236,81 +234,6 @@ class CostModel:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-
-
-class OnlineCost:
-    """A ``CostModel`` that keeps fitting to timed steps (not used by ``auto``'s decisions, which
-    price a job with the fit it started with; kept for measuring how a fit drifts).
-
-    The calibration grid is measured in a few seconds on synthetic batches; the steps of a real
-    run (other shapes, a warmer or busier machine, the engine's own work) can cost more or less.
-    Each verify step's wall time is added to the calibration samples and the coefficients are
-    refitted every 8 steps up to the 64th, then every ``refit_every`` (weighted least squares on
-    relative error, as ``fit``; the normal equations are accumulated, so an update is O(1): a
-    step appends its features, a refit folds them in with one matrix product and solves). The
-    calibration samples, worth ``prior_weight`` steps in all, keep the fit sane for shapes the
-    run has not tried yet; after a few dozen steps the
-    run's own timings dominate. Same interface as ``CostModel`` (``step_time``, ``token_cost``).
-    """
-
-    def __init__(self, base: CostModel, prior_weight: float = 8.0, refit_every: int = 32) -> None:
-        self.model = base  # the current fit; ``coef`` replaced at each refit
-        self.refit_every = refit_every
-        self.num_observed = 0
-        n = len(base.coef)
-        # normal equations in numpy; steps not folded in yet wait in ``_pending`` (features over
-        # seconds): a step costs a list append, not ~100 us of small-array work between forwards
-        self._a = np.zeros((n, n))
-        self._b = np.zeros(n)
-        self._pending: list[list[float]] = []
-        # the calibration counts as ``prior_weight`` observed steps in all
-        if base.samples:
-            self._fold(_relative_rows(base.samples, base.knots, base.packed, base.tiled),
-                       prior_weight / len(base.samples))
-
-    def _fold(self, x: np.ndarray, weight: float = 1.0) -> None:
-        """Add rows ``x`` (features / seconds, ``[m, n]``) to the normal equations."""
-        self._a += weight * (x.T @ x)
-        self._b += weight * x.sum(0)  # target: seconds / seconds = 1
-
-    def observe(self, num_rows: int, query_len: int, context_len: int, num_tokens: int,
-                seconds: float) -> None:
-        """One measured step (shape as in ``step_time``; seconds of wall time)."""
-        if seconds <= 0:
-            return
-        # load only ever adds time: a step timed far above the current fit (another process
-        # took the CPU) counts as ONLINE_CLIP above it, no more. Unclipped, a burst of load
-        # on the steps that drafted moved the token slope and with it auto's choices (the
-        # fitted step at 16 rows went 148 -> 272 -> 76 ms in one run at load 9-11 on 2
-        # CPUs); a machine that is slower all along is still followed, a refit at a time
-        if any(self.model.coef):  # (a model of no coefficients yet predicts nothing)
-            seconds = min(seconds, (1 + ONLINE_CLIP) * self.model.step_time(
-                num_rows, query_len, context_len, num_tokens))
-        self._pending.append([f / seconds for f in _features(
-            num_rows, query_len, context_len, num_tokens, self.model.knots, self.model.packed,
-            self.model.tiled)])
-        self.num_observed += 1
-        n = self.num_observed
-        # every 8 steps for the first 64 (a short job, e.g. a bench category of 10 records,
-        # must leave the calibration's bias behind quickly), then every refit_every (a refit
-        # is ~0.3 ms between forwards)
-        if n % (8 if n <= 64 else self.refit_every) == 0:
-            self._fold(np.array(self._pending))
-            self._pending.clear()
-            coef = solve_nonnegative(self._a, self._b)  # never a negative coefficient
-            if any(coef):  # all zero: nothing fits yet (no calibration samples); keep the last
-                self.model = replace(self.model, coef=coef)
-
-    def step_time(self, num_rows: int, query_len: int, context_len: int,
-                  num_tokens: int | None = None) -> float:
-        return self.model.step_time(num_rows, query_len, context_len, num_tokens)
-
-    def token_cost(self, num_tokens: int = 0, context_len: int = 0) -> float:
-        return self.model.token_cost(num_tokens, context_len)
-
-    @property
-    def token_key_cost(self) -> float:
-        return self.model.token_key_cost
 
 
 def load(path: str | os.PathLike) -> CostModel:

@@ -176,8 +176,8 @@ class Clock:
 
 
 def costs():
-    """The target's cost (calibrated: it keeps fitting to the steps, ``OnlineCost``; packed
-    attention, knotted dense slope) and the draft model's (synthetic: fixed)."""
+    """The target's cost (calibrated, fixed for the job; packed attention, knotted dense
+    slope) and the draft model's (synthetic: fixed)."""
     try:
         from specbatch.auto.costmodel import CostModel
     except ImportError:  # pragma: no cover - the old tree (recording)

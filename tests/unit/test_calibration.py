@@ -1,5 +1,5 @@
 """Calibration under load (issues 16, 36): outliers re-timed or left out, no negative
-coefficient, a bounded time, a noisy fit cached with a note (the online refit corrects it), a
+coefficient, a bounded time, a noisy fit cached with a note, a
 bad cached fit not reused, a cached fit kept whatever the load."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specbatch.auto import costmodel
-from specbatch.auto.costmodel import (CostModel, OnlineCost, calibrate, fit, load,
+from specbatch.auto.costmodel import (CostModel, calibrate, fit, load,
                                       load_or_calibrate)
 
 TRUE = CostModel((0.035, 0.0012, 2e-7, 1e-8))  # SmolLM2-135M-like, seconds
@@ -150,20 +150,6 @@ def test_a_cached_bad_fit_is_not_reused(tmp_path):
     assert "older specbatch" in load(path).problem()
 
 
-def test_online_refit_never_goes_negative():
-    """Steps timed on a machine whose load comes and goes: the online refit keeps every
-    coefficient >= 0 (a negative one once made big batches look free)."""
-    samples = tuple((r, q, c, TRUE.step_time(r, q, c)) for r in (1, 4, 16) for q in (1, 4, 9)
-                    for c in (256, 1024))
-    knots = costmodel.knots_for(samples)
-    online = OnlineCost(CostModel(fit(list(samples), knots), samples=samples, knots=knots))
-    for i in range(64):
-        rows, q = 1 + i % 16, 1 + i % 5
-        slow = 3.0 if rows < 4 else 1.0  # small steps hit by load, large ones not
-        online.observe(rows, q, 300, rows * q, TRUE.step_time(rows, q, 300) * slow)
-    assert all(c >= 0 for c in online.model.coef), online.model.coef
-
-
 def _tiles(r: int, q: int, c: int) -> float:
     """A step whose matmuls fill their tiles as tokens grow (SmolLM2-135M int8 on AVX-512
     VNNI, session 10: 16 rows, q 1 -> 2 cost 1.4 ms a token, q 6 -> 9 0.9 ms): 1.4 ms a token up
@@ -190,14 +176,6 @@ def test_the_dense_cost_is_piecewise_in_the_tokens():
     assert (linear.step_time(16, 2, 256) - linear.step_time(16, 1, 256)) / 16 < 0.9 * first
     # the knots travel through the cache file
     assert load_roundtrip(cost) == cost
-    # the run's own steps keep the segments: a machine 1.3x slower everywhere is learned
-    online = OnlineCost(cost)
-    for i in range(200):
-        r, q = (16, 1 + i % 4) if i % 2 else (1 + i % 5, 2)
-        online.observe(r, q, 300, r * q, 1.3 * _tiles(r, q, 300))
-    assert online.step_time(16, 2, 300) == pytest.approx(1.3 * _tiles(16, 2, 300), rel=0.05)
-    assert online.token_cost(16) == pytest.approx(1.3 * 1.4e-3, rel=0.2)
-    assert online.token_cost(96) < online.token_cost(16)
 
 
 def load_roundtrip(cost: CostModel) -> CostModel:
@@ -212,7 +190,7 @@ def load_roundtrip(cost: CostModel) -> CostModel:
 def test_a_fit_measured_under_load_is_kept_when_quiet(tmp_path, monkeypatch):
     """Cached while the machine was busy (load above its CPUs): reused once it is quiet too;
     load alone is no reason to measure again (issue 36: a fit cached by one run was thrown
-    away 30 s later when the load went from 2.0 to 1.8). The online refit corrects it."""
+    away 30 s later when the load went from 2.0 to 1.8)."""
     import os
 
     cpus = os.cpu_count() or 1
@@ -267,7 +245,7 @@ def test_a_fit_of_another_engine_build_or_thread_count_is_measured_again(tmp_pat
     wait policy): a fit written without one, or with another thread count, is measured again
     with a line saying why; under the same fingerprint it is reused, and so it is under
     another wait policy (the CLI waits passively on a busy machine: a choice of the moment, as
-    the load is, which the online refit absorbs)."""
+    the load is)."""
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     cost, path, measured = load_or_calibrate(FORWARD, "m", "bfloat16", tmp_path,
                                              progress=False, time_fn=_timer())
@@ -388,8 +366,8 @@ def test_each_cpu_kernel_path_keeps_its_own_calibration(tmp_path, monkeypatch):
 def test_packed_attention_prices_the_real_tokens_not_the_padded_rows(tmp_path):
     """Where the forward runs attention on a packed step's real tokens (the CPU C attention),
     a step with one long row costs by its tokens x keys, not every row padded to the longest;
-    a row's extra token then also pays its own attention. The flag survives save/load and an
-    online refit, and calibrate takes it from the forward."""
+    a row's extra token then also pays its own attention. The flag survives save/load, and
+    calibrate takes it from the forward."""
     coef = (0.004, 0.0003, 1e-6, 5e-7)
     padded, packed = CostModel(coef), CostModel(coef, packed=True)
     # 16 rows, one drafting 15 tokens, fifteen drafting 2: 61 real tokens, q = 16
@@ -405,29 +383,10 @@ def test_packed_attention_prices_the_real_tokens_not_the_padded_rows(tmp_path):
     assert load(tmp_path / "c.json").packed
     padded.save(tmp_path / "p.json")
     assert not load(tmp_path / "p.json").packed
-    assert OnlineCost(packed).step_time(16, 16, ctx, t) == packed.step_time(16, 16, ctx, t)
     forward = SimpleNamespace(device=torch.device("cpu"),
                               backend=SimpleNamespace(packed_attention=True))
     assert calibrate(forward, time_fn=_timer()).packed
     assert not calibrate(FORWARD, time_fn=_timer()).packed
-
-
-def test_the_online_refit_of_packed_steps_recovers_the_token_key_term():
-    """Steps whose rows feed different lengths, timed as a packed forward costs them: the
-    online fit of a packed model predicts them; the same steps read as padded do not."""
-    true = CostModel((0.004, 0.0003, 1e-6, 5e-7), packed=True)
-    samples = tuple((r, q, c, true.step_time(r, q, c)) for c in (256, 1024)
-                    for r in (1, 4, 16) for q in (1, 2, 4, 6, 9))
-    online = OnlineCost(CostModel(fit([s for s in samples]), samples=samples, packed=True))
-    steps = [(16, q, c, 16 + (q - 1) + 15 * d) for q in (8, 12, 16) for d in (1, 2)
-             for c in (300, 600)]
-    for _ in range(4):
-        for r, q, c, t in steps:
-            online.observe(r, q, c, t, true.step_time(r, q, c, t))
-    for r, q, c, t in steps:
-        assert online.step_time(r, q, c, t) == pytest.approx(true.step_time(r, q, c, t), rel=1e-3)
-    padded = CostModel(true.coef)
-    assert padded.step_time(16, 16, 600, 46) > 1.5 * true.step_time(16, 16, 600, 46)
 
 
 def test_packed_shapes_price_a_partly_filled_tile_and_padded_logits():
@@ -460,12 +419,6 @@ def test_packed_shapes_price_a_partly_filled_tile_and_padded_logits():
     # one more token at 20 tokens: the segment's slope, a tile's share, its keys
     assert cost.token_cost(20, 300) == pytest.approx(0.0006 + 0.0009 / 8 + 5e-7 * 300)
     assert load_roundtrip(cost) == cost
-    # the online refit keeps the terms (a machine 1.2x slower on every packed step)
-    online = OnlineCost(cost)
-    for _ in range(64):
-        online.observe(16, 6, 300, 22, 1.2 * true.step_time(16, 6, 300, 22))
-    assert online.step_time(16, 6, 300, 22) == pytest.approx(1.2 * true.step_time(16, 6, 300, 22),
-                                                             rel=0.02)
     # the uniform grid alone: the first drafted token at 16 rows priced at under 3/4 its cost
     uniform = calibrate(forward, time_fn=time_fn, packed_grid=())
     assert not uniform.tiled and len(uniform.coef) == 9

@@ -1,4 +1,5 @@
-"""Auto planner: cost-model choice of k, online adaptation, buckets, and output invariance."""
+"""Auto planner: cost-model choice of k, per-row adaptation to acceptance, buckets, and output
+invariance."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from specbatch.config import SamplingParams
-from specbatch.auto.costmodel import CostModel, OnlineCost, fit
+from specbatch.auto.costmodel import CostModel, fit
 from specbatch.auto.planner import best_k, bucket_for, make_plan
 from specbatch.auto.candidate import LookupCandidate, Probe, RowAcceptance
 from specbatch.auto.policy import AdaptivePolicy
@@ -41,33 +42,6 @@ def test_cost_fit_recovers_a_linear_model():
     got = CostModel(fit(samples))
     for r, q, c, t in samples:
         assert got.step_time(r, q, c) == pytest.approx(t, rel=1e-6)
-
-
-def test_online_cost_follows_the_steps_it_times():
-    """Calibrated on a machine whose steps cost 60 ms + 1 ms/token; the run's steps cost
-    40 ms + 1.5 ms/token. After timing 200 steps the fit predicts the run's shapes within 3%
-    (the calibration alone: 6-27% off), the calibration still pulling a little."""
-    calibrated = CostModel((0.060, 0.001, 0.0, 0.0))
-    samples = tuple((r, q, c, calibrated.step_time(r, q, c)) for r in (1, 4, 16)
-                    for q in (1, 2, 4, 6, 9) for c in (256, 1024))
-    online = OnlineCost(CostModel(calibrated.coef, samples=samples))
-    assert online.step_time(10, 6, 300) == pytest.approx(calibrated.step_time(10, 6, 300))
-    actual = CostModel((0.040, 0.0015, 0.0, 0.0))
-    for i in range(200):
-        rows, q = 10 - i % 3, 1 + i % 6
-        tokens = rows + (q - 1) * (1 + i % 4)  # rows draft different lengths (packed)
-        online.observe(rows, q, 300, tokens, actual.step_time(rows, q, 300, tokens))
-    for rows, q, tokens in ((10, 1, 10), (9, 6, 30), (8, 4, 20)):
-        assert online.step_time(rows, q, 300, tokens) == pytest.approx(
-            actual.step_time(rows, q, 300, tokens), rel=0.03)
-        assert abs(calibrated.step_time(rows, q, 300, tokens) / actual.step_time(
-            rows, q, 300, tokens) - 1) > 0.05
-    assert online.token_cost() > 0.0012  # from the calibrated 1 ms toward 1.5
-    # an AdaptivePolicy prices a job with the fit it is given: no time measured while the
-    # job runs enters a decision
-    fit = CostModel(calibrated.coef, samples=samples)
-    policy, _ = _policy(fit, 5, lambda s: [(1.0, 1.0)] * 5)
-    assert policy.cost is fit
 
 
 def _seq(seq_id: int, length: int = 100):
@@ -389,50 +363,6 @@ def test_a_plan_at_k0_says_so_and_does_not_describe_lookup():
     names = ", ".join(b.name for b in used)
     assert (f"k 0 ({names}): drafting is not predicted to pay at batch 4 with this machine's "
             "step cost, so these records start without drafts") in table, table
-
-
-def _bursty_refit(true: CostModel) -> OnlineCost:
-    """An ``OnlineCost`` calibrated on ``true`` that timed 300 batch-16 steps of ``true``'s
-    cost, every third drafting step 3x slower (another process took the CPU meanwhile)."""
-    samples = tuple((r, q, c, true.step_time(r, q, c)) for r in (1, 4, 16)
-                    for q in (1, 2, 4, 6, 9) for c in (256, 1024))
-    online = OnlineCost(CostModel(true.coef, samples=samples))
-    for i in range(300):
-        rows, q = 16, 1 + i % 4
-        tokens = rows + (q - 1) * 3
-        burst = 3.0 if q > 1 and i % 3 == 0 else 1.0
-        online.observe(rows, q, 300, tokens, true.step_time(rows, q, 300, tokens) * burst)
-    return online
-
-
-def test_online_refit_is_not_moved_by_bursts_of_load(monkeypatch):
-    """The refit counts a step timed above its fit as at most ``ONLINE_CLIP`` above it (load
-    only adds time): with bursts of load on the drafting steps the fit stays within 10% of the
-    true cost at every shape and the token slope within 15%, and the drafts auto picks for
-    rows of any acceptance give >= 99% of the true model's best rate. Unclipped, the same
-    timings priced a draft token over 1.5x its cost."""
-    from specbatch.auto import costmodel
-
-    true = CostModel((0.020, 0.0012, 1e-7, 0.0))
-    online = _bursty_refit(true)
-    for rows, q, tokens in ((16, 1, 16), (16, 2, 19), (16, 4, 25), (4, 6, 12)):
-        assert online.step_time(rows, q, 300, tokens) == pytest.approx(
-            true.step_time(rows, q, 300, tokens), rel=0.10)
-    assert online.token_cost(16) == pytest.approx(true.token_cost(16), rel=0.15)
-    seqs = [_seq(i, 300) for i in range(16)]
-    for alpha in (0.05, 0.3, 0.6, 0.8, 0.9, 0.97):
-        def prior(s, alpha=alpha):
-            return [(alpha * 40, (1 - alpha) * 40)] * 5
-        judge, _ = _policy(true, 5, prior)
-        cuts = {}
-        for name, cost in (("true", true), ("online", online)):
-            policy, _ = _policy(cost, 5, prior)
-            cuts[name] = [len(d) for d in _select(policy, seqs, [[1, 2, 3, 4, 5]] * 16)]
-        assert judge._rate(seqs, cuts["online"]) >= 0.99 * judge._rate(seqs, cuts["true"]), (
-            alpha, cuts)
-    # unclipped, the same timings price a 4-token-per-row step more than 10% high
-    monkeypatch.setattr(costmodel, "ONLINE_CLIP", math.inf)
-    assert _bursty_refit(true).step_time(16, 4, 300, 25) > 1.10 * true.step_time(16, 4, 300, 25)
 
 
 @pytest.mark.parametrize("alpha", [0.1, 0.3, 0.5, 0.8])
