@@ -31,18 +31,6 @@ One loop, two stages:
    for a candidate with ``hysteresis``, which once used is kept unless the base is that much
    better). Only then does the candidate draft (``Candidate.drafts``).
 
-**A draining job** (no request waits for a row: the last wave of a job, or all of a job no
-larger than the batch). Above, a token is worth the same on every row: a row that finishes
-sooner hands its row to the next request. With nothing waiting, the job ends when its slowest
-row does: a token saves the whole step only on the row that sets the end (its budget left,
-``max_tokens`` minus its output, over its tokens per step so far, within ``DRAIN_SLACK`` of the
-longest); on any other row it saves only that row's share of the later steps, the cost model's
-``step_time(n) - step_time(n - 1)`` over ``step_time(n)``. Every expected token above is
-weighted so (``_row_weights``; the rates are then "weighted tokens" per second), and a row
-drafts only while its weighted reach pays for the packed token. On the 16 peer records at
-batch 16 int8 (one wave) auto drafted 756 tokens for 126 steps against none's 128: the rows
-that finished sooner did not shorten the job.
-
 ``steps_by_proposer`` counts which candidate (or none) drafted each row's steps, per record.
 After every step each candidate learns from the committed tokens (``Candidate.observe``). The
 cost models are fixed for the job (the job's calibration): no time measured while it runs
@@ -67,13 +55,6 @@ from specbatch.auto.costmodel import CostModel
 
 if TYPE_CHECKING:
     from specbatch.engine.sequence import Sequence
-
-
-# a draining job's rows whose expected steps left are within this share of the longest row's
-# count as setting the job's end (``AdaptivePolicy._row_weights``): the estimate (budget left
-# over tokens per step so far) is rough, and rows this close finish within a few steps of
-# each other
-DRAIN_SLACK = 0.1
 
 
 def _request_id(seq) -> tuple:
@@ -119,9 +100,6 @@ class AdaptivePolicy:
         self.switch_margin = switch_margin
         self.current_k = k_max
         self.using: dict[str, bool] = {c.name: False for c in self.others}
-        # requests waiting for a row before this step (``AutoProposer.on_schedule``); None: not
-        # known (every token counts the same)
-        self.num_waiting: int | None = None
         # request tag -> steps per source (a candidate's name, or "none")
         self.steps_by_proposer: dict = {}
         # the last step's choices, per row: (request id, source, draft length)
@@ -153,41 +131,34 @@ class AdaptivePolicy:
         """Expected output tokens per second if every lookup draft is cut to ``k`` tokens."""
         return self._rate(seqs, [min(k, len(d)) for d in drafts])
 
-    def _rate(self, seqs, cuts: list[int], reach: list[list[float]] | None = None,
-              weights: list[float] | None = None) -> float:
+    def _rate(self, seqs, cuts: list[int], reach: list[list[float]] | None = None) -> float:
         """Expected output tokens per second if row i feeds ``cuts[i]`` base draft tokens
         (rows run packed: the dense layers cost by the real tokens, attention by the longest
         row or, where packed, by the real tokens; at the rows' mean context, ``_context``).
-        reach: per row, the base's ``reach`` (default: asked for ``cuts``). weights: per row,
-        what its tokens are worth (``_row_weights``; default 1 each)."""
+        reach: per row, the base's ``reach`` (default: asked for ``cuts``)."""
         if reach is None:
             reach = self.lookup.reach(seqs, cuts)
         ctx = _context(seqs)
-        if weights is None:
-            weights = [1.0] * len(seqs)
-        tokens = sum(w * (1 + sum(r[:c])) for w, r, c in zip(weights, reach, cuts))
+        tokens = len(seqs) + sum(sum(r[:c]) for r, c in zip(reach, cuts))
         q = 1 + max(cuts, default=0)
         return tokens / self.cost.step_time(len(seqs), q, ctx, num_tokens=len(seqs) + sum(cuts))
 
-    def _cuts(self, seqs, lengths: list[int], k: int, reach: list[list[float]],
-              weights: list[float] | None = None) -> list[int]:
+    def _cuts(self, seqs, lengths: list[int], k: int,
+              reach: list[list[float]]) -> list[int]:
         """Per-row draft lengths under a step cap ``k``: row i keeps draft position j only if
-        the chance that positions 0..j are all accepted (the expected extra tokens it brings,
-        times the row's weight) is worth the packed token it costs at the step's rate
-        (Dinkelbach-style fixed point, 3 rounds from "keep everything")."""
-        if weights is None:
-            weights = [1.0] * len(seqs)
+        the chance that positions 0..j are all accepted (the expected extra tokens it brings)
+        is worth the packed token it costs at the step's rate (Dinkelbach-style fixed point,
+        3 rounds from "keep everything")."""
         cuts = [min(k, n) for n in lengths]
         for _ in range(3):
             # a packed token's price: the dense slope at the step's token count (plus scoring
             # the row's keys where attention is packed)
-            rate = self._rate(seqs, cuts, reach, weights)
+            rate = self._rate(seqs, cuts, reach)
             slope, per_key = self.cost.token_cost(len(seqs) + sum(cuts)), self.cost.token_key_cost
             new = []
-            for s, r, c0, w in zip(seqs, reach, (min(k, n) for n in lengths), weights):
-                price = rate * (slope + per_key * len(s.token_ids))
-                new.append(min(c0, sum(1 for _ in takewhile(lambda x: w * x >= price, r))
-                               if w > 0 else 0))
+            for s, r, c0 in zip(seqs, reach, (min(k, n) for n in lengths)):
+                threshold = rate * (slope + per_key * len(s.token_ids))
+                new.append(min(c0, sum(1 for _ in takewhile(lambda x: x >= threshold, r))))
             if new == cuts:
                 break
             cuts = new
@@ -205,13 +176,12 @@ class AdaptivePolicy:
             if any(queues):
                 return self._replay(seqs, caps, num_rows, ctx, queues)
             self._end_forcing()
-        weights = self._row_weights(seqs, ctx)
         lengths = self.lookup.prepare(seqs, caps)
-        cuts, rate = self._select_base(seqs, lengths, weights)
+        cuts, rate = self._select_base(seqs, lengths)
         chosen = self.lookup.drafts(seqs, cuts, ctx)
         source = [self.lookup.name if d else "none" for d in chosen]
         for cand in self.others:
-            chosen = self._offer(cand, seqs, chosen, source, rate, caps, ctx, weights, num_rows)
+            chosen = self._offer(cand, seqs, chosen, source, rate, caps, ctx, num_rows)
         self._count(seqs, chosen, source)
         return chosen
 
@@ -293,35 +263,16 @@ class AdaptivePolicy:
             if got is not None and hasattr(c, "set_global_state"):
                 c.set_global_state(got)
 
-    def _row_weights(self, seqs, ctx: float) -> list[float] | None:
-        """What a row's expected token is worth this step (module docstring, "a draining
-        job"): None (1 each) while requests wait for a row or for a single row; else 1 for the
-        rows whose expected steps left (``max_tokens`` minus the output so far, over the row's
-        output tokens per step so far) are within ``DRAIN_SLACK`` of the longest, and for the
-        others the share of a step one row costs (``step_time(n) - step_time(n - 1)`` over
-        ``step_time(n)``, rows feeding one token, at the rows' mean context), in [0, 1]."""
-        n = len(seqs)
-        if self.num_waiting is None or self.num_waiting > 0 or n < 2:
-            return None
-        left = [max(s.sampling.max_tokens - s.num_output_tokens, 0)
-                / max(s.num_output_tokens / max(s.stats.num_steps, 1), 1.0) for s in seqs]
-        longest = max(left)
-        full = self.cost.step_time(n, 1, ctx)
-        share = min(max((full - self.cost.step_time(n - 1, 1, ctx)) / full, 0.0), 1.0)
-        return [1.0 if x >= (1 - DRAIN_SLACK) * longest else share for x in left]
-
-    def _select_base(self, seqs, lengths: list[int],
-                     weights: list[float] | None = None) -> tuple[list[int], float]:
+    def _select_base(self, seqs, lengths: list[int]) -> tuple[list[int], float]:
         """Per-row base draft lengths under the chosen step cap, and their predicted rate
-        ((weighted) tokens/s)."""
+        (tokens/s)."""
         longest = max(lengths, default=0)
         if longest == 0:
-            return [0] * len(seqs), self._rate(seqs, [0] * len(seqs), [[] for _ in seqs],
-                                               weights)
+            return [0] * len(seqs), self._rate(seqs, [0] * len(seqs), [[] for _ in seqs])
         reach = self.lookup.reach(seqs, [min(self.k_max, n) for n in lengths])
-        options = {k: self._cuts(seqs, lengths, k, reach, weights)
+        options = {k: self._cuts(seqs, lengths, k, reach)
                    for k in range(0, min(self.k_max, longest) + 1)}
-        rates = {k: self._rate(seqs, cuts, reach, weights) for k, cuts in options.items()}
+        rates = {k: self._rate(seqs, cuts, reach) for k, cuts in options.items()}
         best = max(rates, key=lambda k: (rates[k], -k))
         keep = min(self.current_k, longest)
         if rates[best] > rates[keep] * (1 + self.switch_margin):
@@ -331,32 +282,28 @@ class AdaptivePolicy:
 
     def _offer(self, cand: Candidate, seqs, chosen: list[list[int]], source: list[str],
                base_rate: float, caps: list[int], ctx: float,
-               weights: list[float] | None = None,
                num_rows: int | None = None) -> list[list[int]]:
         """Offer ``cand`` the rows no earlier candidate took (``source`` still the base's or
-        none); returns the drafts with the rows it takes replaced (``source`` updated).
-        weights: what each row's tokens are worth (``_row_weights``; default 1 each)."""
+        none); returns the drafts with the rows it takes replaced (``source`` updated)."""
         n = len(seqs)
-        if weights is None:
-            weights = [1.0] * n
         avail = _prepare(cand, seqs, caps, num_rows)
-        free = [src in (self.lookup.name, "none") and w > 0 for src, w in zip(source, weights)]
+        free = [src in (self.lookup.name, "none") for src in source]
         value = base_rate * self.cost.token_cost(n + sum(len(d) for d in chosen), ctx)
         current = self.lookup.reach(seqs, [len(d) for d in chosen])
-        net = [w * sum(r) - len(r) * value for r, w in zip(current, weights)]
+        net = [sum(r) - len(r) * value for r in current]
         reach = cand.reach(seqs, avail)
         entry = cand.entry_seconds(seqs, reach)
         best = None  # (rate, lengths per row, 0 = keep the current draft)
         for cap in cand.cap_options(self.k_max):
             lengths = []
-            for r, net_i, e, ok, w in zip(reach, net, entry, free, weights):
-                d = sum(1 for _ in takewhile(lambda x: w * x >= value, r[:cap])) if ok else 0
-                gain = w * sum(r[:d]) - d * value - e * base_rate
+            for r, net_i, e, ok in zip(reach, net, entry, free):
+                d = sum(1 for _ in takewhile(lambda x: x >= value, r[:cap])) if ok else 0
+                gain = sum(r[:d]) - d * value - e * base_rate
                 lengths.append(d if d and gain > net_i else 0)
             if not any(lengths):
                 continue
-            tokens = sum(w * (1 + (sum(r[:d]) if d else sum(c)))
-                         for r, c, d, w in zip(reach, current, lengths, weights))
+            tokens = n + sum(sum(r[:d]) if d else sum(c)
+                             for r, c, d in zip(reach, current, lengths))
             fed = [d if d else len(c) for d, c in zip(lengths, chosen)]
             seconds = self.cost.step_time(n, 1 + max(fed), ctx, num_tokens=n + sum(fed))
             seconds += sum(e for e, d in zip(entry, lengths) if d)

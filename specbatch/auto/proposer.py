@@ -3,9 +3,9 @@ policy (``auto.policy.AdaptivePolicy``) that chooses, row by row and step by ste
 candidate's draft is verified and how much of it.
 
 The engine sees an ordinary ``Proposer``: ``propose`` returns the drafts to verify, already
-cut and routed; ``on_schedule`` tells it how many requests wait for a row; ``on_verify`` (the
-``Proposer`` hook after a verify step) ends the step (the decision journal, when kept, appends
-it); ``on_commit`` gives every candidate the tokens the step committed. The
+cut and routed; ``on_verify`` (the ``Proposer`` hook after a verify step) ends the step (the
+decision journal, when kept, appends it); ``on_commit`` gives every candidate the tokens the
+step committed. The
 candidates are built from the registry (``methods``: every method with ``auto=True`` and a
 ``candidate`` builder) once the run is planned (``auto.planner.plan_auto``).
 """
@@ -66,12 +66,6 @@ class AutoProposer(Proposer):
         self._candidates()
         self._in_step = {s.seq_id for s in seqs}
         return self.policy.select(seqs, ks, num_rows)
-
-    def on_schedule(self, num_waiting: int) -> None:
-        """The requests waiting for a row before this step: with none, the policy values a
-        token by whether its row sets the job's end (``AdaptivePolicy._row_weights``)."""
-        self._candidates()
-        self.policy.num_waiting = num_waiting
 
     def on_verify(self, seqs: list[Sequence], drafts: list[list[int]], seconds: float) -> None:
         """The end of a verify step: the journal (``auto.journal``, when one is kept) appends

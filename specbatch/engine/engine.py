@@ -108,7 +108,6 @@ class Engine:
             num_rows = len(running) + sum(g.replay.verify is not None
                                           and g.replay.verify <= self.step_index
                                           for g in ghosts)
-            self.proposer.on_schedule(len(self.scheduler.waiting))
             drafts = self._propose(running, num_rows)
             meta = StepMetadata.build(running, drafts, self.stop_rules, self.runner.device,
                                       self.runner.query_len(drafts))

@@ -8,16 +8,12 @@ rows) keyed by ``Sequence.seq_id``, and hears about every sequence's lifecycle f
     on_commit(seq, n)     n tokens were appended to seq.token_ids (accepted + recovered/bonus)
     finish(seq)           drop the sequence's state
 
-    on_schedule(num_waiting)
-                          a verify step's rows are scheduled: num_waiting requests still wait
-                          for a row (0: the job is draining; ``auto`` values tokens by it)
     on_verify(seqs, drafts, seconds)
                           a verify step of rows seqs with these drafts ended (after its commits);
                           seconds: its wall time, the forward plus sampling, grammar masks and
                           commit (``auto`` ends its step there: its decision journal)
 
-A proposer subclasses ``Proposer`` and so inherits the defaults: ``on_schedule`` and
-``on_verify`` do nothing and
+A proposer subclasses ``Proposer`` and so inherits the defaults: ``on_verify`` does nothing and
 ``counts_rows`` is False (True: ``propose`` takes ``num_rows=``, the rows of the verify step,
 a resumed job's placeholders included; ``suffix``). The engine calls these directly.
 
@@ -49,10 +45,6 @@ class Proposer(Protocol):
     def on_commit(self, seq: Sequence, num_new_tokens: int) -> None: ...
 
     def finish(self, seq: Sequence) -> None: ...
-
-    def on_schedule(self, num_waiting: int) -> None:
-        """Before a verify step's drafts: the requests waiting for a row (placeholders of a
-        resumed job included); default: nothing."""
 
     def on_verify(self, seqs: list[Sequence], drafts: list[list[int]], seconds: float) -> None:
         """After a verify step (seconds: its wall time); default: nothing."""
