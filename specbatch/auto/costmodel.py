@@ -284,21 +284,11 @@ def save_job_fits(path: str | os.PathLike, target: CostModel,
     "draft": ... or null}``, each as ``CostModel.save`` writes one (``load`` reads the
     target's: ``--calibration OUT.calibration.json`` prices another job alike). Atomic (a
     temporary file renamed over ``path``); raises ``OSError``."""
-    import tempfile
+    from specbatch.io.writer import _atomic_write
 
-    p = Path(path)
     data = json.dumps({"target": asdict(target),
                        "draft": None if draft is None else asdict(draft)}, indent=1)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    _atomic_write(Path(path), data.encode())
 
 
 def load_job_fits(path: str | os.PathLike) -> tuple[CostModel, CostModel | None]:
