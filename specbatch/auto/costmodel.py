@@ -264,7 +264,10 @@ def _from_dict(d, path) -> CostModel:
                          tiled=bool(d.get("tiled", False)),
                          lookup_seconds=(None if d.get("lookup_seconds") is None
                                          else float(d["lookup_seconds"])))
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+    except KeyError as e:
+        raise ValueError(f"{path}: not a specbatch calibration file (no {e.args[0]!r} field; "
+                         "write one with `specbatch calibrate -o FILE`)") from None
+    except (TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"{path}: not a specbatch calibration file ({e})") from None
 
 

@@ -156,7 +156,8 @@ def test_calibration_file_pins_the_fit(tiny, tmp_path, fast_calibration):
     bad.write_text("{}")
     r = CliRunner().invoke(main, [*args, "--cache-dir", str(first), "--calibration", str(bad)])
     assert r.exit_code == 2 and "error: --calibration " in r.stderr, r.output
-    assert "not a specbatch calibration file" in r.stderr and "Traceback" not in r.output
+    assert "not a specbatch calibration file (no 'coef' field; write one with `specbatch " \
+        "calibrate -o FILE`)" in r.stderr and "Traceback" not in r.output, r.stderr
     r = CliRunner().invoke(main, [*args[:5], "ngram", "--calibration", str(fit)])
     assert r.exit_code == 2 and "--calibration needs --method auto" in r.output, r.output
 
