@@ -291,7 +291,8 @@ def _given_flags(ctx: click.Context) -> frozenset[str]:
 @main.command()
 @click.argument("input_path", metavar="INPUT", type=click.Path())
 @click.option("-o", "--output", default=None, type=click.Path(dir_okay=False),
-              help="Output .jsonl or .parquet (default: INPUT stem + .out.jsonl).")
+              help="Output .jsonl or .parquet (default: INPUT stem + .out.jsonl in the "
+                   "current folder: data/a.jsonl -> ./a.out.jsonl).")
 @click.option("--recipe", type=click.Path(dir_okay=False), default=None, is_eager=True,
               callback=_recipe_defaults,
               help="Job definition (recipes/*.toml); flags given here override its values.")

@@ -638,3 +638,32 @@ def test_a_run_on_an_output_another_run_writes_is_refused_before_the_model_loads
         f"error: {out} is being written by another specbatch run (process ")
     running.close()
     assert (tmp_path / "o.jsonl.config.json").read_text().strip() == '{\n  "other": "run"\n}'
+
+
+def test_run_without_o_writes_the_input_stem_in_the_current_folder(tmp_path, monkeypatch,
+                                                                   tiny_gguf):
+    """``-o`` is optional: the output is INPUT's name up to its first dot + ``.out.jsonl`` in
+    the current folder (not INPUT's), as ``run --help``, the README usage and docs/output.md
+    say (a fresh user read ``-o`` in the README's usage as required)."""
+    import json
+    from pathlib import Path
+
+    data = tmp_path / "data"
+    data.mkdir()
+    inp = data / "a.b.jsonl"
+    inp.write_text('{"id": 1, "prompt": "abc abc"}\n')
+    cwd = tmp_path / "here"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    r = CliRunner().invoke(main, ["run", str(inp), "--model", str(tiny_gguf), "--cache-dir",
+                                  str(tmp_path / "c"), "--method", "none", "--max-tokens", "2",
+                                  "--no-progress"])
+    assert r.exit_code == 0, r.output
+    out = cwd / "a.out.jsonl"
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [1]
+    assert not (data / "a.out.jsonl").exists()
+    help_text = " ".join(CliRunner().invoke(main, ["run", "--help"]).output.split())
+    assert "default: INPUT stem + .out.jsonl in the current folder" in help_text
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    usage = next(line for line in readme.splitlines() if line.startswith("specbatch run "))
+    assert usage.startswith("specbatch run INPUT [-o OUT.jsonl] "), usage
