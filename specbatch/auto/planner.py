@@ -121,7 +121,11 @@ class Plan:
                    f"(copy-heavy >= {self.copy_heavy_from:.2f}, novel < {self.novel_below:.2f})"
                    if math.isfinite(self.copy_heavy_from) else
                    "one bucket (fewer than 3 records)")
-        lines = [f"plan: k_max {self.k_max}, batch size {self.batch_size}; {cutoffs}",
+        # k is where a bucket starts: the policy re-chooses it per row and step, so a k 0
+        # bucket's rows still draft once their measured acceptance pays (a fresh user read
+        # an all-k-0 plan as "no drafting", then saw acceptance length ~4.8)
+        lines = [f"plan: k_max {self.k_max}, batch size {self.batch_size}; k is where a bucket "
+                 f"starts: rows draft later where their acceptance pays; {cutoffs}",
                  f"{'bucket':<12}{'records':>8}{'prompt tok':>11}{'pred acc len':>13}"
                  f"{'range':>12}{'proposer':>9}{'k':>4}{'pred speedup':>14}"]
         for b in self.buckets.values():
@@ -248,8 +252,7 @@ def plan_auto(records, renderer, spec_config, batch_size: int, max_model_len: in
         notes.append(f"k 0 ({', '.join(idle)}): drafting is not predicted to pay at batch "
                      f"{batch_size} with this machine's step cost, so "
                      + ("these records start" if len(idle) > 1 else "its records start")
-                     + " without drafts; a row drafts later only where its own measured "
-                     "acceptance makes a draft pay")
+                     + " without drafts")
     plan.model_note = "\n".join(notes)
     if model_id and not fitted_for(model_id):
         plan.model_note = (plan.model_note + "\n" if plan.model_note else "") + (

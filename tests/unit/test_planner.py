@@ -340,7 +340,8 @@ def test_plan_table_says_lookup_when_auto_has_suffix_drafts():
 def test_a_plan_at_k0_says_so_and_does_not_describe_lookup():
     """Every bucket planned at k = 0 (a step where every fed token costs the same: drafting
     never pays by the plan): the table shows ``none`` and ``0``, the note under it says
-    the records start without drafts, and no line describes lookup drafting (issue 36: the
+    the records start without drafts, the plan line that rows draft later where their
+    acceptance pays, and no line describes lookup drafting (issue 36: the
     plan chose ``none k=0`` for all three buckets, then printed "lookup: each step ...")."""
     from specbatch.config import SpecConfig
     from specbatch.auto.planner import plan_auto
@@ -363,6 +364,11 @@ def test_a_plan_at_k0_says_so_and_does_not_describe_lookup():
     names = ", ".join(b.name for b in used)
     assert (f"k 0 ({names}): drafting is not predicted to pay at batch 4 with this machine's "
             "step cost, so these records start without drafts") in table, table
+    # the plan line says k is only where a bucket starts (a fresh user read an all-k-0 plan
+    # as "no drafting", then saw acceptance length ~4.8 in the run's table)
+    assert table.splitlines()[0].startswith(
+        "plan: k_max 5, batch size 4; k is where a bucket starts: rows draft later where "
+        "their acceptance pays; "), table
 
 
 @pytest.mark.parametrize("alpha", [0.1, 0.3, 0.5, 0.8])
