@@ -168,7 +168,7 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu",
         model, tokenizer, digest = _load_dummy(source, TORCH_DTYPES[dtype], torch_device,
                                                cache_dir)
     else:
-        folder, digest = _model_folder(source, cache_root(cache_dir))
+        folder, digest = _model_folder(source, cache_root(cache_dir), dtype)
         model, tokenizer = _load_folder(folder, TORCH_DTYPES[dtype], torch_device)
     if dtype == "int8":
         model.specbatch_activations = "int8"
@@ -209,9 +209,11 @@ def _load_dummy(source: ModelSource, torch_dtype: torch.dtype, device: torch.dev
     return model, tokenizer, dummy.weights_digest(shape, seed)
 
 
-def _model_folder(source: ModelSource, root: Path) -> tuple[Path, str]:
+def _model_folder(source: ModelSource, root: Path,
+                  dtype: str | None = None) -> tuple[Path, str]:
     """The HF folder to load ``source`` from and the sha256 of its weights: a HF folder itself,
-    or a GGUF's converted cache entry under ``root`` (converted now if missing)."""
+    or a GGUF's converted cache entry under ``root`` (converted now if missing). dtype: the
+    dtype the model is loaded in, if it is (for the conversion's message only)."""
     if source.kind == "hf_folder":
         return source.path, _folder_sha256(source.path, root)
     gguf_path = source.gguf_path
@@ -219,7 +221,7 @@ def _model_folder(source: ModelSource, root: Path) -> tuple[Path, str]:
     digest = _file_sha256(gguf_path, root)
     folder = root / _GGUF_CACHE_DIR / digest
     if not _is_complete(folder):
-        _convert_gguf(gguf_path, folder, digest)
+        _convert_gguf(gguf_path, folder, digest, dtype)
     return folder, digest
 
 
@@ -290,9 +292,32 @@ def _drop_quantizer(model: Any) -> None:
     model.is_quantized = False
 
 
-def _convert_gguf(gguf_path: Path, entry_dir: Path, digest: str) -> None:
-    """Write the dequantised model and tokenizer of ``gguf_path`` to ``entry_dir``, atomically."""
-    logger.info("converting %s to float32 safetensors once; cached at %s", gguf_path, entry_dir)
+def conversion_message(gguf_path: Path, entry_dir: Path, dtype: str | None = None) -> str:
+    """The line logged when ``gguf_path`` is converted into the cache entry ``entry_dir``.
+
+    The entry is the tokenizer, config and float32 (dequantised) weights, whatever the dtype
+    loaded. With dtype "int8" and a file whose matmul weights the int8 kernels take as codes
+    (``gguf_header.int8_code_types``), the line says that the matmuls run on the file's own
+    codes and the float32 copy serves the embedding and norms (``backends.cpu.Int8Weights``):
+    a fresh user read "converting ... to float32" right after "loading model ... (int8, ...)"
+    as int8 not being used."""
+    line = (f"converting {gguf_path} once: its tokenizer, config and float32 weights, "
+            f"cached at {entry_dir}")
+    if dtype == "int8":
+        from specbatch.models.gguf_header import int8_code_types
+
+        types = int8_code_types(gguf_path)
+        if types:
+            line += (f" (int8 multiplies by the file's own {' + '.join(types)} codes; the "
+                     f"float32 copy serves the embedding and norms)")
+    return line
+
+
+def _convert_gguf(gguf_path: Path, entry_dir: Path, digest: str,
+                  dtype: str | None = None) -> None:
+    """Write the dequantised model and tokenizer of ``gguf_path`` to ``entry_dir``, atomically.
+    dtype: as ``_model_folder``'s."""
+    logger.info("%s", conversion_message(gguf_path, entry_dir, dtype))
     start = time.perf_counter()
     model, tokenizer = _load_gguf(gguf_path)
     parent = entry_dir.parent

@@ -319,7 +319,9 @@ def test_gguf_converts_once_then_loads_cache(tiny_gguf: Path, tmp_path: Path,
     monkeypatch.setattr(loader, "_load_gguf", capture)
     with caplog.at_level(logging.INFO, logger="specbatch"):
         first = load_model(str(tiny_gguf), cache_dir=tmp_path)
-    assert "converting" in caplog.text and "once; cached at" in caplog.text
+    assert (f"converting {tiny_gguf} once: its tokenizer, config and float32 weights, cached at "
+            f"{tmp_path / 'gguf-v1'}") in caplog.text
+    assert "int8" not in caplog.text  # loaded in float32: no word on int8's codes
     (entry,) = (tmp_path / "gguf-v1").iterdir()  # the final folder only, no temp dir
     assert (entry / "model.safetensors").is_file()
     assert first.model_id == f"{tiny_gguf.resolve()}@sha256:{entry.name[:16]}"
@@ -434,7 +436,8 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.mark.slow
 def test_smollm2_first_load_converts(smollm2) -> None:
-    assert any("converting" in line and "once; cached at" in line for line in smollm2.log)
+    assert any("converting" in line and "once: its tokenizer, config and float32 weights, "
+               "cached at" in line for line in smollm2.log)
     (entry,) = (smollm2.cache / "gguf-v1").iterdir()
     assert {"model.safetensors", "config.json", "generation_config.json",
             "tokenizer.json"} <= {p.name for p in entry.iterdir()}
@@ -480,9 +483,36 @@ def test_a_run_converting_a_gguf_shows_no_transformers_bar(tiny_gguf: Path,
     result = cli("run", src, "-o", tmp_path / "out.jsonl", "--model", tiny_gguf, "--cache-dir",
                  tmp_path / "cache", "--method", "none", "--max-tokens", "2", "--no-progress")
     assert result.returncode == 0, result.stderr
-    assert f"converting {tiny_gguf.resolve()} to float32 safetensors once" in result.stderr
+    converting = (f"converting {tiny_gguf.resolve()} once: its tokenizer, config and float32 "
+                  "weights")
+    assert converting in result.stderr
+    dtype = json.loads((tmp_path / "out.jsonl.config.json").read_text())["dtype"]
+    if dtype == "int8":  # --dtype auto on x86-64 with AVX2: the line says int8 is used
+        assert ("(int8 multiplies by the file's own Q8_0 codes; the float32 copy serves the "
+                "embedding and norms)") in result.stderr, result.stderr
     for bar in ("Converting and de-quantizing", "Loading weights", "it/s]", "%|"):
         assert bar not in result.stderr, result.stderr
+
+
+def test_the_conversion_line_says_what_int8_runs_on(tmp_path: Path) -> None:
+    """The ``converting`` line names what the cache entry is (tokenizer, config, float32
+    weights); loading int8 from a GGUF whose matmul weights are codes, it adds that the matmuls
+    multiply by those codes (a fresh user read "converting ... to float32" right after
+    "loading model ... (int8, ...)" as int8 not being used). No such clause for float32, nor
+    for int8 on an F32 GGUF (no codes: its int8 codes come from the floats)."""
+    from specbatch.models.loader import conversion_message
+
+    q8, f32, entry = tmp_path / "q8.gguf", tmp_path / "f32.gguf", tmp_path / "entry"
+    write_tiny_gguf(q8, linear_type="Q8_0")
+    write_tiny_gguf(f32, linear_type="F32")
+    base = f"converting {q8} once: its tokenizer, config and float32 weights, cached at {entry}"
+    assert conversion_message(q8, entry, "int8") == base + (
+        " (int8 multiplies by the file's own Q8_0 codes; the float32 copy serves the embedding"
+        " and norms)")
+    assert conversion_message(q8, entry, "float32") == base
+    assert conversion_message(q8, entry) == base
+    assert conversion_message(f32, entry, "int8") == (
+        f"converting {f32} once: its tokenizer, config and float32 weights, cached at {entry}")
 
 
 def test_the_bars_are_off_only_while_we_load(tiny_gguf: Path, tmp_path: Path) -> None:
