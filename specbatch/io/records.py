@@ -13,7 +13,8 @@ types the reader gives them. Errors say ``path:N:`` for a line, ``path: element 
 ``path: row N:`` otherwise.
 
 Each line of a ``.jsonl`` file must be one JSON object: a line holding an array (or a string,
-a number...) is a bad record on that line, and a file holding one JSON array spread over
+a number...) is a bad record on that line, known by its line number as a record without an id
+(``RecordError.id``), and a file holding one JSON array spread over
 several lines is refused as a whole (a ``.json`` file may hold an array of records). An object
 that names a key twice (``{"prompt": "a", "prompt": "b"}``) is a bad record naming the key:
 JSON readers keep one value silently (``duplicate_key``). JSON text is UTF-8 (a UTF-8 BOM is
@@ -47,7 +48,7 @@ import re
 import string
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
@@ -189,7 +190,8 @@ def _validate(p: str, rows: list, prompt_field: str | None, id_field: str | None
     taken = _output_ids(rows, id_field)
     for line, row in rows:
         if isinstance(row, _BadLine):
-            errors.append(RecordError(p, line, None, row.reason, unit))
+            errors.append(RecordError(p, line, _bad_line_id(row, id_field, line, null_ids),
+                                      row.reason, unit))
             continue
         wide: dict[str, int] = {}
         if isinstance(row, _WideInts):
@@ -386,7 +388,29 @@ class _FileError(Exception):
 
 @dataclass(frozen=True)
 class _BadLine:
+    """A line (element) that is no record. row: its fields, for its id (``_bad_line_id``):
+    the object of a duplicate key (duplicate: that key), ``{}`` for valid JSON that is no
+    object, None where the line is not JSON (its id, if it has one, cannot be read)."""
+
     reason: str
+    row: dict | None = field(default=None, compare=False)
+    duplicate: str | None = None
+
+
+def _bad_line_id(bad: _BadLine, id_field: str | None, line: int,
+                 null_ids: bool) -> str | int | None:
+    """The id a bad line is reported by: as a record's (``_record_id``), so its line number
+    where it has no id field (valid JSON that is no object, an object without one): an array
+    line was reported as ``id: null`` while an object without an id was reported by its line.
+    None where the line is not JSON (an id in it cannot be read), where the object's id is
+    itself bad, as for a record, or is the duplicate key (either value may be meant)."""
+    if bad.row is None or (bad.duplicate is not None and bad.duplicate in (
+            (id_field,) if id_field else ID_FIELDS)):
+        return None
+    try:
+        return _record_id(bad.row, id_field, line, {}, null_ids)
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -566,9 +590,9 @@ def _json_rows(data: bytes, suffix: str
             pairs = json.loads(data, object_pairs_hook=_object_pairs)
             if isinstance(whole, dict):
                 key = _first_duplicate_key(pairs)
-                yield "line", start, _duplicate_key_line(key)
+                yield "line", start, _duplicate_key_line(key, whole)
                 return
-            whole = [_duplicate_key_line(_first_duplicate_key(p))
+            whole = [_duplicate_key_line(_first_duplicate_key(p), item)
                      if _first_duplicate_key(p) is not None else item
                      for p, item in zip(pairs, whole)]
         if isinstance(whole, list):  # a JSON array: rows are its elements
@@ -579,7 +603,7 @@ def _json_rows(data: bytes, suffix: str
                     continue
                 if not isinstance(item, dict):
                     yield "element", i + 1, _BadLine(
-                        f"expected a JSON object, got {_a(_kind(item))}")
+                        f"expected a JSON object, got {_a(_kind(item))}", {})
                     continue
                 if exact is None and _may_be_wide(item):
                     exact = _exact(data)
@@ -676,9 +700,9 @@ def duplicate_key(source: bytes, value) -> str | None:
     return _first_duplicate_key(json.loads(source, object_pairs_hook=_object_pairs))
 
 
-def _duplicate_key_line(key: str) -> _BadLine:
+def _duplicate_key_line(key: str, row: dict) -> _BadLine:
     return _BadLine(f"duplicate key {json.dumps(key)} in a JSON object: JSON readers keep one "
-                    "of the two values silently; keep the one you mean")
+                    "of the two values silently; keep the one you mean", row, key)
 
 
 def _jsonl_rows(data: bytes) -> Iterator[tuple[int, dict | _BadLine | _WideInts]]:
@@ -700,11 +724,12 @@ def _jsonl_rows(data: bytes) -> Iterator[tuple[int, dict | _BadLine | _WideInts]
         if not isinstance(value, dict):
             hint = (" (a .json file may hold an array of records)" if isinstance(value, list)
                     and any(isinstance(x, dict) for x in value) else "")
-            yield n, _BadLine(f"expected one JSON object per line, got {_a(_kind(value))}{hint}")
+            yield n, _BadLine(f"expected one JSON object per line, got {_a(_kind(value))}{hint}",
+                              {})
             continue
         key = duplicate_key(raw, value)
         if key is not None:
-            yield n, _duplicate_key_line(key)
+            yield n, _duplicate_key_line(key, value)
             continue
         yield n, _with_wide_ints(value, _exact(text) if _may_be_wide(value) else None)
 

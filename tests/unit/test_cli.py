@@ -667,3 +667,23 @@ def test_run_without_o_writes_the_input_stem_in_the_current_folder(tmp_path, mon
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     usage = next(line for line in readme.splitlines() if line.startswith("specbatch run "))
     assert usage.startswith("specbatch run INPUT [-o OUT.jsonl] "), usage
+
+
+def test_skipped_lines_without_id_are_named_by_their_line_alike(tmp_path, tiny_gguf):
+    """``--on-error skip``: an array line and an object without an id are both listed by their
+    line number, in OUT.errors.jsonl (``id``) and on stderr (``id=N``); the array line was
+    ``"id": null`` there (fresh-user pass)."""
+    import json
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": 1, "prompt": "abc abc"}\n[1, 2]\n{"max_tokens": 3}\n')
+    out = tmp_path / "o.jsonl"
+    r = CliRunner().invoke(main, ["run", str(inp), "-o", str(out), "--model", str(tiny_gguf),
+                                  "--cache-dir", str(tmp_path / "c"), "--method", "none",
+                                  "--max-tokens", "2", "--no-progress", "--on-error", "skip"])
+    assert r.exit_code == 0, r.output
+    listed = [json.loads(line) for line in (tmp_path / "o.jsonl.errors.jsonl").read_text()
+              .splitlines()]
+    assert [(e["line"], e["id"]) for e in listed] == [(2, 2), (3, 3)]
+    assert f"warning: {inp}:2: id=2: expected one JSON object per line, got an array" in r.output
+    assert f"warning: {inp}:3: id=3: no prompt" in r.output

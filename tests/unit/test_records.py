@@ -566,14 +566,36 @@ def test_a_jsonl_line_holding_an_array_is_refused_on_its_line(tmp_path):
     records, errors = read_records(path)
     assert records == []
     assert [str(e) for e in errors] == [
-        f"{path}:1: expected one JSON object per line, got an array (a .json file may hold an "
-        "array of records)"]
+        f"{path}:1: id=1: expected one JSON object per line, got an array (a .json file may "
+        "hold an array of records)"]
     path.write_text('{"id": 1, "prompt": "a"}\n\n[1, 2]\n"x"\n')
     records, errors = read_records(path)
     assert [r.id for r in records] == [1]
     assert [str(e) for e in errors] == [
-        f"{path}:3: expected one JSON object per line, got an array",
-        f"{path}:4: expected one JSON object per line, got a string"]
+        f"{path}:3: id=3: expected one JSON object per line, got an array",
+        f"{path}:4: id=4: expected one JSON object per line, got a string"]
+
+
+def test_a_line_that_is_no_record_is_named_by_its_line_as_a_record_without_id(tmp_path):
+    """A line of JSON that is no object (an array, a string) has no id, as an object without
+    one: both are known by their line number (``RecordError.id``, the ``id`` of
+    OUT.errors.jsonl); an array line was ``id: null`` (fresh-user pass). A line that is not
+    JSON has no id that can be read (None). A duplicate-key object keeps its own id, or none
+    where the id is the duplicated key; with ``--id-field`` no line without that field has an
+    id."""
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"id": 1, "prompt": "a"}\n[1, 2]\n{"prompt": ""}\n"x"\n{bad\n'
+                    '{"id": 9, "prompt": "a", "prompt": "b"}\n{"id": 9, "id": 3, "prompt": "a"}\n'
+                    '{"prompt": "a", "prompt": "b"}\n')
+    records, errors = read_records(path)
+    assert [r.id for r in records] == [1]
+    assert [(e.line, e.id) for e in errors] == [(2, 2), (3, 3), (4, 4), (5, None), (6, 9),
+                                                (7, None), (8, 8)]
+    assert str(errors[0]) == f"{path}:2: id=2: expected one JSON object per line, got an array"
+    assert str(errors[1]) == f"{path}:3: id=3: prompt is empty"
+    _, errors = read_records(path, id_field="id")
+    assert [(e.line, e.id) for e in errors] == [(2, None), (3, None), (4, None), (5, None),
+                                                (6, 9), (7, None), (8, None)]
 
 
 def test_a_jsonl_file_holding_an_array_over_several_lines_is_refused(tmp_path):
@@ -596,7 +618,7 @@ def test_json_array_problems_name_the_element_not_a_line(tmp_path):
     records, errors = read_records(path)
     assert [(r.id, r.line, r.unit) for r in records] == [(1, 1, "element")]
     assert [str(e) for e in errors] == [
-        f"{path}: element 2: expected a JSON object, got a number",
+        f"{path}: element 2: id=2: expected a JSON object, got a number",
         f"{path}: element 3: id=1: duplicate id 1: first seen on element 1",
         f"{path}: element 4: id=4: prompt is empty"]
     path.write_text('\n\n{"id": 1,\n "prompt": ""}\n')  # one object: the line it starts on
