@@ -7,6 +7,12 @@ Output tok/s = completion tokens / wall seconds of the run (prefill included). R
 ``none`` wherever it is one of the configurations, whatever its place; without it, to the first
 configuration, and the table says so. The outputs of every configuration are compared with that
 baseline's: speculation must not change them.
+
+Progress on stderr: after each category, its tok/s so far (cumulative over rounds); after each
+round, each configuration's tok/s of that round alone over every category (``round_line``).
+Under the table, each configuration's per-round overall tok/s and their spread
+((max - min) / mean, ``spread_lines``): how far rounds of one arm disagree, the noise floor a
+ratio between arms must clear.
 """
 
 from __future__ import annotations
@@ -158,6 +164,9 @@ def run_bench(opts: BenchOptions) -> int:
     tokens: dict = defaultdict(int)
     stats: dict = defaultdict(SpecStats)
     outputs: dict = defaultdict(dict)  # label -> index -> output ids
+    # (label, round) -> that round's own tokens and seconds, every category
+    round_tokens: dict = defaultdict(int)
+    round_seconds: dict = defaultdict(float)
     n = len(opts.specs)
     for rnd in range(opts.repeats):
         for gi, (cat, recs) in enumerate(groups.items()):
@@ -165,24 +174,65 @@ def run_bench(opts: BenchOptions) -> int:
                 label, spec = opts.specs[(gi + rnd + j) % n]
                 dt, outs = run_once(spec, recs)
                 seconds[label, cat] += dt
+                round_seconds[label, rnd] += dt
                 for idx, out in outs.items():
                     tokens[label, cat] += out["usage"]["completion_tokens"]
+                    round_tokens[label, rnd] += out["usage"]["completion_tokens"]
                     outputs[label][idx] = out["output_token_ids"]
                     stats[label, cat].merge(SpecStats.from_dict(out["spec"]))
                 click.echo(f"  {cat:<14} {label:<22} {tokens[label, cat] / seconds[label, cat]:7.1f}"
                            f" tok/s (round {rnd + 1})", err=True)
+        for label in labels:
+            click.echo(round_line(label, rnd, round_tokens[label, rnd],
+                                  round_seconds[label, rnd]), err=True)
     sizes = {c: len(r) for c, r in groups.items()}
     click.echo(format_table(labels, sizes, seconds, tokens, stats, opts,
                             model=llm.model_id.split("@sha256:")[0],  # the name, not the digest
                             # each category runs on its own: at most its rows (records x n)
                             max_batch_size=min(engine_config.max_batch_size, max(
                                 sum(r.sampling.n for r in recs) for recs in groups.values()))))
+    for line in spread_lines(labels, opts.repeats, round_tokens, round_seconds):
+        click.echo(line)
     base = baseline(labels)
     for label in (lb for lb in labels if lb != base):
         diff = [i for i in outputs[base] if outputs[label].get(i) != outputs[base][i]]
         click.echo(f"outputs {label} vs {base}: {len(outputs[base]) - len(diff)} identical, "
                    f"{len(diff)} differ" + (f" (record indices {diff[:10]})" if diff else ""))
     return 0
+
+
+def round_line(label: str, rnd: int, tokens: int, seconds: float) -> str:
+    """The stderr line after round ``rnd`` (0-based) for one configuration: that round's own
+    output tok/s over every category (its tokens / its wall seconds, prefill and planning
+    included), not cumulative as the per-category lines above it are."""
+    rate = tokens / seconds if seconds else 0.0
+    return (f"  {'(all)':<14} {label:<22} {rate:7.1f} tok/s (round {rnd + 1} alone: {tokens} "
+            f"tokens in {seconds:.2f} s, all categories)")
+
+
+def spread(rates: list[float]) -> float | None:
+    """(max - min) / mean of ``rates``, as a fraction; None for fewer than 2 rates or a zero
+    mean."""
+    if len(rates) < 2 or not sum(rates):
+        return None
+    return (max(rates) - min(rates)) / (sum(rates) / len(rates))
+
+
+def spread_lines(labels, repeats: int, round_tokens, round_seconds) -> list[str]:
+    """One line per configuration under the table: its overall output tok/s of each round
+    (that round's tokens / seconds, every category) and their spread, (max - min) / mean, in
+    %. round_tokens / round_seconds: ``(label, round) -> tokens / s``, rounds 0-based."""
+    width = max(len(lb) for lb in labels)
+    lines = []
+    for lb in labels:
+        rates = [round_tokens[lb, r] / round_seconds[lb, r] if round_seconds[lb, r] else 0.0
+                 for r in range(repeats)]
+        sp = spread(rates)
+        lines.append(f"{lb:<{width}} tok/s per round (all categories): "
+                     + ", ".join(f"{x:.1f}" for x in rates) + "; spread "
+                     + (f"{100 * sp:.1f}% ((max-min)/mean)" if sp is not None else
+                        "- (one round)" if repeats < 2 else "-"))
+    return lines
 
 
 def replace_sampling(record, **changes):

@@ -156,3 +156,64 @@ def test_configs_given_twice_are_refused():
             parse_configs(bad, draft_model="d")
     with pytest.raises(ValueError, match="--draft-model is used by no configuration"):
         parse_configs("none,ngram:k=5", draft_model="d")
+
+
+def test_round_line_is_that_round_alone_over_every_category():
+    from specbatch.commands.bench import round_line
+
+    assert round_line("ngram:k=5", 1, 1200, 8.0) == (
+        "  (all)          ngram:k=5                150.0 tok/s (round 2 alone: 1200 tokens in "
+        "8.00 s, all categories)")
+    assert "    0.0 tok/s (round 1 alone: 0 tokens in 0.00 s" in round_line("none", 0, 0, 0.0)
+
+
+def test_spread_lines_give_each_rounds_rate_and_max_minus_min_over_mean():
+    """Per configuration: each round's overall tok/s (tokens / seconds of that round, all
+    categories) and (max - min) / mean in %; one round has no spread."""
+    from specbatch.commands.bench import spread, spread_lines
+
+    round_tokens = {("none", 0): 1000, ("none", 1): 1000, ("none", 2): 1000,
+                    ("suffix", 0): 3000, ("suffix", 1): 3000, ("suffix", 2): 3000}
+    round_seconds = {("none", 0): 10.0, ("none", 1): 8.0, ("none", 2): 12.5,
+                     ("suffix", 0): 10.0, ("suffix", 1): 10.0, ("suffix", 2): 10.0}
+    rates = [100.0, 125.0, 80.0]
+    assert spread(rates) == pytest.approx(45.0 / (305.0 / 3))  # 44.26%
+    assert spread([5.0]) is None and spread([0.0, 0.0]) is None
+    assert spread_lines(["none", "suffix"], 3, round_tokens, round_seconds) == [
+        "none   tok/s per round (all categories): 100.0, 125.0, 80.0; spread 44.3% "
+        "((max-min)/mean)",
+        "suffix tok/s per round (all categories): 300.0, 300.0, 300.0; spread 0.0% "
+        "((max-min)/mean)"]
+    assert spread_lines(["none"], 1, round_tokens, round_seconds) == [
+        "none tok/s per round (all categories): 100.0; spread - (one round)"]
+
+
+def test_bench_prints_each_rounds_overall_rate_and_their_spread(tmp_path, tiny_gguf):
+    """Two categories, two rounds: after each round one ``(all)`` line per configuration with
+    that round's own tokens and seconds, and under the table per configuration the same
+    rounds' rates and their spread; the round tokens add up to every record's output tokens."""
+    import re
+
+    from click.testing import CliRunner
+
+    from specbatch.cli import main
+
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": 1, "prompt": "abc abc abc", "category": "a"}\n'
+                   '{"id": 2, "prompt": "xyz xyz", "category": "b"}\n')
+    result = CliRunner().invoke(main, ["bench", str(src), "--configs", "none,ngram:k=3",
+                                       "--max-tokens", "4", "--repeats", "2", "--model",
+                                       str(tiny_gguf), "--cache-dir", str(tmp_path / "c")])
+    assert result.exit_code == 0, result.output
+    alone = re.findall(r"\(all\) +(\S+) +([\d.]+) tok/s \(round (\d) alone: (\d+) tokens in "
+                       r"([\d.]+) s, all categories\)", result.stderr)
+    assert [(lb, rnd) for lb, _, rnd, _, _ in alone] == [
+        ("none", "1"), ("ngram:k=3", "1"), ("none", "2"), ("ngram:k=3", "2")], result.stderr
+    assert all(int(t) == 8 for *_, t, _ in alone)  # 2 records x 4 tokens, each round
+    for lb in ("none", "ngram:k=3"):
+        line = next(x for x in result.stdout.splitlines()
+                    if x.startswith(f"{lb} ") and "per round" in x)
+        rates = [float(r) for label, r, *_ in alone if label == lb]
+        assert line.startswith(f"{lb:<9} tok/s per round (all categories): "
+                               f"{rates[0]:.1f}, {rates[1]:.1f}; spread "), line
+        assert line.endswith("% ((max-min)/mean)"), line
