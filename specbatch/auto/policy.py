@@ -177,11 +177,15 @@ class AdaptivePolicy:
                 return self._replay(seqs, caps, num_rows, ctx, queues)
             self._end_forcing()
         lengths = self.lookup.prepare(seqs, caps)
-        cuts, rate = self._select_base(seqs, lengths)
-        chosen = self.lookup.drafts(seqs, cuts, ctx)
-        source = [self.lookup.name if d else "none" for d in chosen]
+        fed, rate = self._select_base(seqs, lengths)
+        source = [self.lookup.name if c else "none" for c in fed]
+        chosen: list[list[int]] = [[] for _ in seqs]  # drafts of the rows others take
         for cand in self.others:
-            chosen = self._offer(cand, seqs, chosen, source, rate, caps, ctx, num_rows)
+            self._offer(cand, seqs, fed, chosen, source, rate, caps, ctx, num_rows)
+        rows = [i for i, src in enumerate(source) if src == self.lookup.name]
+        for i, d in zip(rows, self.lookup.drafts([seqs[i] for i in rows],
+                                                 [fed[i] for i in rows], ctx)):
+            chosen[i] = d
         self._count(seqs, chosen, source)
         return chosen
 
@@ -280,16 +284,17 @@ class AdaptivePolicy:
             keep = best
         return options[keep], rates[keep]
 
-    def _offer(self, cand: Candidate, seqs, chosen: list[list[int]], source: list[str],
-               base_rate: float, caps: list[int], ctx: float,
-               num_rows: int | None = None) -> list[list[int]]:
+    def _offer(self, cand: Candidate, seqs, fed: list[int], chosen: list[list[int]],
+               source: list[str], base_rate: float, caps: list[int], ctx: float,
+               num_rows: int | None = None) -> None:
         """Offer ``cand`` the rows no earlier candidate took (``source`` still the base's or
-        none); returns the drafts with the rows it takes replaced (``source`` updated)."""
+        none). fed: the draft tokens each row feeds so far; the rows it takes get its drafts
+        in ``chosen``, their length in ``fed`` and its name in ``source``."""
         n = len(seqs)
         avail = _prepare(cand, seqs, caps, num_rows)
         free = [src in (self.lookup.name, "none") for src in source]
-        value = base_rate * self.cost.token_cost(n + sum(len(d) for d in chosen), ctx)
-        current = self.lookup.reach(seqs, [len(d) for d in chosen])
+        value = base_rate * self.cost.token_cost(n + sum(fed), ctx)
+        current = self.lookup.reach(seqs, fed)
         net = [sum(r) - len(r) * value for r in current]
         reach = cand.reach(seqs, avail)
         entry = cand.entry_seconds(seqs, reach)
@@ -304,8 +309,8 @@ class AdaptivePolicy:
                 continue
             tokens = n + sum(sum(r[:d]) if d else sum(c)
                              for r, c, d in zip(reach, current, lengths))
-            fed = [d if d else len(c) for d, c in zip(lengths, chosen)]
-            seconds = self.cost.step_time(n, 1 + max(fed), ctx, num_tokens=n + sum(fed))
+            feeds = [d if d else f for d, f in zip(lengths, fed)]
+            seconds = self.cost.step_time(n, 1 + max(feeds), ctx, num_tokens=n + sum(feeds))
             seconds += sum(e for e, d in zip(entry, lengths) if d)
             for extra in cand.step_seconds(lengths, ctx):
                 seconds += extra
@@ -318,14 +323,11 @@ class AdaptivePolicy:
                 else 1 + self.switch_margin
         self.using[cand.name] = best is not None and best[0] > base_rate * margin
         if not self.using[cand.name]:
-            return chosen
+            return
         rows = [i for i, d in enumerate(best[1]) if d]
         drafts = cand.drafts([seqs[i] for i in rows], [best[1][i] for i in rows], ctx)
-        out = list(chosen)
         for i, d in zip(rows, drafts):
-            out[i] = d
-            source[i] = cand.name
-        return out
+            chosen[i], fed[i], source[i] = d, len(d), cand.name
 
     def observe(self, seq, emitted: list[int]) -> None:
         """The tokens the step committed for a row of the step: every candidate learns."""

@@ -6,7 +6,9 @@ at commit 4815fd0, per-candidate ``_select_lookup`` / ``_select_model`` / ``_sel
 whose decisions ``tests/data/auto_decisions.json`` holds; re-recorded when auto's costs became
 fixed for a job (no online refit of the target's fit from the reported step times, the suffix
 lookup priced at ``SUFFIX_LOOKUP_SECONDS`` per row): with those two pinned the same way, the
-tree before gave this tree's decisions on all three scenarios.
+tree before gave this tree's decisions on all three scenarios; and again when the lookup and
+suffix candidates stopped learning from positions another draft's accepted tokens showed
+(``LookupCandidate.observe``) and the lookup's estimates got a pooled calibration.
 
 A step here is what the engine does: admit rows up to the batch (``start``, then the first
 token is committed), ask the proposer for drafts under each row's cap, commit what a target

@@ -1,0 +1,94 @@
+"""What auto's candidates learn from a verify step: the positions whose outcome does not depend
+on which draft was verified (``LookupCandidate.observe``, ``SuffixCandidate.observe``).
+
+Under greedy decoding the emitted tokens are the target's whatever was verified, but how many a
+step emits is set by the verified draft. A candidate whose proposal was not verified is scored
+on its first position only: scoring the positions that another draft's accepted tokens showed
+counts hits exactly where the text copies well (the lookup's estimates read 0.1-0.2 above its
+realised acceptance on the extraction recipe, and auto took lookup drafts over longer suffix
+ones)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from specbatch.auto.candidate import LookupCandidate, SuffixCandidate, _calibration_cell
+from specbatch.spec_decode.suffix import Draft
+
+PROPOSAL = [7, 8, 9, 10, 11, 12]
+
+
+class FixedLookup:
+    """A prompt-lookup stand-in: proposes ``PROPOSAL`` (cut to the cap) from a 3-gram match."""
+
+    def propose(self, seqs, caps):
+        return [PROPOSAL[:c] for c in caps]
+
+    def match_len(self, seq):
+        return 3
+
+
+class FixedSuffix:
+    def draft(self, seq, cap, rows):
+        n = min(cap, len(PROPOSAL))
+        return Draft(PROPOSAL[:n], [0.9 ** (j + 1) for j in range(n)], 4, "self")
+
+
+def _seq():
+    return SimpleNamespace(seq_id=1, token_ids=[1, 2, 3], num_output_tokens=0,
+                           request=SimpleNamespace(tag=0))
+
+
+def _lookup():
+    return LookupCandidate(FixedLookup(), 4, lambda s: [(1.0, 1.0)] * 4)
+
+
+def test_a_lookup_proposal_not_verified_is_scored_on_its_first_position():
+    cand, seq = _lookup(), _seq()
+    cand.prepare([seq], [6])
+    cand.reach([seq], [4])
+    cand.observe(seq, PROPOSAL[:4] + [99])  # another draft's 4 accepted tokens and a bonus
+    row = cand.rows[seq.seq_id]
+    assert row.trials == [1.0] and row.hits == [1.0]
+    assert cand.lookup_pool.trials == [1.0]
+    # the calibration cell of the first position, estimated at the prior's 0.5
+    assert cand.calibration == {_calibration_cell(0, 0.5): [1.0, 1.0]}
+
+
+def test_a_verified_lookup_draft_is_scored_through_its_bonus_position():
+    cand, seq = _lookup(), _seq()
+    cand.prepare([seq], [6])
+    cand.reach([seq], [4])
+    assert cand.drafts([seq], [2], 0.0) == [PROPOSAL[:2]]
+    cand.observe(seq, PROPOSAL[:2] + [99])  # 2 accepted, the bonus differs from position 2
+    row = cand.rows[seq.seq_id]
+    assert row.trials == [1.0, 1.0, 1.0] and row.hits == [1.0, 1.0, 0.0]
+    cells = {cell: th for cell, th in cand.calibration.items()}
+    assert sum(t for t, _ in cells.values()) == 3.0 and sum(h for _, h in cells.values()) == 2.0
+
+
+def test_the_lookup_calibration_moves_its_reach_and_round_trips():
+    cand, seq = _lookup(), _seq()
+    before = cand.reach([seq], [1])[0][0]
+    for _ in range(20):  # fresh rows estimated at the prior's 0.5, never accepted
+        cand.rows.clear()
+        cand.prepare([seq], [6])
+        cand.reach([seq], [1])
+        cand.observe(seq, [99])
+    cand.rows.clear()
+    cand.prepare([seq], [6])
+    assert before == 0.5 and cand.reach([seq], [1])[0][0] < 0.1
+    other = _lookup()
+    other.set_global_state(cand.global_state())
+    assert other.calibration == cand.calibration
+
+
+def test_a_suffix_draft_not_verified_is_scored_on_its_first_position():
+    cand, seq = SuffixCandidate(FixedSuffix()), _seq()
+    cand.prepare([seq], [6])
+    cand.observe(seq, PROPOSAL[:5] + [99])
+    assert sum(t for t, _ in cand.pool.values()) == 1.0
+    cand.prepare([seq], [6])
+    cand.drafts([seq], [3], 0.0)
+    cand.observe(seq, PROPOSAL[:5] + [99])
+    assert sum(t for t, _ in cand.pool.values()) == 1.0 * 0.995 + 4.0  # decayed, then 0..3
