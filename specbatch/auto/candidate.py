@@ -317,7 +317,10 @@ class LookupCandidate(ForwardingCandidate):
     on the extraction recipe (SmolLM2-135M, batch 1: positions estimated at 0.4-0.5 accepted
     31% of the time, suffix's 38%), and the policy took lookup drafts where suffix's were
     longer: 6624 verify steps for the 160 records where suffix alone took 6317 (6505 with the
-    calibration and the scoring of ``observe``).
+    calibration and the scoring of ``observe``; calibrating on the steps that verified a lookup
+    draft only gave 6393, but a row whose first verified drafts failed then stayed undrafted:
+    batch 1 at acceptance 0.37 fell to 0.956x the best static k,
+    ``test_planner.py::test_auto_at_batch_1_keeps_up_with_the_best_static_k``).
 
     Probe: once a row has committed ``probe.tokens`` output tokens, prompt lookup is replayed
     over them (``spec_decode.replay``, exact at any temperature) and the replayed counts replace
@@ -407,11 +410,11 @@ class LookupCandidate(ForwardingCandidate):
 
     def observe(self, seq, emitted: list[int]) -> None:
         draft = self._proposed.pop(seq.seq_id, [])
-        # score this step's estimates (before the row's counts move) where the outcome does
-        # not depend on another draft's: position 0 always, and where the row verified n
-        # lookup tokens, positions 1..n (n: its bonus token, seen only if 0..n-1 matched).
-        # Another draft's accepted tokens show more of a lookup proposal exactly where the
-        # text copies well, and counting those read 0.1-0.2 high (``calibration``)
+        # learn from the positions whose outcome does not depend on another draft's: position
+        # 0 always, and where the row verified n lookup tokens, positions 1..n (n: its bonus
+        # token, seen only if 0..n-1 matched). Another draft's accepted tokens show more of a
+        # lookup proposal exactly where the text copies well, and counting those read 0.1-0.2
+        # high (``calibration`` scores the same positions, before the row's counts move)
         seen = draft[:self._verified.pop(seq.seq_id, 0) + 1]
         est = self._raw(seq, min(len(seen), len(emitted)))
         if est:

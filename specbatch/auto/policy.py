@@ -109,6 +109,7 @@ class AdaptivePolicy:
         self._forced: dict[tuple, deque] | None = None
         self._forced_state: dict | None = None
         self.forced_mismatches = 0  # rows whose journaled choices did not fit (a divergence)
+        self._memo: dict[tuple, float] = {}  # this step's step times (``_seconds``)
 
     @property
     def candidates(self) -> list[Candidate]:
@@ -131,33 +132,48 @@ class AdaptivePolicy:
         """Expected output tokens per second if every lookup draft is cut to ``k`` tokens."""
         return self._rate(seqs, [min(k, len(d)) for d in drafts])
 
-    def _rate(self, seqs, cuts: list[int], reach: list[list[float]] | None = None) -> float:
+    def _rate(self, seqs, cuts: list[int], reach: list[list[float]] | None = None,
+              ctx: float | None = None) -> float:
         """Expected output tokens per second if row i feeds ``cuts[i]`` base draft tokens
         (rows run packed: the dense layers cost by the real tokens, attention by the longest
         row or, where packed, by the real tokens; at the rows' mean context, ``_context``).
-        reach: per row, the base's ``reach`` (default: asked for ``cuts``)."""
+        reach: per row, the base's ``reach`` (default: asked for ``cuts``); ctx: the rows'
+        mean context (default: ``_context(seqs)``)."""
         if reach is None:
             reach = self.lookup.reach(seqs, cuts)
-        ctx = _context(seqs)
-        tokens = len(seqs) + sum(sum(r[:c]) for r, c in zip(reach, cuts))
+        if ctx is None:
+            ctx = _context(seqs)
+        tokens = len(seqs) + sum(sum(r[:c]) for r, c in zip(reach, cuts) if c)
         q = 1 + max(cuts, default=0)
-        return tokens / self.cost.step_time(len(seqs), q, ctx, num_tokens=len(seqs) + sum(cuts))
+        return tokens / self._seconds(len(seqs), q, ctx, len(seqs) + sum(cuts))
+
+    def _seconds(self, rows: int, q: int, ctx: float, tokens: int) -> float:
+        """``cost.step_time(rows, q, ctx, num_tokens=tokens)``, remembered until the next
+        ``select`` (a step weighs the same few shapes many times)."""
+        key = (rows, q, ctx, tokens)
+        seconds = self._memo.get(key)
+        if seconds is None:
+            seconds = self._memo[key] = self.cost.step_time(rows, q, ctx, num_tokens=tokens)
+        return seconds
 
     def _cuts(self, seqs, lengths: list[int], k: int,
-              reach: list[list[float]]) -> list[int]:
+              reach: list[list[float]], ctx: float | None = None) -> list[int]:
         """Per-row draft lengths under a step cap ``k``: row i keeps draft position j only if
         the chance that positions 0..j are all accepted (the expected extra tokens it brings)
         is worth the packed token it costs at the step's rate (Dinkelbach-style fixed point,
         3 rounds from "keep everything")."""
         cuts = [min(k, n) for n in lengths]
+        if not any(cuts):
+            return cuts
+        keys = [len(s.token_ids) for s in seqs]
         for _ in range(3):
             # a packed token's price: the dense slope at the step's token count (plus scoring
             # the row's keys where attention is packed)
-            rate = self._rate(seqs, cuts, reach)
+            rate = self._rate(seqs, cuts, reach, ctx)
             slope, per_key = self.cost.token_cost(len(seqs) + sum(cuts)), self.cost.token_key_cost
             new = []
-            for s, r, c0 in zip(seqs, reach, (min(k, n) for n in lengths)):
-                threshold = rate * (slope + per_key * len(s.token_ids))
+            for key_len, r, c0 in zip(keys, reach, (min(k, n) for n in lengths)):
+                threshold = rate * (slope + per_key * key_len)
                 new.append(min(c0, sum(1 for _ in takewhile(lambda x: x >= threshold, r))))
             if new == cuts:
                 break
@@ -171,6 +187,7 @@ class AdaptivePolicy:
         ``_draft_caps``). num_rows: the rows of the verify step, a resumed job's placeholders
         included (default ``len(seqs)``; candidates with ``counts_rows`` are told)."""
         ctx = _context(seqs)
+        self._memo.clear()
         if self._forced is not None:
             queues = [self._forced.get(_request_id(s)) for s in seqs]
             if any(queues):
@@ -271,12 +288,13 @@ class AdaptivePolicy:
         """Per-row base draft lengths under the chosen step cap, and their predicted rate
         (tokens/s)."""
         longest = max(lengths, default=0)
+        ctx = _context(seqs)
         if longest == 0:
-            return [0] * len(seqs), self._rate(seqs, [0] * len(seqs), [[] for _ in seqs])
+            return [0] * len(seqs), self._rate(seqs, [0] * len(seqs), [[] for _ in seqs], ctx)
         reach = self.lookup.reach(seqs, [min(self.k_max, n) for n in lengths])
-        options = {k: self._cuts(seqs, lengths, k, reach)
+        options = {k: self._cuts(seqs, lengths, k, reach, ctx)
                    for k in range(0, min(self.k_max, longest) + 1)}
-        rates = {k: self._rate(seqs, cuts, reach) for k, cuts in options.items()}
+        rates = {k: self._rate(seqs, cuts, reach, ctx) for k, cuts in options.items()}
         best = max(rates, key=lambda k: (rates[k], -k))
         keep = min(self.current_k, longest)
         if rates[best] > rates[keep] * (1 + self.switch_margin):
@@ -310,7 +328,7 @@ class AdaptivePolicy:
             tokens = n + sum(sum(r[:d]) if d else sum(c)
                              for r, c, d in zip(reach, current, lengths))
             feeds = [d if d else f for d, f in zip(lengths, fed)]
-            seconds = self.cost.step_time(n, 1 + max(feeds), ctx, num_tokens=n + sum(feeds))
+            seconds = self._seconds(n, 1 + max(feeds), ctx, n + sum(feeds))
             seconds += sum(e for e, d in zip(entry, lengths) if d)
             for extra in cand.step_seconds(lengths, ctx):
                 seconds += extra

@@ -75,6 +75,7 @@ def test_the_lookup_calibration_moves_its_reach_and_round_trips():
         cand.prepare([seq], [6])
         cand.reach([seq], [1])
         cand.observe(seq, [99])
+    assert set(cand.calibration) == {_calibration_cell(0, 0.5)}
     cand.rows.clear()
     cand.prepare([seq], [6])
     assert before == 0.5 and cand.reach([seq], [1])[0][0] < 0.1
