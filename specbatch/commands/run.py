@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
