@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
@@ -21,7 +20,7 @@ from pathlib import Path
 import click
 
 from specbatch import methods
-from specbatch.commands.common import JobOptions
+from specbatch.commands.common import JobOptions, freeze_loaded, thaw
 from specbatch.config import EngineConfig, SamplingParams, SpecConfig
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -134,6 +133,7 @@ def run_job(opts: RunOptions) -> int:
     except KeyboardInterrupt:
         return _interrupted(job)
     finally:
+        thaw()
         if job.lock is not None:  # ended before its writer held OUT.lock: let it go
             job.lock.release()
 
@@ -249,6 +249,7 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     except ModelLoadError as e:
         _err(f"error: {e}")
         return EXIT_BAD_INPUT
+    freeze_loaded()  # run_job thaws
     from specbatch.pipeline import Throughput  # imports torch: after "loading model ..."
 
     if opts.calibration is not None:

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from specbatch.models.registry import (DEFAULT_MODEL, REGISTRY, cache_root, find_model,
+from specbatch.models.registry import (REGISTRY, cache_root, find_model,
                                       write_text_atomic)
 
 logger = logging.getLogger("specbatch")
