@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import click
 
 from specbatch import methods
-from specbatch.commands.common import JobOptions, freeze_loaded, thaw
+from specbatch.commands.common import JobOptions
 from specbatch.config import EngineConfig, SamplingParams, SpecConfig
 from specbatch.spec_decode.stats import SpecStats
 
@@ -137,18 +137,6 @@ def run_bench(opts: BenchOptions) -> int:
     except ModelLoadError as e:
         click.echo(f"error: {e}", err=True)
         return EXIT_BAD_INPUT
-    freeze_loaded()
-    try:
-        return _run_rounds(opts, llm, groups)
-    finally:
-        thaw()
-
-
-def _run_rounds(opts: BenchOptions, llm, groups: dict) -> int:
-    """``run_bench`` once the model is loaded: every configuration over ``groups``
-    (category -> records), the rounds interleaved; prints the table. Returns the exit status."""
-    from specbatch.commands.run import EXIT_BAD_INPUT
-
     if opts.calibration is not None:
         try:
             for line in llm.pin_calibration(opts.calibration):

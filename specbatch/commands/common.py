@@ -122,26 +122,6 @@ def more_sampling(extra: dict) -> dict:
     return out
 
 
-def freeze_loaded() -> None:
-    """Leave every object alive now (after the model loads: its modules, tokenizer, the
-    imported libraries, ~420k objects with transformers) out of the cyclic garbage
-    collector's passes until ``thaw`` (``gc.freeze``; vLLM freezes after start-up as well).
-    Each full pass walked them all: 7 passes of ~0.1 s, 0.8 s of a 25 s batch-1 job of 48
-    extraction records with SmolLM2-135M. Objects still collect by reference count."""
-    import gc
-
-    gc.collect()
-    gc.freeze()
-
-
-def thaw() -> None:
-    """Undo ``freeze_loaded`` (the job is over: a process running several, as tests do, then
-    collects what they left)."""
-    import gc
-
-    gc.unfreeze()
-
-
 def exit_from_signals() -> None:
     """SIGTERM behaves like Ctrl-C: a KeyboardInterrupt the run loop turns into a clean exit.
     The signal is also recorded (``run.request_stop``): Python drops an exception raised while

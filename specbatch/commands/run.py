@@ -20,7 +20,7 @@ from pathlib import Path
 import click
 
 from specbatch import methods
-from specbatch.commands.common import JobOptions, freeze_loaded, thaw
+from specbatch.commands.common import JobOptions
 from specbatch.config import EngineConfig, SamplingParams, SpecConfig
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -133,7 +133,6 @@ def run_job(opts: RunOptions) -> int:
     except KeyboardInterrupt:
         return _interrupted(job)
     finally:
-        thaw()
         if job.lock is not None:  # ended before its writer held OUT.lock: let it go
             job.lock.release()
 
@@ -249,7 +248,6 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     except ModelLoadError as e:
         _err(f"error: {e}")
         return EXIT_BAD_INPUT
-    freeze_loaded()  # run_job thaws
     from specbatch.pipeline import Throughput  # imports torch: after "loading model ..."
 
     if opts.calibration is not None:
