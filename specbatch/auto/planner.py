@@ -127,13 +127,14 @@ class Plan:
         lines = [f"plan: k_max {self.k_max}, batch size {self.batch_size}; k is where a bucket "
                  f"starts: rows draft later where their acceptance pays; {cutoffs}",
                  f"{'bucket':<12}{'records':>8}{'prompt tok':>11}{'pred acc len':>13}"
-                 f"{'range':>12}{'proposer':>9}{'k':>4}{'pred speedup':>14}"]
+                 f"{'range':>12}{'starts':>9}{'k':>4}{'pred speedup':>14}"]
         for b in self.buckets.values():
             if b.indices:
                 lengths = [self.predictions[i].acceptance_length(self.k_max) for i in b.indices]
                 span = f"{min(lengths):.2f}-{max(lengths):.2f}"
                 lines.append(f"{b.name:<12}{len(b.indices):>8}{b.mean_prompt_tokens:>11.0f}"
-                             f"{b.predicted_acceptance_length:>13.2f}{span:>12}{b.proposer:>9}"
+                             f"{b.predicted_acceptance_length:>13.2f}{span:>12}"
+                             f"{'plain' if b.proposer == 'none' else b.proposer:>9}"
                              f"{b.k:>4}{b.predicted_speedup:>13.2f}x")
         if self.model_note:
             lines.append(self.model_note)

@@ -361,6 +361,10 @@ def test_a_plan_at_k0_says_so_and_does_not_describe_lookup():
     assert used and all(b.k == 0 and b.proposer == "none" for b in used)
     table = shown[0]
     assert "lookup" not in table and "suffix draft" not in table, table
+    # a k-0 bucket starts plain (a fresh user read "proposer none" as "no speculation")
+    header, *rows = table.splitlines()[1:1 + len(used) + 1]
+    assert header.split()[8:10] == ["starts", "k"] and "proposer" not in header, header
+    assert all(r.split()[-3:-1] == ["plain", "0"] for r in rows), table
     names = ", ".join(b.name for b in used)
     assert (f"k 0 ({names}): drafting is not predicted to pay at batch 4 with this machine's "
             "step cost, so these records start without drafts") in table, table
