@@ -310,7 +310,9 @@ def _given_flags(ctx: click.Context) -> frozenset[str]:
 @click.option("--on-error", type=click.Choice(["fail", "skip"]), default="fail",
               show_default=True, help="Bad records: stop before generating, or skip them "
               "(listed in OUT.errors.jsonl).")
-@click.option("--resume", is_flag=True, help="Continue from OUT.work.jsonl.")
+@click.option("--resume", is_flag=True,
+              help="Continue from OUT.work.jsonl even when its saved config is missing (a "
+                   "rerun of the same command resumes without this flag).")
 @click.option("--force", is_flag=True, help="Start over even if earlier work or output exists.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.option("--progress-interval", type=click.FloatRange(0, min_open=True), default=10.0,
