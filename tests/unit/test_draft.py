@@ -409,7 +409,7 @@ def test_cli_run_draft_equals_none(tmp_path):
             [r["output_token_ids"] for r in outputs["none"]]
     # the target's and the draft model's step cost, each calibrated once
     assert result.output.count("calibrating this machine's step cost for ") == 2, result.output
-    assert " proposer " in result.output  # the plan table names each bucket's proposer
+    assert " starts " in result.output  # the plan table names how each bucket starts
     for r in outputs["auto"]:
         steps = r["spec"]["proposer_steps"]  # present on every auto record
         assert set(steps) <= {"draft", "ngram", "suffix", "none"}
