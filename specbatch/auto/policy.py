@@ -107,7 +107,6 @@ class AdaptivePolicy:
         self.others = list(others)
         self.switch_margin = switch_margin
         self.draft_margin = draft_margin
-        self._plain_rate = 0.0
         self.current_k = k_max
         self.using: dict[str, bool] = {c.name: False for c in self.others}
         # request tag -> steps per source (a candidate's name, or "none")
@@ -204,12 +203,11 @@ class AdaptivePolicy:
                 return self._replay(seqs, caps, num_rows, ctx, queues)
             self._end_forcing()
         lengths = self.lookup.prepare(seqs, caps)
-        fed, rate = self._select_base(seqs, lengths)
-        self._plain_rate = self._rate(seqs, [0] * len(seqs), [[] for _ in seqs], ctx)
+        fed, rate, plain = self._select_base(seqs, lengths, ctx)
         source = [self.lookup.name if c else "none" for c in fed]
         chosen: list[list[int]] = [[] for _ in seqs]  # drafts of the rows others take
         for cand in self.others:
-            self._offer(cand, seqs, fed, chosen, source, rate, caps, ctx, num_rows)
+            self._offer(cand, seqs, fed, chosen, source, rate, plain, caps, ctx, num_rows)
         rows = [i for i, src in enumerate(source) if src == self.lookup.name]
         for i, d in zip(rows, self.lookup.drafts([seqs[i] for i in rows],
                                                  [fed[i] for i in rows], ctx)):
@@ -295,13 +293,14 @@ class AdaptivePolicy:
             if got is not None and hasattr(c, "set_global_state"):
                 c.set_global_state(got)
 
-    def _select_base(self, seqs, lengths: list[int]) -> tuple[list[int], float]:
-        """Per-row base draft lengths under the chosen step cap, and their predicted rate
-        (tokens/s)."""
+    def _select_base(self, seqs, lengths: list[int],
+                     ctx: float) -> tuple[list[int], float, float]:
+        """Per-row base draft lengths under the chosen step cap, their predicted rate and
+        plain decoding's (tokens/s; ctx: the rows' mean context)."""
         longest = max(lengths, default=0)
-        ctx = _context(seqs)
         if longest == 0:
-            return [0] * len(seqs), self._rate(seqs, [0] * len(seqs), [[] for _ in seqs], ctx)
+            plain = self._rate(seqs, [0] * len(seqs), [[] for _ in seqs], ctx)
+            return [0] * len(seqs), plain, plain
         reach = self.lookup.reach(seqs, [min(self.k_max, n) for n in lengths])
         options = {k: self._cuts(seqs, lengths, k, reach, ctx)
                    for k in range(0, min(self.k_max, longest) + 1)}
@@ -313,14 +312,15 @@ class AdaptivePolicy:
             keep = best
         if rates[keep] <= rates[0] * (1 + self.draft_margin):
             keep = 0  # drafting this step is not predicted to pay by more than the margin
-        return options[keep], rates[keep]
+        return options[keep], rates[keep], rates[0]
 
     def _offer(self, cand: Candidate, seqs, fed: list[int], chosen: list[list[int]],
-               source: list[str], base_rate: float, caps: list[int], ctx: float,
-               num_rows: int | None = None) -> None:
+               source: list[str], base_rate: float, plain_rate: float, caps: list[int],
+               ctx: float, num_rows: int | None = None) -> None:
         """Offer ``cand`` the rows no earlier candidate took (``source`` still the base's or
         none). fed: the draft tokens each row feeds so far; the rows it takes get its drafts
-        in ``chosen``, their length in ``fed`` and its name in ``source``."""
+        in ``chosen``, their length in ``fed`` and its name in ``source``. plain_rate: the
+        step's predicted rate with no row drafting (``draft_margin``)."""
         n = len(seqs)
         avail = _prepare(cand, seqs, caps, num_rows)
         free = [src in (self.lookup.name, "none") for src in source]
@@ -353,7 +353,7 @@ class AdaptivePolicy:
             margin = 1 / (1 + self.switch_margin) if self.using[cand.name] \
                 else 1 + self.switch_margin
         self.using[cand.name] = (best is not None and best[0] > base_rate * margin
-                                 and best[0] > self._plain_rate * (1 + self.draft_margin))
+                                 and best[0] > plain_rate * (1 + self.draft_margin))
         if not self.using[cand.name]:
             return
         rows = [i for i, d in enumerate(best[1]) if d]
