@@ -37,6 +37,13 @@ where the step's predicted rate beats plain decoding's (no row drafting) by ``dr
 where drafting's predicted gain was within it, ran 0.965x plain decoding without it, 0.986x
 with it).
 
+While the job drains (no request waits for a row; the engine's ``num_waiting``), a row that
+finishes early frees a row nobody takes, and the job runs until its last row finishes: tokens
+count by what they save (``_worth``), a row's own share of later steps, plus the step's fixed
+cost for the rows with the most tokens left to their ``max_tokens``. Without it, the one-wave
+batch-16 int8 job of the 16 peer records drafted 221 tokens to finish 1 step sooner than plain
+decoding; with it, 100 tokens and 3 steps.
+
 ``steps_by_proposer`` counts which candidate (or none) drafted each row's steps, per record.
 After every step each candidate learns from the committed tokens (``Candidate.observe``). The
 cost models are fixed for the job (the job's calibration): no time measured while it runs
@@ -53,7 +60,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Sequence as Seq
-from itertools import takewhile
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from specbatch.auto.candidate import Candidate, LookupCandidate
@@ -79,12 +86,54 @@ def _prepare(cand: Candidate, seqs, caps: list[int], num_rows: int | None) -> li
     return cand.prepare(seqs, caps)
 
 
+def _prefix_sums(reach: list[list[float]]) -> list[list[float]]:
+    """Per row, ``[sum(r[:0]), sum(r[:1]), ...]``: the expected extra tokens of a draft cut
+    after each position (added left to right, as ``sum`` does)."""
+    out = []
+    for r in reach:
+        acc, row = 0, [0]
+        for x in r:
+            acc += x
+            row.append(acc)
+        out.append(row)
+    return out
+
+
+def _run(reach: list[float], threshold: float) -> int:
+    """How many leading positions of ``reach`` are at least ``threshold``."""
+    n = 0
+    for x in reach:
+        if x < threshold:
+            break
+        n += 1
+    return n
+
+
 def _context(seqs) -> float:
     """The step's context for the cost model: the rows' mean length (tokens). Attention reads
     each row up to its own length, so a step costs by the sum over rows; the longest row times
     the rows priced a batch of 10 rows at 600-1300 tokens 25-35% high (summarization records),
     and drafting looked cheaper than it was."""
     return sum(len(s.token_ids) for s in seqs) / len(seqs)
+
+
+@dataclass
+class _Step:
+    """One ``select``: its rows, their caps, mean context and rows of the verify step (a
+    resume's placeholders included); the base's predicted rate and plain decoding's
+    (tokens/s); and per row, as candidates take rows (``_offer``): the draft tokens it feeds,
+    its draft's reach, the source drafting it and the draft of a row another candidate took."""
+
+    seqs: list
+    caps: list[int]
+    ctx: float
+    num_rows: int | None
+    rate: float
+    plain: float
+    fed: list[int]
+    reach: list[list[float]]
+    source: list[str]
+    chosen: list[list[int]]
 
 
 class AdaptivePolicy:
@@ -119,6 +168,7 @@ class AdaptivePolicy:
         self._forced_state: dict | None = None
         self.forced_mismatches = 0  # rows whose journaled choices did not fit (a divergence)
         self._memo: dict[tuple, float] = {}  # this step's step times (``_seconds``)
+        self._w: list[float] | None = None  # this step's token worth per row (``_worth``)
 
     @property
     def candidates(self) -> list[Candidate]:
@@ -142,19 +192,50 @@ class AdaptivePolicy:
         return self._rate(seqs, [min(k, len(d)) for d in drafts])
 
     def _rate(self, seqs, cuts: list[int], reach: list[list[float]] | None = None,
-              ctx: float | None = None) -> float:
+              ctx: float | None = None, sums: list[list[float]] | None = None) -> float:
         """Expected output tokens per second if row i feeds ``cuts[i]`` base draft tokens
         (rows run packed: the dense layers cost by the real tokens, attention by the longest
         row or, where packed, by the real tokens; at the rows' mean context, ``_context``).
         reach: per row, the base's ``reach`` (default: asked for ``cuts``); ctx: the rows'
-        mean context (default: ``_context(seqs)``)."""
-        if reach is None:
-            reach = self.lookup.reach(seqs, cuts)
+        mean context (default: ``_context(seqs)``); sums: ``_prefix_sums(reach)`` when known.
+        Tokens count by ``_worth`` while the job drains."""
+        if sums is None:
+            sums = _prefix_sums(self.lookup.reach(seqs, cuts) if reach is None else reach)
         if ctx is None:
             ctx = _context(seqs)
-        tokens = len(seqs) + sum(sum(r[:c]) for r, c in zip(reach, cuts) if c)
+        w = self._w
+        if w is None:
+            tokens = len(seqs) + sum(c_i[c] for c_i, c in zip(sums, cuts) if c)
+        else:
+            tokens = len(seqs) + sum(wi * c_i[c] for wi, c_i, c in zip(w, sums, cuts) if c)
         q = 1 + max(cuts, default=0)
         return tokens / self._seconds(len(seqs), q, ctx, len(seqs) + sum(cuts))
+
+    def _worth(self, seqs, ctx: float) -> list[float] | None:
+        """Per row, what one more token emitted now is worth while the job drains (no request
+        waits for a row), relative to plain decoding's tokens (they sum to ``len(seqs)``).
+
+        A row that finishes earlier frees a row no request takes: the job still runs until its
+        last row finishes. With a plain step costing ``a + b * rows`` (``b``: one more row, at
+        the rows' mean context; ``a``: the rest), a token saves ``b`` (its row's share of every
+        later step) and, for the rows with the most tokens left to their ``max_tokens`` (the
+        job's end, ``m`` of them), ``a / m`` (one step less for the whole job, shared among
+        them). Each token is worth ``(a + b * rows) / rows`` seconds while requests wait; a
+        plain step's tokens are worth what it costs either way. None: one row, or a fit with
+        no per-row cost."""
+        n = len(seqs)
+        if n < 2:
+            return None
+        t = self._seconds(n, 1, ctx, n)
+        b = max(t - self._seconds(n - 1, 1, ctx, n - 1), 0.0)
+        a = max(t - n * b, 0.0)
+        if a <= 0.0 or b <= 0.0:
+            return None
+        left = [s.sampling.max_tokens - s.num_output_tokens for s in seqs]
+        top = max(left)
+        m = sum(1 for x in left if x == top)
+        scale = n / (a + n * b)
+        return [(b + a / m if x == top else b) * scale for x in left]
 
     def _seconds(self, rows: int, q: int, ctx: float, tokens: int) -> float:
         """``cost.step_time(rows, q, ctx, num_tokens=tokens)``, remembered until the next
@@ -165,55 +246,60 @@ class AdaptivePolicy:
             seconds = self._memo[key] = self.cost.step_time(rows, q, ctx, num_tokens=tokens)
         return seconds
 
-    def _cuts(self, seqs, lengths: list[int], k: int,
-              reach: list[list[float]], ctx: float | None = None) -> list[int]:
+    def _cuts(self, seqs, lengths: list[int], k: int, reach: list[list[float]],
+              ctx: float | None = None, sums: list[list[float]] | None = None) -> list[int]:
         """Per-row draft lengths under a step cap ``k``: row i keeps draft position j only if
         the chance that positions 0..j are all accepted (the expected extra tokens it brings)
         is worth the packed token it costs at the step's rate (Dinkelbach-style fixed point,
-        3 rounds from "keep everything")."""
+        3 rounds from "keep everything"). sums: ``_prefix_sums(reach)`` when known."""
         cuts = [min(k, n) for n in lengths]
         if not any(cuts):
             return cuts
+        if sums is None:
+            sums = _prefix_sums(reach)
         keys = [len(s.token_ids) for s in seqs]
+        w = self._w or [1.0] * len(seqs)
         for _ in range(3):
             # a packed token's price: the dense slope at the step's token count (plus scoring
             # the row's keys where attention is packed)
-            rate = self._rate(seqs, cuts, reach, ctx)
+            rate = self._rate(seqs, cuts, reach, ctx, sums)
             slope, per_key = self.cost.token_cost(len(seqs) + sum(cuts)), self.cost.token_key_cost
-            new = []
-            for key_len, r, c0 in zip(keys, reach, (min(k, n) for n in lengths)):
-                threshold = rate * (slope + per_key * key_len)
-                new.append(min(c0, sum(1 for _ in takewhile(lambda x: x >= threshold, r))))
+            new = [min(k, n, _run(r, rate * (slope + per_key * key_len) / wi))
+                   for key_len, r, n, wi in zip(keys, reach, lengths, w)]
             if new == cuts:
                 break
             cuts = new
         return cuts
 
-    def select(self, seqs: list[Sequence], caps: list[int],
-               num_rows: int | None = None) -> list[list[int]]:
+    def select(self, seqs: list[Sequence], caps: list[int], num_rows: int | None = None,
+               num_waiting: int | None = None) -> list[list[int]]:
         """The drafts to verify this step, one per row (possibly empty). caps: the most tokens
         each row may draft (its k, ``max_tokens`` and the context; the engine's
         ``_draft_caps``). num_rows: the rows of the verify step, a resumed job's placeholders
-        included (default ``len(seqs)``; candidates with ``counts_rows`` are told)."""
+        included (default ``len(seqs)``; candidates with ``counts_rows`` are told).
+        num_waiting: the requests queued for a row (0: the job drains, ``_worth``; None: not
+        known, every row's token worth the same)."""
         ctx = _context(seqs)
         self._memo.clear()
+        self._w = self._worth(seqs, ctx) if num_waiting == 0 else None
         if self._forced is not None:
             queues = [self._forced.get(_request_id(s)) for s in seqs]
             if any(queues):
                 return self._replay(seqs, caps, num_rows, ctx, queues)
             self._end_forcing()
         lengths = self.lookup.prepare(seqs, caps)
-        fed, rate, plain = self._select_base(seqs, lengths, ctx)
-        source = [self.lookup.name if c else "none" for c in fed]
-        chosen: list[list[int]] = [[] for _ in seqs]  # drafts of the rows others take
+        fed, rate, plain, reach = self._select_base(seqs, lengths, ctx)
+        step = _Step(seqs, caps, ctx, num_rows, rate, plain, fed,
+                     [r[:f] for r, f in zip(reach, fed)],
+                     [self.lookup.name if c else "none" for c in fed], [[] for _ in seqs])
         for cand in self.others:
-            self._offer(cand, seqs, fed, chosen, source, rate, plain, caps, ctx, num_rows)
-        rows = [i for i, src in enumerate(source) if src == self.lookup.name]
+            self._offer(cand, step)
+        rows = [i for i, src in enumerate(step.source) if src == self.lookup.name]
         for i, d in zip(rows, self.lookup.drafts([seqs[i] for i in rows],
                                                  [fed[i] for i in rows], ctx)):
-            chosen[i] = d
-        self._count(seqs, chosen, source)
-        return chosen
+            step.chosen[i] = d
+        self._count(seqs, step.chosen, step.source)
+        return step.chosen
 
     def _count(self, seqs, chosen: list[list[int]], source: list[str]) -> None:
         for s, src in zip(seqs, source):
@@ -294,17 +380,20 @@ class AdaptivePolicy:
                 c.set_global_state(got)
 
     def _select_base(self, seqs, lengths: list[int],
-                     ctx: float) -> tuple[list[int], float, float]:
+                     ctx: float) -> tuple[list[int], float, float, list[list[float]]]:
         """Per-row base draft lengths under the chosen step cap, their predicted rate and
-        plain decoding's (tokens/s; ctx: the rows' mean context)."""
+        plain decoding's (tokens/s; ctx: the rows' mean context), and the base's reach per
+        row (at least as long as its draft)."""
         longest = max(lengths, default=0)
         if longest == 0:
-            plain = self._rate(seqs, [0] * len(seqs), [[] for _ in seqs], ctx)
-            return [0] * len(seqs), plain, plain
+            reach = [[] for _ in seqs]
+            plain = self._rate(seqs, [0] * len(seqs), reach, ctx)
+            return [0] * len(seqs), plain, plain, reach
         reach = self.lookup.reach(seqs, [min(self.k_max, n) for n in lengths])
-        options = {k: self._cuts(seqs, lengths, k, reach, ctx)
+        sums = _prefix_sums(reach)
+        options = {k: self._cuts(seqs, lengths, k, reach, ctx, sums)
                    for k in range(0, min(self.k_max, longest) + 1)}
-        rates = {k: self._rate(seqs, cuts, reach, ctx) for k, cuts in options.items()}
+        rates = {k: self._rate(seqs, cuts, reach, ctx, sums) for k, cuts in options.items()}
         best = max(rates, key=lambda k: (rates[k], -k))
         keep = min(self.current_k, longest)
         if rates[best] > rates[keep] * (1 + self.switch_margin):
@@ -312,34 +401,32 @@ class AdaptivePolicy:
             keep = best
         if rates[keep] <= rates[0] * (1 + self.draft_margin):
             keep = 0  # drafting this step is not predicted to pay by more than the margin
-        return options[keep], rates[keep], rates[0]
+        return options[keep], rates[keep], rates[0], reach
 
-    def _offer(self, cand: Candidate, seqs, fed: list[int], chosen: list[list[int]],
-               source: list[str], base_rate: float, plain_rate: float, caps: list[int],
-               ctx: float, num_rows: int | None = None) -> None:
-        """Offer ``cand`` the rows no earlier candidate took (``source`` still the base's or
-        none). fed: the draft tokens each row feeds so far; the rows it takes get its drafts
-        in ``chosen``, their length in ``fed`` and its name in ``source``. plain_rate: the
-        step's predicted rate with no row drafting (``draft_margin``)."""
+    def _offer(self, cand: Candidate, step: _Step) -> None:
+        """Offer ``cand`` the rows no earlier candidate took (``step.source`` still the
+        base's or none); the rows it takes get its drafts in ``step.chosen``, their length in
+        ``step.fed``, their reach in ``step.reach`` and its name in ``step.source``."""
+        seqs, ctx, fed, current, base_rate = step.seqs, step.ctx, step.fed, step.reach, step.rate
         n = len(seqs)
-        avail = _prepare(cand, seqs, caps, num_rows)
-        free = [src in (self.lookup.name, "none") for src in source]
+        avail = _prepare(cand, seqs, step.caps, step.num_rows)
+        free = [src in (self.lookup.name, "none") for src in step.source]
         value = base_rate * self.cost.token_cost(n + sum(fed), ctx)
-        current = self.lookup.reach(seqs, fed)
-        net = [sum(r) - len(r) * value for r in current]
+        w = self._w or [1.0] * n
+        net = [wi * sum(r) - len(r) * value for wi, r in zip(w, current)]
         reach = cand.reach(seqs, avail)
         entry = cand.entry_seconds(seqs, reach)
         best = None  # (rate, lengths per row, 0 = keep the current draft)
         for cap in cand.cap_options(self.k_max):
             lengths = []
-            for r, net_i, e, ok in zip(reach, net, entry, free):
-                d = sum(1 for _ in takewhile(lambda x: x >= value, r[:cap])) if ok else 0
-                gain = sum(r[:d]) - d * value - e * base_rate
+            for wi, r, net_i, e, ok in zip(w, reach, net, entry, free):
+                d = _run(r[:cap], value / wi) if ok else 0
+                gain = wi * sum(r[:d]) - d * value - e * base_rate
                 lengths.append(d if d and gain > net_i else 0)
             if not any(lengths):
                 continue
-            tokens = n + sum(sum(r[:d]) if d else sum(c)
-                             for r, c, d in zip(reach, current, lengths))
+            tokens = n + sum(wi * (sum(r[:d]) if d else sum(c))
+                             for wi, r, c, d in zip(w, reach, current, lengths))
             feeds = [d if d else f for d, f in zip(lengths, fed)]
             seconds = self._seconds(n, 1 + max(feeds), ctx, n + sum(feeds))
             seconds += sum(e for e, d in zip(entry, lengths) if d)
@@ -353,13 +440,14 @@ class AdaptivePolicy:
             margin = 1 / (1 + self.switch_margin) if self.using[cand.name] \
                 else 1 + self.switch_margin
         self.using[cand.name] = (best is not None and best[0] > base_rate * margin
-                                 and best[0] > plain_rate * (1 + self.draft_margin))
+                                 and best[0] > step.plain * (1 + self.draft_margin))
         if not self.using[cand.name]:
             return
         rows = [i for i, d in enumerate(best[1]) if d]
         drafts = cand.drafts([seqs[i] for i in rows], [best[1][i] for i in rows], ctx)
         for i, d in zip(rows, drafts):
-            chosen[i], fed[i], source[i] = d, len(d), cand.name
+            step.chosen[i], fed[i], step.source[i] = d, len(d), cand.name
+            current[i] = reach[i][:len(d)]
 
     def observe(self, seq, emitted: list[int]) -> None:
         """The tokens the step committed for a row of the step: every candidate learns."""

@@ -8,7 +8,13 @@ fixed for a job (no online refit of the target's fit from the reported step time
 lookup priced at ``SUFFIX_LOOKUP_SECONDS`` per row): with those two pinned the same way, the
 tree before gave this tree's decisions on all three scenarios; and again when the lookup and
 suffix candidates stopped learning from positions another draft's accepted tokens showed
-(``LookupCandidate.observe``) and the lookup's estimates got a pooled calibration.
+(``LookupCandidate.observe``) and the lookup's estimates got a pooled calibration; and when a
+row an earlier candidate took (the draft model) counted its own draft's reach, not the lookup's
+at that length, as a later candidate (suffix) was offered the rest (only the slower-draft
+scenario's decisions moved); and when the lookup stand-in's proposal became the same prefix
+under any cap (as ``NgramIndex.propose``'s is; it proposes in 80% of steps, was 70%, so that
+every candidate is still chosen in every scenario), with which the lookup candidate asking for
+at most k + 1 tokens was shown to change nothing.
 
 A step here is what the engine does: admit rows up to the batch (``start``, then the first
 token is committed), ask the proposer for drafts under each row's cap, commit what a target
@@ -90,7 +96,8 @@ class Lookup:
         out = []
         for s, k in zip(seqs, ks):
             rng = _h("lookup-len", s.seq_id, self.step)
-            n = rng.randrange(k + 1) if rng.random() < 0.7 else 0
+            # the match's length, cut at the cap: the same proposal's prefix under any cap
+            n = min(rng.randrange(CAP + 1), k) if rng.random() < 0.8 else 0
             self.match[s.seq_id] = 1 + rng.randrange(4) if n else 0
             out.append(_guess("lookup", s, self.step, n, 0.3 + 0.6 * (s.seq_id % 3) / 2))
         return out
