@@ -37,13 +37,6 @@ where the step's predicted rate beats plain decoding's (no row drafting) by ``dr
 where drafting's predicted gain was within it, ran 0.965x plain decoding without it, 0.986x
 with it).
 
-While the job drains (no request waits for a row; the engine's ``num_waiting``), a row that
-finishes early frees a row nobody takes, and the job runs until its last row finishes: tokens
-count by what they save (``_worth``), a row's own share of later steps, plus the step's fixed
-cost for the rows with the most tokens left to their ``max_tokens``. Without it, the one-wave
-batch-16 int8 job of the 16 peer records drafted 221 tokens to finish 1 step sooner than plain
-decoding; with it, 100 tokens and 3 steps.
-
 ``steps_by_proposer`` counts which candidate (or none) drafted each row's steps, per record.
 After every step each candidate learns from the committed tokens (``Candidate.observe``). The
 cost models are fixed for the job (the job's calibration): no time measured while it runs
@@ -168,7 +161,6 @@ class AdaptivePolicy:
         self._forced_state: dict | None = None
         self.forced_mismatches = 0  # rows whose journaled choices did not fit (a divergence)
         self._memo: dict[tuple, float] = {}  # this step's step times (``_seconds``)
-        self._w: list[float] | None = None  # this step's token worth per row (``_worth``)
 
     @property
     def candidates(self) -> list[Candidate]:
@@ -197,45 +189,14 @@ class AdaptivePolicy:
         (rows run packed: the dense layers cost by the real tokens, attention by the longest
         row or, where packed, by the real tokens; at the rows' mean context, ``_context``).
         reach: per row, the base's ``reach`` (default: asked for ``cuts``); ctx: the rows'
-        mean context (default: ``_context(seqs)``); sums: ``_prefix_sums(reach)`` when known.
-        Tokens count by ``_worth`` while the job drains."""
+        mean context (default: ``_context(seqs)``); sums: ``_prefix_sums(reach)`` when known."""
         if sums is None:
             sums = _prefix_sums(self.lookup.reach(seqs, cuts) if reach is None else reach)
         if ctx is None:
             ctx = _context(seqs)
-        w = self._w
-        if w is None:
-            tokens = len(seqs) + sum(c_i[c] for c_i, c in zip(sums, cuts) if c)
-        else:
-            tokens = len(seqs) + sum(wi * c_i[c] for wi, c_i, c in zip(w, sums, cuts) if c)
+        tokens = len(seqs) + sum(c_i[c] for c_i, c in zip(sums, cuts) if c)
         q = 1 + max(cuts, default=0)
         return tokens / self._seconds(len(seqs), q, ctx, len(seqs) + sum(cuts))
-
-    def _worth(self, seqs, ctx: float) -> list[float] | None:
-        """Per row, what one more token emitted now is worth while the job drains (no request
-        waits for a row), relative to plain decoding's tokens (they sum to ``len(seqs)``).
-
-        A row that finishes earlier frees a row no request takes: the job still runs until its
-        last row finishes. With a plain step costing ``a + b * rows`` (``b``: one more row, at
-        the rows' mean context; ``a``: the rest), a token saves ``b`` (its row's share of every
-        later step) and, for the rows with the most tokens left to their ``max_tokens`` (the
-        job's end, ``m`` of them), ``a / m`` (one step less for the whole job, shared among
-        them). Each token is worth ``(a + b * rows) / rows`` seconds while requests wait; a
-        plain step's tokens are worth what it costs either way. None: one row, or a fit with
-        no per-row cost."""
-        n = len(seqs)
-        if n < 2:
-            return None
-        t = self._seconds(n, 1, ctx, n)
-        b = max(t - self._seconds(n - 1, 1, ctx, n - 1), 0.0)
-        a = max(t - n * b, 0.0)
-        if a <= 0.0 or b <= 0.0:
-            return None
-        left = [s.sampling.max_tokens - s.num_output_tokens for s in seqs]
-        top = max(left)
-        m = sum(1 for x in left if x == top)
-        scale = n / (a + n * b)
-        return [(b + a / m if x == top else b) * scale for x in left]
 
     def _seconds(self, rows: int, q: int, ctx: float, tokens: int) -> float:
         """``cost.step_time(rows, q, ctx, num_tokens=tokens)``, remembered until the next
@@ -258,30 +219,26 @@ class AdaptivePolicy:
         if sums is None:
             sums = _prefix_sums(reach)
         keys = [len(s.token_ids) for s in seqs]
-        w = self._w or [1.0] * len(seqs)
         for _ in range(3):
             # a packed token's price: the dense slope at the step's token count (plus scoring
             # the row's keys where attention is packed)
             rate = self._rate(seqs, cuts, reach, ctx, sums)
             slope, per_key = self.cost.token_cost(len(seqs) + sum(cuts)), self.cost.token_key_cost
-            new = [min(k, n, _run(r, rate * (slope + per_key * key_len) / wi))
-                   for key_len, r, n, wi in zip(keys, reach, lengths, w)]
+            new = [min(k, n, _run(r, rate * (slope + per_key * key_len)))
+                   for key_len, r, n in zip(keys, reach, lengths)]
             if new == cuts:
                 break
             cuts = new
         return cuts
 
-    def select(self, seqs: list[Sequence], caps: list[int], num_rows: int | None = None,
-               num_waiting: int | None = None) -> list[list[int]]:
+    def select(self, seqs: list[Sequence], caps: list[int],
+               num_rows: int | None = None) -> list[list[int]]:
         """The drafts to verify this step, one per row (possibly empty). caps: the most tokens
         each row may draft (its k, ``max_tokens`` and the context; the engine's
         ``_draft_caps``). num_rows: the rows of the verify step, a resumed job's placeholders
-        included (default ``len(seqs)``; candidates with ``counts_rows`` are told).
-        num_waiting: the requests queued for a row (0: the job drains, ``_worth``; None: not
-        known, every row's token worth the same)."""
+        included (default ``len(seqs)``; candidates with ``counts_rows`` are told)."""
         ctx = _context(seqs)
         self._memo.clear()
-        self._w = self._worth(seqs, ctx) if num_waiting == 0 else None
         if self._forced is not None:
             queues = [self._forced.get(_request_id(s)) for s in seqs]
             if any(queues):
@@ -412,21 +369,20 @@ class AdaptivePolicy:
         avail = _prepare(cand, seqs, step.caps, step.num_rows)
         free = [src in (self.lookup.name, "none") for src in step.source]
         value = base_rate * self.cost.token_cost(n + sum(fed), ctx)
-        w = self._w or [1.0] * n
-        net = [wi * sum(r) - len(r) * value for wi, r in zip(w, current)]
+        net = [sum(r) - len(r) * value for r in current]
         reach = cand.reach(seqs, avail)
         entry = cand.entry_seconds(seqs, reach)
         best = None  # (rate, lengths per row, 0 = keep the current draft)
         for cap in cand.cap_options(self.k_max):
             lengths = []
-            for wi, r, net_i, e, ok in zip(w, reach, net, entry, free):
-                d = _run(r[:cap], value / wi) if ok else 0
-                gain = wi * sum(r[:d]) - d * value - e * base_rate
+            for r, net_i, e, ok in zip(reach, net, entry, free):
+                d = _run(r[:cap], value) if ok else 0
+                gain = sum(r[:d]) - d * value - e * base_rate
                 lengths.append(d if d and gain > net_i else 0)
             if not any(lengths):
                 continue
-            tokens = n + sum(wi * (sum(r[:d]) if d else sum(c))
-                             for wi, r, c, d in zip(w, reach, current, lengths))
+            tokens = n + sum(sum(r[:d]) if d else sum(c)
+                             for r, c, d in zip(reach, current, lengths))
             feeds = [d if d else f for d, f in zip(lengths, fed)]
             seconds = self._seconds(n, 1 + max(feeds), ctx, n + sum(feeds))
             seconds += sum(e for e, d in zip(entry, lengths) if d)

@@ -15,9 +15,7 @@ rows) keyed by ``Sequence.seq_id``, and hears about every sequence's lifecycle f
 
 A proposer subclasses ``Proposer`` and so inherits the defaults: ``on_verify`` does nothing and
 ``counts_rows`` is False (True: ``propose`` takes ``num_rows=``, the rows of the verify step,
-a resumed job's placeholders included; ``suffix``), and so is ``counts_waiting`` (True:
-``propose`` takes ``num_waiting=``, the requests queued for a row; ``auto``). The engine calls
-these directly.
+a resumed job's placeholders included; ``suffix``). The engine calls these directly.
 
 Drafts must be a deterministic function of the committed tokens (and, for a draft model, of
 the record seed and positions; for suffix, of the answers finished before and of the rows in
@@ -39,7 +37,6 @@ class Proposer(Protocol):
 
     name: str
     counts_rows: bool = False
-    counts_waiting: bool = False
 
     def start(self, seq: Sequence) -> None: ...
 

@@ -29,8 +29,8 @@ class _Policy:
         self.candidates = candidates
         self.selected, self.observed = [], []
 
-    def select(self, seqs, caps, num_rows=None, num_waiting=None):
-        self.selected.append(([s.seq_id for s in seqs], caps, num_rows, num_waiting))
+    def select(self, seqs, caps, num_rows=None):
+        self.selected.append(([s.seq_id for s in seqs], caps, num_rows))
         return [[1, 2][:c] for c in caps]
 
     def observe(self, seq, emitted):
@@ -58,7 +58,7 @@ def test_auto_proposer_feeds_the_policy_and_the_candidates():
     a.token_ids.append(5)  # the prefill's token: not a row of a step, nothing observed
     proposer.on_commit(a, 1)
     drafts = proposer.propose([a, b], [3, 0])
-    assert policy.selected == [([0, 1], [3, 0], None, None)] and drafts == [[1, 2], []]
+    assert policy.selected == [([0, 1], [3, 0], None)] and drafts == [[1, 2], []]
     proposer.on_verify([a, b], drafts, 0.25)  # no journal: nothing; the time is not used
     journal = proposer.journal = _Journal()
     proposer.on_verify([a, b], drafts, 0.25)
@@ -72,8 +72,6 @@ def test_auto_proposer_feeds_the_policy_and_the_candidates():
                      ("ngram", "commit", 0, 1), ("suffix", "commit", 0, 1),
                      ("ngram", "commit", 0, 2), ("suffix", "commit", 0, 2),
                      ("ngram", "finish", 1), ("suffix", "finish", 1)]
-    assert proposer.name == "auto" and proposer.counts_rows and proposer.counts_waiting
+    assert proposer.name == "auto" and proposer.counts_rows is True
     proposer.propose([a], [2], num_rows=3)  # two placeholders beside it (a resume)
-    assert policy.selected[-1] == ([0], [2], 3, None)
-    proposer.propose([a], [2], num_waiting=0)  # no request queued: the job drains
-    assert policy.selected[-1] == ([0], [2], None, 0)
+    assert policy.selected[-1] == ([0], [2], 3)

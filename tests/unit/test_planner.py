@@ -118,35 +118,6 @@ def test_rows_in_one_step_get_their_own_draft_length():
     assert policy._rate(seqs, cuts) > policy.rate(seqs, [draft] * 3, 0)
 
 
-def test_a_draining_job_drafts_only_where_it_shortens_the_job():
-    """Eight rows accept 80% of their drafts; a step costs 4 ms plus 0.7 ms per row or fed
-    token. While requests wait for a row, a token is worth a row's share of a step (1.2 ms)
-    and every row drafts. Once none waits (``num_waiting=0``), a row that finishes early
-    frees a row nobody takes: its token saves only its own 0.7 ms per later step, which a
-    0.8-likely draft token does not repay, and only the row with the most tokens left to its
-    ``max_tokens`` (the job's end) drafts. Rows all at the same distance from the end share
-    the step's fixed cost and draft as before."""
-    cost = CostModel((0.004, 0.0007, 0.0, 0.0))
-    policy, given = _policy(cost, 5, lambda s: [(8.0, 2.0)] * 5)
-
-    def row(i, left):
-        seq = _seq(i)
-        seq.sampling, seq.num_output_tokens = SimpleNamespace(max_tokens=128), 128 - left
-        return seq
-
-    seqs = [row(i, 60 if i == 3 else 40) for i in range(8)]
-    given.drafts = [[1, 2, 3, 4, 5]] * 8
-    waiting = [len(d) for d in policy.select(seqs, [5] * 8, num_waiting=2)]
-    assert all(waiting), waiting
-    draining = [len(d) for d in policy.select(seqs, [5] * 8, num_waiting=0)]
-    assert draining[3] > 0 and draining[:3] + draining[4:] == [0] * 7, draining
-    w = policy._w
-    assert sum(w) == pytest.approx(8) and w[3] == pytest.approx((0.0007 + 0.004) * 8 / 0.0096)
-    tied = [row(i, 40) for i in range(8)]
-    assert [len(d) for d in policy.select(tied, [5] * 8, num_waiting=0)] == waiting
-    assert policy._w == pytest.approx([1.0] * 8)
-
-
 def test_one_copying_row_drafts_long_where_attention_is_packed():
     """Sixteen rows at 450 keys; one copies (p = 0.95), fifteen accept half their drafts. Where
     attention runs on the real tokens (the CPU C kernels), the copying row's long draft costs
