@@ -122,6 +122,9 @@ class Candidate(Protocol):
     # Optional:
     # counts_rows = True: ``prepare`` takes ``num_rows=``, the rows of the verify step (a
     #     resumed job's placeholders included), where its drafts depend on it (suffix).
+    # proposal(seq) -> list[int]: the tokens ``prepare`` found for the row this step (its
+    #     draft before any cut), where known before ``drafts`` (not a draft model's): where a
+    #     later candidate's starts with the base's, the policy scores the shared tokens once.
     # global_state() -> dict of JSON values / set_global_state(dict): what it learned pooled
     #     over rows (not a row's own state, which follows the row's tokens), so a resumed job
     #     continues from where the interrupted one was (``auto.journal``). A candidate without
@@ -401,6 +404,10 @@ class LookupCandidate(ForwardingCandidate):
     def cap_options(self, k_max: int) -> range:
         return range(0, k_max + 1)
 
+    def proposal(self, seq) -> list[int]:
+        """The row's n-gram draft this step, before any cut (at most k + 1 tokens)."""
+        return self._proposed.get(seq.seq_id, [])
+
     def entry_seconds(self, seqs, reach) -> list[float]:
         return [0.0] * len(seqs)
 
@@ -664,6 +671,11 @@ class SuffixCandidate(ForwardingCandidate):
 
     def cap_options(self, k_max: int) -> tuple[None]:
         return (None,)
+
+    def proposal(self, seq) -> list[int]:
+        """The row's suffix draft this step, before any cut ([] if none)."""
+        d = self._drafts.get(seq.seq_id)
+        return d.ids if d is not None else []
 
     def entry_seconds(self, seqs, reach) -> list[float]:
         return [0.0] * len(seqs)

@@ -102,6 +102,27 @@ def _run(reach: list[float], threshold: float) -> int:
     return n
 
 
+def _shared(reach: list[float], base: list[float], mine: list[int],
+            theirs: list[int]) -> list[float]:
+    """A candidate's reach for a row (``reach``, its proposal ``mine``) where the proposal
+    starts with the base's (``theirs``, reach ``base``): the same tokens have the same chance
+    whoever proposes them, so over the shared prefix the row keeps the higher estimate (the
+    base's is the one a step would otherwise verify) and past it the candidate's own
+    conditional chances. Without it a suffix draft that extends a lookup draft lost to it
+    wherever the lookup's estimate of their common tokens read higher: on the extraction
+    recipe (48 records, batch 1) auto verified 2028 steps against suffix alone 1955; with it
+    1983."""
+    m = 0
+    top = min(len(reach), len(base), len(mine), len(theirs))
+    while m < top and mine[m] == theirs[m]:
+        m += 1
+    if m == 0:
+        return reach
+    out = [max(x, y) for x, y in zip(reach[:m], base[:m])]
+    scale = out[m - 1] / reach[m - 1] if reach[m - 1] > 0 else 0.0
+    return out + [x * scale for x in reach[m:]]
+
+
 def _context(seqs) -> float:
     """The step's context for the cost model: the rows' mean length (tokens). Attention reads
     each row up to its own length, so a step costs by the sum over rows; the longest row times
@@ -127,6 +148,7 @@ class _Step:
     reach: list[list[float]]
     source: list[str]
     chosen: list[list[int]]
+    base: list[list[float]]  # the base's reach per row, uncut (``_select_base``)
 
 
 class AdaptivePolicy:
@@ -248,7 +270,7 @@ class AdaptivePolicy:
         fed, rate, plain, reach = self._select_base(seqs, lengths, ctx)
         step = _Step(seqs, caps, ctx, num_rows, rate, plain, fed,
                      [r[:f] for r, f in zip(reach, fed)],
-                     [self.lookup.name if c else "none" for c in fed], [[] for _ in seqs])
+                     [self.lookup.name if c else "none" for c in fed], [[] for _ in seqs], reach)
         for cand in self.others:
             self._offer(cand, step)
         rows = [i for i, src in enumerate(step.source) if src == self.lookup.name]
@@ -371,6 +393,9 @@ class AdaptivePolicy:
         value = base_rate * self.cost.token_cost(n + sum(fed), ctx)
         net = [sum(r) - len(r) * value for r in current]
         reach = cand.reach(seqs, avail)
+        if hasattr(cand, "proposal"):
+            reach = [_shared(r, b, cand.proposal(s), self.lookup.proposal(s))
+                     for s, r, b in zip(seqs, reach, step.base)]
         entry = cand.entry_seconds(seqs, reach)
         best = None  # (rate, lengths per row, 0 = keep the current draft)
         for cap in cand.cap_options(self.k_max):

@@ -93,3 +93,33 @@ def test_a_suffix_draft_not_verified_is_scored_on_its_first_position():
     cand.drafts([seq], [3], 0.0)
     cand.observe(seq, PROPOSAL[:5] + [99])
     assert sum(t for t, _ in cand.pool.values()) == 1.0 * 0.995 + 4.0  # decayed, then 0..3
+
+
+def test_a_suffix_draft_that_extends_the_lookup_draft_scores_their_shared_tokens_once():
+    """Lookup proposes 6 tokens it is 90% sure of, position by position; suffix proposes the
+    same 6 and 9 more, at 60% each by its own counts. The shared tokens have one chance of
+    acceptance whoever proposes them: the suffix draft keeps the lookup's estimate over them,
+    so the longer draft wins (without it, the lookup's 5 tokens did)."""
+    from specbatch.auto.costmodel import CostModel
+    from specbatch.auto.policy import AdaptivePolicy
+
+    text = list(range(7, 22))
+
+    class Lookup:
+        def propose(self, seqs, caps):
+            return [text[:c] for c in caps]
+
+        def match_len(self, seq):
+            return 3
+
+    class Suffix:
+        def draft(self, seq, cap, rows):
+            return Draft(text[:cap], [0.6 ** (j + 1) for j in range(cap)], 4, "self")
+
+    lookup = LookupCandidate(Lookup(), 5, lambda s: [(9.0, 1.0)] * 5, match_len=True)
+    policy = AdaptivePolicy(CostModel((0.010, 0.0002, 0.0, 0.0)), 5, lookup,
+                            [SuffixCandidate(Suffix(), lookup_seconds=0.0)])
+    drafts = policy.select([_seq()], [15])
+    assert policy.decisions[0][1:] == ("suffix", len(drafts[0])) and len(drafts[0]) > 5, \
+        policy.decisions
+    assert drafts[0] == text[:len(drafts[0])]

@@ -14,7 +14,8 @@ at that length, as a later candidate (suffix) was offered the rest (only the slo
 scenario's decisions moved); and when the lookup stand-in's proposal became the same prefix
 under any cap (as ``NgramIndex.propose``'s is; it proposes in 80% of steps, was 70%, so that
 every candidate is still chosen in every scenario), with which the lookup candidate asking for
-at most k + 1 tokens was shown to change nothing.
+at most k + 1 tokens was shown to change nothing; and when a later candidate's draft that starts
+with the lookup's scored the shared tokens with the higher estimate (``policy._shared``).
 
 A step here is what the engine does: admit rows up to the batch (``start``, then the first
 token is committed), ask the proposer for drafts under each row's cap, commit what a target
