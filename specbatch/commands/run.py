@@ -265,6 +265,10 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     errors += model_errors
     bad_lines = {e.line for e in model_errors}  # records this model cannot run
     skipped = [r.index for r in records if r.line in bad_lines]
+    if len(skipped) == len(records):  # --on-error skip, and this model can run none of them
+        _report_errors(errors, "skip")
+        _err("error: no valid records; nothing to run.")
+        return EXIT_BAD_INPUT
 
     config = {**config, "model": llm.model_id, "max_model_len": llm.max_model_len,
               **({"draft_model": llm.draft_model_id} if llm.draft is not None else {})}

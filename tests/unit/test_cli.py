@@ -181,6 +181,22 @@ def test_records_that_stop_with_an_error_are_reported(tmp_path, tiny_gguf):
     assert usage["prompt_tokens"] + usage["completion_tokens"] <= 40, usage
 
 
+def test_skip_with_every_record_refused_by_the_model_is_an_error(tmp_path, tiny_gguf):
+    """--on-error skip where the model can run none of the records (a prompt longer than the
+    context, checked once the model is loaded): nothing to run, exit 2, no empty output."""
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": "long", "prompt": "' + "x " * 60 + '"}\n')
+    out = tmp_path / "out.jsonl"
+    result = CliRunner().invoke(main, ["run", str(src), "-o", str(out), "--model", str(tiny_gguf),
+                                       "--cache-dir", str(tmp_path / "c"), "--method", "none",
+                                       "--max-model-len", "40", "--on-error", "skip",
+                                       "--no-progress"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines()[-1] == "error: no valid records; nothing to run."
+    assert f"{src}:1: id='long': prompt is" in result.stderr, result.stderr
+    assert not out.exists() and "wrote" not in result.stdout
+
+
 def test_resume_with_changed_options_is_refused_before_the_model_loads(tmp_path, tiny_gguf):
     """A work file left by a killed run, rerun with another --k: refused in one line, exit 2,
     without loading the model first (it could take minutes)."""
