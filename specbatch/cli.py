@@ -84,15 +84,17 @@ def _spec_options(f):
     for opt in reversed([
         click.option("--method", type=_MethodChoice(),
                      default="auto", show_default=True,
-                     help="Proposer: auto (prompt lookup with k chosen per bucket and step from "
-                     "measured cost), none (plain decoding), ngram, draft (--draft-model), or suffix "
+                     help="Proposer: auto (per row and step, the prompt lookup, suffix or "
+                     "--draft-model draft and its length that pay by this machine's measured step "
+                     "cost), none (plain decoding), ngram, draft (--draft-model), or suffix "
                      "(own text + outputs of the job's finished records)."),
         click.option("--draft-model", default=None, help="Draft model for --method draft "
                      "(or for auto to choose per row): registry name, .gguf path or HF folder "
                      "sharing the target's tokenizer. Refused with ngram; none ignores it."),
         click.option("--k", "--num-speculative-tokens", "k", type=click.IntRange(0, 32),
                      default=5, show_default=True,
-                     help="Draft tokens per verify step (with auto: the most it may choose)."),
+                     help="Draft tokens per verify step (auto: the most a lookup or draft-model "
+                     "draft may have; suffix drafts, with suffix or auto, may reach min(32, 3k))."),
         click.option("--prompt-lookup-min", type=click.IntRange(1), default=2, show_default=True,
                      help="Shortest n-gram (tokens) the lookup matches."),
         click.option("--prompt-lookup-max", type=click.IntRange(1), default=4, show_default=True,
@@ -193,8 +195,8 @@ def _sampling_options(f):
         click.option("--n", "n", type=click.IntRange(1, 1024), default=1, show_default=True,
                      help="Samples per prompt (output fields become lists when > 1)."),
         click.option("--repetition-penalty", type=click.FloatRange(0, min_open=True),
-                     default=1.0, show_default=True, help="Divide (or, if negative, multiply) "
-                     "the logit of every token in the prompt or output by it; 1 = off."),
+                     default=1.0, show_default=True, help="Divide a positive logit (multiply a "
+                     "negative one) of every token in the prompt or output by it; 1 = off."),
         click.option("--presence-penalty", type=click.FloatRange(-2, 2), default=0.0,
                      show_default=True, help="Subtracted once from the logit of every token "
                      "already in the output."),
