@@ -19,10 +19,14 @@ PROPOSAL = [7, 8, 9, 10, 11, 12]
 
 
 class FixedLookup:
-    """A prompt-lookup stand-in: proposes ``PROPOSAL`` (cut to the cap) from a 3-gram match."""
+    """A prompt-lookup stand-in: proposes ``text`` (default ``PROPOSAL``, cut to the cap) from
+    a 3-gram match."""
+
+    def __init__(self, text=PROPOSAL):
+        self.text = text
 
     def propose(self, seqs, caps):
-        return [PROPOSAL[:c] for c in caps]
+        return [self.text[:c] for c in caps]
 
     def match_len(self, seq):
         return 3
@@ -105,18 +109,11 @@ def test_a_suffix_draft_that_extends_the_lookup_draft_scores_their_shared_tokens
 
     text = list(range(7, 22))
 
-    class Lookup:
-        def propose(self, seqs, caps):
-            return [text[:c] for c in caps]
-
-        def match_len(self, seq):
-            return 3
-
     class Suffix:
         def draft(self, seq, cap, rows):
             return Draft(text[:cap], [0.6 ** (j + 1) for j in range(cap)], 4, "self")
 
-    lookup = LookupCandidate(Lookup(), 5, lambda s: [(9.0, 1.0)] * 5, match_len=True)
+    lookup = LookupCandidate(FixedLookup(text), 5, lambda s: [(9.0, 1.0)] * 5, match_len=True)
     policy = AdaptivePolicy(CostModel((0.010, 0.0002, 0.0, 0.0)), 5, lookup,
                             [SuffixCandidate(Suffix(), lookup_seconds=0.0)])
     drafts = policy.select([_seq()], [15])
