@@ -32,11 +32,21 @@ OUTPUT_KEYS = ("model", "dtype", "sampling", "seed", "max_model_len", "prompt_fi
 
 def output_setting_differences(a: RunFile, b: RunFile) -> list[dict]:
     """``{"key", "a", "b"}`` for each run-config value that changes output tokens and differs
-    between the two files (none when a config is missing)."""
+    between the two files (none when a config is missing); where both values are objects (the
+    sampling parameters), one entry per field that differs, keyed ``sampling.max_tokens``."""
     if a.config is None or b.config is None:
         return []
-    return [{"key": k, "a": a.config.get(k), "b": b.config.get(k)} for k in OUTPUT_KEYS
-            if a.config.get(k) != b.config.get(k)]
+    out = []
+    for k in OUTPUT_KEYS:
+        va, vb = a.config.get(k), b.config.get(k)
+        if va == vb:
+            continue
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += [{"key": f"{k}.{f}", "a": va.get(f), "b": vb.get(f)}
+                    for f in sorted(va.keys() | vb.keys()) if va.get(f) != vb.get(f)]
+        else:
+            out.append({"key": k, "a": va, "b": vb})
+    return out
 
 
 def compare(a: RunFile, b: RunFile, grouping: str) -> dict:

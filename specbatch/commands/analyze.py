@@ -317,8 +317,14 @@ def _compare_text(cmp: dict) -> list[str]:
         why = " (should be 0: speculation must not change the output)"
     lines.append(f"records whose output_token_ids differ: {n} of {cmp['num_common']}{why}")
     for d in cmp["differing_outputs"][:MAX_DIFFS_SHOWN]:
-        lines.append(f"  id={d['id']!r}: turn {d['turn']}, first difference at token "
-                     f"{d['position']} (a {d['a_token']}, b {d['b_token']})")
+        at = f"  id={d['id']!r}: turn {d['turn']}, "
+        if d["a_token"] is None or d["b_token"] is None:  # one output is a prefix of the other
+            short, other = ("a", "b") if d["a_token"] is None else ("b", "a")
+            lines.append(f"{at}{short} ends after {d['position']} tokens, where {other} goes "
+                         f"on (token {d[other + '_token']})")
+        else:
+            lines.append(f"{at}first difference at token {d['position']} "
+                         f"(a {d['a_token']}, b {d['b_token']})")
     if n > MAX_DIFFS_SHOWN:
         lines.append(f"  ... and {n - MAX_DIFFS_SHOWN} more (see --json)")
     return lines

@@ -404,6 +404,21 @@ def test_compare_names_a_dtype_difference(runs, tmp_path):
     text = format_text(doc)
     assert "the runs differ in what decides the tokens: dtype float32 vs int8" in text
     assert "speculation must not change" not in text
+    # sampling parameters: the field that differs, not two JSON objects cut at the same width
+    sampling = {**config["sampling"], "max_tokens": 128}
+    config_path(other).write_text(json.dumps({**config, "sampling": sampling}))
+    _, doc = _doc([runs["ngram"], other], compare=True)
+    assert doc["compare"]["output_setting_differences"] == [
+        {"key": "sampling.max_tokens", "a": config["sampling"]["max_tokens"], "b": 128}]
+    assert f"sampling.max_tokens {config['sampling']['max_tokens']} vs 128" in format_text(doc)
+    # an output that is a prefix of the other's (a shorter max_tokens) says so
+    src = [json.loads(line) for line in runs["ngram"].read_text().splitlines()]
+    victim = next(r for r in src if "prompt" in r and r["output_token_ids"])
+    n = len(victim["output_token_ids"])
+    victim["output_token_ids"].append(1)
+    other.write_text("".join(json.dumps(r) + "\n" for r in src))
+    _, doc = _doc([runs["ngram"], other], compare=True)
+    assert f"a ends after {n} tokens, where b goes on (token 1)" in format_text(doc)
 
 
 def test_plots_are_written(runs, tmp_path):
