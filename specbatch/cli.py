@@ -86,7 +86,8 @@ def _spec_options(f):
                      default="auto", show_default=True,
                      help="Proposer: auto (per row and step, the prompt lookup, suffix or "
                      "--draft-model draft and its length that pay by this machine's measured step "
-                     "cost), none (plain decoding), ngram, draft (--draft-model), or suffix "
+                     "cost), none (plain decoding), ngram (prompt lookup: the row's own text), draft "
+                     "(--draft-model), or suffix "
                      "(own text + outputs of the job's finished records)."),
         click.option("--draft-model", default=None, help="Draft model for --method draft "
                      "(or for auto to choose per row): registry name, .gguf path or HF folder "
