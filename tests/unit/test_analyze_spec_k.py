@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from specbatch.analyze.load import config_path, load_run, upgrade_spec
+from specbatch.commands.analyze import format_text
 from specbatch.config import SamplingParams, SpecConfig
 from specbatch.io.records import read_records
 from specbatch.pipeline import PromptRenderer, generate_records
@@ -20,7 +21,6 @@ from specbatch.spec_decode import make_proposer
 from specbatch.spec_decode.stats import SpecStats
 from tests.helpers import make_engine, run_engine, tiny_llama
 from tests.unit.test_analyze import EOS, TOK, VOCAB, _doc, _rows
-from specbatch.commands.analyze import format_text
 
 K = 3
 CAP = SpecConfig(method="suffix", num_speculative_tokens=K).draft_cap  # 9
