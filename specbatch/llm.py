@@ -395,7 +395,7 @@ class LLM:
         else:
             fits = None
         self.engine = Engine(runner, proposer, stop_rules, spec.draft_cap,
-                             self.renderer.detokenize)
+                             self.renderer.detokenize, num_speculative_tokens=spec.k)
         return Prepared(self, self.engine, plan, records, engine_config, fits)
 
     def memory_summary(self) -> str:

@@ -19,8 +19,9 @@ OUTPUT_FIELDS = ("output", "output_token_ids", "finish_reason", "stop_reason", "
 
 
 def _merged_stats(completions: list) -> SpecStats:
-    stats = SpecStats(proposer=completions[0].stats.proposer,
-                      num_speculative_tokens=completions[0].stats.num_speculative_tokens)
+    first = completions[0].stats
+    stats = SpecStats(proposer=first.proposer, num_speculative_tokens=first.num_speculative_tokens,
+                      max_spec_tokens=first.max_spec_tokens)
     for c in completions:
         stats.merge(c.stats)
     return stats

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specbatch import methods
 from specbatch.config import SamplingParams
 from specbatch.io.records import OUTPUT_FIELDS, Record, RecordError, read_records
 from specbatch.spec_decode.stats import SpecStats
@@ -72,6 +73,11 @@ def load_run(path: str | Path) -> RunFile:
             problems.append(str(RecordError(str(path), r.line, r.id, "not an output record (no "
                                             f"{', '.join(missing)})", r.unit)))
         else:
+            if isinstance(r.fields["spec"], dict):
+                upgrade_spec(r.fields["spec"], config)
+                for s in r.fields["spec"].get("per_sample") or []:
+                    if isinstance(s, dict):
+                        upgrade_spec(s, config)
             good.append(r)
     if not records and errors and config is None and _outputs_without_prompts(path):
         raise ValueError(f"{path}: none of its lines reads as a record ({errors[0].reason}, "
@@ -92,6 +98,34 @@ def _outputs_without_prompts(path: Path) -> bool:
     with ``output`` as the prompt field, some record then has every output field."""
     records, _ = read_records(path, prompt_field="output", null_ids=True)
     return any(all(k in r.fields for k in OUTPUT_FIELDS) for r in records)
+
+
+def upgrade_spec(spec: dict, config: dict | None) -> dict:
+    """A record's ``spec`` field in the current format, changed in place and returned.
+
+    Files written before ``max_spec_tokens`` existed have no such field and held the per-row
+    draft cap in ``num_speculative_tokens`` (for ``suffix`` and ``auto``, ``min(32, 3k)``, e.g.
+    15 at k = 5). Such a spec gets ``max_spec_tokens`` = that cap and ``num_speculative_tokens``
+    = k: the run config's ``k`` when ``OUT.config.json`` is beside the file and names the
+    record's method; else the one k whose cap it is (``methods.Method.draft_cap``); else the
+    cap stays (a cap of 32 fits every k from 11 up). A current spec is left as it is."""
+    if spec.get("max_spec_tokens") is not None or "num_speculative_tokens" not in spec:
+        return spec
+    cap = spec["num_speculative_tokens"]
+    proposer = spec.get("proposer")
+    c = config or {}
+    entry = methods.get(proposer)
+    k = cap
+    if isinstance(c.get("k"), int) and c.get("method") == proposer and (
+            entry is None or entry.draft_cap(c["k"]) == cap):
+        k = c["k"]
+    elif entry is not None and isinstance(cap, int):
+        ks = [n for n in range(cap + 1) if entry.draft_cap(n) == cap]
+        if len(ks) == 1:
+            k = ks[0]
+    spec["num_speculative_tokens"] = k
+    spec["max_spec_tokens"] = cap
+    return spec
 
 
 def spec_stats(fields: dict) -> SpecStats:

@@ -1,7 +1,9 @@
 """Acceptance tables: per-record ``spec`` counters summed by group, and the ratios that decide.
 
-Groupings: ``bucket`` (``spec.bucket``, written by the auto planner; records without one are
-bucket ``-``), ``proposer`` (``none`` or ``<proposer>:k=<k>``), any input field
+Groupings: ``bucket`` (``spec.bucket``, written by the auto planner; a record of another
+method, which has none, is grouped under its ``proposer`` label, e.g. ``suffix:k=5``, so an auto
+run analyzed beside a static one shows the static run as one row named for what it ran),
+``proposer`` (``none``, ``auto`` or ``<proposer>:k=<k>``, k as the run asked), any input field
 (``--by category``; records without the field are group ``-``) and ``all`` (no groups: the
 table is the ``(all)`` row alone). ``default_grouping`` picks the primary grouping of a run
 when ``--by`` does not: ``bucket`` for an auto run, else ``category`` when the records have
@@ -29,7 +31,6 @@ from specbatch.io.records import Record
 from specbatch.spec_decode.stats import SpecStats
 
 ALL = "(all)"
-NO_BUCKET = "-"
 NO_FIELD = "-"
 NO_GROUPS = "all"  # the grouping of one group: every record
 DEFAULT_FIELD = "category"  # Spec-Bench's
@@ -53,7 +54,7 @@ def group_label(rec: Record, grouping: str) -> str:
     spec = rec.fields["spec"]
     if grouping == "bucket":
         bucket = spec.get("bucket")
-        return NO_BUCKET if bucket is None else str(bucket)
+        return group_label(rec, "proposer") if bucket is None else str(bucket)
     if grouping == "proposer":
         name = spec.get("proposer", "none")
         if name in ("none", "auto"):  # auto's k is chosen per row and step (k_histogram)
@@ -88,7 +89,10 @@ class Group:
         s = self.stats
         num_decode = sum(s.k_histogram.values())
         num_no_draft = s.k_histogram.get(0, 0)
+        # positions up to the longest draft verified (past it no draft reached, all 0)
         per_pos = list(s.num_accepted_tokens_per_pos)
+        last_nonzero = max((i + 1 for i, a in enumerate(per_pos) if a), default=0)
+        per_pos = per_pos[:max(s.longest_draft, last_nonzero)]
         # c[i]: drafting steps that accepted more than i drafts (c[0] = every drafting step)
         c = [s.num_drafts] + per_pos + [0]
         return {

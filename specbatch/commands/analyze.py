@@ -225,7 +225,8 @@ def _group_table_text(grouping: str, rows: list[dict]) -> list[str]:
                      f"{_f(r['acceptance_rate']):>9}{_f(r['no_draft_share'], '.1%'):>9}")
     num_pos = max(len(r["acceptance_per_pos"]) for r in rows)
     if num_pos:
-        lines += ["per-position acceptance, unconditional/conditional (draft position 1..k):",
+        lines += ["per-position acceptance, unconditional/conditional (draft position 1 to "
+                  "the longest draft):",
                   f"{'group':<{w}}" + "".join(f"{i + 1:>11}" for i in range(num_pos))]
         for r in rows:
             cells = [f"{_f(u)}/{_f(c)}" for u, c in zip(r["acceptance_per_pos"],

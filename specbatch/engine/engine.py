@@ -55,17 +55,23 @@ class Completion:
 class Engine:
     """Batched speculative decoding over one target model.
 
-    k: draft tokens per verify step (a request's ``max_k`` or the planner may lower it per row).
+    k: the per-row draft cap (tokens; a request's ``max_k`` or the planner may lower it per
+    row). num_speculative_tokens: the k the run asked for, recorded in each completion's stats
+    beside the cap (``SpecStats``); None: ``k`` (the cap is k except for suffix drafts,
+    ``SpecConfig.draft_cap``).
     follow_up: called with each completion; a returned ``Request`` (e.g. the next turn) is
     queued ahead of the others.
     """
 
     def __init__(self, runner: ModelRunner, proposer: Proposer, stop_rules: StopRules, k: int,
-                 detokenize: Callable[[list[int]], str] | None = None) -> None:
+                 detokenize: Callable[[list[int]], str] | None = None,
+                 num_speculative_tokens: int | None = None) -> None:
         self.runner = runner
         self.proposer = proposer
         self.stop_rules = stop_rules
         self.k = k
+        self.num_speculative_tokens = (k if num_speculative_tokens is None
+                                       else num_speculative_tokens)
         self.detokenize = detokenize or stop_rules.detokenize
         self.scheduler = Scheduler(runner.cache.num_rows)
         self.follow_up: Callable[[Completion], Request | None] | None = None
@@ -300,7 +306,7 @@ class Engine:
 
     def _make_sequence(self, request: Request) -> Sequence:
         k = self.k if request.max_k is None else min(self.k, request.max_k)
-        seq = Sequence(request, self.proposer.name, k)
+        seq = Sequence(request, self.proposer.name, k, self.num_speculative_tokens)
         if request.grammar is not None and request.replay is None:
             from specbatch.engine.grammar import new_matcher
 

@@ -85,7 +85,8 @@ class Sequence:
     the last committed token is fed at the next step.
     """
 
-    def __init__(self, request: Request, proposer_name: str, k: int) -> None:
+    def __init__(self, request: Request, proposer_name: str, k: int,
+                 num_speculative_tokens: int | None = None) -> None:
         self.seq_id = next(_seq_ids)
         self.request = request
         self.sampling = request.sampling
@@ -104,7 +105,10 @@ class Sequence:
         self.stop_searched = 0  # chars of the text at the last stop-string search
         self.logprobs: list[LogprobEntry] = []
         self.matcher = None  # xgrammar GrammarMatcher at the committed length (engine.grammar)
-        self.stats = SpecStats(proposer=proposer_name, num_speculative_tokens=k)
+        # k as the user asked (the stats' num_speculative_tokens) beside the row's cap
+        self.stats = SpecStats(proposer=proposer_name, max_spec_tokens=k,
+                               num_speculative_tokens=k if num_speculative_tokens is None
+                               else min(k, num_speculative_tokens))
         # the schedule (engine steps): where it took a row, first verified, finished
         self.replay: Replay | None = request.replay
         self.admit_step = 0

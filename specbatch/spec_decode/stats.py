@@ -19,7 +19,13 @@ class SpecStats:
     num_drafts: verify steps that carried at least one draft token.
     num_draft_tokens: draft tokens proposed over those steps.
     num_accepted_tokens: draft tokens accepted *and committed* (a stop can drop some).
-    num_accepted_tokens_per_pos: ``[k]`` accepted count at draft position i (0-based).
+    num_speculative_tokens: k, the draft tokens per verify step the run asked for
+        (``SpecConfig.num_speculative_tokens``; 0 for ``none``).
+    max_spec_tokens: the engine's per-row draft cap (tokens): k, except ``suffix`` and
+        ``auto``, whose suffix drafts may reach ``min(32, 3k)`` (``methods.Method.draft_cap``);
+        vLLM's suffix proposer passes its cap under this name. Default: k.
+    num_accepted_tokens_per_pos: accepted count at draft position i (0-based), one entry per
+        position up to the longest draft verified (``to_dict`` pads it to at least k).
     """
 
     proposer: str = "none"
@@ -30,6 +36,11 @@ class SpecStats:
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     k_histogram: dict[int, int] = field(default_factory=dict)  # k used -> verify steps
+    max_spec_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_spec_tokens is None:
+            self.max_spec_tokens = self.num_speculative_tokens
 
     def record_step(self, num_draft: int, num_accepted: int) -> None:
         """Count one verify (or plain decode) step with ``num_draft`` draft tokens of which the
@@ -76,12 +87,24 @@ class SpecStats:
         steps = sum(self.k_histogram.values())
         return sum(k * c for k, c in self.k_histogram.items()) / steps if steps else None
 
+    @property
+    def longest_draft(self) -> int:
+        """The longest draft verified (tokens; 0 when nothing was drafted): positions past it
+        were never drafted, so their accepted counts are 0."""
+        return max((k for k, c in self.k_histogram.items() if c), default=0)
+
     @classmethod
     def from_dict(cls, d: dict) -> SpecStats:
         """The counters of a record's ``spec`` field (``to_dict``'s output, as written to the
-        output file); the derived ratios are recomputed, not read."""
+        output file); the derived ratios are recomputed, not read.
+
+        A ``spec`` written before ``max_spec_tokens`` existed held the per-row draft cap in
+        ``num_speculative_tokens`` (for ``suffix`` and ``auto``, ``min(32, 3k)``): both fields
+        are then that value (``analyze.load.upgrade_spec`` recovers k from the run config)."""
+        k = d.get("num_speculative_tokens", 0)
+        cap = d.get("max_spec_tokens")
         return cls(proposer=d.get("proposer", "none"),
-                   num_speculative_tokens=d.get("num_speculative_tokens", 0),
+                   num_speculative_tokens=k, max_spec_tokens=k if cap is None else cap,
                    num_steps=d["num_steps"], num_drafts=d["num_drafts"],
                    num_draft_tokens=d["num_draft_tokens"],
                    num_accepted_tokens=d["num_accepted_tokens"],
@@ -91,12 +114,16 @@ class SpecStats:
                                 if v is not None})
 
     def to_dict(self) -> dict:
+        """The record's ``spec`` field (docs/output.md). ``num_accepted_tokens_per_pos`` has
+        k entries, more where a draft was longer than k (a suffix draft, up to
+        ``max_spec_tokens``)."""
         k = self.num_speculative_tokens
-        per_pos = (self.num_accepted_tokens_per_pos + [0] * k)[:max(k, len(
-            self.num_accepted_tokens_per_pos))]
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos = per_pos + [0] * (k - len(per_pos))
         return {
             "proposer": self.proposer,
             "num_speculative_tokens": k,
+            "max_spec_tokens": self.max_spec_tokens,
             "num_steps": self.num_steps,
             "num_drafts": self.num_drafts,
             "num_draft_tokens": self.num_draft_tokens,

@@ -73,7 +73,7 @@ def test_what_if_replay_equals_recorded_stats(run):
         got = checks[qid]["replayed"]
         spec = rec["spec"]
         for key in COUNTERS + ("num_accepted_tokens_per_pos", "k_histogram", "proposer",
-                               "num_speculative_tokens"):
+                               "num_speculative_tokens", "max_spec_tokens"):
             assert got[key] == spec[key], (qid, key)
         assert checks[qid]["setting"] == "ngram:k=5:min=2:max=4"
     assert wi["self_check"]["num_equal"] == 20

@@ -43,7 +43,7 @@ K = 5
 NEAR_TIE = 0.5
 MAX_LOGIT_DIFF = 1.0  # ours vs transformers' logits on the same prefix (measured <= 0.75)
 
-SPEC_FIELDS = {"proposer", "num_speculative_tokens", "num_steps", "num_drafts",
+SPEC_FIELDS = {"proposer", "num_speculative_tokens", "max_spec_tokens", "num_steps", "num_drafts",
                "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos",
                "acceptance_rate", "mean_acceptance_length", "k_histogram"}
 
@@ -96,6 +96,7 @@ def test_every_record_has_every_field(runs, name):
         s = r["spec"]
         assert SPEC_FIELDS <= set(s), where
         assert s["proposer"] == name.split("_")[0] and s["num_speculative_tokens"] == k, where
+        assert s["max_spec_tokens"] == k, where  # ngram's cap is k
         assert len(s["num_accepted_tokens_per_pos"]) == k, where
         assert sum(s["num_accepted_tokens_per_pos"]) == s["num_accepted_tokens"], where
         assert sum(s["k_histogram"].values()) + num_turns == s["num_steps"], where  # + prefills

@@ -159,12 +159,16 @@ def test_tables_reconcile_with_records(runs, run, tmp_path):
     assert "== by category ==" in text and "(all)" in text and "== by bucket ==" not in text
     _, doc = _doc([path])  # an auto run (records with a bucket): by bucket
     assert doc["primary_grouping"] == "bucket" and list(doc["tables"]) == ["bucket", "proposer"]
-    assert [r["group"] for r in doc["tables"]["bucket"]] == ["-", "b0", "b1", "(all)"]
+    # the records without a planner bucket (a static method's) are named for what they ran,
+    # not a bucket "-" that reads as a missing value
+    static = "ngram:k=4" if run == "ngram" else "none"
+    assert [r["group"] for r in doc["tables"]["bucket"]] == ["b0", "b1", static, "(all)"]
 
 
 def test_a_run_without_buckets_groups_by_category(runs):
     """A run without buckets (ngram) whose records have a ``category``: the primary grouping is
-    the category (not one bucket named ``-``), the what-if too; ``--by bucket`` still works."""
+    the category (not one bucket named for its proposer), the what-if too; ``--by bucket``
+    still works, its records under their proposer label."""
     _, doc = _doc([runs["ngram"]], what_if=True)
     assert doc["primary_grouping"] == "category"
     assert list(doc["tables"]) == ["category", "proposer"]
@@ -175,7 +179,7 @@ def test_a_run_without_buckets_groups_by_category(runs):
     lines = format_text(doc).splitlines()
     assert "== by category ==" in lines and "== by bucket ==" not in lines
     _, doc = _doc([runs["ngram"]], by="bucket")
-    assert [r["group"] for r in doc["tables"]["bucket"]] == ["-", "(all)"]
+    assert [r["group"] for r in doc["tables"]["bucket"]] == ["ngram:k=4", "(all)"]
 
 
 def test_one_group_run_shows_one_row_and_one_panel(runs, tmp_path):

@@ -305,6 +305,10 @@ def test_suffix_outputs_equal_plain_decoding(make_model):
         if batch_size == 1:
             assert max(max(c.stats.k_histogram) for c in out) > 5  # a draft longer than k
         assert len(engine.proposer.index.docs) == len(prompts)
+        for c in out:  # the stats hold k as asked and the cap beside it
+            assert (c.stats.num_speculative_tokens, c.stats.max_spec_tokens) == (5, 15)
+            per_pos = c.stats.to_dict()["num_accepted_tokens_per_pos"]
+            assert len(per_pos) == max(5, c.stats.longest_draft)
 
 
 def test_resume_rebuilds_the_same_index(tmp_path):

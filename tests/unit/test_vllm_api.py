@@ -156,3 +156,31 @@ def test_vllm_constructor_kwargs(tiny):  # noqa: F811
     with pytest.raises(ConfigError, match="unsupported key.*draft_tensor_parallel_size"):
         LLM(model=str(model), speculative_config={"method": "ngram",
                                                   "draft_tensor_parallel_size": 1})
+
+
+@pytest.mark.parametrize("method", ["suffix", "auto"])
+def test_spec_stats_hold_k_and_the_draft_cap(tiny, fast_calibration, method):  # noqa: F811
+    """``spec.num_speculative_tokens`` is the k asked for, ``spec.max_spec_tokens`` the per-row
+    draft cap (min(32, 3k) for suffix and auto; it was written as num_speculative_tokens);
+    the tokens are plain decoding's (n = 2 samples, each sample's stats too)."""
+    from specbatch import LLM, SamplingParams
+
+    model, cache = tiny
+    prompts = ["abc abc abc abc", "one two one two one", {"id": "t", "turns": ["ab ab", "ab"]}]
+    sp = SamplingParams(temperature=0.0, max_tokens=12)
+    ref = LLM(model=str(model), method="none", cache_dir=str(cache)).generate(prompts, sp)
+    out = LLM(model=str(model), method=method, k=2, cache_dir=str(cache)).generate(prompts, sp)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    for o in out:
+        s = o.spec
+        assert (s["proposer"], s["num_speculative_tokens"], s["max_spec_tokens"]) == (
+            method, 2, 6)
+        longest = max((int(k) for k, n in s["k_histogram"].items() if n), default=0)
+        assert len(s["num_accepted_tokens_per_pos"]) == max(2, longest) <= 6
+    plain = LLM(model=str(model), method="none", cache_dir=str(cache)).generate(
+        prompts[:1], SamplingParams(temperature=0.5, seed=1, max_tokens=8, n=2))[0]
+    multi = LLM(model=str(model), method=method, k=2, cache_dir=str(cache)).generate(
+        prompts[:1], SamplingParams(temperature=0.5, seed=1, max_tokens=8, n=2))[0]
+    assert multi.token_ids == plain.token_ids
+    assert [(s["num_speculative_tokens"], s["max_spec_tokens"])
+            for s in multi.spec["per_sample"]] == [(2, 6), (2, 6)]
