@@ -181,8 +181,9 @@ def _sampling_options(f):
                      show_default=True,
                      help="Nucleus sampling: keep the fewest tokens whose probability adds up "
                      "to P; 1 = off."),
-        click.option("--top-k", type=click.IntRange(0), default=0, show_default=True,
-                     help="Sample from the K most likely tokens only; 0 = off."),
+        click.option("--top-k", type=click.IntRange(-1), default=0, show_default=True,
+                     help="Sample from the K most likely tokens only; 0 = off (-1 too, as "
+                     "in vLLM)."),
         click.option("--seed", type=click.IntRange(MIN_INT, MAX_INT), default=0,
                      show_default=True,
                      help="Run seed; a record's seed is derived from it and the record id."),

@@ -28,7 +28,8 @@ class SamplingParams:
     temperature: 0 means greedy (argmax, lowest token id wins ties); > 0 means position-keyed
         Gumbel-max sampling (see ``specbatch.spec_decode.sampler``).
     top_p: nucleus mass kept, in (0, 1]; 1 keeps everything.
-    top_k: number of most likely tokens kept; 0 keeps everything.
+    top_k: number of most likely tokens kept; 0 keeps everything. -1 (vLLM's "off" before
+        0 was) is read as 0, so a config that records it says 0 either way.
     seed: the record seed, an integer in [MIN_INT, MAX_INT]; ``None`` lets the run derive it
         from ``--seed`` and the record id.
     max_tokens: cap on completion tokens (tokens) per generated answer.
@@ -91,13 +92,15 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         if isinstance(self.response_format, dict):
             _response_format(self.response_format)
+        if _is_int(self.top_k) and self.top_k == -1:  # vLLM's older "off" (it still takes it)
+            object.__setattr__(self, "top_k", 0)
         _check(isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
                and 0.0 <= self.temperature < float("inf"),
                "temperature", self.temperature, "a number >= 0")
         _check(isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool)
                and 0.0 < self.top_p <= 1.0, "top_p", self.top_p, "a number in (0, 1]")
         _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", self.top_k,
-               "an integer >= 0 (0 = off)")
+               "an integer >= 0 (0 or -1 = off)")
         _check(self.seed is None or (_is_int(self.seed) and MIN_INT <= self.seed <= MAX_INT),
                "seed", self.seed, "an integer that fits in 64 bits")
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
