@@ -32,7 +32,9 @@ class SamplingParams:
         0 was) is read as 0, so a config that records it says 0 either way.
     seed: the record seed, an integer in [MIN_INT, MAX_INT]; ``None`` lets the run derive it
         from ``--seed`` and the record id.
-    max_tokens: cap on completion tokens (tokens) per generated answer.
+    max_tokens: cap on completion tokens (tokens) per generated answer; ``None`` (vLLM's
+        default) runs until EOS, a stop, or the context (``max_model_len``) is full:
+        ``LLM.generate`` reads it as the run's ``max_model_len`` (``LLM.to_records``).
     min_tokens: EOS and stop ids are ignored before this many completion tokens.
     stop: stop strings; the output ends before the one that completes earliest in the text.
     stop_token_ids: token ids that end the output like EOS (kept in ``token_ids``).
@@ -57,7 +59,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    max_tokens: int = 128
+    max_tokens: int | None = 128
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()  # a list is read into a tuple, as is ``stop``
@@ -103,10 +105,11 @@ class SamplingParams:
                "an integer >= 0 (0 or -1 = off)")
         _check(self.seed is None or (_is_int(self.seed) and MIN_INT <= self.seed <= MAX_INT),
                "seed", self.seed, "an integer that fits in 64 bits")
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
-               "an integer >= 1")
-        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
-               "min_tokens", self.min_tokens, "an integer in [0, max_tokens]")
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+               "max_tokens", self.max_tokens, "an integer >= 1")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens and (
+            self.max_tokens is None or self.min_tokens <= self.max_tokens),
+            "min_tokens", self.min_tokens, "an integer in [0, max_tokens]")
         _check(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
                "stop", self.stop, "a non-empty string or a list of non-empty strings")
         _check(isinstance(self.stop_token_ids, tuple)

@@ -240,12 +240,15 @@ class LLM:
         format: ``prompt`` / ``messages`` / ``turns``, optional ``id`` and sampling fields) or
         ``Record``s (kept as they are). sampling_params: the defaults, one ``SamplingParams``
         or a list with one per prompt. A single string, dict or ``Record`` is one prompt (as
-        vLLM's ``generate`` takes it). Raises ``ValueError`` listing the bad ones."""
+        vLLM's ``generate`` takes it). ``max_tokens=None`` (vLLM's default: up to the context)
+        becomes this LLM's ``max_model_len``: the output ends at EOS, a stop, or when prompt +
+        output fill the context (``finish_reason`` ``length``). Raises ``ValueError`` listing
+        the bad ones."""
         from specbatch.io.records import Record, records_from_rows
 
         prompts = [prompts] if isinstance(prompts, (str, dict, Record)) else list(prompts)
         if prompts and all(isinstance(p, Record) for p in prompts):
-            return prompts
+            return self._up_to_the_context(prompts)
         defaults = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
                     else sampling_params or SamplingParams())
         rows = [{"prompt": p} if isinstance(p, str) else p for p in prompts]
@@ -254,7 +257,15 @@ class LLM:
         if errors:
             raise ValueError("; ".join(str(e) for e in errors[:5])
                              + (f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""))
-        return records
+        return self._up_to_the_context(records)
+
+    def _up_to_the_context(self, records: list) -> list:
+        """``records`` with ``max_tokens=None`` read as ``max_model_len`` (the context stop,
+        ``StopRules``, ends such an output first: prompt + output never exceed it)."""
+        from dataclasses import replace
+
+        return [r if r.sampling.max_tokens is not None else replace(
+            r, sampling=replace(r.sampling, max_tokens=self.max_model_len)) for r in records]
 
     # ---- building ------------------------------------------------------------------------
     def fit_engine_config(self, records: Iterable, engine: EngineConfig | None = None,
@@ -360,7 +371,7 @@ class LLM:
         from specbatch.models.llama import LlamaForward
         from specbatch.spec_decode import make_proposer
 
-        records = list(records)
+        records = self._up_to_the_context(list(records))
         spec = spec or self.spec_config
         echo = echo or self.echo
         engine_config = engine or self.fit_engine_config(records, echo=echo)

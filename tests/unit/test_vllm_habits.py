@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from specbatch.cli import main
 from specbatch.config import ConfigError, SamplingParams
+from tests.unit.test_progress import tiny  # noqa: F401 (fixture)
 
 
 def test_top_k_minus_one_is_off_as_in_vllm():
@@ -43,3 +44,24 @@ def test_run_top_k_minus_one_writes_what_no_top_k_writes(tmp_path, tiny_gguf):
     assert outs["off"][1]["top_k"] == 0 and len(outs["off"][0]) == 2
     r = CliRunner().invoke(main, [*common, "-o", str(tmp_path / "bad.jsonl"), "--top-k", "-2"])
     assert r.exit_code == 2 and "--top-k" in r.output
+
+
+def test_max_tokens_none_runs_up_to_the_context(tiny):  # noqa: F811
+    """vLLM's default ``max_tokens=None``: the output runs until the prompt and output fill
+    the context (``max_model_len``, here 24), ``finish_reason`` ``length``; its tokens are those
+    of the explicit cap that leaves exactly that room (ngram: speculation changes nothing)."""
+    from specbatch import LLM
+
+    model, cache = tiny
+    llm = LLM(model=str(model), method="ngram", cache_dir=str(cache), max_model_len=24)
+    prompts = ["abc abc abc", "hello"]
+    up_to, = [llm.generate(prompts, SamplingParams(max_tokens=None, ignore_eos=True))]
+    for out in up_to:
+        assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 24
+        assert out.outputs[0].finish_reason == "length"
+        room = 24 - len(out.prompt_token_ids)
+        capped, = llm.generate(out.prompt, SamplingParams(max_tokens=room, ignore_eos=True))
+        assert capped.outputs[0].token_ids == out.outputs[0].token_ids
+    assert SamplingParams(max_tokens=None, min_tokens=5).min_tokens == 5
+    with pytest.raises(ConfigError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
