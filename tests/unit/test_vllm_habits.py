@@ -65,3 +65,53 @@ def test_max_tokens_none_runs_up_to_the_context(tiny):  # noqa: F811
     assert SamplingParams(max_tokens=None, min_tokens=5).min_tokens == 5
     with pytest.raises(ConfigError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+
+
+def test_vllm_engine_knobs_are_ignored_with_one_warning(tiny, caplog, monkeypatch):  # noqa: F811
+    """``gpu_memory_utilization`` / ``enforce_eager`` (``VLLM_IGNORED``) are taken and named in
+    one warning per process; any other unknown keyword is still a ``TypeError``."""
+    import logging
+
+    from specbatch import llm as llm_module
+    from specbatch.llm import LLM, VLLM_IGNORED
+
+    assert {"gpu_memory_utilization", "enforce_eager"} <= set(VLLM_IGNORED)
+    monkeypatch.setattr(llm_module, "_WARNED_IGNORED", set())
+    model, cache = tiny
+    with caplog.at_level(logging.WARNING, logger="specbatch"):
+        llm = LLM(model=str(model), method="none", cache_dir=str(cache),
+                  gpu_memory_utilization=0.9, enforce_eager=True)
+        LLM(model=str(model), method="none", cache_dir=str(cache), gpu_memory_utilization=0.5)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1, warned
+    assert "gpu_memory_utilization, enforce_eager" in warned[0] and "ignoring" in warned[0]
+    assert llm.generate("abc", SamplingParams(max_tokens=3), use_tqdm=False)[0].token_ids
+    with pytest.raises(TypeError, match="'max_num_batched_tokenz'"):
+        LLM(model=str(model), cache_dir=str(cache), max_num_batched_tokenz=8)
+
+
+def test_use_tqdm_turns_the_progress_bar_on_and_off(tiny, monkeypatch):  # noqa: F811
+    """On a terminal, ``generate`` draws ``specbatch run``'s bar over the prompts (2/2 at the
+    end) unless ``use_tqdm=False``; the outputs are the same either way; not a bool: refused."""
+    import io
+
+    from specbatch import LLM
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    model, cache = tiny
+    llm = LLM(model=str(model), method="ngram", cache_dir=str(cache))
+    texts = {}
+    for use_tqdm in (True, False):
+        err = Terminal()
+        monkeypatch.setattr("sys.stderr", err)
+        outs = llm.generate(["abc abc", "hello"], SamplingParams(max_tokens=4),
+                            use_tqdm=use_tqdm)
+        texts[use_tqdm] = [o.outputs[0].token_ids for o in outs]
+        drawn = err.getvalue()
+        assert ("2/2" in drawn and "tok/s" in drawn) if use_tqdm else drawn == "", drawn
+    assert texts[True] == texts[False]
+    with pytest.raises(ValueError, match="use_tqdm"):
+        llm.generate("abc", use_tqdm="yes")
