@@ -296,7 +296,7 @@ def _given_flags(ctx: click.Context) -> frozenset[str]:
 @click.argument("input_path", metavar="INPUT", type=click.Path())
 @click.option("-o", "--output", default=None, type=click.Path(dir_okay=False),
               help="Output .jsonl or .parquet (default: INPUT stem + .out.jsonl in the "
-                   "current folder: data/a.jsonl -> ./a.out.jsonl).")
+                   "current folder: data/a.jsonl -> ./a.out.jsonl; required with INPUT -).")
 @click.option("--recipe", type=click.Path(dir_okay=False), default=None, is_eager=True,
               callback=_recipe_defaults,
               help="Job definition (recipes/*.toml); flags given here override its values.")
@@ -339,7 +339,8 @@ def _given_flags(ctx: click.Context) -> frozenset[str]:
 @click.pass_context
 def run(ctx, **options):
     """Generate an output for every record of INPUT (JSONL, JSON, Parquet, CSV or a saved
-    dataset folder) and write them, with per-record acceptance stats, to OUT."""
+    dataset folder; - reads JSONL from standard input) and write them, with per-record
+    acceptance stats, to OUT."""
     from specbatch.commands import run as command
 
     sys.exit(command.command(_given_flags(ctx), **options))

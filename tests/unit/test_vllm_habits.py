@@ -115,3 +115,43 @@ def test_use_tqdm_turns_the_progress_bar_on_and_off(tiny, monkeypatch):  # noqa:
     assert texts[True] == texts[False]
     with pytest.raises(ValueError, match="use_tqdm"):
         llm.generate("abc", use_tqdm="yes")
+
+
+def test_run_reads_jsonl_from_standard_input(tmp_path, tiny_gguf):
+    """``specbatch run - -o OUT``: the records of standard input, written as those of the same
+    file; bad lines named ``<stdin>:N``; without -o, one line, exit 2. A rerun with the same
+    standard input resumes the work file; with other input it is refused (its sha256)."""
+    text = '{"id": 1, "prompt": "abc abc"}\n{"id": 2, "prompt": "x y z"}\n'
+    src = tmp_path / "in.jsonl"
+    src.write_text(text)
+    common = ["--model", str(tiny_gguf), "--cache-dir", str(tmp_path / "c"), "--method", "ngram",
+              "--max-tokens", "4", "--no-progress"]
+    from_file, from_stdin = tmp_path / "file.jsonl", tmp_path / "stdin.jsonl"
+    r = CliRunner().invoke(main, ["run", str(src), "-o", str(from_file), *common])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["run", "-", "-o", str(from_stdin), *common], input=text)
+    assert r.exit_code == 0, r.output
+    assert from_stdin.read_text() == from_file.read_text()
+    config = json.loads((tmp_path / "stdin.jsonl.config.json").read_text())
+    assert config["input"] == "-"
+    # -o is required: nothing to name the output after
+    r = CliRunner().invoke(main, ["run", "-", *common], input=text)
+    assert r.exit_code == 2
+    assert r.output.splitlines()[0] == ("error: INPUT - (standard input) needs -o OUT.jsonl: "
+                                        "there is no file name to name the output after")
+    # a bad line is named by its line of standard input
+    r = CliRunner().invoke(main, ["run", "-", "-o", str(tmp_path / "bad.jsonl"), *common],
+                           input=text + '{"id": 3}\n')
+    assert r.exit_code == 2 and "error: <stdin>:3: id=3: no prompt" in r.output, r.output
+    # resume: as if killed after record 1 (the work file holds it)
+    first = json.loads(from_stdin.read_text().splitlines()[0])
+    from_stdin.unlink()
+    (tmp_path / "stdin.jsonl.work.jsonl").write_text(
+        json.dumps({"index": 0, "record": first}) + "\n")
+    r = CliRunner().invoke(main, ["run", "-", "-o", str(from_stdin), *common],
+                           input=text.replace("x y z", "other"))
+    assert r.exit_code == 2 and "differs in: input_sha256" in r.output, r.output
+    r = CliRunner().invoke(main, ["run", "-", "-o", str(from_stdin), *common], input=text)
+    assert r.exit_code == 0, r.output
+    assert "resuming: 1 of 2 records already done" in r.output, r.output
+    assert from_stdin.read_text() == from_file.read_text()
