@@ -265,8 +265,13 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
             _err(f"error: --calibration {e}")
             return EXIT_BAD_INPUT
 
+    from specbatch.commands.common import token_id_flag_error
     from specbatch.io.records import input_name
 
+    # a flag's bad token id: one line now, not one per record that inherits it
+    if (why := token_id_flag_error(opts.sampling, llm.loaded.model.config.vocab_size)):
+        _err(f"error: {why}")
+        return EXIT_BAD_INPUT
     model_errors = llm.check_records(records, input_name(opts.input_path))
     if model_errors and opts.on_error == "fail":
         _report_errors(errors + model_errors, "fail")

@@ -155,3 +155,24 @@ def test_run_reads_jsonl_from_standard_input(tmp_path, tiny_gguf):
     assert r.exit_code == 0, r.output
     assert "resuming: 1 of 2 records already done" in r.output, r.output
     assert from_stdin.read_text() == from_file.read_text()
+
+
+@pytest.mark.parametrize("command", ["run", "bench"])
+def test_stop_token_id_outside_the_vocabulary_is_one_flag_error(tmp_path, tiny_gguf, command):
+    """``--stop-token-id 999999``: one ``error:`` line naming the flag and the vocabulary, exit
+    2, once the model is loaded and before any record runs; not one line per record."""
+    from specbatch.models.loader import load_model
+
+    vocab = load_model(str(tiny_gguf), cache_dir=str(tmp_path / "c")).model.config.vocab_size
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": 1, "prompt": "abc"}\n{"id": 2, "prompt": "x y"}\n')
+    out = tmp_path / "o.jsonl"
+    args = ["run", str(inp), "-o", str(out)] if command == "run" else ["bench", str(inp)]
+    r = CliRunner().invoke(main, [*args, "--model", str(tiny_gguf), "--cache-dir",
+                                  str(tmp_path / "c"), "--max-tokens", "2",
+                                  "--stop-token-id", "3", "--stop-token-id", "999999"])
+    assert r.exit_code == 2, r.output
+    errors = [line for line in r.stderr.splitlines() if "error" in line]
+    assert errors == [f"error: --stop-token-id 999999: not a token id of this model (its "
+                      f"vocabulary has ids 0..{vocab - 1})"], r.stderr
+    assert not out.exists() and "wrote" not in r.stdout
