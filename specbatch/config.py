@@ -547,6 +547,15 @@ def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
 
 
+def context_limit_text(max_model_len: int, setting: str | None = None) -> str:
+    """How an error names the context cap: ``the model's context is 2048``, or, where the
+    cap is the user's (``--max-model-len`` / ``max_model_len``, below the model's own: the
+    ``setting`` named), ``the context limit is 512 (--max-model-len)``."""
+    if setting is None:
+        return f"the model's context is {max_model_len}"
+    return f"the context limit is {max_model_len} ({setting})"
+
+
 class ConfigError(ValueError):
     """A bad value of a ``SamplingParams``, ``SpecConfig`` or ``EngineConfig`` field, raised as
     the object is built: ``name=value: expected ...``. ``name``: the field; ``expected``: what it
@@ -584,7 +593,7 @@ def _as_written(value, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-__all__ = ["ConfigError", "SamplingParams", "SpecConfig", "EngineConfig", "resolve_device", "resolve_dtype", "auto_dtype", "SAMPLING_FIELDS", "DTYPES",
+__all__ = ["ConfigError", "context_limit_text", "SamplingParams", "SpecConfig", "EngineConfig", "resolve_device", "resolve_dtype", "auto_dtype", "SAMPLING_FIELDS", "DTYPES",
            "MIN_INT", "MAX_INT", "UNSUPPORTED_SAMPLING_FIELDS"]
 
 

@@ -165,15 +165,18 @@ class LLM:
         dtype already resolved for the model (``EngineConfig.for_model``: a Ray replica must
         run the driver's choice, so nothing is resolved here)."""
         llm = cls.__new__(cls)
-        llm._load(model, spec, engine, cache_dir, seed, echo)
+        llm._load(model, spec, engine, cache_dir, seed, echo, limit_setting="--max-model-len")
         return llm
 
     def _load(self, model, spec: SpecConfig, engine: EngineConfig, cache_dir, seed,
-              echo, resolve_dtype: bool = False) -> None:
+              echo, resolve_dtype: bool = False, limit_setting: str = "max_model_len") -> None:
         """Load the model (and draft model). Progress goes to the ``specbatch`` logger at INFO
         (``loading model ... ...``, ``model ready in S s``; the CLI prints it on stderr), the
         first line before torch is imported: a name that is no model fails before that.
-        resolve_dtype: resolve a dtype ``auto`` for the model first (``LLM(...)``)."""
+        resolve_dtype: resolve a dtype ``auto`` for the model first (``LLM(...)``).
+        limit_setting: how errors name a ``max_model_len`` below the model's context (the
+        CLI's flag, or the keyword)."""
+        self._limit_setting = limit_setting
         from specbatch.models.registry import DEFAULT_MODEL, find_model
 
         self.spec_config = spec
@@ -236,8 +239,16 @@ class LLM:
 
         records = list(records)
         return (check_lengths(records, self.renderer.count_tokens, self.max_model_len, path,
-                              tokenizer=self.tokenizer)
+                              tokenizer=self.tokenizer,
+                              limit_setting=self.limit_setting(self.max_model_len))
                 + check_token_ids(records, self.loaded.model.config.vocab_size, path))
+
+    def limit_setting(self, max_model_len: int) -> str | None:
+        """The setting errors name for a context cap of ``max_model_len`` below the model's
+        own (``--max-model-len`` from the CLI, ``max_model_len`` from ``LLM(...)``); None when
+        the cap is the model's context."""
+        return (self.__dict__.get("_limit_setting", "max_model_len")
+                if max_model_len < self.loaded.max_model_len else None)
 
     def to_records(self, prompts: Iterable, sampling_params=None) -> list:
         """Validated ``Record``s of strings (a plain prompt each), dicts (records in the input
@@ -410,7 +421,8 @@ class LLM:
         else:
             fits = None
         self.engine = Engine(runner, proposer, stop_rules, spec.draft_cap,
-                             self.renderer.detokenize, num_speculative_tokens=spec.k)
+                             self.renderer.detokenize, num_speculative_tokens=spec.k,
+                             limit_setting=self.limit_setting(max_model_len))
         return Prepared(self, self.engine, plan, records, engine_config, fits)
 
     def memory_summary(self) -> str:

@@ -53,7 +53,8 @@ from pathlib import Path
 
 import orjson
 
-from specbatch.config import SAMPLING_FIELDS, UNSUPPORTED_SAMPLING_FIELDS, SamplingParams
+from specbatch.config import (SAMPLING_FIELDS, UNSUPPORTED_SAMPLING_FIELDS, SamplingParams,
+                              context_limit_text)
 from specbatch.io.openai_batch import is_batch_request
 from specbatch.io.openai_batch import to_record as openai_batch_record
 
@@ -292,12 +293,13 @@ def order_warning(records: Iterable[Record]) -> str | None:
 
 def check_lengths(records: Iterable[Record], count_tokens: Callable[[Record], int],
                   max_model_len: int, path: str | os.PathLike, *, tokenizer=None,
-                  ) -> list[RecordError]:
+                  limit_setting: str | None = None) -> list[RecordError]:
     """Errors for records whose prompt leaves no room for a completion token.
 
     count_tokens: prompt tokens of a record as the model will see it (chat template applied;
         for ``turns``, the first turn: later turns grow with the answers and are capped at run
-        time). max_model_len: the model's context (tokens).
+        time). max_model_len: the model's context (tokens), or the user's lower cap, whose
+        setting ``limit_setting`` names (``--max-model-len``; ``config.context_limit_text``).
     tokenizer: the model's transformers tokenizer. When given, a prompt is first measured in
         bytes and refused without tokenising it (``count_tokens`` is not called) when it cannot
         fit (``min_num_tokens``): tokenising a 50 MB line took 7.8 GB and 94 s. For ``turns``
@@ -313,13 +315,14 @@ def check_lengths(records: Iterable[Record], count_tokens: Callable[[Record], in
                 num_bytes, n = min_num_tokens(text, tokenizer, max_bytes)
                 if n >= max_model_len:
                     reason = (f"{what} is {num_bytes} bytes, so at least {n} tokens (no token of "
-                              f"this model covers more than {max_bytes} bytes); the model's "
-                              f"context is {max_model_len}")
+                              f"this model covers more than {max_bytes} bytes); "
+                              f"{context_limit_text(max_model_len, limit_setting)}")
                     break
         if reason is None:
             n = count_tokens(r)
             if n >= max_model_len:
-                reason = f"prompt is {n} tokens; the model's context is {max_model_len}"
+                reason = (f"prompt is {n} tokens; "
+                          f"{context_limit_text(max_model_len, limit_setting)}")
         if reason is not None:
             errors.append(RecordError(str(path), r.line, r.id, reason, r.unit))
     return errors

@@ -176,3 +176,37 @@ def test_stop_token_id_outside_the_vocabulary_is_one_flag_error(tmp_path, tiny_g
     assert errors == [f"error: --stop-token-id 999999: not a token id of this model (its "
                       f"vocabulary has ids 0..{vocab - 1})"], r.stderr
     assert not out.exists() and "wrote" not in r.stdout
+
+
+def test_context_errors_name_the_limit_the_user_set(tmp_path, tiny_gguf):
+    """A prompt past ``--max-model-len 40`` says "the context limit is 40 (--max-model-len)"
+    (before the run, and for a later turn during it); past the model's own context, "the
+    model's context is N"; ``LLM(max_model_len=40)`` names its keyword."""
+    from specbatch import LLM
+    from specbatch.models.loader import load_model
+
+    context = load_model(str(tiny_gguf), cache_dir=str(tmp_path / "c")).max_model_len
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": "t", "turns": ["abc", "x" * 40]}) + "\n"
+                   + json.dumps({"id": "long", "prompt": "x " * 60}) + "\n"
+                   + json.dumps({"id": "huge", "prompt": "x " * (context + 10)}) + "\n")
+    out = tmp_path / "out.jsonl"
+    common = ["run", str(src), "-o", str(out), "--model", str(tiny_gguf), "--cache-dir",
+              str(tmp_path / "c"), "--method", "none", "--max-tokens", "8", "--ignore-eos",
+              "--no-progress", "--on-error", "skip"]
+    r = CliRunner().invoke(main, [*common, "--max-model-len", "40"])
+    assert r.exit_code == 0, r.output
+    assert "id='long': prompt is" in r.stderr
+    said = [line for line in r.stderr.splitlines() if "id='long'" in line or "id='huge'" in line]
+    assert len(said) == 2 and all(
+        line.endswith("the context limit is 40 (--max-model-len)") for line in said), said
+    row, = map(json.loads, out.read_text().splitlines())
+    assert row["error"].endswith("the context limit is 40 (--max-model-len)"), row["error"]
+    r = CliRunner().invoke(main, [*common[:-2], "-o", str(tmp_path / "o2.jsonl"), "--force"])
+    assert r.exit_code == 2, r.output
+    assert "id='huge': prompt is" in r.stderr
+    assert f"the model's context is {context}" in r.stderr and "limit" not in r.stderr
+    llm = LLM(model=str(tiny_gguf), method="none", cache_dir=str(tmp_path / "c"),
+              max_model_len=40)
+    with pytest.raises(ValueError, match=r"the context limit is 40 \(max_model_len\)"):
+        llm.generate("x " * 60)
