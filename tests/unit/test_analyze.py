@@ -165,6 +165,38 @@ def test_tables_reconcile_with_records(runs, run, tmp_path):
     assert [r["group"] for r in doc["tables"]["bucket"]] == ["b0", "b1", static, "(all)"]
 
 
+def test_files_of_different_settings_are_not_pooled(runs, tmp_path):
+    """An ngram k=4 run beside a plain one: no ``(all)`` row over both (it measures neither
+    method); each file has its own rows and total, equal to that file analysed alone, and the
+    text says why. Two files of the same setting (a job's shards) are still pooled."""
+    _, doc = _doc([runs["ngram"], runs["none"]], by="category")
+    assert not doc["pooled"] and doc["differing_settings"] == ["method", "k"]
+    for grouping, rows in doc["tables"].items():
+        assert all(r["group"] != "(all)" for r in rows)
+        for name in ("ngram", "none"):
+            alone = _doc([runs[name]], by="category")[1]["tables"][grouping]
+            mine = [r for r in rows if r["file"] == f"{name}.jsonl"]
+            assert [r["group"] for r in mine] == [f"{name}.jsonl: {r['group']}" for r in alone]
+            assert [{**r, "group": None, "file": None} for r in mine] == [
+                {**r, "group": None, "file": None} for r in alone]
+    text = format_text(doc)
+    assert "note: the files differ in method, k: each file has its own rows" in text
+    assert "ngram.jsonl: (all)" in text and "none.jsonl: (all)" in text
+    assert "\n(all) " not in text
+    # shards of one job (same config): one set of rows, one (all) over both
+    src = runs["ngram"].read_text().splitlines()
+    halves = []
+    for i, lines in enumerate((src[:18], src[18:])):
+        half = tmp_path / f"half{i}.jsonl"
+        half.write_text("\n".join(lines) + "\n")
+        config_path(half).write_text(config_path(runs["ngram"]).read_text())
+        halves.append(half)
+    _, doc = _doc(halves, by="category")
+    assert doc["pooled"] and doc["differing_settings"] == []
+    whole = _doc([runs["ngram"]], by="category")[1]
+    assert doc["tables"] == whole["tables"]
+
+
 def test_a_run_without_buckets_groups_by_category(runs):
     """A run without buckets (ngram) whose records have a ``category``: the primary grouping is
     the category (not one bucket named for its proposer), the what-if too; ``--by bucket``
