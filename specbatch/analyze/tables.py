@@ -169,17 +169,26 @@ def differing_settings(configs: list[dict | None]) -> list[str]:
     return [k for k in RUN_SETTINGS if len({repr(c.get(k)) for c in known}) > 1]
 
 
+def file_names(files: list) -> list[str]:
+    """How the rows name each file (``analyze.load.RunFile``): its name, or its path as given
+    where two files share a name."""
+    names = [f.label for f in files]
+    return [n if names.count(n) == 1 else str(f.path) for n, f in zip(names, files)]
+
+
 def file_tables(files: list, grouping: str) -> list[dict]:
-    """``group_table`` of each file (``analyze.load.RunFile``) in turn, each row's group named
-    ``FILE: group`` and marked with ``"file"``: the rows of files that are not pooled."""
-    return [{**row, "group": f"{f.label}: {row['group']}", "file": f.label}
-            for f in files for row in group_table(f.records, grouping)]
+    """``group_table`` of each file in turn, each row's group named ``FILE: group`` and marked
+    with ``"file"`` (``file_names``): the rows of files that are not pooled."""
+    return [{**row, "group": f"{name}: {row['group']}", "file": name}
+            for f, name in zip(files, file_names(files))
+            for row in group_table(f.records, grouping)]
 
 
-def file_label(f, rec: Record, grouping: str, pooled: bool) -> str:
-    """The group of ``rec`` of file ``f`` as the tables name it (``FILE: group`` unpooled)."""
-    label = group_label(rec, grouping)
-    return label if pooled else f"{f.label}: {label}"
+def record_groups(files: list, grouping: str, pooled: bool) -> list[tuple[str, Record]]:
+    """``(group, record)`` for every record of ``files``, the group named as the tables name it
+    (``FILE: group`` where the files are not pooled)."""
+    return [(group_label(rec, grouping) if pooled else f"{name}: {group_label(rec, grouping)}",
+             rec) for f, name in zip(files, file_names(files)) for rec in f.records]
 
 
 def _ratio(num: float, den: float) -> float | None:

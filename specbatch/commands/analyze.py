@@ -15,7 +15,7 @@ import orjson
 
 from specbatch.analyze.load import RunFile, load_run
 from specbatch.analyze.tables import (ALL, NO_GROUPS, default_grouping, differing_settings,
-                                      distinct_rows, file_label, file_tables, group_table)
+                                      distinct_rows, file_tables, group_table, record_groups)
 
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
 MAX_DIFFS_SHOWN = 20
@@ -127,8 +127,8 @@ def run_analyze(opts: AnalyzeOptions) -> int:
 
         primary = doc["primary_grouping"]
         try:
-            paths = write_plots(doc, [(file_label(f, r, primary, doc["pooled"]), r)
-                                      for f in files for r in f.records], opts.plot_dir)
+            paths = write_plots(doc, record_groups(files, primary, doc["pooled"]),
+                                opts.plot_dir)
         except ValueError as e:
             return _bad(str(e))
         doc["plots"] = [str(p) for p in paths]

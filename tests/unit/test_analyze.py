@@ -10,6 +10,7 @@ position; ``--plot`` writes readable PNGs; the CLI's usage errors.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 from types import SimpleNamespace
@@ -183,6 +184,17 @@ def test_files_of_different_settings_are_not_pooled(runs, tmp_path):
     assert "note: the files differ in method, k: each file has its own rows" in text
     assert "ngram.jsonl: (all)" in text and "none.jsonl: (all)" in text
     assert "\n(all) " not in text
+    # two files of one name: named by their paths; the plots take the same names
+    other = tmp_path / "copy" / "ngram.jsonl"
+    other.parent.mkdir()
+    other.write_text(runs["none"].read_text())
+    config_path(other).write_text(config_path(runs["none"]).read_text())
+    _, doc = _doc([runs["ngram"], other])
+    assert {r["file"] for r in doc["tables"]["proposer"]} == {str(runs["ngram"]), str(other)}
+    if importlib.util.find_spec("matplotlib") is not None:
+        r = CliRunner().invoke(main, ["analyze", str(runs["ngram"]), str(other), "--plot",
+                                      str(tmp_path / "plots")])
+        assert r.exit_code == 0 and "wrote " in r.output, r.output
     # shards of one job (same config): one set of rows, one (all) over both
     src = runs["ngram"].read_text().splitlines()
     halves = []
