@@ -593,8 +593,8 @@ def _as_written(value, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-__all__ = ["ConfigError", "context_limit_text", "SamplingParams", "SpecConfig", "EngineConfig", "resolve_device", "resolve_dtype", "auto_dtype", "SAMPLING_FIELDS", "DTYPES",
-           "MIN_INT", "MAX_INT", "UNSUPPORTED_SAMPLING_FIELDS"]
+__all__ = ["ConfigError", "SamplingParams", "SpecConfig", "EngineConfig", "resolve_device", "resolve_dtype", "auto_dtype", "SAMPLING_FIELDS", "DTYPES",
+           "MIN_INT", "MAX_INT", "UNSUPPORTED_SAMPLING_FIELDS", "context_limit_text"]
 
 
 def __getattr__(name: str):
