@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
@@ -592,6 +593,8 @@ def command(given: frozenset[str], input_path, output, recipe, template, model, 
         if output is None:
             raise click.UsageError("INPUT - (standard input) needs -o OUT.jsonl: there is no "
                                    "file name to name the output after")
+        if sys.stdin is not None and sys.stdin.isatty():  # nothing piped: say what it waits for
+            _err("reading JSONL records from standard input (the terminal); end with Ctrl-D")
         input_data = read_stdin()
     out = output or f"{Path(input_path).name.split('.')[0]}.out.jsonl"
     opts = RunOptions(input_path=input_path, output_path=out, model=model, cache_dir=cache_dir,

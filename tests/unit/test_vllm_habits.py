@@ -210,3 +210,26 @@ def test_context_errors_name_the_limit_the_user_set(tmp_path, tiny_gguf):
               max_model_len=40)
     with pytest.raises(ValueError, match=r"the context limit is 40 \(max_model_len\)"):
         llm.generate("x " * 60)
+
+
+def test_an_interrupted_stdin_run_says_the_same_input_must_be_piped_again(tmp_path, capsys):
+    """Ctrl-C during a ``run -`` job: the resume hint asks for the same standard input (a pipe
+    cannot be read again; the saved sha256 refuses other input)."""
+    import signal
+    from types import SimpleNamespace
+
+    from specbatch.commands import run
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    writer = SimpleNamespace(absorb_shards=lambda: None, close=lambda: None,
+                             done_indices=lambda: {0}, work_path=tmp_path / "o.jsonl.work.jsonl")
+    for from_stdin, hint in ((True, "Rerun the same command with the same standard input to "
+                              "resume."), (False, "Rerun the same command to resume.")):
+        job = run._Job(num_records=2, writer=writer, from_stdin=from_stdin)
+        try:
+            assert run._interrupted(job) == run.EXIT_INTERRUPTED
+        finally:  # it ignores SIGINT / SIGTERM from then on (a second Ctrl-C): not in pytest
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+        err = capsys.readouterr().err
+        assert err.strip().splitlines()[-1] == hint, err
