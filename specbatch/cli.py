@@ -181,8 +181,9 @@ def _sampling_options(f):
                      show_default=True,
                      help="Nucleus sampling: keep the fewest tokens whose probability adds up "
                      "to P; 1 = off."),
-        click.option("--top-k", type=click.IntRange(0), default=0, show_default=True,
-                     help="Sample from the K most likely tokens only; 0 = off."),
+        click.option("--top-k", type=click.IntRange(-1), default=0, show_default=True,
+                     help="Sample from the K most likely tokens only; 0 = off (-1 too, as "
+                     "in vLLM)."),
         click.option("--seed", type=click.IntRange(MIN_INT, MAX_INT), default=0,
                      show_default=True,
                      help="Run seed; a record's seed is derived from it and the record id."),
@@ -295,7 +296,7 @@ def _given_flags(ctx: click.Context) -> frozenset[str]:
 @click.argument("input_path", metavar="INPUT", type=click.Path())
 @click.option("-o", "--output", default=None, type=click.Path(dir_okay=False),
               help="Output .jsonl or .parquet (default: INPUT stem + .out.jsonl in the "
-                   "current folder: data/a.jsonl -> ./a.out.jsonl).")
+                   "current folder: data/a.jsonl -> ./a.out.jsonl; required with INPUT -).")
 @click.option("--recipe", type=click.Path(dir_okay=False), default=None, is_eager=True,
               callback=_recipe_defaults,
               help="Job definition (recipes/*.toml); flags given here override its values.")
@@ -338,7 +339,8 @@ def _given_flags(ctx: click.Context) -> frozenset[str]:
 @click.pass_context
 def run(ctx, **options):
     """Generate an output for every record of INPUT (JSONL, JSON, Parquet, CSV or a saved
-    dataset folder) and write them, with per-record acceptance stats, to OUT."""
+    dataset folder; - reads JSONL from standard input) and write them, with per-record
+    acceptance stats, to OUT."""
     from specbatch.commands import run as command
 
     sys.exit(command.command(_given_flags(ctx), **options))

@@ -28,10 +28,13 @@ class SamplingParams:
     temperature: 0 means greedy (argmax, lowest token id wins ties); > 0 means position-keyed
         Gumbel-max sampling (see ``specbatch.spec_decode.sampler``).
     top_p: nucleus mass kept, in (0, 1]; 1 keeps everything.
-    top_k: number of most likely tokens kept; 0 keeps everything.
+    top_k: number of most likely tokens kept; 0 keeps everything. -1 (vLLM's "off" before
+        0 was) is read as 0, so a config that records it says 0 either way.
     seed: the record seed, an integer in [MIN_INT, MAX_INT]; ``None`` lets the run derive it
         from ``--seed`` and the record id.
-    max_tokens: cap on completion tokens (tokens) per generated answer.
+    max_tokens: cap on completion tokens (tokens) per generated answer; ``None`` (vLLM's
+        default) runs until EOS, a stop, or the context (``max_model_len``) is full:
+        ``LLM.generate`` reads it as the run's ``max_model_len`` (``LLM.to_records``).
     min_tokens: EOS and stop ids are ignored before this many completion tokens.
     stop: stop strings; the output ends before the one that completes earliest in the text.
     stop_token_ids: token ids that end the output like EOS (kept in ``token_ids``).
@@ -56,7 +59,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    max_tokens: int = 128
+    max_tokens: int | None = 128
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()  # a list is read into a tuple, as is ``stop``
@@ -91,19 +94,22 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         if isinstance(self.response_format, dict):
             _response_format(self.response_format)
+        if _is_int(self.top_k) and self.top_k == -1:  # vLLM's older "off" (it still takes it)
+            object.__setattr__(self, "top_k", 0)
         _check(isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
                and 0.0 <= self.temperature < float("inf"),
                "temperature", self.temperature, "a number >= 0")
         _check(isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool)
                and 0.0 < self.top_p <= 1.0, "top_p", self.top_p, "a number in (0, 1]")
         _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", self.top_k,
-               "an integer >= 0 (0 = off)")
+               "an integer >= 0 (0 or -1 = off)")
         _check(self.seed is None or (_is_int(self.seed) and MIN_INT <= self.seed <= MAX_INT),
                "seed", self.seed, "an integer that fits in 64 bits")
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
-               "an integer >= 1")
-        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
-               "min_tokens", self.min_tokens, "an integer in [0, max_tokens]")
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+               "max_tokens", self.max_tokens, "an integer >= 1")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens and (
+            self.max_tokens is None or self.min_tokens <= self.max_tokens),
+            "min_tokens", self.min_tokens, "an integer in [0, max_tokens]")
         _check(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
                "stop", self.stop, "a non-empty string or a list of non-empty strings")
         _check(isinstance(self.stop_token_ids, tuple)
@@ -541,6 +547,15 @@ def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
 
 
+def context_limit_text(max_model_len: int, setting: str | None = None) -> str:
+    """How an error names the context cap: ``the model's context is 2048``, or, where the
+    cap is the user's (``--max-model-len`` / ``max_model_len``, below the model's own: the
+    ``setting`` named), ``the context limit is 512 (--max-model-len)``."""
+    if setting is None:
+        return f"the model's context is {max_model_len}"
+    return f"the context limit is {max_model_len} ({setting})"
+
+
 class ConfigError(ValueError):
     """A bad value of a ``SamplingParams``, ``SpecConfig`` or ``EngineConfig`` field, raised as
     the object is built: ``name=value: expected ...``. ``name``: the field; ``expected``: what it
@@ -579,7 +594,7 @@ def _as_written(value, limit: int = 200) -> str:
 
 
 __all__ = ["ConfigError", "SamplingParams", "SpecConfig", "EngineConfig", "resolve_device", "resolve_dtype", "auto_dtype", "SAMPLING_FIELDS", "DTYPES",
-           "MIN_INT", "MAX_INT", "UNSUPPORTED_SAMPLING_FIELDS"]
+           "MIN_INT", "MAX_INT", "UNSUPPORTED_SAMPLING_FIELDS", "context_limit_text"]
 
 
 def __getattr__(name: str):

@@ -119,6 +119,9 @@ class LLM:
     draft model; it replaces method / k, and without it the method is ``auto``), dtype
     ``half`` / ``float`` (= float16 / float32), ``tensor_parallel_size`` (1 only) and
     ``trust_remote_code`` (no effect: specbatch runs no model code from a model's folder).
+    vLLM's engine knobs that mean nothing here (``VLLM_IGNORED``: ``gpu_memory_utilization``,
+    ``enforce_eager``, ...) are accepted and ignored, with one warning per process naming
+    them; any other unknown keyword is a ``TypeError``, as Python's.
 
     Raises ``ValueError`` for a bad option (naming it) and ``ModelLoadError`` (a
     ``ValueError``) when a model cannot be loaded.
@@ -131,7 +134,8 @@ class LLM:
                  cache_dir: str | None = None, seed: int = 0, enable_prefix_caching: bool = True,
                  echo: Callable[[str], None] | None = None, max_num_seqs: int | None = None,
                  speculative_config: dict | None = None, tensor_parallel_size: int = 1,
-                 trust_remote_code: bool = False) -> None:
+                 trust_remote_code: bool = False, **vllm_kwargs) -> None:
+        _ignore_vllm_kwargs(vllm_kwargs)
         _choose_cpu_threads(device)
         if tensor_parallel_size != 1:
             raise ConfigError(f"tensor_parallel_size={tensor_parallel_size!r}: specbatch runs "
@@ -161,15 +165,18 @@ class LLM:
         dtype already resolved for the model (``EngineConfig.for_model``: a Ray replica must
         run the driver's choice, so nothing is resolved here)."""
         llm = cls.__new__(cls)
-        llm._load(model, spec, engine, cache_dir, seed, echo)
+        llm._load(model, spec, engine, cache_dir, seed, echo, limit_setting="--max-model-len")
         return llm
 
     def _load(self, model, spec: SpecConfig, engine: EngineConfig, cache_dir, seed,
-              echo, resolve_dtype: bool = False) -> None:
+              echo, resolve_dtype: bool = False, limit_setting: str = "max_model_len") -> None:
         """Load the model (and draft model). Progress goes to the ``specbatch`` logger at INFO
         (``loading model ... ...``, ``model ready in S s``; the CLI prints it on stderr), the
         first line before torch is imported: a name that is no model fails before that.
-        resolve_dtype: resolve a dtype ``auto`` for the model first (``LLM(...)``)."""
+        resolve_dtype: resolve a dtype ``auto`` for the model first (``LLM(...)``).
+        limit_setting: how errors name a ``max_model_len`` below the model's context (the
+        CLI's flag, or the keyword)."""
+        self._limit_setting = limit_setting
         from specbatch.models.registry import DEFAULT_MODEL, find_model
 
         self.spec_config = spec
@@ -232,20 +239,31 @@ class LLM:
 
         records = list(records)
         return (check_lengths(records, self.renderer.count_tokens, self.max_model_len, path,
-                              tokenizer=self.tokenizer)
+                              tokenizer=self.tokenizer,
+                              limit_setting=self.limit_setting(self.max_model_len))
                 + check_token_ids(records, self.loaded.model.config.vocab_size, path))
+
+    def limit_setting(self, max_model_len: int) -> str | None:
+        """The setting errors name for a context cap of ``max_model_len`` below the model's
+        own (``--max-model-len`` from the CLI, ``max_model_len`` from ``LLM(...)``); None when
+        the cap is the model's context."""
+        return (self.__dict__.get("_limit_setting", "max_model_len")
+                if max_model_len < self.loaded.max_model_len else None)
 
     def to_records(self, prompts: Iterable, sampling_params=None) -> list:
         """Validated ``Record``s of strings (a plain prompt each), dicts (records in the input
         format: ``prompt`` / ``messages`` / ``turns``, optional ``id`` and sampling fields) or
         ``Record``s (kept as they are). sampling_params: the defaults, one ``SamplingParams``
         or a list with one per prompt. A single string, dict or ``Record`` is one prompt (as
-        vLLM's ``generate`` takes it). Raises ``ValueError`` listing the bad ones."""
+        vLLM's ``generate`` takes it). ``max_tokens=None`` (vLLM's default: up to the context)
+        becomes this LLM's ``max_model_len``: the output ends at EOS, a stop, or when prompt +
+        output fill the context (``finish_reason`` ``length``). Raises ``ValueError`` listing
+        the bad ones."""
         from specbatch.io.records import Record, records_from_rows
 
         prompts = [prompts] if isinstance(prompts, (str, dict, Record)) else list(prompts)
         if prompts and all(isinstance(p, Record) for p in prompts):
-            return prompts
+            return self._up_to_the_context(prompts)
         defaults = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
                     else sampling_params or SamplingParams())
         rows = [{"prompt": p} if isinstance(p, str) else p for p in prompts]
@@ -254,7 +272,15 @@ class LLM:
         if errors:
             raise ValueError("; ".join(str(e) for e in errors[:5])
                              + (f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""))
-        return records
+        return self._up_to_the_context(records)
+
+    def _up_to_the_context(self, records: list) -> list:
+        """``records`` with ``max_tokens=None`` read as ``max_model_len`` (the context stop,
+        ``StopRules``, ends such an output first: prompt + output never exceed it)."""
+        from dataclasses import replace
+
+        return [r if r.sampling.max_tokens is not None else replace(
+            r, sampling=replace(r.sampling, max_tokens=self.max_model_len)) for r in records]
 
     # ---- building ------------------------------------------------------------------------
     def fit_engine_config(self, records: Iterable, engine: EngineConfig | None = None,
@@ -360,7 +386,7 @@ class LLM:
         from specbatch.models.llama import LlamaForward
         from specbatch.spec_decode import make_proposer
 
-        records = list(records)
+        records = self._up_to_the_context(list(records))
         spec = spec or self.spec_config
         echo = echo or self.echo
         engine_config = engine or self.fit_engine_config(records, echo=echo)
@@ -395,7 +421,8 @@ class LLM:
         else:
             fits = None
         self.engine = Engine(runner, proposer, stop_rules, spec.draft_cap,
-                             self.renderer.detokenize, num_speculative_tokens=spec.k)
+                             self.renderer.detokenize, num_speculative_tokens=spec.k,
+                             limit_setting=self.limit_setting(max_model_len))
         return Prepared(self, self.engine, plan, records, engine_config, fits)
 
     def memory_summary(self) -> str:
@@ -416,17 +443,33 @@ class LLM:
         yield from self.prepare(records, spec, engine, echo).run(seed, on_tokens)
 
     def generate(self, prompts: Iterable, sampling_params=None, *,
-                 seed: int | None = None) -> list[RequestOutput]:
+                 seed: int | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt (see ``to_records``); one ``RequestOutput`` per prompt, in
         input order, shaped as vLLM's (``.outputs[i].text``, ``.prompt_token_ids``, ...) and
         holding the output fields ``specbatch run`` writes for the same record and flags (the
-        same token ids and ``spec`` stats). Raises ``ValueError`` for bad prompts
-        before generating anything."""
+        same token ids and ``spec`` stats). use_tqdm: vLLM's name; when stderr is a terminal,
+        a progress bar over the prompts (``specbatch run``'s: records, tokens, tok/s,
+        acceptance length) is drawn there; False: never. Raises ``ValueError`` for bad prompts
+        (and a ``use_tqdm`` that is not True or False) before generating anything."""
+        if not isinstance(use_tqdm, bool):
+            raise ConfigError(f"use_tqdm={use_tqdm!r}: expected True or False", "use_tqdm",
+                              "True or False")
         records = self.to_records(prompts, sampling_params)
         if not records:
             return []
-        outs = {rec.index: self._request_output(rec, out)
-                for rec, out in self.generate_records(records, seed=seed)}
+        progress = _api_progress(records) if use_tqdm else None
+        outs = {}
+        try:
+            run = self.prepare(records).run(
+                seed, progress.answer_done if progress else None,
+                progress.tick if progress else None)
+            for rec, out in run:
+                outs[rec.index] = self._request_output(rec, out)
+                if progress is not None:
+                    progress.record_done()
+        finally:
+            if progress is not None:
+                progress.close()
         return [outs[r.index] for r in records]
 
     def _request_output(self, rec, fields: dict) -> RequestOutput:
@@ -436,7 +479,7 @@ class LLM:
                                          lambda t: self.tokenizer.decode([t]))
 
     def chat(self, messages_list: Iterable[list[dict]], sampling_params=None, *,
-             seed: int | None = None) -> list[RequestOutput]:
+             seed: int | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """``generate`` for chats: each item a list of ``{"role", "content"}`` messages,
         rendered with the tokenizer's chat template; a single chat (a list of message dicts)
         is one item, as in vLLM's ``chat``."""
@@ -444,7 +487,42 @@ class LLM:
         if chats and isinstance(chats[0], dict):
             chats = [chats]
         return self.generate([{"messages": list(m)} for m in chats], sampling_params,
-                             seed=seed)
+                             seed=seed, use_tqdm=use_tqdm)
+
+
+def _api_progress(records: list):
+    """``generate``'s progress bar (``progress.Progress``) when stderr is a terminal, else
+    None: the Python API writes no plain progress lines into a caller's logs."""
+    import sys
+
+    if not (sys.stderr is not None and sys.stderr.isatty()):
+        return None
+    from specbatch.progress import Progress
+
+    return Progress(len(records), max_tokens=max(
+        r.sampling.max_tokens * r.sampling.n * len(r.turns or [None]) for r in records))
+
+
+# vLLM ``LLM(...)`` keywords about its GPU engine (memory, CUDA graphs, swap, workers) that
+# have no meaning in specbatch: accepted and ignored, with one warning per process naming them
+VLLM_IGNORED = ("gpu_memory_utilization", "enforce_eager", "swap_space", "cpu_offload_gb",
+                "max_seq_len_to_capture", "disable_custom_all_reduce", "disable_log_stats",
+                "distributed_executor_backend")
+_WARNED_IGNORED: set[str] = set()
+
+
+def _ignore_vllm_kwargs(kwargs: dict) -> None:
+    """Raise ``TypeError`` for a keyword outside ``VLLM_IGNORED`` (as Python does for an
+    unknown one); warn once per process about those ignored."""
+    unknown = sorted(set(kwargs) - set(VLLM_IGNORED))
+    if unknown:
+        raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}")
+    new = [name for name in VLLM_IGNORED if name in kwargs and name not in _WARNED_IGNORED]
+    if new:
+        _WARNED_IGNORED.update(new)
+        _log.warning("ignoring vLLM engine option(s) %s: no meaning in specbatch (it sizes "
+                     "its KV cache to the records and free memory and runs no CUDA graphs)",
+                     ", ".join(new))
 
 
 _VLLM_DTYPES = {"half": "float16", "float": "float32"}  # vLLM's aliases
@@ -476,4 +554,5 @@ def _speculative_config(config, lookup_min: int, lookup_max: int) -> tuple:
             config.get("prompt_lookup_max", lookup_max), draft_model)
 
 
-__all__ = ["LLM", "ModelLoadError", "Prepared", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "ModelLoadError", "Prepared", "RequestOutput", "SamplingParams",
+           "VLLM_IGNORED"]

@@ -13,6 +13,12 @@ sum of the group rows and the sum of the per-record counters (tested). ``(all)``
 spelling of the total, and no group is named like it.
 The text output leaves the ``(all)`` row out of a table with one group, whose row equals it.
 
+Several files are pooled (one set of rows, one ``(all)``) only when they are runs of the same
+setting (``RUN_SETTINGS`` of their ``OUT.config.json`` equal: the shards of one job, or reruns).
+Files of different settings (``none`` beside ``ngram:k=5``, another k, model or sampling) are
+not pooled: each file gets its own rows and its own total, named ``FILE: group`` and
+``FILE: (all)`` (``file_tables``), since a total over different methods measures none of them.
+
 Steps. ``spec.num_steps`` counts every target forward that emitted tokens for the record: one
 prefill step per answer (a ``turns`` record has one per turn) plus the decode / verify steps.
 ``spec.k_histogram`` counts only the decode / verify steps, by draft length, so
@@ -143,8 +149,46 @@ def group_table(records: list[Record], grouping: str,
 
 def distinct_rows(rows: list[dict]) -> list[dict]:
     """The rows worth showing: a table of one group and ``(all)`` shows the group only (the
-    two rows are equal)."""
-    return rows[:1] if len(rows) == 2 else rows
+    two rows are equal); per file, for the tables of files not pooled (``file_tables``)."""
+    blocks: dict = {}
+    for r in rows:
+        blocks.setdefault(r.get("file"), []).append(r)
+    return [r for block in blocks.values() for r in (block[:1] if len(block) == 2 else block)]
+
+
+# The run-config keys (``OUT.config.json``) whose values make two output files runs of
+# different settings, whose counters are not pooled (``differing_settings``)
+RUN_SETTINGS = ("model", "draft_model", "dtype", "method", "k", "prompt_lookup_min",
+                "prompt_lookup_max", "sampling", "max_model_len")
+
+
+def differing_settings(configs: list[dict | None]) -> list[str]:
+    """The ``RUN_SETTINGS`` keys whose values differ among the files' configs (files without
+    a config are left out: their settings are unknown); ``[]`` when they agree."""
+    known = [c for c in configs if c is not None]
+    return [k for k in RUN_SETTINGS if len({repr(c.get(k)) for c in known}) > 1]
+
+
+def file_names(files: list) -> list[str]:
+    """How the rows name each file (``analyze.load.RunFile``): its name, or its path as given
+    where two files share a name."""
+    names = [f.label for f in files]
+    return [n if names.count(n) == 1 else str(f.path) for n, f in zip(names, files)]
+
+
+def file_tables(files: list, grouping: str) -> list[dict]:
+    """``group_table`` of each file in turn, each row's group named ``FILE: group`` and marked
+    with ``"file"`` (``file_names``): the rows of files that are not pooled."""
+    return [{**row, "group": f"{name}: {row['group']}", "file": name}
+            for f, name in zip(files, file_names(files))
+            for row in group_table(f.records, grouping)]
+
+
+def record_groups(files: list, grouping: str, pooled: bool) -> list[tuple[str, Record]]:
+    """``(group, record)`` for every record of ``files``, the group named as the tables name it
+    (``FILE: group`` where the files are not pooled)."""
+    return [(group_label(rec, grouping) if pooled else f"{name}: {group_label(rec, grouping)}",
+             rec) for f, name in zip(files, file_names(files)) for rec in f.records]
 
 
 def _ratio(num: float, den: float) -> float | None:

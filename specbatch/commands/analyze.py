@@ -14,8 +14,8 @@ import click
 import orjson
 
 from specbatch.analyze.load import RunFile, load_run
-from specbatch.analyze.tables import (ALL, NO_GROUPS, default_grouping, distinct_rows,
-                                      group_label, group_table)
+from specbatch.analyze.tables import (ALL, NO_GROUPS, default_grouping, differing_settings,
+                                      distinct_rows, file_tables, group_table, record_groups)
 
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
 MAX_DIFFS_SHOWN = 20
@@ -40,10 +40,16 @@ def build_document(files: list[RunFile], opts: AnalyzeOptions, cost=None,
     records = [r for f in files for r in f.records]
     primary = opts.by or default_grouping(records)
     groupings = [primary] + (["proposer"] if primary != "proposer" else [])
+    # files of different settings (method, k, model, sampling...): rows per file, no total
+    # over them (docs/analyze.md)
+    differ = differing_settings([f.config for f in files]) if len(files) > 1 else []
     doc: dict = {
         "files": [_file_info(f) for f in files],
         "primary_grouping": primary,
-        "tables": {g: group_table(records, g) for g in groupings},
+        "pooled": not differ,
+        "differing_settings": differ,
+        "tables": {g: file_tables(files, g) if differ else group_table(records, g)
+                   for g in groupings},
         "what_if": None,
         "compare": None,
     }
@@ -121,8 +127,8 @@ def run_analyze(opts: AnalyzeOptions) -> int:
 
         primary = doc["primary_grouping"]
         try:
-            paths = write_plots(doc, [(group_label(r, primary), r) for f in files
-                                      for r in f.records], opts.plot_dir)
+            paths = write_plots(doc, record_groups(files, primary, doc["pooled"]),
+                                opts.plot_dir)
         except ValueError as e:
             return _bad(str(e))
         doc["plots"] = [str(p) for p in paths]
@@ -191,6 +197,9 @@ def format_text(doc: dict) -> str:
         out.append(f"{f['path']}: {f['num_records']} records, {f['method'] or '?'} "
                    f"k={f['k']} n-gram {f['prompt_lookup_min']}-{f['prompt_lookup_max']}, "
                    f"{f['model']}")
+    if not doc.get("pooled", True):
+        out.append(f"note: the files differ in {', '.join(doc['differing_settings'])}: each "
+                   "file has its own rows and (all) total; no row pools them")
     for grouping, rows in doc["tables"].items():
         out += ["", *_group_table_text(grouping, rows)]
     if doc["what_if"] is not None:

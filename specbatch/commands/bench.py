@@ -137,6 +137,11 @@ def run_bench(opts: BenchOptions) -> int:
     except ModelLoadError as e:
         click.echo(f"error: {e}", err=True)
         return EXIT_BAD_INPUT
+    from specbatch.commands.common import token_id_flag_error
+
+    if (why := token_id_flag_error(opts.sampling, llm.loaded.model.config.vocab_size)):
+        click.echo(f"error: {why}", err=True)  # once, not once per record
+        return EXIT_BAD_INPUT
     if opts.calibration is not None:
         try:
             for line in llm.pin_calibration(opts.calibration):

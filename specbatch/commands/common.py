@@ -83,6 +83,19 @@ def choose_threads(threads: int | None):
     return cpu_threads.choose_threads(threads)
 
 
+def token_id_flag_error(sampling: SamplingParams, vocab_size: int) -> str | None:
+    """The one-line error for ``--stop-token-id`` ids (or a recipe's ``logit_bias`` ids) of
+    the job's defaults outside the model's vocabulary (``vocab_size`` ids), else None: said
+    once, as soon as the model is loaded, not once per record that inherits them."""
+    for flag, ids in (("--stop-token-id", sampling.stop_token_ids),
+                      ("logit_bias", [t for t, _ in sampling.logit_bias])):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            return (f"{flag} {', '.join(map(str, bad))}: not a token id of this model (its "
+                    f"vocabulary has ids 0..{vocab_size - 1})")
+    return None
+
+
 def stop_strings(stop: tuple[str, ...]) -> tuple[str, ...]:
     """``--stop`` values; an empty one is a usage error naming the flag (not the tuple)."""
     if "" in stop:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
@@ -41,6 +42,7 @@ class RunOptions(JobOptions):
     replicas: int = 1
     input_format: str = "auto"  # records | openai-batch | auto (detected per line)
     progress_interval: float = 10.0  # seconds between plain progress lines (stderr not a tty)
+    input_data: bytes | None = None  # INPUT ``-``: standard input, read once (``command``)
 
 
 def _err(msg: str) -> None:
@@ -96,6 +98,7 @@ class _Job:
     bar: object = None
     done_before: set = field(default_factory=set)
     lock: object = None  # ``io.writer.OutLock``, taken before the model loads
+    from_stdin: bool = False  # INPUT ``-``: a resume needs the same standard input again
 
 
 def load_records(opts) -> tuple[list, list]:
@@ -105,7 +108,8 @@ def load_records(opts) -> tuple[list, list]:
     records, errors = read_records(opts.input_path, prompt_field=opts.prompt_field,
                                    id_field=opts.id_field, split=opts.split,
                                    defaults=opts.sampling, template=opts.template,
-                                   input_format=getattr(opts, "input_format", "auto"))
+                                   input_format=getattr(opts, "input_format", "auto"),
+                                   data=getattr(opts, "input_data", None))
     if opts.limit is not None and len(records) >= opts.limit:
         # the lines after the Nth valid record are not read for this job: their errors are not
         # its errors; without a cut every bad line is reported
@@ -126,7 +130,9 @@ def request_stop(signum: int) -> None:
 def run_job(opts: RunOptions) -> int:
     """Run the job; returns the exit status (see the module docstring). SIGINT (and SIGTERM,
     which the CLI turns into SIGINT's ``KeyboardInterrupt``) stops it cleanly at any point."""
-    job = _Job()
+    from specbatch.io.records import STDIN
+
+    job = _Job(from_stdin=str(opts.input_path) == STDIN)
     _STOP_REQUESTED.clear()
     try:
         return _run_job(opts, job)
@@ -152,7 +158,8 @@ def _interrupted(job: _Job) -> int:
     num_done = len(job.writer.done_indices())
     _err(f"\ninterrupted: {num_done} of {job.num_records} records are saved in "
          f"{job.writer.work_path} ({num_done - len(job.done_before)} new in this run).\n"
-         "Rerun the same command to resume.")
+         + ("Rerun the same command with the same standard input to resume."
+            if job.from_stdin else "Rerun the same command to resume."))
     return EXIT_INTERRUPTED
 
 
@@ -199,8 +206,9 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     # the options known without the model: a resume with other options is refused before the
     # load (the writer checks the whole config again after it)
     config = {
-        "input": str(Path(opts.input_path).resolve()),
-        "input_sha256": _input_digest(opts.input_path),
+        "input": (opts.input_path if job.from_stdin  # "-": no file to name
+                  else str(Path(opts.input_path).resolve())),
+        "input_sha256": _input_digest(opts.input_path, opts.input_data),
         "dtype": opts.engine.dtype,
         **({} if opts.engine.dtype_auto is None else {"dtype_auto": opts.engine.dtype_auto}),
         "method": opts.spec.method,
@@ -258,7 +266,14 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
             _err(f"error: --calibration {e}")
             return EXIT_BAD_INPUT
 
-    model_errors = llm.check_records(records, str(opts.input_path))
+    from specbatch.commands.common import token_id_flag_error
+    from specbatch.io.records import input_name
+
+    # a flag's bad token id: one line now, not one per record that inherits it
+    if (why := token_id_flag_error(opts.sampling, llm.loaded.model.config.vocab_size)):
+        _err(f"error: {why}")
+        return EXIT_BAD_INPUT
+    model_errors = llm.check_records(records, input_name(opts.input_path))
     if model_errors and opts.on_error == "fail":
         _report_errors(errors + model_errors, "fail")
         return EXIT_BAD_INPUT
@@ -373,8 +388,8 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
                 raise KeyboardInterrupt
             by_category[str(rec.fields.get("category", ""))].append(out)
             if "error" in out:
-                failed.append(RecordError(str(opts.input_path), rec.line, rec.id, out["error"],
-                                          rec.unit))
+                failed.append(RecordError(input_name(opts.input_path), rec.line, rec.id,
+                                          out["error"], rec.unit))
             if bar is not None:
                 bar.record_done()
         if bar is not None:
@@ -506,7 +521,11 @@ def _or_dash(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def _input_digest(path: str) -> str:
+def _input_digest(path: str, data: bytes | None = None) -> str:
+    """sha256 of INPUT's bytes (of every file of a folder, in name order); ``data``: those of
+    standard input (INPUT ``-``), already read."""
+    if data is not None:
+        return hashlib.sha256(data).hexdigest()
     p = Path(path)
     h = hashlib.sha256()
     files = sorted(q for q in p.rglob("*") if q.is_file()) if p.is_dir() else [p]
@@ -567,6 +586,16 @@ def command(given: frozenset[str], input_path, output, recipe, template, model, 
         raise click.UsageError(f"--calibration needs --method auto (got --method {method})")
     if (ray_address is not None or "replicas" in given) and not use_ray:
         raise click.UsageError("--ray-address and --replicas need --ray")
+    from specbatch.io.records import STDIN, read_stdin
+
+    input_data = None
+    if input_path == STDIN:  # read now, once: a pipe cannot be read again
+        if output is None:
+            raise click.UsageError("INPUT - (standard input) needs -o OUT.jsonl: there is no "
+                                   "file name to name the output after")
+        if sys.stdin is not None and sys.stdin.isatty():  # nothing piped: say what it waits for
+            _err("reading JSONL records from standard input (the terminal); end with Ctrl-D")
+        input_data = read_stdin()
     out = output or f"{Path(input_path).name.split('.')[0]}.out.jsonl"
     opts = RunOptions(input_path=input_path, output_path=out, model=model, cache_dir=cache_dir,
                       sampling=sampling, spec=spec, engine=engine, run_seed=seed,
@@ -575,7 +604,8 @@ def command(given: frozenset[str], input_path, output, recipe, template, model, 
                       plan_only=plan_only, ray=use_ray, ray_address=ray_address,
                       replicas=replicas, input_format=input_format,
                       template=template, recipe=recipe.identity if recipe else None,
-                      cpu=cpu, calibration=calibration, progress_interval=progress_interval)
+                      cpu=cpu, calibration=calibration, progress_interval=progress_interval,
+                      input_data=input_data)
     exit_from_signals()
     return run_job(opts)
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specbatch.config import context_limit_text
 from specbatch.engine import logits as logits_processing
 from specbatch.engine.runner import ModelRunner
 from specbatch.engine.scheduler import Scheduler
@@ -61,12 +62,16 @@ class Engine:
     ``SpecConfig.draft_cap``).
     follow_up: called with each completion; a returned ``Request`` (e.g. the next turn) is
     queued ahead of the others.
+    limit_setting: the setting that capped the context below the model's own
+    (``--max-model-len``), named in errors; None: the cap is the model's context.
     """
 
     def __init__(self, runner: ModelRunner, proposer: Proposer, stop_rules: StopRules, k: int,
                  detokenize: Callable[[list[int]], str] | None = None,
-                 num_speculative_tokens: int | None = None) -> None:
+                 num_speculative_tokens: int | None = None,
+                 limit_setting: str | None = None) -> None:
         self.runner = runner
+        self.limit_setting = limit_setting
         self.proposer = proposer
         self.stop_rules = stop_rules
         self.k = k
@@ -177,8 +182,9 @@ class Engine:
                                             if id(s) not in waiting and s.replay is None])
                     if seq.num_prompt_tokens >= self.runner.max_model_len:
                         seq.finish_reason = "error"
-                        seq.error = (f"prompt is {seq.num_prompt_tokens} tokens; the model's "
-                                     f"context is {self.runner.max_model_len}")
+                        seq.error = (f"prompt is {seq.num_prompt_tokens} tokens; "
+                                     + context_limit_text(self.runner.max_model_len,
+                                                          self.limit_setting))
                         done.append(self._finish(seq))
             rows = self.scheduler.running_sequences()
             running = [s for s in rows if s.replay is None]

@@ -53,7 +53,8 @@ from pathlib import Path
 
 import orjson
 
-from specbatch.config import SAMPLING_FIELDS, UNSUPPORTED_SAMPLING_FIELDS, SamplingParams
+from specbatch.config import (SAMPLING_FIELDS, UNSUPPORTED_SAMPLING_FIELDS, SamplingParams,
+                              context_limit_text)
 from specbatch.io.openai_batch import is_batch_request
 from specbatch.io.openai_batch import to_record as openai_batch_record
 
@@ -125,8 +126,11 @@ def read_records(path: str | os.PathLike, *, prompt_field: str | None = None,
                  id_field: str | None = None, split: str | None = None,
                  defaults: SamplingParams = SamplingParams(), template: str | None = None,
                  input_format: str = "auto", null_ids: bool = False,
-                 ) -> tuple[list[Record], list[RecordError]]:
+                 data: bytes | None = None) -> tuple[list[Record], list[RecordError]]:
     """Read ``path`` and validate every record; never raises for bad input.
+
+    ``path`` ``-`` is standard input, read as JSONL (``data``: its bytes, when the caller has
+    read them already; else read here) and named ``<stdin>`` in the errors.
 
     Returns the valid records (``index`` 0..n-1 in input order) and the errors, in line order.
     A duplicate id (compared as text, so 7 and "7" clash) is an error on every record after the
@@ -140,13 +144,18 @@ def read_records(path: str | os.PathLike, *, prompt_field: str | None = None,
     Raises ``ValueError`` only for a bad call: a malformed template, or both template and
     prompt_field.
     """
-    p = str(path)
+    p = input_name(path)
     if template is not None:
         template_fields(template)
         if prompt_field is not None:
             raise ValueError("give a prompt field or a template, not both")
     try:
-        rows = list(_rows(Path(path), split, ID_FIELDS if id_field is None else (id_field,)))
+        if str(path) == STDIN:
+            if split is not None:
+                raise _FileError("--split applies only to a dataset folder, not standard input")
+            rows = list(_json_rows(_as_utf8(read_stdin() if data is None else data), ".jsonl"))
+        else:
+            rows = list(_rows(Path(path), split, ID_FIELDS if id_field is None else (id_field,)))
     except _FileError as e:
         return [], [RecordError(p, 0, None, str(e))]
     if not rows:
@@ -154,6 +163,22 @@ def read_records(path: str | os.PathLike, *, prompt_field: str | None = None,
     unit = rows[0][0]  # one kind per file
     return _validate(p, [(n, row) for _, n, row in rows], prompt_field, id_field, defaults,
                      template, input_format, unit, null_ids=null_ids or unit == "row")
+
+
+STDIN = "-"  # the INPUT that means standard input (JSONL)
+
+
+def input_name(path: str | os.PathLike) -> str:
+    """How errors name an input: ``<stdin>`` for ``-``, else the path as given."""
+    return "<stdin>" if str(path) == STDIN else str(path)
+
+
+def read_stdin() -> bytes:
+    """All of standard input, as bytes (read once: a pipe cannot be read again)."""
+    import sys
+
+    stream = sys.stdin
+    return stream.buffer.read() if hasattr(stream, "buffer") else stream.read().encode()
 
 
 def records_from_rows(rows: Iterable[dict], *, prompt_field: str | None = None,
@@ -268,12 +293,13 @@ def order_warning(records: Iterable[Record]) -> str | None:
 
 def check_lengths(records: Iterable[Record], count_tokens: Callable[[Record], int],
                   max_model_len: int, path: str | os.PathLike, *, tokenizer=None,
-                  ) -> list[RecordError]:
+                  limit_setting: str | None = None) -> list[RecordError]:
     """Errors for records whose prompt leaves no room for a completion token.
 
     count_tokens: prompt tokens of a record as the model will see it (chat template applied;
         for ``turns``, the first turn: later turns grow with the answers and are capped at run
-        time). max_model_len: the model's context (tokens).
+        time). max_model_len: the model's context (tokens), or the user's lower cap, whose
+        setting ``limit_setting`` names (``--max-model-len``; ``config.context_limit_text``).
     tokenizer: the model's transformers tokenizer. When given, a prompt is first measured in
         bytes and refused without tokenising it (``count_tokens`` is not called) when it cannot
         fit (``min_num_tokens``): tokenising a 50 MB line took 7.8 GB and 94 s. For ``turns``
@@ -289,13 +315,14 @@ def check_lengths(records: Iterable[Record], count_tokens: Callable[[Record], in
                 num_bytes, n = min_num_tokens(text, tokenizer, max_bytes)
                 if n >= max_model_len:
                     reason = (f"{what} is {num_bytes} bytes, so at least {n} tokens (no token of "
-                              f"this model covers more than {max_bytes} bytes); the model's "
-                              f"context is {max_model_len}")
+                              f"this model covers more than {max_bytes} bytes); "
+                              f"{context_limit_text(max_model_len, limit_setting)}")
                     break
         if reason is None:
             n = count_tokens(r)
             if n >= max_model_len:
-                reason = f"prompt is {n} tokens; the model's context is {max_model_len}"
+                reason = (f"prompt is {n} tokens; "
+                          f"{context_limit_text(max_model_len, limit_setting)}")
         if reason is not None:
             errors.append(RecordError(str(path), r.line, r.id, reason, r.unit))
     return errors
@@ -1032,6 +1059,6 @@ def _kind(value) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-__all__ = ["Record", "RecordError", "read_records", "check_lengths", "template_fields",
-           "order_warning", "unsupported_fields", "is_output",
+__all__ = ["Record", "RecordError", "read_records", "read_stdin", "input_name", "STDIN",
+           "check_lengths", "template_fields", "order_warning", "unsupported_fields", "is_output",
            "PROMPT_FIELDS", "ID_FIELDS", "OUTPUT_FIELDS"]

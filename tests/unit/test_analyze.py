@@ -10,6 +10,7 @@ position; ``--plot`` writes readable PNGs; the CLI's usage errors.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 from types import SimpleNamespace
@@ -163,6 +164,49 @@ def test_tables_reconcile_with_records(runs, run, tmp_path):
     # not a bucket "-" that reads as a missing value
     static = "ngram:k=4" if run == "ngram" else "none"
     assert [r["group"] for r in doc["tables"]["bucket"]] == ["b0", "b1", static, "(all)"]
+
+
+def test_files_of_different_settings_are_not_pooled(runs, tmp_path):
+    """An ngram k=4 run beside a plain one: no ``(all)`` row over both (it measures neither
+    method); each file has its own rows and total, equal to that file analysed alone, and the
+    text says why. Two files of the same setting (a job's shards) are still pooled."""
+    _, doc = _doc([runs["ngram"], runs["none"]], by="category")
+    assert not doc["pooled"] and doc["differing_settings"] == ["method", "k"]
+    for grouping, rows in doc["tables"].items():
+        assert all(r["group"] != "(all)" for r in rows)
+        for name in ("ngram", "none"):
+            alone = _doc([runs[name]], by="category")[1]["tables"][grouping]
+            mine = [r for r in rows if r["file"] == f"{name}.jsonl"]
+            assert [r["group"] for r in mine] == [f"{name}.jsonl: {r['group']}" for r in alone]
+            assert [{**r, "group": None, "file": None} for r in mine] == [
+                {**r, "group": None, "file": None} for r in alone]
+    text = format_text(doc)
+    assert "note: the files differ in method, k: each file has its own rows" in text
+    assert "ngram.jsonl: (all)" in text and "none.jsonl: (all)" in text
+    assert "\n(all) " not in text
+    # two files of one name: named by their paths; the plots take the same names
+    other = tmp_path / "copy" / "ngram.jsonl"
+    other.parent.mkdir()
+    other.write_text(runs["none"].read_text())
+    config_path(other).write_text(config_path(runs["none"]).read_text())
+    _, doc = _doc([runs["ngram"], other])
+    assert {r["file"] for r in doc["tables"]["proposer"]} == {str(runs["ngram"]), str(other)}
+    if importlib.util.find_spec("matplotlib") is not None:
+        r = CliRunner().invoke(main, ["analyze", str(runs["ngram"]), str(other), "--plot",
+                                      str(tmp_path / "plots")])
+        assert r.exit_code == 0 and "wrote " in r.output, r.output
+    # shards of one job (same config): one set of rows, one (all) over both
+    src = runs["ngram"].read_text().splitlines()
+    halves = []
+    for i, lines in enumerate((src[:18], src[18:])):
+        half = tmp_path / f"half{i}.jsonl"
+        half.write_text("\n".join(lines) + "\n")
+        config_path(half).write_text(config_path(runs["ngram"]).read_text())
+        halves.append(half)
+    _, doc = _doc(halves, by="category")
+    assert doc["pooled"] and doc["differing_settings"] == []
+    whole = _doc([runs["ngram"]], by="category")[1]
+    assert doc["tables"] == whole["tables"]
 
 
 def test_a_run_without_buckets_groups_by_category(runs):

@@ -1,0 +1,235 @@
+"""What users coming from vLLM / transformers write, taken as they mean it (fresh-user passes):
+``top_k=-1`` for "off", ``max_tokens=None`` for "up to the context", vLLM's engine knobs that
+mean nothing here, ``use_tqdm``, ``-`` for standard input, and the errors they meet next.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from specbatch.cli import main
+from specbatch.config import ConfigError, SamplingParams
+from tests.unit.test_progress import tiny  # noqa: F401 (fixture)
+
+
+def test_top_k_minus_one_is_off_as_in_vllm():
+    """vLLM takes top_k = -1 (its old default) and 0 for "off"; both are 0 here, so a config
+    that records it says 0 whichever was written; below -1 is still refused."""
+    assert SamplingParams(top_k=-1) == SamplingParams(top_k=0) == SamplingParams()
+    assert SamplingParams(top_k=-1).to_dict()["top_k"] == 0
+    assert SamplingParams.from_dict({"top_k": -1}).top_k == 0
+    with pytest.raises(ConfigError, match="top_k"):
+        SamplingParams(top_k=-2)
+
+
+def test_run_top_k_minus_one_writes_what_no_top_k_writes(tmp_path, tiny_gguf):
+    """``--top-k -1`` (sampled, so top-k would matter): the same output rows and the same
+    recorded sampling config as leaving --top-k out."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": 1, "prompt": "abc abc"}\n{"id": 2, "prompt": "x y z", "top_k": -1}\n')
+    common = ["run", str(inp), "--model", str(tiny_gguf), "--cache-dir", str(tmp_path / "c"),
+              "--method", "none", "--max-tokens", "6", "--temperature", "1.5", "--no-progress"]
+    outs = {}
+    for name, extra in (("off", []), ("minus1", ["--top-k", "-1"])):
+        out = tmp_path / f"{name}.jsonl"
+        r = CliRunner().invoke(main, [*common, "-o", str(out), *extra])
+        assert r.exit_code == 0, r.output
+        outs[name] = ([json.loads(line)["output_token_ids"] for line in
+                       out.read_text().splitlines()],
+                      json.loads((tmp_path / f"{name}.jsonl.config.json").read_text())["sampling"])
+    assert outs["minus1"] == outs["off"]
+    assert outs["off"][1]["top_k"] == 0 and len(outs["off"][0]) == 2
+    r = CliRunner().invoke(main, [*common, "-o", str(tmp_path / "bad.jsonl"), "--top-k", "-2"])
+    assert r.exit_code == 2 and "--top-k" in r.output
+
+
+def test_max_tokens_none_runs_up_to_the_context(tiny):  # noqa: F811
+    """vLLM's default ``max_tokens=None``: the output runs until the prompt and output fill
+    the context (``max_model_len``, here 24), ``finish_reason`` ``length``; its tokens are those
+    of the explicit cap that leaves exactly that room (ngram: speculation changes nothing)."""
+    from specbatch import LLM
+
+    model, cache = tiny
+    llm = LLM(model=str(model), method="ngram", cache_dir=str(cache), max_model_len=24)
+    prompts = ["abc abc abc", "hello"]
+    up_to, = [llm.generate(prompts, SamplingParams(max_tokens=None, ignore_eos=True))]
+    for out in up_to:
+        assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 24
+        assert out.outputs[0].finish_reason == "length"
+        room = 24 - len(out.prompt_token_ids)
+        capped, = llm.generate(out.prompt, SamplingParams(max_tokens=room, ignore_eos=True))
+        assert capped.outputs[0].token_ids == out.outputs[0].token_ids
+    assert SamplingParams(max_tokens=None, min_tokens=5).min_tokens == 5
+    with pytest.raises(ConfigError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+
+
+def test_vllm_engine_knobs_are_ignored_with_one_warning(tiny, caplog, monkeypatch):  # noqa: F811
+    """``gpu_memory_utilization`` / ``enforce_eager`` (``VLLM_IGNORED``) are taken and named in
+    one warning per process; any other unknown keyword is still a ``TypeError``."""
+    import logging
+
+    from specbatch import llm as llm_module
+    from specbatch.llm import LLM, VLLM_IGNORED
+
+    assert {"gpu_memory_utilization", "enforce_eager"} <= set(VLLM_IGNORED)
+    monkeypatch.setattr(llm_module, "_WARNED_IGNORED", set())
+    model, cache = tiny
+    with caplog.at_level(logging.WARNING, logger="specbatch"):
+        llm = LLM(model=str(model), method="none", cache_dir=str(cache),
+                  gpu_memory_utilization=0.9, enforce_eager=True)
+        LLM(model=str(model), method="none", cache_dir=str(cache), gpu_memory_utilization=0.5)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1, warned
+    assert "gpu_memory_utilization, enforce_eager" in warned[0] and "ignoring" in warned[0]
+    assert llm.generate("abc", SamplingParams(max_tokens=3), use_tqdm=False)[0].token_ids
+    with pytest.raises(TypeError, match="'max_num_batched_tokenz'"):
+        LLM(model=str(model), cache_dir=str(cache), max_num_batched_tokenz=8)
+
+
+def test_use_tqdm_turns_the_progress_bar_on_and_off(tiny, monkeypatch):  # noqa: F811
+    """On a terminal, ``generate`` draws ``specbatch run``'s bar over the prompts (2/2 at the
+    end) unless ``use_tqdm=False``; the outputs are the same either way; not a bool: refused."""
+    import io
+
+    from specbatch import LLM
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    model, cache = tiny
+    llm = LLM(model=str(model), method="ngram", cache_dir=str(cache))
+    texts = {}
+    for use_tqdm in (True, False):
+        err = Terminal()
+        monkeypatch.setattr("sys.stderr", err)
+        outs = llm.generate(["abc abc", "hello"], SamplingParams(max_tokens=4),
+                            use_tqdm=use_tqdm)
+        texts[use_tqdm] = [o.outputs[0].token_ids for o in outs]
+        drawn = err.getvalue()
+        assert ("2/2" in drawn and "tok/s" in drawn) if use_tqdm else drawn == "", drawn
+    assert texts[True] == texts[False]
+    with pytest.raises(ValueError, match="use_tqdm"):
+        llm.generate("abc", use_tqdm="yes")
+
+
+def test_run_reads_jsonl_from_standard_input(tmp_path, tiny_gguf):
+    """``specbatch run - -o OUT``: the records of standard input, written as those of the same
+    file; bad lines named ``<stdin>:N``; without -o, one line, exit 2. A rerun with the same
+    standard input resumes the work file; with other input it is refused (its sha256)."""
+    text = '{"id": 1, "prompt": "abc abc"}\n{"id": 2, "prompt": "x y z"}\n'
+    src = tmp_path / "in.jsonl"
+    src.write_text(text)
+    common = ["--model", str(tiny_gguf), "--cache-dir", str(tmp_path / "c"), "--method", "ngram",
+              "--max-tokens", "4", "--no-progress"]
+    from_file, from_stdin = tmp_path / "file.jsonl", tmp_path / "stdin.jsonl"
+    r = CliRunner().invoke(main, ["run", str(src), "-o", str(from_file), *common])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["run", "-", "-o", str(from_stdin), *common], input=text)
+    assert r.exit_code == 0, r.output
+    assert from_stdin.read_text() == from_file.read_text()
+    config = json.loads((tmp_path / "stdin.jsonl.config.json").read_text())
+    assert config["input"] == "-"
+    # -o is required: nothing to name the output after
+    r = CliRunner().invoke(main, ["run", "-", *common], input=text)
+    assert r.exit_code == 2
+    assert r.output.splitlines()[0] == ("error: INPUT - (standard input) needs -o OUT.jsonl: "
+                                        "there is no file name to name the output after")
+    # a bad line is named by its line of standard input
+    r = CliRunner().invoke(main, ["run", "-", "-o", str(tmp_path / "bad.jsonl"), *common],
+                           input=text + '{"id": 3}\n')
+    assert r.exit_code == 2 and "error: <stdin>:3: id=3: no prompt" in r.output, r.output
+    # resume: as if killed after record 1 (the work file holds it)
+    first = json.loads(from_stdin.read_text().splitlines()[0])
+    from_stdin.unlink()
+    (tmp_path / "stdin.jsonl.work.jsonl").write_text(
+        json.dumps({"index": 0, "record": first}) + "\n")
+    r = CliRunner().invoke(main, ["run", "-", "-o", str(from_stdin), *common],
+                           input=text.replace("x y z", "other"))
+    assert r.exit_code == 2 and "differs in: input_sha256" in r.output, r.output
+    r = CliRunner().invoke(main, ["run", "-", "-o", str(from_stdin), *common], input=text)
+    assert r.exit_code == 0, r.output
+    assert "resuming: 1 of 2 records already done" in r.output, r.output
+    assert from_stdin.read_text() == from_file.read_text()
+
+
+@pytest.mark.parametrize("command", ["run", "bench"])
+def test_stop_token_id_outside_the_vocabulary_is_one_flag_error(tmp_path, tiny_gguf, command):
+    """``--stop-token-id 999999``: one ``error:`` line naming the flag and the vocabulary, exit
+    2, once the model is loaded and before any record runs; not one line per record."""
+    from specbatch.models.loader import load_model
+
+    vocab = load_model(str(tiny_gguf), cache_dir=str(tmp_path / "c")).model.config.vocab_size
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": 1, "prompt": "abc"}\n{"id": 2, "prompt": "x y"}\n')
+    out = tmp_path / "o.jsonl"
+    args = ["run", str(inp), "-o", str(out)] if command == "run" else ["bench", str(inp)]
+    r = CliRunner().invoke(main, [*args, "--model", str(tiny_gguf), "--cache-dir",
+                                  str(tmp_path / "c"), "--max-tokens", "2",
+                                  "--stop-token-id", "3", "--stop-token-id", "999999"])
+    assert r.exit_code == 2, r.output
+    errors = [line for line in r.stderr.splitlines() if "error" in line]
+    assert errors == [f"error: --stop-token-id 999999: not a token id of this model (its "
+                      f"vocabulary has ids 0..{vocab - 1})"], r.stderr
+    assert not out.exists() and "wrote" not in r.stdout
+
+
+def test_context_errors_name_the_limit_the_user_set(tmp_path, tiny_gguf):
+    """A prompt past ``--max-model-len 40`` says "the context limit is 40 (--max-model-len)"
+    (before the run, and for a later turn during it); past the model's own context, "the
+    model's context is N"; ``LLM(max_model_len=40)`` names its keyword."""
+    from specbatch import LLM
+    from specbatch.models.loader import load_model
+
+    context = load_model(str(tiny_gguf), cache_dir=str(tmp_path / "c")).max_model_len
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": "t", "turns": ["abc", "x" * 40]}) + "\n"
+                   + json.dumps({"id": "long", "prompt": "x " * 60}) + "\n"
+                   + json.dumps({"id": "huge", "prompt": "x " * (context + 10)}) + "\n")
+    out = tmp_path / "out.jsonl"
+    common = ["run", str(src), "-o", str(out), "--model", str(tiny_gguf), "--cache-dir",
+              str(tmp_path / "c"), "--method", "none", "--max-tokens", "8", "--ignore-eos",
+              "--no-progress", "--on-error", "skip"]
+    r = CliRunner().invoke(main, [*common, "--max-model-len", "40"])
+    assert r.exit_code == 0, r.output
+    assert "id='long': prompt is" in r.stderr
+    said = [line for line in r.stderr.splitlines() if "id='long'" in line or "id='huge'" in line]
+    assert len(said) == 2 and all(
+        line.endswith("the context limit is 40 (--max-model-len)") for line in said), said
+    row, = map(json.loads, out.read_text().splitlines())
+    assert row["error"].endswith("the context limit is 40 (--max-model-len)"), row["error"]
+    r = CliRunner().invoke(main, [*common[:-2], "-o", str(tmp_path / "o2.jsonl"), "--force"])
+    assert r.exit_code == 2, r.output
+    assert "id='huge': prompt is" in r.stderr
+    assert f"the model's context is {context}" in r.stderr and "limit" not in r.stderr
+    llm = LLM(model=str(tiny_gguf), method="none", cache_dir=str(tmp_path / "c"),
+              max_model_len=40)
+    with pytest.raises(ValueError, match=r"the context limit is 40 \(max_model_len\)"):
+        llm.generate("x " * 60)
+
+
+def test_an_interrupted_stdin_run_says_the_same_input_must_be_piped_again(tmp_path, capsys):
+    """Ctrl-C during a ``run -`` job: the resume hint asks for the same standard input (a pipe
+    cannot be read again; the saved sha256 refuses other input)."""
+    import signal
+    from types import SimpleNamespace
+
+    from specbatch.commands import run
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    writer = SimpleNamespace(absorb_shards=lambda: None, close=lambda: None,
+                             done_indices=lambda: {0}, work_path=tmp_path / "o.jsonl.work.jsonl")
+    for from_stdin, hint in ((True, "Rerun the same command with the same standard input to "
+                              "resume."), (False, "Rerun the same command to resume.")):
+        job = run._Job(num_records=2, writer=writer, from_stdin=from_stdin)
+        try:
+            assert run._interrupted(job) == run.EXIT_INTERRUPTED
+        finally:  # it ignores SIGINT / SIGTERM from then on (a second Ctrl-C): not in pytest
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+        err = capsys.readouterr().err
+        assert err.strip().splitlines()[-1] == hint, err
