@@ -682,7 +682,7 @@ def test_run_without_o_writes_the_input_stem_in_the_current_folder(tmp_path, mon
     assert "default: INPUT stem + .out.jsonl in the current folder" in help_text
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     usage = next(line for line in readme.splitlines() if line.startswith("specbatch run "))
-    assert usage.startswith("specbatch run INPUT [-o OUT.jsonl] "), usage
+    assert usage.startswith("specbatch run INPUT|- [-o OUT.jsonl] "), usage
 
 
 def test_skipped_lines_without_id_are_named_by_their_line_alike(tmp_path, tiny_gguf):
