@@ -113,23 +113,10 @@ def instruction_text(record) -> str:
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
-    """Spearman rank correlation (average ranks for ties)."""
-    def ranks(v):
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for t in range(i, j + 1):
-                r[order[t]] = (i + j) / 2
-            i = j + 1
-        return r
-    rx, ry = ranks(xs), ranks(ys)
-    n = len(xs)
-    mx, my = sum(rx) / n, sum(ry) / n
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    vx = math.sqrt(sum((a - mx) ** 2 for a in rx))
-    vy = math.sqrt(sum((b - my) ** 2 for b in ry))
-    return cov / (vx * vy) if vx and vy else 0.0
+    """Spearman rank correlation (average ranks for ties; ``scipy.stats.spearmanr``); 0.0 where
+    either side is constant (no ranking to compare)."""
+    from scipy.stats import spearmanr
+
+    if len(set(xs)) < 2 or len(set(ys)) < 2:
+        return 0.0
+    return float(spearmanr(xs, ys).statistic)

@@ -247,6 +247,9 @@ def test_spearman():
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert spearman([1, 2, 2, 3], [1, 2, 2, 3]) == pytest.approx(1.0)
+    # ties take their average rank: x ranks 0, 1.5, 1.5, 3 against 0, 2, 1, 3
+    assert spearman([1, 2, 2, 3], [1, 3, 2, 4]) == pytest.approx(4.5 / 22.5 ** 0.5)
+    assert spearman([1, 1, 1], [1, 2, 3]) == 0.0  # no ranking on one side
 
 
 @pytest.mark.parametrize("cost", [MEMORY_BOUND, COMPUTE_BOUND, CostModel((0.01, 0.002, 0, 0))])
