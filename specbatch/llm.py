@@ -490,16 +490,28 @@ class LLM:
                              seed=seed, use_tqdm=use_tqdm)
 
 
-def _api_progress(records: list):
-    """``generate``'s progress bar (``progress.Progress``) when stderr is a terminal, else
-    None: the Python API writes no plain progress lines into a caller's logs."""
+def _in_notebook() -> bool:
+    """Whether this process is a Jupyter (IPython) kernel: its stderr is no terminal, yet the
+    notebook redraws a bar (carriage returns) in place, as it does vLLM's ``use_tqdm`` bar."""
     import sys
 
-    if not (sys.stderr is not None and sys.stderr.isatty()):
+    shell = sys.modules.get("IPython")
+    get = getattr(shell, "get_ipython", None)
+    return get is not None and type(get()).__name__ == "ZMQInteractiveShell"
+
+
+def _api_progress(records: list):
+    """``generate``'s progress bar (``progress.Progress``) when stderr is a terminal or a
+    Jupyter notebook's (``_in_notebook``), else None: the Python API writes no plain progress
+    lines into a caller's logs."""
+    import sys
+
+    notebook = _in_notebook()
+    if sys.stderr is None or not (sys.stderr.isatty() or notebook):
         return None
     from specbatch.progress import Progress
 
-    return Progress(len(records), max_tokens=max(
+    return Progress(len(records), tty=True, max_tokens=max(
         r.sampling.max_tokens * r.sampling.n * len(r.turns or [None]) for r in records))
 
 

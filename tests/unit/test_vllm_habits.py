@@ -117,6 +117,33 @@ def test_use_tqdm_turns_the_progress_bar_on_and_off(tiny, monkeypatch):  # noqa:
         llm.generate("abc", use_tqdm="yes")
 
 
+def test_use_tqdm_draws_the_bar_in_a_jupyter_notebook(tiny, monkeypatch):  # noqa: F811
+    """A Jupyter kernel's stderr is no terminal, but the notebook redraws the bar in place:
+    ``generate`` draws it there (vLLM's ``use_tqdm`` does); in a plain pipe it writes nothing."""
+    import io
+    import sys
+    import types
+
+    from specbatch import LLM
+
+    class ZMQInteractiveShell:  # the kernel's shell class, by name
+        pass
+
+    model, cache = tiny
+    llm = LLM(model=str(model), method="ngram", cache_dir=str(cache))
+    drawn = {}
+    for notebook in (False, True):
+        fake = types.ModuleType("IPython")
+        fake.get_ipython = (lambda: ZMQInteractiveShell()) if notebook else (lambda: None)
+        monkeypatch.setitem(sys.modules, "IPython", fake)
+        err = io.StringIO()
+        monkeypatch.setattr("sys.stderr", err)
+        llm.generate(["abc abc", "hello"], SamplingParams(max_tokens=4))
+        drawn[notebook] = err.getvalue()
+    assert drawn[False] == ""
+    assert "2/2" in drawn[True] and "tok/s" in drawn[True], drawn[True]
+
+
 def test_run_reads_jsonl_from_standard_input(tmp_path, tiny_gguf):
     """``specbatch run - -o OUT``: the records of standard input, written as those of the same
     file; bad lines named ``<stdin>:N``; without -o, one line, exit 2. A rerun with the same
