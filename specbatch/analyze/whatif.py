@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 from specbatch import methods
 from specbatch.analyze.load import RunFile, answers, spec_stats
-from specbatch.analyze.tables import ALL, NO_GROUPS, group_label
+from specbatch.analyze.tables import ALL, NO_GROUPS, file_names, group_label
 from specbatch.io.records import Record
 from specbatch.spec_decode.replay import NgramReplay
 from specbatch.spec_decode.stats import SpecStats
@@ -205,21 +205,26 @@ def predicted_speedup(cost: CostModel, batch_size: int, stats: SpecStats, num_ou
 
 def what_if(files: list[RunFile], grouping: str, tokenizer_for: Callable[[str], Any],
             batch_size: int = 16, cost: CostModel | None = None, ks=KS,
-            lookups=LOOKUPS) -> dict:
+            lookups=LOOKUPS, pooled: bool = True) -> dict:
     """Replay every replayable record of ``files`` for the settings grid; per-group results.
 
     grouping: ``bucket``, ``proposer`` or an input field (as in ``tables``).
     tokenizer_for: model id (``OUT.config.json`` ``model``) -> that model's tokenizer.
+    pooled: the files are runs of one setting (``tables.differing_settings``); else each file
+    gets its own groups and total (``FILE: group``, ``FILE: (all)``), as the tables do: two
+    runs of the same prompts (say none and ngram) would otherwise count every record twice.
     Returns the ``what_if`` section of the analyze document (see docs/analyze.md).
     """
     from specbatch.prompts import PromptRenderer
 
     settings = settings_for(files, ks, lookups)
     groups: dict[str, _GroupAcc] = {}
-    total = _GroupAcc()
+    totals: dict[str, _GroupAcc] = {}  # one per file where not pooled, else one: ALL
     skipped, checks = [], []
     renderers: dict[str, PromptRenderer] = {}
-    for f in files:
+    for f, fname in zip(files, file_names(files)):
+        prefix = "" if pooled else f"{fname}: "
+        total = totals.setdefault(prefix + ALL, _GroupAcc())
         for rec in f.records:
             why = skip_reason(f, rec)
             if why is None:
@@ -245,7 +250,7 @@ def what_if(files: list[RunFile], grouping: str, tokenizer_for: Callable[[str], 
                                "equal": replayed == spec_stats(rec.fields).to_dict(),
                                "replayed": replayed})
             accs = (total,) if grouping == NO_GROUPS else (
-                groups.setdefault(group_label(rec, grouping), _GroupAcc()), total)
+                groups.setdefault(prefix + group_label(rec, grouping), _GroupAcc()), total)
             for acc in accs:
                 acc.num_records += 1
                 acc.num_answers += len(outputs)
@@ -256,8 +261,8 @@ def what_if(files: list[RunFile], grouping: str, tokenizer_for: Callable[[str], 
                     acc.stats.setdefault(s, SpecStats("ngram", s.k)).merge(stats[s])
     rows = [_group_result(name, groups[name], settings, batch_size, cost)
             for name in sorted(groups)]
-    if total.num_records:
-        rows.append(_group_result(ALL, total, settings, batch_size, cost))
+    rows += [_group_result(name, acc, settings, batch_size, cost)
+             for name, acc in totals.items() if acc.num_records]
     reasons: dict[str, int] = {}
     for s in skipped:
         reasons[s["reason"]] = reasons.get(s["reason"], 0) + 1
@@ -267,7 +272,7 @@ def what_if(files: list[RunFile], grouping: str, tokenizer_for: Callable[[str], 
         "has_cost_model": cost is not None,
         "settings": [{"name": s.name, "k": s.k, "prompt_lookup_min": s.prompt_lookup_min,
                       "prompt_lookup_max": s.prompt_lookup_max} for s in settings],
-        "num_replayed": total.num_records,
+        "num_replayed": sum(acc.num_records for acc in totals.values()),
         "num_skipped": len(skipped),
         "skipped_reasons": reasons,
         "skipped": skipped,

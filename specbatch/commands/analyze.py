@@ -57,7 +57,7 @@ def build_document(files: list[RunFile], opts: AnalyzeOptions, cost=None,
         from specbatch.analyze.whatif import what_if
 
         doc["what_if"] = what_if(files, primary, tokenizer_for or load_tokenizer,
-                                 opts.batch_size, cost)
+                                 opts.batch_size, cost, pooled=not differ)
     if opts.compare:
         from specbatch.analyze.compare import compare
 

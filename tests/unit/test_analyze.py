@@ -209,6 +209,27 @@ def test_files_of_different_settings_are_not_pooled(runs, tmp_path):
     assert doc["tables"] == whole["tables"]
 
 
+def test_what_if_of_files_of_different_settings_is_per_file(runs):
+    """``--what-if`` over an ngram run and a plain run of the same records: each file's groups
+    and total (``FILE: group``, ``FILE: (all)``) equal that file's what-if alone, and no
+    ``(all)`` row counts the records twice (it did: one total over both files)."""
+    _, doc = _doc([runs["ngram"], runs["none"]], by="category", what_if=True)
+    groups = doc["what_if"]["groups"]
+    assert all(g["group"] != "(all)" for g in groups)
+    replayed = 0
+    for name in ("ngram", "none"):
+        alone = _doc([runs[name]], by="category", what_if=True)[1]["what_if"]
+        replayed += alone["num_replayed"]
+        mine = [g for g in groups if g["group"].startswith(f"{name}.jsonl: ")]
+        assert [g["group"] for g in mine] == [f"{name}.jsonl: {g['group']}"
+                                               for g in alone["groups"]]
+        assert [{**g, "group": None} for g in mine] == [{**g, "group": None}
+                                                         for g in alone["groups"]]
+    both = [g for g in groups if g["group"].endswith(": (all)")]
+    assert doc["what_if"]["num_replayed"] == sum(g["num_records"] for g in both) == replayed
+    assert replayed > 36  # both files replayed records (33 each: 3 are sampled, T 0.8)
+
+
 def test_a_run_without_buckets_groups_by_category(runs):
     """A run without buckets (ngram) whose records have a ``category``: the primary grouping is
     the category (not one bucket named for its proposer), the what-if too; ``--by bucket``
