@@ -556,6 +556,17 @@ def context_limit_text(max_model_len: int, setting: str | None = None) -> str:
     return f"the context limit is {max_model_len} ({setting})"
 
 
+def prompt_too_long_text(num_prompt_tokens: int, max_model_len: int,
+                         setting: str | None = None) -> str:
+    """Why a prompt of ``num_prompt_tokens`` cannot run (it is at least ``max_model_len``):
+    ``prompt is 300 tokens; the model's context is 128``, with ``, leaving no room for output``
+    where it fills the context exactly (``prompt is 125 tokens; the context limit is 125`` read
+    as a contradiction). setting: as ``context_limit_text``."""
+    room = ", leaving no room for output" if num_prompt_tokens == max_model_len else ""
+    return (f"prompt is {num_prompt_tokens} tokens{room}; "
+            + context_limit_text(max_model_len, setting))
+
+
 class ConfigError(ValueError):
     """A bad value of a ``SamplingParams``, ``SpecConfig`` or ``EngineConfig`` field, raised as
     the object is built: ``name=value: expected ...``. ``name``: the field; ``expected``: what it
@@ -594,7 +605,8 @@ def _as_written(value, limit: int = 200) -> str:
 
 
 __all__ = ["ConfigError", "SamplingParams", "SpecConfig", "EngineConfig", "resolve_device", "resolve_dtype", "auto_dtype", "SAMPLING_FIELDS", "DTYPES",
-           "MIN_INT", "MAX_INT", "UNSUPPORTED_SAMPLING_FIELDS", "context_limit_text"]
+           "MIN_INT", "MAX_INT", "UNSUPPORTED_SAMPLING_FIELDS", "context_limit_text",
+           "prompt_too_long_text"]
 
 
 def __getattr__(name: str):

@@ -216,6 +216,10 @@ class LLM:
         self.renderer = PromptRenderer(self.loaded.tokenizer)
         self.max_model_len = min(self.loaded.max_model_len,
                                  engine.max_model_len or self.loaded.max_model_len)
+        if (engine.max_model_len or 0) > self.loaded.max_model_len:
+            _log.warning("%s %d is above the model's context (%d tokens): using %d",
+                         limit_setting, engine.max_model_len, self.loaded.max_model_len,
+                         self.loaded.max_model_len)
         self.engine = None  # the last engine built (its memory is what ``memory_summary`` shows)
 
     # ---- identity ------------------------------------------------------------------------

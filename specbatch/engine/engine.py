@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specbatch.config import context_limit_text
+from specbatch.config import prompt_too_long_text
 from specbatch.engine import logits as logits_processing
 from specbatch.engine.runner import ModelRunner
 from specbatch.engine.scheduler import Scheduler
@@ -182,9 +182,9 @@ class Engine:
                                             if id(s) not in waiting and s.replay is None])
                     if seq.num_prompt_tokens >= self.runner.max_model_len:
                         seq.finish_reason = "error"
-                        seq.error = (f"prompt is {seq.num_prompt_tokens} tokens; "
-                                     + context_limit_text(self.runner.max_model_len,
-                                                          self.limit_setting))
+                        seq.error = prompt_too_long_text(seq.num_prompt_tokens,
+                                                         self.runner.max_model_len,
+                                                         self.limit_setting)
                         done.append(self._finish(seq))
             rows = self.scheduler.running_sequences()
             running = [s for s in rows if s.replay is None]

@@ -54,7 +54,7 @@ from pathlib import Path
 import orjson
 
 from specbatch.config import (SAMPLING_FIELDS, UNSUPPORTED_SAMPLING_FIELDS, SamplingParams,
-                              context_limit_text)
+                              context_limit_text, prompt_too_long_text)
 from specbatch.io.openai_batch import is_batch_request
 from specbatch.io.openai_batch import to_record as openai_batch_record
 
@@ -321,8 +321,7 @@ def check_lengths(records: Iterable[Record], count_tokens: Callable[[Record], in
         if reason is None:
             n = count_tokens(r)
             if n >= max_model_len:
-                reason = (f"prompt is {n} tokens; "
-                          f"{context_limit_text(max_model_len, limit_setting)}")
+                reason = prompt_too_long_text(n, max_model_len, limit_setting)
         if reason is not None:
             errors.append(RecordError(str(path), r.line, r.id, reason, r.unit))
     return errors

@@ -840,7 +840,7 @@ def test_over_long_prompts_are_refused_by_bytes_before_tokenising(tmp_path):
             "more than 4 bytes); the model's context is 100"),
         (3, "turn 2 is 50000 bytes, so at least 12500 tokens (no token of this model covers "
             "more than 4 bytes); the model's context is 100"),
-        (5, "prompt is 100 tokens; the model's context is 100"),
+        (5, "prompt is 100 tokens, leaving no room for output; the model's context is 100"),
         (7, "prompt is 397 bytes, so at least 100 tokens (no token of this model covers more "
             "than 4 bytes); the model's context is 100")]
     assert tok.encoded == ["x " * 99, "x " * 100, "xyzw" * 99]

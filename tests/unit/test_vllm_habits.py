@@ -6,6 +6,7 @@ mean nothing here, ``use_tqdm``, ``-`` for standard input, and the errors they m
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -237,6 +238,34 @@ def test_context_errors_name_the_limit_the_user_set(tmp_path, tiny_gguf):
               max_model_len=40)
     with pytest.raises(ValueError, match=r"the context limit is 40 \(max_model_len\)"):
         llm.generate("x " * 60)
+
+
+def test_max_model_len_above_the_context_says_so_and_a_full_prompt_says_why(tmp_path,
+                                                                           tiny_gguf):
+    """``--max-model-len`` above the model's context runs at the context, saying so in one
+    line (it was silent, vLLM refuses); a prompt that fills the context exactly says it leaves
+    no room for output (it read "prompt is 40 tokens; the context limit is 40")."""
+    from specbatch.models.loader import load_model
+
+    context = load_model(str(tiny_gguf), cache_dir=str(tmp_path / "c")).max_model_len
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": 1, "prompt": "abc abc"}) + "\n")
+    out = tmp_path / "out.jsonl"
+    common = ["run", str(src), "--model", str(tiny_gguf), "--cache-dir", str(tmp_path / "c"),
+              "--method", "none", "--max-tokens", "4", "--no-progress"]
+    r = CliRunner().invoke(main, [*common, "-o", str(out), "--max-model-len",
+                                  str(context + 1000)])
+    assert r.exit_code == 0, r.output
+    said = [line for line in r.stderr.splitlines() if "above the model's context" in line]
+    assert said == [f"warning: --max-model-len {context + 1000} is above the model's context "
+                    f"({context} tokens): using {context}"], r.stderr
+    assert json.loads(Path(f"{out}.config.json").read_text())["max_model_len"] == context
+    from specbatch.config import prompt_too_long_text
+
+    assert prompt_too_long_text(40, 40, "--max-model-len") == (
+        "prompt is 40 tokens, leaving no room for output; the context limit is 40 "
+        "(--max-model-len)")
+    assert prompt_too_long_text(41, 40) == "prompt is 41 tokens; the model's context is 40"
 
 
 def test_an_interrupted_stdin_run_says_the_same_input_must_be_piped_again(tmp_path, capsys):
