@@ -105,8 +105,11 @@ def stop_strings(stop: tuple[str, ...]) -> tuple[str, ...]:
 
 def as_flags(message: str) -> str:
     """``prompt_lookup_max=2: expected an integer >= prompt_lookup_min`` (a config field error)
-    -> ``--prompt-lookup-max=2: expected an integer >= --prompt-lookup-min``."""
-    return re.sub(r"\b[a-z_]+\b", lambda m: FLAG_OF.get(m.group(0), m.group(0)), message)
+    -> ``--prompt-lookup-max=2: expected an integer >= --prompt-lookup-min``; a repeatable
+    flag's values as typed: ``stop_token_ids=(-1,)`` -> ``--stop-token-id -1``."""
+    message = re.sub(r"\b[a-z_]+\b", lambda m: FLAG_OF.get(m.group(0), m.group(0)), message)
+    return re.sub(r"(--stop-token-id)=\((.*?),?\)", lambda m: f"{m.group(1)} {m.group(2)}",
+                  message)
 
 
 def more_sampling(extra: dict) -> dict:

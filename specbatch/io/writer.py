@@ -72,6 +72,10 @@ def check_output_path(out_path: str | os.PathLike,
     would; the folders this check created are removed again (the run creates them when it
     starts). Cheap, so callers check before loading a model."""
     path = Path(out_path)
+    if str(out_path) == "-":
+        raise ValueError("-o -: writing the output to standard output is not supported (the "
+                         "output is written as records finish and renamed at the end, so a "
+                         "killed job resumes); name a file, e.g. -o out.jsonl")
     if input_path is not None and Path(input_path).resolve() == path.resolve():
         raise ValueError(f"output {str(out_path)!r} is the input file; choose another -o")
     if path.suffix.lower() not in OUTPUT_FORMATS:
@@ -241,6 +245,8 @@ def _differs(config_path: Path, saved: dict, config: dict, keys: list[str]) -> s
         if set(keys) <= {"dtype", "dtype_auto"}:
             return why + f"{said}: resume with --dtype {was}"
         return why + f"rerun with the same options ({said}: --dtype {was})"
+    if "input_sha256" in keys and config.get("input") == "-":
+        return why + "pipe the same input again (and the same options)"
     return why + "rerun with the same options"
 
 

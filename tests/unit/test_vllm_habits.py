@@ -179,10 +179,22 @@ def test_run_reads_jsonl_from_standard_input(tmp_path, tiny_gguf):
     r = CliRunner().invoke(main, ["run", "-", "-o", str(from_stdin), *common],
                            input=text.replace("x y z", "other"))
     assert r.exit_code == 2 and "differs in: input_sha256" in r.output, r.output
+    assert "pipe the same input again" in r.output, r.output
+    r = CliRunner().invoke(main, ["run", "-", "-o", "-", *common], input=text)
+    assert r.exit_code == 2 and "-o -: writing the output to standard output is not " \
+        "supported" in r.output, r.output
     r = CliRunner().invoke(main, ["run", "-", "-o", str(from_stdin), *common], input=text)
     assert r.exit_code == 0, r.output
     assert "resuming: 1 of 2 records already done" in r.output, r.output
     assert from_stdin.read_text() == from_file.read_text()
+
+
+def test_a_negative_stop_token_id_is_named_as_typed():
+    """``--stop-token-id -1`` names the flag and the value as typed, not a Python tuple
+    (``--stop-token-id=(-1,)``)."""
+    r = CliRunner().invoke(main, ["run", "x.jsonl", "--stop-token-id", "-1"])
+    assert r.exit_code == 2, r.output
+    assert "error: --stop-token-id -1: expected a list of token ids >= 0" in r.output, r.output
 
 
 @pytest.mark.parametrize("command", ["run", "bench"])
