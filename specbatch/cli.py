@@ -392,8 +392,9 @@ def bench(**options):
 @click.option("--calibration", type=click.Path(dir_okay=False), default=None,
               help="Cost model (`specbatch calibrate -o`) with which --what-if predicts each "
               "setting's speedup; default: the one cached for the run's model and dtype.")
-@click.option("--batch-size", type=click.IntRange(1), default=16, show_default=True,
-              help="Rows per step assumed by the predicted speedup.")
+@click.option("--batch-size", type=click.IntRange(1), default=None,
+              help="Rows per step assumed by the predicted speedup; default: the run's "
+              "--max-batch-size (OUT.config.json), else 16.")
 @click.option("--compare", is_flag=True, help="Compare two files of the same records.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False), default=None,

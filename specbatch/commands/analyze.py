@@ -27,7 +27,7 @@ class AnalyzeOptions:
     by: str | None = None
     what_if: bool = False
     calibration: str | None = None
-    batch_size: int = 16
+    batch_size: int | None = None  # None: the run's --max-batch-size (OUT.config.json), or 16
     compare: bool = False
     as_json: bool = False
     plot_dir: str | None = None
@@ -57,7 +57,8 @@ def build_document(files: list[RunFile], opts: AnalyzeOptions, cost=None,
         from specbatch.analyze.whatif import what_if
 
         doc["what_if"] = what_if(files, primary, tokenizer_for or load_tokenizer,
-                                 opts.batch_size, cost, pooled=not differ)
+                                 opts.batch_size or _run_batch_size(files), cost,
+                                 pooled=not differ)
     if opts.compare:
         from specbatch.analyze.compare import compare
 
@@ -338,6 +339,17 @@ def _compare_text(cmp: dict) -> list[str]:
     if n > MAX_DIFFS_SHOWN:
         lines.append(f"  ... and {n - MAX_DIFFS_SHOWN} more (see --json)")
     return lines
+
+
+def _run_batch_size(files, default: int = 16) -> int:
+    """The rows per step ``--what-if`` predicts at without ``--batch-size``: the first run's
+    ``max_batch_size`` in its OUT.config.json (written since it was recorded), else
+    ``default``."""
+    for f in files:
+        b = (f.config or {}).get("max_batch_size")
+        if isinstance(b, int) and not isinstance(b, bool) and b >= 1:
+            return b
+    return default
 
 
 def command(paths, by, what_if, calibration, batch_size, compare, as_json, plot_dir) -> int:

@@ -223,6 +223,10 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         "split": opts.split,
         "limit": opts.limit,
         "recipe": opts.recipe,
+        # the rows per step asked for: outputs do not depend on it, but suffix's and auto's
+        # spec stats do (a resume at another batch would not be byte-identical), and
+        # ``analyze --what-if`` predicts at it
+        "max_batch_size": opts.engine.max_batch_size,
     }
     if not opts.plan_only:
         from specbatch.io.writer import OutLock, check_resume

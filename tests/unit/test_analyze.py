@@ -230,6 +230,20 @@ def test_what_if_of_files_of_different_settings_is_per_file(runs):
     assert replayed > 36  # both files replayed records (33 each: 3 are sampled, T 0.8)
 
 
+def test_what_if_predicts_at_the_runs_batch_size(runs, tmp_path):
+    """Without ``--batch-size`` the what-if predicts at the run's ``--max-batch-size`` (its
+    OUT.config.json), 16 for a file written before it was recorded; ``--batch-size`` wins. The
+    verdict can turn on it (a fresh user's batch-4 ngram run read "best: none" at 16)."""
+    config = json.loads(config_path(runs["ngram"]).read_text())
+    assert "max_batch_size" not in config
+    assert _doc([runs["ngram"]], what_if=True)[1]["what_if"]["batch_size"] == 16
+    path = tmp_path / "b4.jsonl"
+    path.write_text(runs["ngram"].read_text())
+    config_path(path).write_text(json.dumps({**config, "max_batch_size": 4}))
+    assert _doc([path], what_if=True)[1]["what_if"]["batch_size"] == 4
+    assert _doc([path], what_if=True, batch_size=16)[1]["what_if"]["batch_size"] == 16
+
+
 def test_a_run_without_buckets_groups_by_category(runs):
     """A run without buckets (ngram) whose records have a ``category``: the primary grouping is
     the category (not one bucket named for its proposer), the what-if too; ``--by bucket``

@@ -189,6 +189,30 @@ def test_run_reads_jsonl_from_standard_input(tmp_path, tiny_gguf):
     assert from_stdin.read_text() == from_file.read_text()
 
 
+def test_a_resume_at_another_batch_size_is_refused(tmp_path, tiny_gguf):
+    """OUT.config.json records ``max_batch_size``: a resume at another ``--max-batch-size``
+    is refused naming it (suffix's and auto's spec stats depend on the batch, so the file
+    would not be an uninterrupted run's); at the same one it resumes (an ngram run, whose work
+    file a finished record stands in for: its stats do not depend on the schedule)."""
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": 1, "prompt": "abc abc"}\n{"id": 2, "prompt": "x y z x y"}\n')
+    out = tmp_path / "out.jsonl"
+    common = ["run", str(src), "-o", str(out), "--model", str(tiny_gguf), "--cache-dir",
+              str(tmp_path / "c"), "--method", "ngram", "--max-tokens", "4", "--no-progress"]
+    r = CliRunner().invoke(main, [*common, "--max-batch-size", "2"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(Path(f"{out}.config.json").read_text())["max_batch_size"] == 2
+    first = json.loads(out.read_text().splitlines()[0])
+    whole = out.read_text()
+    out.unlink()
+    Path(f"{out}.work.jsonl").write_text(json.dumps({"index": 0, "record": first}) + "\n")
+    r = CliRunner().invoke(main, [*common, "--max-batch-size", "1"])
+    assert r.exit_code == 2 and "differs in: max_batch_size" in r.output, r.output
+    r = CliRunner().invoke(main, [*common, "--max-batch-size", "2"])
+    assert r.exit_code == 0 and "resuming: 1 of 2 records already done" in r.output, r.output
+    assert out.read_text() == whole
+
+
 def test_a_negative_stop_token_id_is_named_as_typed():
     """``--stop-token-id -1`` names the flag and the value as typed, not a Python tuple
     (``--stop-token-id=(-1,)``)."""
