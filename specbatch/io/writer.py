@@ -221,7 +221,7 @@ def check_resume(out_path: str | os.PathLike, config: dict) -> None:
         saved = orjson.loads(config_path.read_bytes())
     except (OSError, orjson.JSONDecodeError):
         return
-    config = orjson.loads(orjson.dumps(config, option=JSON_OPTIONS))
+    config = _as_saved(orjson.loads(orjson.dumps(config, option=JSON_OPTIONS)), saved)
     keys = _diff({k: saved.get(k) for k in config}, config)
     if keys:
         raise ValueError(_refusal(work_path, _differs(config_path, saved, config, keys)))
@@ -310,9 +310,10 @@ class OutputWriter:
             if saved is None and not resume:
                 self._refuse_or_discard(force, f"{self.config_path} is missing or unreadable; "
                                         "--resume to continue anyway")
-            elif saved is not None and saved != self.config:
-                self._refuse_or_discard(force, _differs(self.config_path, saved, self.config,
-                                                        _diff(saved, self.config)))
+            elif saved is not None and saved != _as_saved(self.config, saved):
+                config = _as_saved(self.config, saved)
+                self._refuse_or_discard(force, _differs(self.config_path, saved, config,
+                                                        _diff(saved, config)))
         elif self.out_path.exists() and not force:
             raise ValueError(f"{self.out_path} exists from a finished run; --force to overwrite")
         self.resumed = self.work_path.exists()  # an interrupted job continues
@@ -576,6 +577,16 @@ def _check_item(item, num_records: int) -> tuple[int, dict]:
     if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < num_records:
         raise ValueError(f"index {index!r} is not in [0, {num_records}): did the input change?")
     return index, item["record"]
+
+
+# config keys recorded since a release: a work file whose saved config lacks one was written
+# before it and resumes whatever this run's value (the job was not started with another)
+ADDED_LATER = ("max_batch_size",)
+
+
+def _as_saved(config: dict, saved: dict) -> dict:
+    """``config`` without the ``ADDED_LATER`` keys that ``saved`` lacks."""
+    return {k: v for k, v in config.items() if k in saved or k not in ADDED_LATER}
 
 
 def _diff(a: dict, b: dict, prefix: str = "") -> list[str]:

@@ -192,8 +192,9 @@ def test_run_reads_jsonl_from_standard_input(tmp_path, tiny_gguf):
 def test_a_resume_at_another_batch_size_is_refused(tmp_path, tiny_gguf):
     """OUT.config.json records ``max_batch_size``: a resume at another ``--max-batch-size``
     is refused naming it (suffix's and auto's spec stats depend on the batch, so the file
-    would not be an uninterrupted run's); at the same one it resumes (an ngram run, whose work
-    file a finished record stands in for: its stats do not depend on the schedule)."""
+    would not be an uninterrupted run's); at the same one it resumes, and so does a work file
+    whose config predates the field, at any batch (an ngram run, whose work file a finished
+    record stands in for: its stats do not depend on the schedule)."""
     src = tmp_path / "in.jsonl"
     src.write_text('{"id": 1, "prompt": "abc abc"}\n{"id": 2, "prompt": "x y z x y"}\n')
     out = tmp_path / "out.jsonl"
@@ -209,6 +210,15 @@ def test_a_resume_at_another_batch_size_is_refused(tmp_path, tiny_gguf):
     r = CliRunner().invoke(main, [*common, "--max-batch-size", "1"])
     assert r.exit_code == 2 and "differs in: max_batch_size" in r.output, r.output
     r = CliRunner().invoke(main, [*common, "--max-batch-size", "2"])
+    assert r.exit_code == 0 and "resuming: 1 of 2 records already done" in r.output, r.output
+    assert out.read_text() == whole
+    # a work file from before max_batch_size was recorded resumes at any batch
+    config = json.loads(Path(f"{out}.config.json").read_text())
+    del config["max_batch_size"]
+    Path(f"{out}.config.json").write_text(json.dumps(config))
+    out.unlink()
+    Path(f"{out}.work.jsonl").write_text(json.dumps({"index": 0, "record": first}) + "\n")
+    r = CliRunner().invoke(main, [*common, "--max-batch-size", "1"])
     assert r.exit_code == 0 and "resuming: 1 of 2 records already done" in r.output, r.output
     assert out.read_text() == whole
 
