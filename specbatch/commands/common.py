@@ -87,13 +87,14 @@ def token_id_flag_error(sampling: SamplingParams, vocab_size: int) -> str | None
     """The one-line error for ``--stop-token-id`` ids (or a recipe's ``logit_bias`` ids) of
     the job's defaults outside the model's vocabulary (``vocab_size`` ids), else None: said
     once, as soon as the model is loaded, not once per record that inherits them."""
-    for flag, ids in (("--stop-token-id", sampling.stop_token_ids),
-                      ("logit_bias", [t for t, _ in sampling.logit_bias])):
-        bad = [t for t in ids if t >= vocab_size]
-        if bad:
-            return (f"{flag} {', '.join(map(str, bad))}: not a token id of this model (its "
-                    f"vocabulary has ids 0..{vocab_size - 1})")
-    return None
+    from specbatch.io.records import out_of_vocabulary
+
+    found = out_of_vocabulary(sampling, vocab_size)
+    if found is None:
+        return None
+    name, bad = found
+    return (f"{FLAG_OF.get(name, name)} {', '.join(map(str, bad))}: not a token id of this "
+            f"model (its vocabulary has ids 0..{vocab_size - 1})")
 
 
 def stop_strings(stop: tuple[str, ...]) -> tuple[str, ...]:

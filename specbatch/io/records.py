@@ -372,21 +372,28 @@ def _prompt_texts(record: Record, tokenizer) -> Iterator[tuple[str, str]]:
         yield f"turn {i}", turn
 
 
+def out_of_vocabulary(sampling: SamplingParams, vocab_size: int) -> tuple[str, list[int]] | None:
+    """The first of ``stop_token_ids`` / ``logit_bias`` that names ids outside the model's
+    vocabulary (``vocab_size`` token ids, 0 .. vocab_size - 1), with those ids; else None."""
+    for name, ids in (("stop_token_ids", sampling.stop_token_ids),
+                      ("logit_bias", [t for t, _ in sampling.logit_bias])):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            return name, bad
+    return None
+
+
 def check_token_ids(records: Iterable[Record], vocab_size: int,
                     path: str | os.PathLike) -> list[RecordError]:
     """Errors for records whose ``stop_token_ids`` or ``logit_bias`` name an id outside the
-    model's vocabulary (``vocab_size`` token ids, 0 .. vocab_size - 1)."""
+    model's vocabulary (``out_of_vocabulary``)."""
     errors = []
     for r in records:
-        for name, ids in (("stop_token_ids", r.sampling.stop_token_ids),
-                          ("logit_bias", [t for t, _ in r.sampling.logit_bias])):
-            bad = [t for t in ids if t >= vocab_size]
-            if bad:
-                errors.append(RecordError(str(path), r.line, r.id,
-                                          f"{name} {bad} are not token ids of this model "
-                                          f"(its vocabulary has ids 0..{vocab_size - 1})",
-                                          r.unit))
-                break
+        if (found := out_of_vocabulary(r.sampling, vocab_size)):
+            name, bad = found
+            errors.append(RecordError(str(path), r.line, r.id,
+                                      f"{name} {bad} are not token ids of this model "
+                                      f"(its vocabulary has ids 0..{vocab_size - 1})", r.unit))
     return errors
 
 
