@@ -25,6 +25,7 @@ cap), ``DraftModelCandidate`` and ``SuffixCandidate``.
 from __future__ import annotations
 
 import time
+from bisect import bisect_right
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -54,6 +55,7 @@ SUFFIX_MATCH_BINS = 8  # matched tokens behind a suffix draft position: 1 .. 8 (
 # estimate is calibrated by the acceptance pooled over all rows per bin (``LookupCandidate``)
 LOOKUP_CALIBRATION_BIN = 0.1
 LOOKUP_CALIBRATION_PRIOR = 2.0  # pseudo-trials at the estimate itself, per bin
+_LAST_CALIBRATION_BIN = round(1 / LOOKUP_CALIBRATION_BIN) - 1
 # a suffix lookup's CPU seconds per row where none was measured (a fit written before
 # ``CostModel.lookup_seconds``): ~what ``measure_suffix_lookup`` gives on an AVX-512 EPYC
 DEFAULT_LOOKUP_SECONDS = 30e-6
@@ -268,11 +270,16 @@ def measure_suffix_lookup(rows: int = 16, cap: int = 15, repeats: int = 7) -> fl
     return sorted(times)[len(times) // 2]
 
 
-def _logit_shift(p: float, p_group: float, p_all: float) -> float:
-    """``p`` moved in logit space by ``logit(p_group) - logit(p_all)``: the odds of a row's
-    estimate scaled by how much likelier its group accepts than everyone."""
-    odds = p / max(1.0 - p, 1e-9) * (p_group / max(1.0 - p_group, 1e-9)) \
-        / (p_all / max(1.0 - p_all, 1e-9))
+def _odds(p: float) -> float:
+    """p / (1 - p), the denominator at least 1e-9."""
+    return p / max(1.0 - p, 1e-9)
+
+
+def _shifted(p: float, group: float, everyone: float) -> float:
+    """``p`` moved in logit space by ``log(group) - log(everyone)`` (two odds, ``_odds``):
+    the odds of a row's estimate scaled by how much likelier its group accepts than
+    everyone."""
+    odds = _odds(p) * group / everyone
     return odds / (1.0 + odds)
 
 
@@ -350,6 +357,7 @@ class LookupCandidate(ForwardingCandidate):
         self._verified: dict[int, int] = {}  # seq id -> lookup tokens verified this step
         self._match: dict[int, int] = {}  # seq id -> this step's match length
         self._proposed: dict[int, list[int]] = {}  # seq id -> this step's full proposal
+        self._odds: dict[tuple[int, int], tuple[float, float]] = {}  # ``_pooled_odds``
         self.probed: set[int] = set()  # seq ids
         self.probe_results: dict = {}
 
@@ -380,15 +388,28 @@ class LookupCandidate(ForwardingCandidate):
         if est is not None and len(est) >= n:
             return est[:n]
         acc = self._row(seq)
-        pool_n = self.by_match_len.get(self._match.get(seq.seq_id, 0))
+        m = self._match.get(seq.seq_id, 0)
         est = []
-        for j in range(max(n, len(self._proposed.get(seq.seq_id, ())))):
-            p = acc.p(j)
-            if pool_n is not None:
-                p = _logit_shift(p, pool_n.p(j), self.lookup_pool.p(j))
-            est.append(p)
+        if m in self.by_match_len:
+            for j in range(max(n, len(self._proposed.get(seq.seq_id, ())))):
+                p = acc.p(j)
+                group, everyone = self._pooled_odds(m, j)
+                est.append(_shifted(p, group, everyone))
+        else:
+            est = [acc.p(j) for j in range(max(n, len(self._proposed.get(seq.seq_id, ()))))]
         self._estimates[seq.seq_id] = est
         return est[:n]
+
+    def _pooled_odds(self, m: int, j: int) -> tuple[float, float]:
+        """The odds of acceptance at draft position j of drafts from m-grams and of all lookup
+        drafts (``by_match_len``, ``lookup_pool``), computed once until a pool learns (the
+        same for every row of a step)."""
+        key = (m, j)
+        odds = self._odds.get(key)
+        if odds is None:
+            odds = self._odds[key] = (_odds(self.by_match_len[m].p(j)),
+                                      _odds(self.lookup_pool.p(j)))
+        return odds
 
     def reach(self, seqs, lengths: list[int]) -> list[list[float]]:
         out = []
@@ -444,6 +465,7 @@ class LookupCandidate(ForwardingCandidate):
             self.by_match_len.setdefault(n, RowAcceptance([(1.0, 1.0)])).observe(
                 seen, emitted, POOL_DECAY)
             self.lookup_pool.observe(seen, emitted, POOL_DECAY)
+            self._odds.clear()
         if (self.probe is not None and seq.seq_id not in self.probed
                 and seq.num_output_tokens >= self.probe.tokens):
             self._run_probe(seq)
@@ -457,6 +479,7 @@ class LookupCandidate(ForwardingCandidate):
                                 for (j, b), (t, h) in sorted(self.calibration.items())]}
 
     def set_global_state(self, state: dict) -> None:
+        self._odds.clear()
         self.lookup_pool = pool_from(state["pool"])
         self.by_match_len = {int(n): pool_from(a) for n, a in state["by_match_len"]}
         self.calibration = {(int(j), int(b)): [float(t), float(h)]
@@ -597,12 +620,13 @@ def _calibration_cell(j: int, p: float) -> tuple[int, int]:
     the first position, 1 after it; p's bin). The first position is scored on every row, the
     later ones on rows that verified lookup drafts only, which the policy took where their
     estimate was high: a cell of their own keeps that selection out of the first's."""
-    return min(j, 1), min(int(p / LOOKUP_CALIBRATION_BIN), round(1 / LOOKUP_CALIBRATION_BIN) - 1)
+    return min(j, 1), min(int(p / LOOKUP_CALIBRATION_BIN), _LAST_CALIBRATION_BIN)
 
 
 def _bucket(freq: float) -> int:
-    """Index of the ``SUFFIX_BUCKETS`` interval holding a conditional frequency."""
-    return sum(1 for edge in SUFFIX_BUCKETS if freq >= edge)
+    """Index of the ``SUFFIX_BUCKETS`` interval holding a conditional frequency (how many
+    edges are at most ``freq``)."""
+    return bisect_right(SUFFIX_BUCKETS, freq)
 
 
 def _suffix_cell(matched: int, freq: float) -> tuple[int, int]:

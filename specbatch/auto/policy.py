@@ -214,11 +214,16 @@ class AdaptivePolicy:
         mean context (default: ``_context(seqs)``); sums: ``_prefix_sums(reach)`` when known."""
         if sums is None:
             sums = _prefix_sums(self.lookup.reach(seqs, cuts) if reach is None else reach)
-        if ctx is None:
-            ctx = _context(seqs)
-        tokens = len(seqs) + sum(c_i[c] for c_i, c in zip(sums, cuts) if c)
+        return self._rate_of(len(seqs), cuts, sums, _context(seqs) if ctx is None else ctx)
+
+    def _rate_of(self, rows: int, cuts: list[int], sums: list[list[float]],
+                 ctx: float) -> float:
+        """``_rate`` of a step of ``rows`` rows given the cuts and prefix sums of the rows that
+        may draft (any subset holding every row with a cut, in row order: a row cut to 0 adds
+        nothing)."""
+        tokens = rows + sum(c_i[c] for c_i, c in zip(sums, cuts) if c)
         q = 1 + max(cuts, default=0)
-        return tokens / self._seconds(len(seqs), q, ctx, len(seqs) + sum(cuts))
+        return tokens / self._seconds(rows, q, ctx, rows + sum(cuts))
 
     def _seconds(self, rows: int, q: int, ctx: float, tokens: int) -> float:
         """``cost.step_time(rows, q, ctx, num_tokens=tokens)``, remembered until the next
@@ -229,23 +234,22 @@ class AdaptivePolicy:
             seconds = self._memo[key] = self.cost.step_time(rows, q, ctx, num_tokens=tokens)
         return seconds
 
-    def _cuts(self, seqs, lengths: list[int], k: int, reach: list[list[float]],
-              ctx: float | None = None, sums: list[list[float]] | None = None) -> list[int]:
-        """Per-row draft lengths under a step cap ``k``: row i keeps draft position j only if
-        the chance that positions 0..j are all accepted (the expected extra tokens it brings)
-        is worth the packed token it costs at the step's rate (Dinkelbach-style fixed point,
-        3 rounds from "keep everything"). sums: ``_prefix_sums(reach)`` when known."""
+    def _cuts(self, rows: int, lengths: list[int], k: int, reach: list[list[float]],
+              keys: list[int], ctx: float, sums: list[list[float]]) -> list[int]:
+        """Draft lengths under a step cap ``k`` of the rows that may draft (``lengths``, their
+        proposals' lengths; ``keys``, their lengths in tokens; ``reach``, ``sums``: their
+        reach and its ``_prefix_sums``) in a step of ``rows`` rows: a row keeps draft position
+        j only if the chance that positions 0..j are all accepted (the expected extra tokens
+        it brings) is worth the packed token it costs at the step's rate (Dinkelbach-style
+        fixed point, 3 rounds from "keep everything")."""
         cuts = [min(k, n) for n in lengths]
         if not any(cuts):
             return cuts
-        if sums is None:
-            sums = _prefix_sums(reach)
-        keys = [len(s.token_ids) for s in seqs]
         for _ in range(3):
             # a packed token's price: the dense slope at the step's token count (plus scoring
             # the row's keys where attention is packed)
-            rate = self._rate(seqs, cuts, reach, ctx, sums)
-            slope, per_key = self.cost.token_cost(len(seqs) + sum(cuts)), self.cost.token_key_cost
+            rate = self._rate_of(rows, cuts, sums, ctx)
+            slope, per_key = self.cost.token_cost(rows + sum(cuts)), self.cost.token_key_cost
             new = [min(k, n, _run(r, rate * (slope + per_key * key_len)))
                    for key_len, r, n in zip(keys, reach, lengths)]
             if new == cuts:
@@ -364,15 +368,19 @@ class AdaptivePolicy:
         plain decoding's (tokens/s; ctx: the rows' mean context), and the base's reach per
         row (at least as long as its draft)."""
         longest = max(lengths, default=0)
+        rows = len(seqs)
         if longest == 0:
-            reach = [[] for _ in seqs]
-            plain = self._rate(seqs, [0] * len(seqs), reach, ctx)
-            return [0] * len(seqs), plain, plain, reach
-        reach = self.lookup.reach(seqs, [min(self.k_max, n) for n in lengths])
-        sums = _prefix_sums(reach)
-        options = {k: self._cuts(seqs, lengths, k, reach, ctx, sums)
+            plain = self._rate_of(rows, [], [], ctx)
+            return [0] * rows, plain, plain, [[] for _ in seqs]
+        # only the rows with a proposal can draft: the others' cuts stay 0 and add nothing
+        act = [i for i, n in enumerate(lengths) if n]
+        lens = [lengths[i] for i in act]
+        mine = self.lookup.reach([seqs[i] for i in act], [min(self.k_max, n) for n in lens])
+        sums = _prefix_sums(mine)
+        keys = [len(seqs[i].token_ids) for i in act]
+        options = {k: self._cuts(rows, lens, k, mine, keys, ctx, sums)
                    for k in range(0, min(self.k_max, longest) + 1)}
-        rates = {k: self._rate(seqs, cuts, reach, ctx, sums) for k, cuts in options.items()}
+        rates = {k: self._rate_of(rows, cuts, sums, ctx) for k, cuts in options.items()}
         best = max(rates, key=lambda k: (rates[k], -k))
         keep = min(self.current_k, longest)
         if rates[best] > rates[keep] * (1 + self.switch_margin):
@@ -380,7 +388,11 @@ class AdaptivePolicy:
             keep = best
         if rates[keep] <= rates[0] * (1 + self.draft_margin):
             keep = 0  # drafting this step is not predicted to pay by more than the margin
-        return options[keep], rates[keep], rates[0], reach
+        fed = [0] * rows
+        reach: list[list[float]] = [[] for _ in seqs]
+        for i, c, r in zip(act, options[keep], mine):
+            fed[i], reach[i] = c, r
+        return fed, rates[keep], rates[0], reach
 
     def _offer(self, cand: Candidate, step: _Step) -> None:
         """Offer ``cand`` the rows no earlier candidate took (``step.source`` still the
