@@ -47,6 +47,9 @@ class Method:
         output tokens; True where this method's own stats equal the n-gram replay at its own
         (k, min, max), so the replay checks them (ngram).
     whatif_note: why the method's own drafts cannot be replayed (shown as a note), or None.
+    prompt_lookup: whether (some of) the method's drafts come from prompt lookup, configured by
+        ``prompt_lookup_min`` / ``max`` (n-gram sizes): ``analyze`` names those sizes only
+        for such a run.
     resume: ``hook(proposer, finished_records)`` run before a resumed job continues, with the
         output lines written before (suffix: re-index them), or None.
     replay_schedule: whether the drafts depend on the schedule (which answers finished before
@@ -75,6 +78,7 @@ class Method:
     bench_keys: dict[str, str] = field(default_factory=lambda: dict(BENCH_KEYS))
     whatif_self_check: bool = False
     whatif_note: str | None = None
+    prompt_lookup: bool = False
     resume: Callable[[Any, Any], None] | None = None
     replay_schedule: bool = False
     memory: Callable[[Any], str | None] | None = None
@@ -232,12 +236,12 @@ _SUFFIX_NOTE = ("suffix drafts depend on the records that finished before (job o
 for _m in (
     Method("none", _none, drafts=False, draft_model="ignored"),
     Method("ngram", _ngram, drafts_by="prompt lookup drafts", whatif_self_check=True,
-           auto=True, candidate=_lookup_candidate),
+           prompt_lookup=True, auto=True, candidate=_lookup_candidate),
     Method("draft", _draft, draft_model="needs", memory=_draft_memory, auto=True,
            candidate=_draft_candidate),
     Method("auto", _auto, draft_model="optional", draft_cap_factor=SUFFIX_CAP_FACTOR,
            whatif_note=_SUFFIX_NOTE, resume=_auto_resume, replay_schedule=True,
-           memory=_auto_memory),
+           memory=_auto_memory, prompt_lookup=True),
     Method("suffix", _suffix, drafts_by="suffix lookup drafts", draft_cap_factor=SUFFIX_CAP_FACTOR,
            whatif_note=_SUFFIX_NOTE, resume=_reindex_finished, replay_schedule=True,
            auto=True, candidate=_suffix_candidate),

@@ -284,7 +284,7 @@ def memory_summary(engine: Engine) -> str:
 
     runner, proposer = engine.runner, engine.proposer
     line = (f"memory: target weights {_gib(runner.forward.weight_bytes)}, KV "
-            f"{_gib(runner.cache.nbytes)} ({runner.cache.num_rows} rows x "
+            f"{_gib(runner.cache.nbytes)} ({_plural(runner.cache.num_rows, 'row')} x "
             f"{runner.cache.capacity} positions)")
     entry = methods.get(proposer.name)  # a proposer's name is its method's
     part = entry.memory(proposer) if entry is not None and entry.memory is not None else None
@@ -295,6 +295,11 @@ def memory_summary(engine: Engine) -> str:
                  f"prompt tokens found in a cache row, not prefilled "
                  f"({runner.num_prefix_reused / runner.num_prompt_tokens:.0%})")
     return line
+
+
+def _plural(n: int, noun: str) -> str:
+    """``1 row``, ``2 rows``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _gib(num_bytes: int) -> str:

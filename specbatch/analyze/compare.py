@@ -49,6 +49,11 @@ def output_setting_differences(a: RunFile, b: RunFile) -> list[dict]:
     return out
 
 
+def common_ids(a: RunFile, b: RunFile) -> set[str]:
+    """The record ids (as strings) that both files hold: the records ``compare`` matches."""
+    return {str(r.id) for r in a.records} & {str(r.id) for r in b.records}
+
+
 def compare(a: RunFile, b: RunFile, grouping: str) -> dict:
     """The ``compare`` section of the analyze document (see docs/analyze.md)."""
     by_id_b = {str(r.id): r for r in b.records}

@@ -2,8 +2,10 @@
 
     acceptance_length.png         per group: share of drafting steps by acceptance length
     per_position_acceptance.png   per group: acceptance at each draft position (unconditional,
-                                  and conditional where at least MIN_CONDITIONAL_SUPPORT
-                                  drafting steps reached the position)
+                                  and the acceptance rate, accepted / drafts that reached the
+                                  position, where at least MIN_CONDITIONAL_SUPPORT drafts did;
+                                  for a file written before ``num_draft_tokens_per_pos``, the
+                                  conditional acceptance instead)
     predicted_vs_measured.png     per record: ``spec.predicted_acceptance_length`` against the
                                   measured mean acceptance length (only when predictions exist)
     what_if.png                   per group: predicted speedup (with a cost model) or replayed
@@ -47,6 +49,18 @@ def conditional_points(row: dict, min_support: int = MIN_CONDITIONAL_SUPPORT
     support = [row["num_drafts"]] + per_pos[:-1]
     return [(i + 1, y, n) for i, (y, n) in
             enumerate(zip(row["conditional_acceptance_per_pos"], support))
+            if y is not None and n >= min_support]
+
+
+def rate_points(row: dict, min_support: int = MIN_CONDITIONAL_SUPPORT
+                ) -> list[tuple[int, float, int]]:
+    """``(position i, acceptance rate, drafts that reached i)`` of an analyze row (accepted at
+    i / ``num_draft_tokens_per_pos[i]``), for the positions at least ``min_support`` drafts
+    reached; ``[]`` for a row without the drafted counts."""
+    drafted = row.get("num_draft_tokens_per_pos")
+    if drafted is None:
+        return []
+    return [(i + 1, y, n) for i, (y, n) in enumerate(zip(row["acceptance_rate_per_pos"], drafted))
             if y is not None and n >= min_support]
 
 
@@ -124,6 +138,10 @@ def _per_position(rows: list[dict], path: Path, grouping: str) -> Path:
 
     fig, (ax_u, ax_c) = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
     colors = line_colors(sum(r["group"] != ALL for r in rows))
+    # the rate where every row knows the drafts that reached each position (files written
+    # before num_draft_tokens_per_pos do not): one measure in one panel
+    rates = all(r.get("acceptance_rate_per_pos") is not None for r in rows if r["num_drafts"])
+    right = rate_points if rates else conditional_points
     for r in rows:
         if r["group"] == ALL:
             style = dict(color="black", linewidth=2.5)
@@ -133,13 +151,18 @@ def _per_position(rows: list[dict], path: Path, grouping: str) -> Path:
         if any(y is not None for y in ys):
             ax_u.plot(range(1, len(ys) + 1), [math.nan if y is None else y for y in ys],
                       marker="o", label=r["group"], **style)
-        points = conditional_points(r)
+        points = right(r)
         if points:  # labelled with the drafting steps behind its first and last point
             ax_c.plot([i for i, _, _ in points], [y for _, y, _ in points], marker="o",
                       label=f"{r['group']} (n {points[0][2]}..{points[-1][2]})", **style)
     ax_u.set_title("unconditional: accepted at position i / drafting steps")
-    ax_c.set_title(f"conditional: accepted at i / accepted at i - 1\n(points measured on fewer "
-                   f"than {MIN_CONDITIONAL_SUPPORT} drafting steps are left out)", fontsize=10)
+    if rates:
+        ax_c.set_title(f"rate: accepted at i / drafts that reached i\n(points measured on "
+                       f"fewer than {MIN_CONDITIONAL_SUPPORT} drafts are left out)", fontsize=10)
+    else:
+        ax_c.set_title(f"conditional: accepted at i / accepted at i - 1\n(points measured on "
+                       f"fewer than {MIN_CONDITIONAL_SUPPORT} drafting steps are left out)",
+                       fontsize=10)
     for ax in (ax_u, ax_c):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("draft position i (1 = first draft token)")

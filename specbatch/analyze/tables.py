@@ -99,6 +99,10 @@ class Group:
         per_pos = list(s.num_accepted_tokens_per_pos)
         last_nonzero = max((i + 1 for i, a in enumerate(per_pos) if a), default=0)
         per_pos = per_pos[:max(s.longest_draft, last_nonzero)]
+        # drafted[i]: drafting steps whose draft reached position i (None: a file predating it)
+        drafted = s.num_draft_tokens_per_pos
+        if drafted is not None:
+            drafted = (drafted + [0] * len(per_pos))[:len(per_pos)]
         # c[i]: drafting steps that accepted more than i drafts (c[0] = every drafting step)
         c = [s.num_drafts] + per_pos + [0]
         return {
@@ -121,6 +125,9 @@ class Group:
             "acceptance_per_pos": [_ratio(a, s.num_drafts) for a in per_pos],
             "conditional_acceptance_per_pos": [_ratio(c[i + 1], c[i])
                                                for i in range(len(per_pos))],
+            "num_draft_tokens_per_pos": drafted,
+            "acceptance_rate_per_pos": (None if drafted is None else
+                                        [_ratio(a, t) for a, t in zip(per_pos, drafted)]),
             "acceptance_length_histogram": {str(i + 1): c[i] - c[i + 1]
                                             for i in range(len(per_pos) + 1)
                                             if s.num_drafts},

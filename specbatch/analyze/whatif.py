@@ -9,7 +9,9 @@ them (``turns``: turn i sees the earlier turns and the recorded answers); a reco
 re-tokenised prompts do not add up to its ``usage.prompt_tokens`` is left out too.
 
 Self-check. For records a run made with ``ngram``, the replay of the run's own (k, min, max)
-must equal the recorded ``spec`` counters; ``self_check`` reports every record's result.
+must equal the recorded ``spec`` counters; ``self_check`` reports every record's result. (A
+``spec`` written before ``num_draft_tokens_per_pos`` reads it from its ``k_histogram``:
+``SpecStats.from_dict``.)
 
 Predicted speedup (decode phase; prefill is the same for every configuration and left out).
 With a cost model ``step_time(num_rows, query_len, context_len)`` and ``batch_size`` B rows:

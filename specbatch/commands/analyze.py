@@ -2,7 +2,8 @@
 JSON, and optionally plot it. The document's fields are documented in docs/analyze.md.
 
 Exit status: 0 done; 2 bad input or options (a missing or unreadable file, a file with no
-output record, as the run's input, ``--compare`` without exactly two files, an unreadable
+output record, as the run's input, ``--compare`` without exactly two files or of two files
+with no record id in common, an unreadable
 calibration file, no matplotlib for ``--plot``).
 """
 
@@ -120,6 +121,14 @@ def run_analyze(opts: AnalyzeOptions) -> int:
     unknown = _unknown_grouping(opts.by, files)
     if unknown:
         return _bad(unknown)
+    if opts.compare:
+        from specbatch.analyze.compare import common_ids
+
+        a, b = files
+        if not common_ids(a, b):
+            return _bad(f"--compare: {a.path} and {b.path} have no records in common (a: "
+                        f"{len(a.records)} records, b: {len(b.records)} records; records "
+                        "are matched by id): compare two runs of the same input")
     doc = build_document(files, opts, cost)
     if doc["what_if"] is not None:
         doc["what_if"]["calibration"] = calibration
@@ -195,9 +204,10 @@ def format_text(doc: dict) -> str:
             out.append(f"{f['path']}: {f['num_records']} records, run settings unknown (no "
                        "OUT.config.json beside it)")
             continue
+        ngram = (f" n-gram {f['prompt_lookup_min']}-{f['prompt_lookup_max']}"
+                 if _uses_prompt_lookup(f["method"]) else "")
         out.append(f"{f['path']}: {f['num_records']} records, {f['method'] or '?'} "
-                   f"k={f['k']} n-gram {f['prompt_lookup_min']}-{f['prompt_lookup_max']}, "
-                   f"{f['model']}")
+                   f"k={f['k']}{ngram}, {f['model']}")
     if not doc.get("pooled", True):
         out.append(f"note: the files differ in {', '.join(doc['differing_settings'])}: each "
                    "file has its own rows and (all) total; no row pools them")
@@ -233,15 +243,7 @@ def _group_table_text(grouping: str, rows: list[dict]) -> list[str]:
                      f"{r['num_output_tokens']:>9}{r['num_steps']:>8}{r['num_prefill_steps']:>8}"
                      f"{_f(r['tokens_per_step']):>9}{_f(r['mean_acceptance_length']):>8}"
                      f"{_f(r['acceptance_rate']):>9}{_f(r['no_draft_share'], '.1%'):>9}")
-    num_pos = max(len(r["acceptance_per_pos"]) for r in rows)
-    if num_pos:
-        lines += ["per-position acceptance, unconditional/conditional (draft position 1 to "
-                  "the longest draft):",
-                  f"{'group':<{w}}" + "".join(f"{i + 1:>11}" for i in range(num_pos))]
-        for r in rows:
-            cells = [f"{_f(u)}/{_f(c)}" for u, c in zip(r["acceptance_per_pos"],
-                                                       r["conditional_acceptance_per_pos"])]
-            lines.append(f"{r['group']:<{w}}" + "".join(f"{c:>11}" for c in cells))
+    lines += _per_position_text(rows, w)
     reasons = sorted({k for r in rows for k in r["finish_reasons"]})
     lines += ["finish reasons (answers):",
               f"{'group':<{w}}" + "".join(f"{k:>8}" for k in reasons)]
@@ -249,6 +251,60 @@ def _group_table_text(grouping: str, rows: list[dict]) -> list[str]:
         lines.append(f"{r['group']:<{w}}"
                      + "".join(f"{r['finish_reasons'].get(k, 0):>8}" for k in reasons))
     return lines
+
+
+def _uses_prompt_lookup(method: str | None) -> bool:
+    """Whether a run of ``method`` drafts by prompt lookup, so that its n-gram sizes
+    (``prompt_lookup_min`` / ``max``) mean something (``methods.Method.prompt_lookup``)."""
+    from specbatch import methods
+
+    entry = methods.get(method) if method else None
+    return entry is not None and entry.prompt_lookup
+
+
+def _per_position_text(rows: list[dict], w: int) -> list[str]:
+    """The per-position block of a table: the acceptance rate at each draft position
+    (accepted / drafting steps whose draft reached it), or, for records written before
+    ``num_draft_tokens_per_pos``, the unconditional / conditional acceptance, said so. Rows
+    that never drafted (a ``none`` run) are left out, and the block when no row drafted."""
+    rows = [r for r in rows if r["num_drafts"]]
+    num_pos = max((len(r["acceptance_per_pos"]) for r in rows), default=0)
+    if not num_pos:
+        return []
+    if all(r["acceptance_rate_per_pos"] is not None for r in rows):
+        lines = ["per-position acceptance rate: accepted / drafts that reached the position "
+                 "(draft position 1 to the longest draft):",
+                 f"{'group':<{w}}" + "".join(f"{i + 1:>7}" for i in range(num_pos))]
+        for r in rows:
+            lines.append(f"{r['group']:<{w}}"
+                         + "".join(f"{_f(x):>7}" for x in r["acceptance_rate_per_pos"]))
+        return lines
+    lines = ["per-position acceptance, unconditional/conditional (draft position 1 to the "
+             "longest draft; a file written before spec.num_draft_tokens_per_pos does not say "
+             "how many drafts reached each position, so conditional = accepted at i / accepted "
+             "at i - 1 counts a draft that ended before i as rejected there):",
+             f"{'group':<{w}}" + "".join(f"{i + 1:>11}" for i in range(num_pos))]
+    for r in rows:
+        cells = [f"{_f(u)}/{_f(c)}" for u, c in zip(r["acceptance_per_pos"],
+                                                   r["conditional_acceptance_per_pos"])]
+        lines.append(f"{r['group']:<{w}}" + "".join(f"{c:>11}" for c in cells))
+    return lines
+
+
+def _redundant_totals(wi: dict) -> set[str]:
+    """The what-if ``(all)`` rows that repeat a group: the total of one pooled group, or, for
+    files not pooled, ``FILE: (all)`` of a file with one group."""
+    names = [g["group"] for g in wi["groups"]]
+    groups = [n for n in names if n != ALL and not n.endswith(f": {ALL}")]
+    if ALL in names:
+        return {ALL} if len(groups) == 1 else set()
+    out = set()
+    for total in names:
+        if total.endswith(f": {ALL}"):
+            prefix = total[:-len(ALL)]
+            if sum(n.startswith(prefix) for n in groups) == 1:
+                out.add(total)
+    return out
 
 
 def _what_if_text(wi: dict) -> list[str]:
@@ -275,8 +331,9 @@ def _what_if_text(wi: dict) -> list[str]:
     if wi["has_cost_model"]:
         metrics.append(("predicted_speedup", f"predicted decode speedup vs none at batch size "
                         f"{wi['batch_size']} (x)", ".2f"))
+    redundant = _redundant_totals(wi)
     for g in wi["groups"]:
-        if len(wi["groups"]) == 2 and g["group"] == ALL:
+        if g["group"] in redundant:
             continue
         by_key = {(c["name"]): c for c in g["configs"]}
         lines.append(f"{g['group']}: {g['num_records']} records, {g['num_output_tokens']} output "

@@ -45,7 +45,8 @@ MAX_LOGIT_DIFF = 1.0  # ours vs transformers' logits on the same prefix (measure
 
 SPEC_FIELDS = {"proposer", "num_speculative_tokens", "max_spec_tokens", "num_steps", "num_drafts",
                "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos",
-               "acceptance_rate", "mean_acceptance_length", "k_histogram"}
+               "num_draft_tokens_per_pos", "acceptance_rate", "mean_acceptance_length",
+               "k_histogram"}
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +102,9 @@ def test_every_record_has_every_field(runs, name):
         assert sum(s["num_accepted_tokens_per_pos"]) == s["num_accepted_tokens"], where
         assert sum(s["k_histogram"].values()) + num_turns == s["num_steps"], where  # + prefills
         assert s["num_drafts"] == sum(c for kk, c in s["k_histogram"].items() if kk != "0")
+        # drafts that reached position i: the steps with a longer draft
+        assert s["num_draft_tokens_per_pos"] == [
+            sum(c for kk, c in s["k_histogram"].items() if int(kk) > i) for i in range(k)], where
         # each step emits accepted + 1 tokens, except a last step cut inside its accepted run
         slack = s["num_steps"] + s["num_accepted_tokens"] - usage["completion_tokens"]
         assert 0 <= slack <= num_turns, where

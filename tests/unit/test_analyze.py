@@ -602,6 +602,20 @@ def test_conditional_points_leave_out_tiny_support():
     assert conditional_points(nothing) == []
 
 
+def test_rate_points_leave_out_tiny_support():
+    """accepted at i / drafts that reached i, kept where at least 20 drafts reached i; a row
+    of a file written before ``num_draft_tokens_per_pos`` has none."""
+    from specbatch.analyze.plots import rate_points
+
+    row = {"num_draft_tokens_per_pos": [100, 60, 12, 12],
+           "acceptance_rate_per_pos": [0.5, 0.05, 0.25, 0.0]}
+    assert rate_points(row) == [(1, 0.5, 100), (2, 0.05, 60)]
+    assert rate_points(row, min_support=12) == [(1, 0.5, 100), (2, 0.05, 60), (3, 0.25, 12),
+                                                (4, 0.0, 12)]
+    assert rate_points({"num_draft_tokens_per_pos": None,
+                        "acceptance_rate_per_pos": None}) == []
+
+
 def test_what_if_takes_the_cached_calibration(runs, tmp_path, monkeypatch):
     """``analyze --what-if`` without --calibration prices the settings with the calibration that
     run / bench / calibrate cached for the run's model and dtype on this host (a fresh user
@@ -705,3 +719,76 @@ def test_by_a_field_no_record_has_is_refused(runs):
     assert "\n" not in line and line.startswith("error: --by categroy: no record has that field")
     assert "did you mean 'category'?" in line
     assert _invoke(["analyze", str(runs["ngram"]), "--by", "category"]).exit_code == 0
+
+
+def test_header_names_n_gram_sizes_only_for_prompt_lookup_runs(runs):
+    """The n-gram sizes are settings of prompt lookup: a ``none`` run's header does not name
+    them (it said "none k=0 n-gram 1-3")."""
+    _, doc = _doc([runs["ngram"], runs["none"]])
+    head = format_text(doc).splitlines()[:2]
+    assert head == [f"{runs['ngram']}: 36 records, ngram k=4 n-gram 1-3, chars",
+                    f"{runs['none']}: 36 records, none k=0, chars"]
+
+
+def test_rows_that_never_drafted_have_no_per_position_row(runs):
+    """A ``none`` file beside an ngram file (not pooled): the per-position block lists the
+    ngram file's groups only (the none file's printed as empty rows), and a ``none`` file alone
+    has no per-position block."""
+    _, doc = _doc([runs["ngram"], runs["none"]], by="category")
+    lines = format_text(doc).splitlines()
+    at = lines.index("== by category ==")
+    head = next(i for i in range(at, len(lines)) if lines[i].startswith("per-position"))
+    end = next(i for i in range(head, len(lines)) if lines[i].startswith("finish reasons"))
+    names = [line.split(": ")[0] for line in lines[head + 2:end]]
+    assert names == ["ngram.jsonl"] * 4  # alpha, beta, gamma and (all)
+    rates = next(r for r in doc["tables"]["category"] if r["group"] == "ngram.jsonl: (all)")
+    assert lines[end - 1].split()[2:] == [f"{x:.2f}" for x in rates["acceptance_rate_per_pos"]]
+    _, alone = _doc([runs["none"]], by="category")
+    assert not any(line.startswith("per-position") for line in format_text(alone).splitlines())
+
+
+def test_compare_of_files_with_no_records_in_common_is_refused(runs, tmp_path):
+    src = [json.loads(line) for line in runs["ngram"].read_text().splitlines()]
+    for r in src[:30]:
+        r["id"] = "other-" + r["id"]
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps(r) + "\n" for r in src[:30]))
+    config_path(other).write_text(config_path(runs["ngram"]).read_text())
+    result = _invoke(["analyze", str(runs["none"]), str(other), "--compare"])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        f"error: --compare: {runs['none']} and {other} have no records in common (a: 36 "
+        "records, b: 30 records; records are matched by id): compare two runs of the same input"]
+
+
+def test_what_if_of_files_with_one_group_each_skips_their_totals(runs):
+    """By proposer, the ngram file and the none file have one group each: the text prints
+    ``FILE: group`` and not ``FILE: (all)``, which repeats it."""
+    _, doc = _doc([runs["ngram"], runs["none"]], by="proposer", what_if=True)
+    names = [g["group"] for g in doc["what_if"]["groups"]]
+    assert names == ["ngram.jsonl: ngram:k=4", "none.jsonl: none", "ngram.jsonl: (all)",
+                     "none.jsonl: (all)"]  # the document keeps them
+    heads = [line.split(":")[0] + ":" + line.split(":")[1] for line in
+             format_text(doc).split("== what-if")[1].splitlines() if " records, " in line]
+    assert heads == ["ngram.jsonl: ngram", "none.jsonl: none"]
+    # by category each file has three groups: every total is printed
+    _, doc = _doc([runs["ngram"], runs["none"]], by="category", what_if=True)
+    text = format_text(doc).split("== what-if")[1]
+    assert "\nngram.jsonl: (all): " in text and "\nnone.jsonl: (all): " in text
+
+
+def test_self_check_of_a_file_written_before_drafted_per_position(runs, tmp_path):
+    """A file without ``num_draft_tokens_per_pos`` (older writer): the self-check still finds
+    every record equal, and the tables are the same as the current file's (the drafted
+    counts come from ``k_histogram``)."""
+    src = [json.loads(line) for line in runs["ngram"].read_text().splitlines()]
+    for r in src:
+        del r["spec"]["num_draft_tokens_per_pos"]
+    old = tmp_path / "old.jsonl"
+    old.write_text("".join(json.dumps(r) + "\n" for r in src))
+    config_path(old).write_text(config_path(runs["ngram"]).read_text())
+    _, doc = _doc([old], by="category", what_if=True)
+    sc = doc["what_if"]["self_check"]
+    assert sc["num_checked"] == 33 and sc["num_equal"] == 33
+    _, new = _doc([runs["ngram"]], by="category")
+    assert doc["tables"] == new["tables"]

@@ -92,15 +92,54 @@ def test_analyze_labels_k_and_prints_only_drafted_positions(suffix_run):
     longest = _longest(recs)
     assert len(total["num_accepted_tokens_per_pos"]) == longest
     text = format_text(doc)
-    assert text.splitlines()[0].split(", ")[1].startswith(f"suffix k={K} ")
+    # no n-gram sizes: suffix drafts do not use prompt lookup
+    assert text.splitlines()[0].split(", ")[1] == f"suffix k={K}"
+    assert "n-gram" not in text.splitlines()[0]
     assert f"suffix:k={K}" in text and f"suffix:k={CAP}" not in text
     assert _per_pos_columns(text, "proposer") == longest < CAP
 
 
+def test_suffix_records_count_the_drafts_that_reach_each_position(suffix_run):
+    """Suffix drafts vary in length: ``num_draft_tokens_per_pos[i]`` counts the drafting steps
+    whose draft reached position i (the steps with a longer draft in ``k_histogram``), and
+    analyze's per-position acceptance rate is accepted[i] / drafted[i]."""
+    recs = _records(suffix_run)
+    for r in recs:
+        s = r["spec"]
+        drafted, accepted = s["num_draft_tokens_per_pos"], s["num_accepted_tokens_per_pos"]
+        hist = {int(k): n for k, n in s["k_histogram"].items()}
+        assert len(drafted) == len(accepted)
+        assert drafted == [sum(n for d, n in hist.items() if d > i)
+                           for i in range(len(drafted))]
+        assert sum(drafted) == s["num_draft_tokens"]
+        assert all(a <= t for a, t in zip(accepted, drafted))
+        assert not drafted or drafted[0] == s["num_drafts"]
+    _, doc = _doc([suffix_run], by="category")
+    total = doc["tables"]["proposer"][-1]
+    drafted = [sum(r["spec"]["num_draft_tokens_per_pos"][i]
+                   if i < len(r["spec"]["num_draft_tokens_per_pos"]) else 0 for r in recs)
+               for i in range(_longest(recs))]
+    accepted = total["num_accepted_tokens_per_pos"]
+    assert total["num_draft_tokens_per_pos"] == drafted
+    assert drafted[-1] < drafted[0]  # fewer drafts reached the last position than the first
+    rates = [round(a / t, 6) for a, t in zip(accepted, drafted)]
+    assert total["acceptance_rate_per_pos"] == rates
+    # the old "conditional" (accepted at i / accepted at i - 1) is another number here
+    assert total["conditional_acceptance_per_pos"] != rates
+    lines = format_text(doc).splitlines()
+    at = lines.index("== by proposer ==")
+    head = next(i for i in range(at, len(lines)) if lines[i].startswith("per-position"))
+    assert lines[head].startswith("per-position acceptance rate: accepted / drafts that "
+                                  "reached the position")
+    assert lines[head + 2].split() == [f"suffix:k={K}"] + [f"{x:.2f}" for x in rates]
+
+
 def _old_format(spec: dict) -> dict:
     """``spec`` as the writer wrote it before ``max_spec_tokens``: num_speculative_tokens was
-    the cap and the per-position list was padded to it."""
-    old = {k: v for k, v in spec.items() if k != "max_spec_tokens"}
+    the cap and the per-position list was padded to it (and there was no
+    ``num_draft_tokens_per_pos``)."""
+    old = {k: v for k, v in spec.items()
+           if k not in ("max_spec_tokens", "num_draft_tokens_per_pos")}
     old["num_speculative_tokens"] = spec["max_spec_tokens"]
     per_pos = spec["num_accepted_tokens_per_pos"]
     old["num_accepted_tokens_per_pos"] = per_pos + [0] * (spec["max_spec_tokens"] - len(per_pos))
@@ -157,9 +196,23 @@ def test_a_hand_made_old_record(tmp_path):
     assert row["num_accepted_tokens_per_pos"] == [3, 1, 1, 1, 1, 1, 0]  # drafts reached 7
     assert row["acceptance_length_histogram"] == {"1": 1, "2": 2, "3": 0, "4": 0, "5": 0,
                                                   "6": 0, "7": 1, "8": 0}
+    # drafts that reached each position: a's 2- and 7-token drafts, b's two 3-token drafts
+    assert row["num_draft_tokens_per_pos"] == [4, 4, 3, 1, 1, 1, 1]
+    assert row["acceptance_rate_per_pos"] == [0.75, 0.25, 0.333333, 1.0, 1.0, 1.0, 0.0]
     text = format_text(doc)
     assert _per_pos_columns(text, "proposer") == 7
     assert "suffix:k=15" not in text
+    assert "suffix:k=5 0.75 0.25 0.33 1.00 1.00 1.00 0.00" in " ".join(text.split())
+    # an old record whose histogram does not account for its drafts: the drafts that reached
+    # each position are unknown, and the table says what it prints instead
+    rows[1]["spec"]["k_histogram"] = {}
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _, doc = _doc([path])
+    [row, _] = doc["tables"]["proposer"]
+    assert row["num_draft_tokens_per_pos"] is None and row["acceptance_rate_per_pos"] is None
+    text = format_text(doc)
+    assert "a file written before spec.num_draft_tokens_per_pos" in text
+    assert _per_pos_columns(text, "proposer") == 7
 
 
 @pytest.mark.parametrize("spec,config,want", [
