@@ -374,8 +374,8 @@ class EngineConfig:
             object.__setattr__(self, "dtype", dtype)
             object.__setattr__(self, "dtype_auto", why)
         _check(self.dtype != "int8" or self.device.startswith("cpu"), "dtype", self.dtype,
-               f"auto, bfloat16, float32, float16 or float64 on {self.device} (int8 activations run "
-               "on specbatch's CPU kernels only)")
+               f"auto, bfloat16, float32, float16 or float64 on {self.device} (int8 activations "
+               "run on specbatch's CPU kernels only)")
         if self.dtype == "int8":
             _check(_cpu_kernels(), "dtype", self.dtype, "float32 here: int8 needs specbatch's "
                    "C kernels (x86-64 with AVX2 + FMA and a C compiler; not "

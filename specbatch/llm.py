@@ -94,13 +94,15 @@ class LLM:
 
     model: registry name (or the Hugging Face id of a registry model, e.g.
         ``HuggingFaceTB/SmolLM2-135M-Instruct``: its packaged GGUF, nothing is downloaded),
-        ``.gguf`` path or Hugging Face folder (default: the packaged SmolLM2-135M). method: ``auto`` | ``none`` | ``ngram`` | ``draft``; k: draft tokens per
+        ``.gguf`` path or Hugging Face folder (default: the packaged SmolLM2-135M).
+        method: ``auto`` | ``none`` | ``ngram`` | ``draft``; k: draft tokens per
         verify step (the cap for ``auto``). dtype: ``auto`` (as the CLI: bfloat16 on GPUs;
         on x86-64 CPUs with AVX2, int8 for a GGUF of Q4_1 / Q8_0 / K-quant weights, else
         float32;
         ``config.auto_dtype``) | ``bfloat16`` | ``float32`` | ``float64`` | ``float16`` |
         ``int8`` | ``half`` | ``float`` (``config.DTYPE_CHOICES``, as ``--dtype``; float16,
-        bfloat16 and float64 run on torch's kernels on a CPU); device: a torch device string. max_batch_size: rows decoded
+        bfloat16 and float64 run on torch's kernels on a CPU); device: a torch device string.
+        max_batch_size: rows decoded
         together (lowered to the records and to free memory per build). max_model_len: cap on
         prompt + output tokens. draft_model: for ``draft`` (or for ``auto`` to choose per row).
         seed: the run seed a record's seed is derived from (with its id), as ``--seed``.

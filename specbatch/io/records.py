@@ -252,13 +252,10 @@ def _validate(p: str, rows: list, prompt_field: str | None, id_field: str | None
                 raise ValueError(_duplicate(seen, first_line[key], unit))
             first_line[key] = seen
             _check_fields(row, named)
-            token_ids = None
             if template is not None:
-                prompt, messages, turns = None, [_render(template, row)], None
+                prompt, messages, turns, token_ids = None, [_render(template, row)], None, None
             else:
-                prompt, messages, turns = _prompt(row, prompt_field)
-                if isinstance(prompt, tuple):  # prompt_token_ids
-                    prompt, token_ids = None, prompt
+                prompt, messages, turns, token_ids = _prompt(row, prompt_field)
             sampling = _sampling(row, defaults[line - 1] if isinstance(
                 defaults, list) else defaults, wide)
         except ValueError as e:
@@ -955,8 +952,9 @@ def _near_miss(name: str) -> str | None:
 
 
 def _prompt(row: dict, prompt_field: str | None
-            ) -> tuple[str | None, list[dict] | None, list[str] | None]:
-    """(prompt, messages, turns), one of them set, from the prompt field's value."""
+            ) -> tuple[str | None, list[dict] | None, list[str] | None, tuple[int, ...] | None]:
+    """(prompt, messages, turns, prompt_token_ids), one of them set, from the prompt field's
+    value."""
     if prompt_field is not None:
         if prompt_field not in row:
             raise ValueError(f"missing prompt field {prompt_field!r}")
@@ -973,7 +971,7 @@ def _prompt(row: dict, prompt_field: str | None
                                  "(or choose one with --prompt-field)")
     value = row[name]
     if name == "prompt_token_ids":
-        return _token_ids(value), None, None
+        return None, None, None, _token_ids(value)
     if name == "messages" and not (isinstance(value, list) and value
                                    and all(isinstance(v, dict) for v in value)):
         # the chat field's name says what it holds: a string here is a mistake, not a prompt
@@ -986,14 +984,14 @@ def _prompt(row: dict, prompt_field: str | None
     if isinstance(value, str):
         if not value.strip():
             raise ValueError(f"{name} is empty")
-        return value, None, None
+        return value, None, None, None
     if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
         for i, turn in enumerate(value):
             if not turn.strip():
                 raise ValueError(f"{name}: turn {i + 1} is empty")
-        return None, None, list(value)
+        return None, None, list(value), None
     if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
-        return None, _messages(name, value), None
+        return None, _messages(name, value), None, None
     if isinstance(value, list) and not value:
         raise ValueError(f"{name} is an empty list")
     ids = (" (token ids go in \"prompt_token_ids\")" if isinstance(value, list)
