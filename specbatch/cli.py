@@ -14,7 +14,7 @@ import click
 from click.core import ParameterSource
 
 from specbatch import methods
-from specbatch.config import MAX_INT, MIN_INT
+from specbatch.config import DTYPE_CHOICES, MAX_INT, MIN_INT
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -112,15 +112,16 @@ def _model_options(f, batch: bool = True):
         click.option("--model", default=None, help="Registry name, .gguf path, HF folder, or "
                      "dummy:SHAPE[:SEED] (seeded random weights: docs/gpu.md) (default: "
                      "smollm2-135m)."),
-        click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32", "float64",
-                                                   "int8"]),
+        click.option("--dtype", type=click.Choice(DTYPE_CHOICES),
                      default="auto", show_default=True,
                      help="Weights and activations dtype. auto: the fastest batch-invariant "
                      "one for the model: on x86-64 CPUs with AVX2, int8 for a GGUF of Q4_1 / "
                      "Q8_0 / K-quant weights, else float32 (specbatch's C kernels); bfloat16 on GPUs. "
                      "int8 (CPU): float32, with a GGUF model's 4/8-bit weights multiplied by "
                      "activations rounded to 8 bits per block of 32, as llama.cpp does "
-                     "(batch-invariant; not bit-equal to float32)."),
+                     "(batch-invariant; not bit-equal to float32). bfloat16, float16, float64 "
+                     "run on torch's kernels on a CPU. half, float: vLLM's names of float16, "
+                     "float32."),
         click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
                      show_default=True,
                      help="Where the model runs: auto picks cuda when a GPU is visible."),

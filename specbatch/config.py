@@ -16,6 +16,11 @@ from specbatch import methods, settings
 # int8: float32, except that the matmuls with a GGUF model's 4/8-bit code weights round their
 # input to 8 bits per block of 32 (llama.cpp's Q8 activations; CPU only, kernels/csrc/linear_q8.c)
 DTYPES = ("float32", "bfloat16", "float64", "float16", "int8")
+# vLLM's names for two of them (``LLM(dtype="half")``, ``--dtype half``), read as those
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+# what ``--dtype``, ``LLM(dtype=...)``, a recipe's ``dtype`` and ``EngineConfig`` take: the one
+# list (the CLI's choices and the API's error are made of it)
+DTYPE_CHOICES = ("auto", *DTYPES, *DTYPE_ALIASES)
 # The integers a JSON file holds exactly (orjson reads and writes -2**63 .. 2**64 - 1; it reads
 # a longer integer as a float): the range of a seed, which the output's config saves.
 MIN_INT, MAX_INT = -2**63, 2**64 - 1
@@ -325,7 +330,8 @@ class EngineConfig:
     prompts packed); while rows are decoding, one such forward runs per step.
     device: ``auto`` (cuda when available, else cpu), ``cpu``, ``cuda`` or ``cuda:N``; stored
     resolved (``auto`` never remains). Raises ``ValueError`` for cuda without a usable GPU.
-    dtype: one of ``DTYPES`` or ``auto`` (see ``auto_dtype``); stored resolved, from the device
+    dtype: one of ``DTYPE_CHOICES``: ``auto`` (see ``auto_dtype``), one of ``DTYPES``, or vLLM's
+    ``half`` / ``float`` (stored as float16 / float32); stored resolved, from the device
     alone until ``for_model`` resolves it for the model. ``int8`` (float32 with 8-bit
     activations into the code-weight matmuls) is for the CPU only.
     dtype_auto: why ``auto`` chose ``dtype`` (e.g. ``GGUF Q4_1 + Q8_0 codes on the int8
@@ -357,8 +363,9 @@ class EngineConfig:
                "max_prefill_tokens", self.max_prefill_tokens, "an integer >= 1")
         _check(isinstance(self.prefix_caching, bool), "prefix_caching", self.prefix_caching,
                "true or false")
-        _check(self.dtype in DTYPES + ("auto",), "dtype", self.dtype,
-               f"auto or one of {', '.join(DTYPES)}")
+        _check(isinstance(self.dtype, str) and self.dtype in DTYPE_CHOICES, "dtype", self.dtype,
+               f"one of {', '.join(DTYPE_CHOICES)}")
+        object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         _check(self.dtype_auto is None or (isinstance(self.dtype_auto, str) and self.dtype_auto),
                "dtype_auto", self.dtype_auto, "None or why auto chose the dtype")
         object.__setattr__(self, "device", resolve_device(self.device))
@@ -367,8 +374,8 @@ class EngineConfig:
             object.__setattr__(self, "dtype", dtype)
             object.__setattr__(self, "dtype_auto", why)
         _check(self.dtype != "int8" or self.device.startswith("cpu"), "dtype", self.dtype,
-               f"auto, bfloat16, float32 or float64 on {self.device} (int8 activations run "
-               "on specbatch's CPU kernels only)")
+               f"auto, bfloat16, float32, float16 or float64 on {self.device} (int8 activations "
+               "run on specbatch's CPU kernels only)")
         if self.dtype == "int8":
             _check(_cpu_kernels(), "dtype", self.dtype, "float32 here: int8 needs specbatch's "
                    "C kernels (x86-64 with AVX2 + FMA and a C compiler; not "
@@ -605,6 +612,7 @@ def _as_written(value, limit: int = 200) -> str:
 
 
 __all__ = ["ConfigError", "SamplingParams", "SpecConfig", "EngineConfig", "resolve_device", "resolve_dtype", "auto_dtype", "SAMPLING_FIELDS", "DTYPES",
+           "DTYPE_ALIASES", "DTYPE_CHOICES",
            "MIN_INT", "MAX_INT", "UNSUPPORTED_SAMPLING_FIELDS", "context_limit_text",
            "prompt_too_long_text"]
 

@@ -92,13 +92,17 @@ def _choose_cpu_threads(device: str) -> None:
 class LLM:
     """A loaded model (and draft model) that generates for records, prompts or chats.
 
-    model: registry name, ``.gguf`` path or Hugging Face folder (default: the packaged
-        SmolLM2-135M). method: ``auto`` | ``none`` | ``ngram`` | ``draft``; k: draft tokens per
+    model: registry name (or the Hugging Face id of a registry model, e.g.
+        ``HuggingFaceTB/SmolLM2-135M-Instruct``: its packaged GGUF, nothing is downloaded),
+        ``.gguf`` path or Hugging Face folder (default: the packaged SmolLM2-135M).
+        method: ``auto`` | ``none`` | ``ngram`` | ``draft``; k: draft tokens per
         verify step (the cap for ``auto``). dtype: ``auto`` (as the CLI: bfloat16 on GPUs;
         on x86-64 CPUs with AVX2, int8 for a GGUF of Q4_1 / Q8_0 / K-quant weights, else
         float32;
         ``config.auto_dtype``) | ``bfloat16`` | ``float32`` | ``float64`` | ``float16`` |
-        ``int8``; device: a torch device string. max_batch_size: rows decoded
+        ``int8`` | ``half`` | ``float`` (``config.DTYPE_CHOICES``, as ``--dtype``; float16,
+        bfloat16 and float64 run on torch's kernels on a CPU); device: a torch device string.
+        max_batch_size: rows decoded
         together (lowered to the records and to free memory per build). max_model_len: cap on
         prompt + output tokens. draft_model: for ``draft`` (or for ``auto`` to choose per row).
         seed: the run seed a record's seed is derived from (with its id), as ``--seed``.
@@ -143,7 +147,6 @@ class LLM:
                               "job", "tensor_parallel_size", "1")
         if max_num_seqs is not None:
             max_batch_size = max_num_seqs
-        dtype = _VLLM_DTYPES.get(dtype, dtype)
         if speculative_config is not None:
             method, k, prompt_lookup_min, prompt_lookup_max, draft_model = _speculative_config(
                 speculative_config, prompt_lookup_min, prompt_lookup_max)
@@ -177,7 +180,7 @@ class LLM:
         limit_setting: how errors name a ``max_model_len`` below the model's context (the
         CLI's flag, or the keyword)."""
         self._limit_setting = limit_setting
-        from specbatch.models.registry import DEFAULT_MODEL, find_model
+        from specbatch.models.registry import DEFAULT_MODEL, find_model, hub_alias_note
 
         self.spec_config = spec
         self.cache_dir, self.seed = cache_dir, seed
@@ -186,6 +189,8 @@ class LLM:
         t0 = time.perf_counter()
         try:
             find_model(name)  # an unknown name fails here, in milliseconds
+            if (note := hub_alias_note(name)) is not None:
+                _log.info("%s", note)
             if resolve_dtype:
                 engine = engine.for_model(name, cache_dir)
             self.engine_config = engine
@@ -233,12 +238,22 @@ class LLM:
 
     @property
     def tokenizer(self):
+        """The tokenizer the engine tokenises and detokenises with (``get_tokenizer``)."""
+        return self.loaded.tokenizer
+
+    def get_tokenizer(self):
+        """The tokenizer this LLM uses, as vLLM's ``LLM.get_tokenizer()``: the transformers
+        tokenizer (a ``PreTrainedTokenizerFast``) that text prompts are encoded with, chats
+        rendered with (``apply_chat_template``) and outputs decoded with; its
+        ``encode(prompt)`` is ``RequestOutput.prompt_token_ids`` for a text prompt."""
         return self.loaded.tokenizer
 
     # ---- records -------------------------------------------------------------------------
-    def check_records(self, records: Iterable, path: str = "<prompts>") -> list:
+    def check_records(self, records: Iterable, path: str = "") -> list:
         """``RecordError``s of the records this model cannot run: a prompt that leaves no room
-        in the context, a prompt token id outside the vocabulary."""
+        in the context, a token id outside the vocabulary (``prompt_token_ids``,
+        ``stop_token_ids``, ``logit_bias``). path: the input the errors name (none for the
+        API's prompts: ``prompt N: ...``)."""
         from specbatch.io.records import check_lengths, check_token_ids
 
         records = list(records)
@@ -256,13 +271,18 @@ class LLM:
 
     def to_records(self, prompts: Iterable, sampling_params=None) -> list:
         """Validated ``Record``s of strings (a plain prompt each), dicts (records in the input
-        format: ``prompt`` / ``messages`` / ``turns``, optional ``id`` and sampling fields) or
-        ``Record``s (kept as they are). sampling_params: the defaults, one ``SamplingParams``
+        format: ``prompt`` / ``messages`` / ``turns`` / ``prompt_token_ids``, optional ``id``
+        and sampling fields; ``{"prompt_token_ids": [...]}`` is vLLM's ``TokensPrompt``, run
+        as given, with the outputs of the text those ids encode) or ``Record``s (kept as they
+        are). sampling_params: the defaults, one ``SamplingParams``
         or a list with one per prompt. A single string, dict or ``Record`` is one prompt (as
         vLLM's ``generate`` takes it). ``max_tokens=None`` (vLLM's default: up to the context)
         becomes this LLM's ``max_model_len``: the output ends at EOS, a stop, or when prompt +
         output fill the context (``finish_reason`` ``length``). Raises ``ValueError`` listing
-        the bad ones."""
+        the bad ones (the first 5), each as ``prompt N: reason`` (N counts from 1; ``id=ID``
+        follows N where the dict gave its own id): an empty prompt, a prompt that is no
+        string or dict, token ids that are empty, not integers >= 0 or outside the
+        vocabulary, a prompt too long for the context, a bad sampling field."""
         from specbatch.io.records import Record, records_from_rows
 
         prompts = [prompts] if isinstance(prompts, (str, dict, Record)) else list(prompts)
@@ -541,7 +561,6 @@ def _ignore_vllm_kwargs(kwargs: dict) -> None:
                      ", ".join(new))
 
 
-_VLLM_DTYPES = {"half": "float16", "float": "float32"}  # vLLM's aliases
 _SPEC_METHODS = {"ngram": "ngram", "suffix": "suffix", "draft_model": "draft"}
 
 

@@ -1,8 +1,9 @@
 """Records -> prompts: the token ids each answer of a record is generated from.
 
 A record's prompt is ``prompt`` (plain text, tokenised as is), ``messages`` (a chat list,
-rendered with the tokenizer's chat template) or ``turns`` (user turns answered in order, each
-with the earlier turns and answers in context, as Spec-Bench does). No model code: ``analyze``
+rendered with the tokenizer's chat template), ``turns`` (user turns answered in order, each
+with the earlier turns and answers in context, as Spec-Bench does) or ``prompt_token_ids``
+(the ids as given, vLLM's ``TokensPrompt``). No model code: ``analyze``
 re-renders prompts with this module and the run's tokenizer, without importing torch.
 """
 
@@ -34,6 +35,8 @@ class PromptRenderer:
         return ids, (list(messages) if messages is not None else None)
 
     def _render_first(self, record) -> tuple[list[int], list[dict] | None]:
+        if record.prompt_token_ids is not None:
+            return list(record.prompt_token_ids), None
         if record.prompt is not None:
             return self.tokenizer.encode(record.prompt), None
         messages = (list(record.messages) if record.messages is not None

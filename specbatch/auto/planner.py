@@ -185,11 +185,13 @@ def best_k(cost: CostModel, alphas: list[float], k_max: int, rows: int,
 
 def make_plan(records, prompt_ids: dict[int, list[int]], k_max: int, batch_size: int,
               cost: CostModel, prompt_lookup_min: int, expected_output_tokens: int,
-              model_cost: CostModel | None = None) -> Plan:
+              model_cost: CostModel | None = None, renderer=None) -> Plan:
     """records: validated records; prompt_ids: record index -> first prompt's token ids.
-    model_cost: the draft model's step cost, when one is given (the bucket may choose it)."""
-    preds = {r.index: predict(prompt_ids[r.index], instruction_text(r), r.sampling.temperature,
-                              prompt_lookup_min) for r in records}
+    model_cost: the draft model's step cost, when one is given (the bucket may choose it).
+    renderer: the ``PromptRenderer``, for the text of records given as token ids
+    (``instruction_text``)."""
+    preds = {r.index: predict(prompt_ids[r.index], instruction_text(r, renderer),
+                              r.sampling.temperature, prompt_lookup_min) for r in records}
     novel_below, copy_heavy_from = job_cutoffs([p.acceptance_length(k_max)
                                                 for p in preds.values()])
     bucket_of = {r.index: bucket_for(preds[r.index].acceptance_length(k_max), novel_below,
@@ -239,7 +241,7 @@ def plan_auto(records, renderer, spec_config, batch_size: int, max_model_len: in
     prompt_ids = {r.index: renderer.first_prompt(r)[0] for r in records}
     max_tokens = max((r.sampling.max_tokens for r in records), default=1)
     plan = make_plan(records, prompt_ids, spec_config.num_speculative_tokens, batch_size, cost,
-                     spec_config.prompt_lookup_min, max_tokens, model_cost)
+                     spec_config.prompt_lookup_min, max_tokens, model_cost, renderer)
     notes = []
     for b in plan.buckets.values():  # auto's suffix drafts: own text or job index, per step
         if b.proposer == "ngram":

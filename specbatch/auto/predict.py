@@ -101,9 +101,14 @@ def fitted_for(model_id: str) -> bool:
     return FITTED_ON.lower() in model_id.lower()
 
 
-def instruction_text(record) -> str:
+def instruction_text(record, renderer=None) -> str:
     """The user text a record's task is stated in: the last user message, or every turn of a
-    ``turns`` record (a later "rewrite your previous answer" turn copies an earlier answer)."""
+    ``turns`` record (a later "rewrite your previous answer" turn copies an earlier answer);
+    for ``prompt_token_ids``, their text (``renderer.detokenize``; "" without a renderer), as
+    the same prompt given as text would say."""
+    ids = getattr(record, "prompt_token_ids", None)
+    if ids is not None:
+        return renderer.detokenize(list(ids)) if renderer is not None else ""
     if record.prompt is not None:
         return record.prompt
     if record.messages is not None:

@@ -112,7 +112,7 @@ def run_bench(opts: BenchOptions) -> int:
 
     records, errors = load_records(opts)
     if errors:
-        for line in error_lines(errors, "fail", can_skip=False):
+        for line in error_lines(errors, "fail", can_skip=False, none_valid=not records):
             click.echo(line, err=True)
         return EXIT_BAD_INPUT
     groups: dict[str, list] = defaultdict(list)

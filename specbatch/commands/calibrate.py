@@ -153,7 +153,7 @@ def run_predict_eval(paths, k: int, model: str | None, cache_dir: str | None,
                     k, rec.sampling.max_tokens, max_model_len).mean_acceptance_length
             if mal is None:
                 continue
-            p = predict(ids, instruction_text(rec), rec.sampling.temperature, lookup_min)
+            p = predict(ids, instruction_text(rec, renderer), rec.sampling.temperature, lookup_min)
             preds.append(p.acceptance_length(k))
             feats.append(p.values)
             meas.append(mal)

@@ -75,11 +75,12 @@ def warn_if_busy() -> None:
         logging.getLogger("specbatch").warning(warning)
 
 
-def _report_errors(errors, on_error: str, level: str = "error", can_skip: bool = True) -> None:
-    """Print ``io.records.error_lines`` to stderr."""
+def _report_errors(errors, on_error: str, level: str = "error", can_skip: bool = True,
+                   none_valid: bool = False) -> None:
+    """Print ``io.records.error_lines`` to stderr (none_valid: no record can run)."""
     from specbatch.io.records import error_lines
 
-    for line in error_lines(errors, on_error, level, can_skip):
+    for line in error_lines(errors, on_error, level, can_skip, none_valid):
         _err(line)
 
 
@@ -178,8 +179,7 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
             _err(f"error: {e}")
         return EXIT_BAD_INPUT
     if not records:
-        _report_errors(errors, "skip")
-        _err("error: no valid records; nothing to run.")
+        _report_errors(errors, opts.on_error, none_valid=True)
         return EXIT_BAD_INPUT
     if errors and opts.on_error == "fail":
         _report_errors(errors, "fail")
@@ -278,16 +278,15 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         _err(f"error: {why}")
         return EXIT_BAD_INPUT
     model_errors = llm.check_records(records, input_name(opts.input_path))
+    bad_lines = {e.line for e in model_errors}  # records this model cannot run
+    skipped = [r.index for r in records if r.line in bad_lines]
+    if len(skipped) == len(records):  # this model can run none of them: nothing to skip to
+        _report_errors(errors + model_errors, opts.on_error, none_valid=True)
+        return EXIT_BAD_INPUT
     if model_errors and opts.on_error == "fail":
         _report_errors(errors + model_errors, "fail")
         return EXIT_BAD_INPUT
     errors += model_errors
-    bad_lines = {e.line for e in model_errors}  # records this model cannot run
-    skipped = [r.index for r in records if r.line in bad_lines]
-    if len(skipped) == len(records):  # --on-error skip, and this model can run none of them
-        _report_errors(errors, "skip")
-        _err("error: no valid records; nothing to run.")
-        return EXIT_BAD_INPUT
 
     config = {**config, "model": llm.model_id, "max_model_len": llm.max_model_len,
               **({"draft_model": llm.draft_model_id} if llm.draft is not None else {})}

@@ -58,7 +58,7 @@ from specbatch.config import (SAMPLING_FIELDS, UNSUPPORTED_SAMPLING_FIELDS, Samp
 from specbatch.io.openai_batch import is_batch_request
 from specbatch.io.openai_batch import to_record as openai_batch_record
 
-PROMPT_FIELDS = ("prompt", "messages", "turns")
+PROMPT_FIELDS = ("prompt", "messages", "turns", "prompt_token_ids")
 ID_FIELDS = ("id", "question_id")
 # fields `specbatch run` adds to every record of its output (docs/output.md)
 OUTPUT_FIELDS = ("output", "output_token_ids", "finish_reason", "usage", "spec")
@@ -80,12 +80,14 @@ class Record:
     line: 1-based position in the input, of the kind ``unit`` names.
     id: from ``--id-field``, else ``id``, else ``question_id``, else the line number.
     fields: the record as read, echoed into the output.
-    Exactly one of ``prompt`` (plain text), ``messages`` (chat list of {role, content}) and
-    ``turns`` (user turns, generated in order, each answer fed back) is set.
+    Exactly one of ``prompt`` (plain text), ``messages`` (chat list of {role, content}),
+    ``turns`` (user turns, generated in order, each answer fed back) and ``prompt_token_ids``
+    (the prompt's token ids as given, vLLM's ``TokensPrompt``: no tokenizer, no chat template;
+    checked against the model's vocabulary by ``check_token_ids``) is set.
     sampling: the run defaults overridden by the record's own sampling fields.
     id_from_line: the record has no id, so ``id`` is its line number.
-    unit: what ``line`` counts: ``line`` (of JSON text), ``element`` (of a JSON array) or
-        ``row`` (of a table).
+    unit: what ``line`` counts: ``line`` (of JSON text), ``element`` (of a JSON array),
+        ``row`` (of a table) or ``prompt`` (of ``LLM.generate``'s list, ``records_from_rows``).
     """
 
     index: int
@@ -98,12 +100,17 @@ class Record:
     sampling: SamplingParams
     id_from_line: bool = False
     unit: str = "line"
+    prompt_token_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
 class RecordError:
     """A record (or, with ``line == 0``, the whole file) that cannot run. unit: what ``line``
-    counts, as ``Record.unit``."""
+    counts, as ``Record.unit``.
+
+    Shown as ``path:N: id=ID: reason`` (a line), ``path: element N: ...`` / ``path: row N:
+    ...``, and, for the Python API's prompts (no path, unit ``prompt``), ``prompt N: reason``,
+    with ``id=ID:`` only where the prompt's id is its own (not its position N)."""
 
     path: str
     line: int
@@ -116,9 +123,12 @@ class RecordError:
             where = self.path
         elif self.unit == "line":
             where = f"{self.path}:{self.line}"
+        elif not self.path:
+            where = f"{self.unit} {self.line}"
         else:
             where = f"{self.path}: {self.unit} {self.line}"
-        who = f" id={self.id!r}:" if self.id is not None else ""
+        own_id = self.id is not None and not (self.unit == PROMPT_UNIT and self.id == self.line)
+        who = f" id={self.id!r}:" if own_id else ""
         return f"{where}:{who} {self.reason}"
 
 
@@ -153,7 +163,8 @@ def read_records(path: str | os.PathLike, *, prompt_field: str | None = None,
         if str(path) == STDIN:
             if split is not None:
                 raise _FileError("--split applies only to a dataset folder, not standard input")
-            rows = list(_json_rows(_as_utf8(read_stdin() if data is None else data), ".jsonl"))
+            rows = list(_json_rows(_as_utf8(read_stdin() if data is None else data), ".jsonl",
+                                   _STDIN_ARRAY_HINT))
         else:
             rows = list(_rows(Path(path), split, ID_FIELDS if id_field is None else (id_field,)))
     except _FileError as e:
@@ -181,15 +192,20 @@ def read_stdin() -> bytes:
     return stream.buffer.read() if hasattr(stream, "buffer") else stream.read().encode()
 
 
+PROMPT_UNIT = "prompt"  # Record.unit of the Python API's prompts: errors say ``prompt N:``
+
+
 def records_from_rows(rows: Iterable[dict], *, prompt_field: str | None = None,
                       id_field: str | None = None,
                       defaults: SamplingParams | list[SamplingParams] = SamplingParams(),
-                      template: str | None = None, source: str = "<records>",
+                      template: str | None = None,
                       ) -> tuple[list[Record], list[RecordError]]:
-    """Validate in-memory rows (dicts in the input format) as ``read_records`` validates a
-    file's; row i is "line" i + 1 of ``source``. defaults: the sampling defaults, or one per
-    row. Raises ``ValueError`` only for a bad call (a malformed template, both template and
-    prompt_field, or a ``defaults`` list of another length)."""
+    """Validate in-memory rows (dicts in the input format: ``LLM.generate``'s prompts) as
+    ``read_records`` validates a file's; row i is ``prompt i + 1`` (``PROMPT_UNIT``), which
+    its errors name (``prompt 2: prompt is empty``). A row that is no dict is a bad row.
+    defaults: the sampling defaults, or one per row. Raises ``ValueError`` only for a bad
+    call (a malformed template, both template and prompt_field, or a ``defaults`` list of
+    another length)."""
     rows = list(rows)
     if template is not None:
         template_fields(template)
@@ -197,11 +213,10 @@ def records_from_rows(rows: Iterable[dict], *, prompt_field: str | None = None,
             raise ValueError("give a prompt field or a template, not both")
     if isinstance(defaults, list) and len(defaults) != len(rows):
         raise ValueError(f"{len(defaults)} sampling params for {len(rows)} prompts")
-    for i, row in enumerate(rows):
-        if not isinstance(row, dict):
-            raise ValueError(f"prompt {i + 1}: expected a string or a dict, got {_kind(row)}")
-    return _validate(source, list(enumerate(rows, 1)), prompt_field, id_field, defaults,
-                     template)
+    rows = [row if isinstance(row, dict) else _BadLine(
+        f"expected a string or a dict, got {_a(_kind(row))}", {}) for row in rows]
+    return _validate("", list(enumerate(rows, 1)), prompt_field, id_field, defaults,
+                     template, unit=PROMPT_UNIT)
 
 
 def _validate(p: str, rows: list, prompt_field: str | None, id_field: str | None,
@@ -238,16 +253,17 @@ def _validate(p: str, rows: list, prompt_field: str | None, id_field: str | None
             first_line[key] = seen
             _check_fields(row, named)
             if template is not None:
-                prompt, messages, turns = None, [_render(template, row)], None
+                prompt, messages, turns, token_ids = None, [_render(template, row)], None, None
             else:
-                prompt, messages, turns = _prompt(row, prompt_field)
+                prompt, messages, turns, token_ids = _prompt(row, prompt_field)
             sampling = _sampling(row, defaults[line - 1] if isinstance(
                 defaults, list) else defaults, wide)
         except ValueError as e:
             errors.append(RecordError(p, line, rec_id, str(e), unit))
             continue
         records.append(Record(len(records), line, rec_id, source, prompt, messages, turns,
-                              sampling, id_from_line=seen[2], unit=unit))
+                              sampling, id_from_line=seen[2], unit=unit,
+                              prompt_token_ids=token_ids))
     return records, errors
 
 
@@ -360,7 +376,10 @@ def min_num_tokens(text: str, tokenizer, max_bytes: int) -> tuple[int, int]:
 def _prompt_texts(record: Record, tokenizer) -> Iterator[tuple[str, str]]:
     """(name, text) of each prompt the record feeds, as the tokenizer will see it: the plain
     prompt, or the chat as the chat template renders it; for ``turns``, the first turn's chat,
-    then each later turn's own text (the later prompt holds it, and more)."""
+    then each later turn's own text (the later prompt holds it, and more); none for token ids
+    (``count_tokens`` counts them)."""
+    if record.prompt_token_ids is not None:
+        return
     if record.prompt is not None:
         yield "prompt", record.prompt
         return
@@ -385,32 +404,49 @@ def out_of_vocabulary(sampling: SamplingParams, vocab_size: int) -> tuple[str, l
 
 def check_token_ids(records: Iterable[Record], vocab_size: int,
                     path: str | os.PathLike) -> list[RecordError]:
-    """Errors for records whose ``stop_token_ids`` or ``logit_bias`` name an id outside the
-    model's vocabulary (``out_of_vocabulary``)."""
+    """Errors for records whose ``prompt_token_ids``, ``stop_token_ids`` or ``logit_bias``
+    name an id outside the model's vocabulary (``out_of_vocabulary``): one per record, the
+    first such field named with its bad ids (the first ``MAX_IDS_SHOWN``)."""
     errors = []
     for r in records:
-        if (found := out_of_vocabulary(r.sampling, vocab_size)):
+        bad = [t for t in r.prompt_token_ids or () if t >= vocab_size]
+        found = ("prompt_token_ids", bad) if bad else out_of_vocabulary(r.sampling, vocab_size)
+        if found:
             name, bad = found
+            shown = ", ".join(map(str, bad[:MAX_IDS_SHOWN])) + (
+                f", ... ({len(bad)} ids)" if len(bad) > MAX_IDS_SHOWN else "")
             errors.append(RecordError(str(path), r.line, r.id,
-                                      f"{name} {bad} are not token ids of this model "
+                                      f"{name} [{shown}] are not token ids of this model "
                                       f"(its vocabulary has ids 0..{vocab_size - 1})", r.unit))
     return errors
+
+
+MAX_IDS_SHOWN = 10
 
 
 
 MAX_ERRORS_SHOWN = 20
 
 
+NO_VALID_RECORDS = "error: no valid records; nothing to run."
+
+
 def error_lines(errors: list[RecordError], on_error: str, level: str = "error",
-                can_skip: bool = True) -> list[str]:
-    """One line per bad record (the first ``MAX_ERRORS_SHOWN``), as the commands print them.
-    level: ``error`` when they stop the run, ``warning`` when ``--on-error skip`` leaves them
-    out and the run goes on. can_skip: whether the command has ``--on-error skip`` to suggest
-    (``bench`` has not)."""
+                can_skip: bool = True, none_valid: bool = False) -> list[str]:
+    """One line per bad record (the first ``MAX_ERRORS_SHOWN``), as the commands print them,
+    then at most one summary line. level: ``error`` when they stop the run, ``warning`` when
+    ``--on-error skip`` leaves them out and the run goes on. can_skip: whether the command has
+    ``--on-error skip`` to suggest (``bench`` has not). none_valid: no record can run (every
+    one is bad, or the input as a whole): one bad record is said by its own line alone (a JSON
+    array piped as JSONL, one prompt too long: one line), several end with
+    ``NO_VALID_RECORDS``; ``--on-error skip`` is not suggested (it would run nothing)."""
     lines = [f"{level}: {e}" for e in errors[:MAX_ERRORS_SHOWN]]
     if len(errors) > MAX_ERRORS_SHOWN:
         lines.append(f"... and {len(errors) - MAX_ERRORS_SHOWN} more")
-    if on_error == "fail":
+    if none_valid:
+        if len(errors) > 1:
+            lines.append(NO_VALID_RECORDS)
+    elif on_error == "fail":
         lines.append(f"{len(errors)} bad record(s); nothing was generated. Fix them"
                      + (", or pass --on-error skip to run the others." if can_skip else "."))
     return lines
@@ -599,8 +635,17 @@ def _dataset_rows(ds, columns: dict[str, list] | None = None
         yield "row", i + 1, row
 
 
-def _json_rows(data: bytes, suffix: str
+# what a JSONL input holding a JSON array is told to do instead
+_ARRAY_HINT = "a .json file may hold an array of records"
+_STDIN_ARRAY_HINT = ("standard input is read as JSONL: pass the array as a .json file, or pipe "
+                     "it through jq -c '.[]'")
+
+
+def _json_rows(data: bytes, suffix: str, array_hint: str = _ARRAY_HINT
                ) -> Iterator[tuple[str, int, dict | _BadLine | _WideInts]]:
+    """(unit, position, row) of JSON text read as ``suffix`` (``.jsonl`` or ``.json``).
+    array_hint: what a ``.jsonl`` input holding a JSON array is told (``_STDIN_ARRAY_HINT``
+    for standard input, which has no file name to change)."""
     if data.startswith(_BOM):
         data = data[len(_BOM):]
     head = data.lstrip()
@@ -610,8 +655,7 @@ def _json_rows(data: bytes, suffix: str
     if suffix == ".jsonl":
         if head.startswith(b"[") and not _parses(first):
             raise _FileError("expected one JSON object per line, got a JSON array over several "
-                             f"lines (from line {start}); a .json file may hold an array of "
-                             "records")
+                             f"lines (from line {start}); {array_hint}")
     else:
         reason = ""
         try:
@@ -648,7 +692,7 @@ def _json_rows(data: bytes, suffix: str
             return
         if whole is None and head.startswith(b"[") and not _parses(first):
             raise _FileError(f"looks like a JSON array but is not valid JSON: {reason}")
-    for n, row in _jsonl_rows(data):
+    for n, row in _jsonl_rows(data, array_hint):
         yield "line", n, row
 
 
@@ -738,7 +782,8 @@ def _duplicate_key_line(key: str, row: dict) -> _BadLine:
                     "of the two values silently; keep the one you mean", row, key)
 
 
-def _jsonl_rows(data: bytes) -> Iterator[tuple[int, dict | _BadLine | _WideInts]]:
+def _jsonl_rows(data: bytes, array_hint: str = _ARRAY_HINT
+                ) -> Iterator[tuple[int, dict | _BadLine | _WideInts]]:
     for n, raw in enumerate(data.split(_eol(data)), start=1):
         if not raw.strip():
             continue
@@ -755,7 +800,7 @@ def _jsonl_rows(data: bytes) -> Iterator[tuple[int, dict | _BadLine | _WideInts]
             yield n, _BadLine(f"invalid JSON at column {e.colno}: {e.msg}{mixed}")
             continue
         if not isinstance(value, dict):
-            hint = (" (a .json file may hold an array of records)" if isinstance(value, list)
+            hint = (f" ({array_hint})" if isinstance(value, list)
                     and any(isinstance(x, dict) for x in value) else "")
             yield n, _BadLine(f"expected one JSON object per line, got {_a(_kind(value))}{hint}",
                               {})
@@ -907,8 +952,9 @@ def _near_miss(name: str) -> str | None:
 
 
 def _prompt(row: dict, prompt_field: str | None
-            ) -> tuple[str | None, list[dict] | None, list[str] | None]:
-    """(prompt, messages, turns), one of them set, from the prompt field's value."""
+            ) -> tuple[str | None, list[dict] | None, list[str] | None, tuple[int, ...] | None]:
+    """(prompt, messages, turns, prompt_token_ids), one of them set, from the prompt field's
+    value."""
     if prompt_field is not None:
         if prompt_field not in row:
             raise ValueError(f"missing prompt field {prompt_field!r}")
@@ -924,6 +970,8 @@ def _prompt(row: dict, prompt_field: str | None
                 raise ValueError(f"no prompt: expected a field {', '.join(PROMPT_FIELDS)} "
                                  "(or choose one with --prompt-field)")
     value = row[name]
+    if name == "prompt_token_ids":
+        return None, None, None, _token_ids(value)
     if name == "messages" and not (isinstance(value, list) and value
                                    and all(isinstance(v, dict) for v in value)):
         # the chat field's name says what it holds: a string here is a mistake, not a prompt
@@ -936,18 +984,36 @@ def _prompt(row: dict, prompt_field: str | None
     if isinstance(value, str):
         if not value.strip():
             raise ValueError(f"{name} is empty")
-        return value, None, None
+        return value, None, None, None
     if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
         for i, turn in enumerate(value):
             if not turn.strip():
                 raise ValueError(f"{name}: turn {i + 1} is empty")
-        return None, None, list(value)
+        return None, None, list(value), None
     if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
-        return None, _messages(name, value), None
+        return None, _messages(name, value), None, None
     if isinstance(value, list) and not value:
         raise ValueError(f"{name} is an empty list")
+    ids = (" (token ids go in \"prompt_token_ids\")" if isinstance(value, list)
+           and all(_is_int(v) for v in value) else "")
     raise ValueError(f"{name} must be a string, a list of strings (turns) or a list of "
-                     f"{{role, content}} messages; got {_shape(value)}")
+                     f"{{role, content}} messages; got {_shape(value)}{ids}")
+
+
+def _token_ids(value) -> tuple[int, ...]:
+    """A ``prompt_token_ids`` value (vLLM's ``TokensPrompt``) as a tuple of ids; raises
+    ``ValueError`` naming the first bad entry. Ids past the vocabulary are the model's to
+    refuse (``check_token_ids``)."""
+    if not isinstance(value, list):
+        raise ValueError(f"prompt_token_ids must be a list of token ids (integers >= 0); got "
+                         f"{_a(_kind(value))}")
+    if not value:
+        raise ValueError("prompt_token_ids is an empty list")
+    for i, t in enumerate(value):
+        if not (_is_int(t) and t >= 0):
+            raise ValueError(f"prompt_token_ids[{i}]={_as_json(t)}: expected a token id (an "
+                             "integer >= 0)")
+    return tuple(value)
 
 
 def template_fields(template: str) -> list[str]:
@@ -1046,6 +1112,13 @@ def _parses(data: bytes) -> bool:
     return True
 
 
+def _as_json(value) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
 def _shape(value) -> str:
     """``an array of string and object`` / ``an empty list`` / ``_kind(value)``."""
     if isinstance(value, list):
@@ -1067,4 +1140,4 @@ def _kind(value) -> str:
 
 __all__ = ["Record", "RecordError", "read_records", "read_stdin", "input_name", "STDIN",
            "check_lengths", "template_fields", "order_warning", "unsupported_fields", "is_output",
-           "PROMPT_FIELDS", "ID_FIELDS", "OUTPUT_FIELDS"]
+           "PROMPT_FIELDS", "ID_FIELDS", "OUTPUT_FIELDS", "PROMPT_UNIT"]

@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from specbatch.models.registry import (REGISTRY, cache_root, find_model,
-                                      write_text_atomic)
+from specbatch.models.registry import (REGISTRY, cache_root, find_model,  # noqa: F401
+                                      registry_entry, write_text_atomic)
 
 logger = logging.getLogger("specbatch")
 
@@ -64,7 +64,8 @@ class ModelSource:
     path: the folder holding the GGUF file, or the HF folder itself; for "dummy", the
         ``$SPECBATCH_TOKENIZER`` folder, or ``.`` when the tokenizer comes from the package.
     gguf_file: the GGUF file name inside ``path``; None for "hf_folder" and "dummy".
-    name: what the user passed for a registry model; ``dummy:SHAPE:SEED`` for a dummy one (the
+    name: the registry name for a registry model (also where the user named it by its
+        Hugging Face id: one model, one ``model_id``); ``dummy:SHAPE:SEED`` for a dummy one (the
         seed always written); the absolute path otherwise.
     """
 
@@ -131,9 +132,10 @@ def resolve_model(name: str, cache_dir: str | Path | None = None) -> ModelSource
         shape, seed = dummy.parse_name(name)
         return ModelSource("dummy", dummy.tokenizer_folder() or Path("."), None,
                            dummy.canonical_name(shape, seed))
-    if kind == "registry":
-        path = REGISTRY[name].locate(cache_root(cache_dir))
-        return ModelSource("registry", path.parent, path.name, name)
+    if kind == "registry":  # by its registry name, also where named by its hub id
+        entry = registry_entry(name)
+        path = entry.locate(cache_root(cache_dir))
+        return ModelSource("registry", path.parent, path.name, entry.name)
     assert path is not None
     if kind == "gguf":
         return ModelSource("gguf", path.parent, path.name, str(path))

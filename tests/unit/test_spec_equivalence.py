@@ -160,12 +160,14 @@ def test_max_k_per_request_caps_drafts(setup):
     assert max(max(c.stats.k_histogram) for c in out[::2]) == 6
 
 
-@pytest.mark.parametrize("case", ["float64", "bfloat16"] + [b for b in BACKENDS if b[:2] == "c-"])
+@pytest.mark.parametrize("case", ["float64", "bfloat16", "float16"]
+                         + [b for b in BACKENDS if b[:2] == "c-"])
 def test_long_prompt_admitted_mid_run(case):
     """A 300-token prompt admitted while other rows decode is prefilled over several steps (a
     budget of 32 prompt tokens per forward: one attention chunk of 64 per step), each step beside the running rows'
     verify steps; every answer equals plain decoding at batch 1 with the prompts prefilled
-    whole, in float64 and bit for bit in bfloat16 (where a greedy flip needs one ulp), and on
+    whole, in float64 and bit for bit in bfloat16 and float16 (torch's kernels, where a greedy
+    flip needs one ulp), and on
     the C kernels (float32, int8), whose prefill runs the decode step per prompt token."""
     model = tiny_llama(VOCAB, seed=9)
     model = BACKENDS[case].convert(model) if case in BACKENDS else model.to(getattr(torch, case))

@@ -335,3 +335,174 @@ def test_an_interrupted_stdin_run_says_the_same_input_must_be_piped_again(tmp_pa
                 signal.signal(sig, handler)
         err = capsys.readouterr().err
         assert err.strip().splitlines()[-1] == hint, err
+
+
+@pytest.mark.parametrize("written", ["float16", "half"])
+def test_float16_runs_from_the_cli_as_from_the_api(tmp_path, tiny_gguf, written):
+    """``--dtype float16`` (and vLLM's ``half``) was no CLI choice while ``LLM(dtype=...)``
+    took both: the one list (``config.DTYPE_CHOICES``) is now the CLI's choices and the API's
+    check. A float16 run with ngram at batch 2 writes plain decoding's batch-1 tokens (the API,
+    float16) and records dtype float16; a dtype neither knows is refused by both, listing the
+    same choices."""
+    from specbatch import LLM
+    from specbatch.config import DTYPE_CHOICES, EngineConfig
+
+    src = tmp_path / "in.jsonl"
+    prompts = ["abc abc abc abc", "x y z x y z", "hello"]
+    src.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n"
+                           for i, p in enumerate(prompts)))
+    out = tmp_path / "out.jsonl"
+    r = CliRunner().invoke(main, ["run", str(src), "-o", str(out), "--model", str(tiny_gguf),
+                                  "--cache-dir", str(tmp_path / "c"), "--dtype", written,
+                                  "--method", "ngram", "--k", "3", "--max-batch-size", "2",
+                                  "--max-tokens", "8", "--no-progress"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(Path(f"{out}.config.json").read_text())["dtype"] == "float16"
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    llm = LLM(model=str(tiny_gguf), method="none", dtype=written, max_batch_size=1,
+              cache_dir=str(tmp_path / "c"))
+    assert llm.engine_config.dtype == "float16"
+    assert str(llm.loaded.model.dtype) == "torch.float16"
+    api = llm.generate(prompts, SamplingParams(max_tokens=8), use_tqdm=False)
+    assert [row["output_token_ids"] for row in rows] == [o.token_ids for o in api]
+    assert all(len(o.token_ids) >= 1 for o in api)
+    r = CliRunner().invoke(main, ["run", str(src), "-o", str(tmp_path / "x.jsonl"),
+                                  "--dtype", "fp16"])
+    assert r.exit_code == 2
+    with pytest.raises(ConfigError) as e:
+        EngineConfig(dtype="fp16")
+    assert str(e.value) == f"dtype='fp16': expected one of {', '.join(DTYPE_CHOICES)}"
+    assert all(f"'{c}'" in r.output for c in DTYPE_CHOICES), r.output
+
+
+def test_token_id_prompts_give_the_outputs_of_their_text(tmp_path, tiny_gguf):
+    """vLLM's ``{"prompt_token_ids": [...]}`` (``TokensPrompt``): ``generate`` runs the ids as
+    given, with the outputs (ids, text, greedy and sampled) of the text they encode;
+    ``get_tokenizer()`` is the tokenizer that encoded it (vLLM's)."""
+    from transformers import PreTrainedTokenizerBase
+
+    from specbatch import LLM
+
+    llm = LLM(model=str(tiny_gguf), method="ngram", k=3, max_batch_size=2,
+              cache_dir=str(tmp_path / "c"))
+    tokenizer = llm.get_tokenizer()
+    assert tokenizer is llm.tokenizer and isinstance(tokenizer, PreTrainedTokenizerBase)
+    texts = ["abc abc abc abc", "x y z x y z", "hello there"]
+    for sp in (SamplingParams(max_tokens=8), SamplingParams(temperature=0.9, max_tokens=8)):
+        by_text = llm.generate(texts, sp, use_tqdm=False)
+        assert [o.prompt_token_ids for o in by_text] == [tokenizer.encode(t) for t in texts]
+        by_ids = llm.generate([{"prompt_token_ids": o.prompt_token_ids} for o in by_text], sp,
+                              use_tqdm=False)
+        assert [o.prompt_token_ids for o in by_ids] == [o.prompt_token_ids for o in by_text]
+        assert [o.token_ids for o in by_ids] == [o.token_ids for o in by_text]
+        assert [o.text for o in by_ids] == [o.text for o in by_text]
+        assert all(len(o.token_ids) == 8 or o.finish_reason == "stop" for o in by_ids)
+
+
+def test_token_id_prompts_in_a_jsonl_file_and_their_errors(tmp_path, tiny_gguf):
+    """``prompt_token_ids`` is a prompt field of ``specbatch run``'s records too: the same
+    output as the text; an id past the vocabulary (once the model is loaded), an empty list, a
+    negative id are one line naming the record, from the CLI as from the API."""
+    from specbatch import LLM
+
+    llm = LLM(model=str(tiny_gguf), method="none", cache_dir=str(tmp_path / "c"))
+    vocab = llm.loaded.model.config.vocab_size
+    ids = llm.get_tokenizer().encode("abc abc abc")
+    src = tmp_path / "in.jsonl"
+    good = [{"id": "text", "prompt": "abc abc abc"}, {"id": "ids", "prompt_token_ids": ids}]
+    bad = [{"id": "oov", "prompt_token_ids": [1, vocab, vocab + 5]},
+           {"id": "empty", "prompt_token_ids": []},
+           {"id": "neg", "prompt_token_ids": [3, -1]},
+           {"id": "both", "prompt": "a", "prompt_token_ids": [3]}]
+    src.write_text("".join(json.dumps(r) + "\n" for r in good + bad))
+    out = tmp_path / "out.jsonl"
+    common = ["run", str(src), "--model", str(tiny_gguf), "--cache-dir", str(tmp_path / "c"),
+              "--method", "ngram", "--max-tokens", "6", "--no-progress"]
+    r = CliRunner().invoke(main, [*common, "-o", str(out)])
+    assert r.exit_code == 2
+    said = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert said == [
+        f"error: {src}:4: id='empty': prompt_token_ids is an empty list",
+        f"error: {src}:5: id='neg': prompt_token_ids[1]=-1: expected a token id (an integer "
+        ">= 0)",
+        f"error: {src}:6: id='both': both prompt and prompt_token_ids are given; keep one"
+    ], r.stderr  # the input's errors, before the model loads
+    r = CliRunner().invoke(main, [*common, "-o", str(out), "--on-error", "skip"])
+    assert r.exit_code == 0, r.output
+    assert (f"warning: {src}:3: id='oov': prompt_token_ids [{vocab}, {vocab + 5}] are not "
+            f"token ids of this model (its vocabulary has ids 0..{vocab - 1})"
+            in r.stderr.splitlines()), r.stderr
+    rows = {row["id"]: row for row in map(json.loads, out.read_text().splitlines())}
+    assert rows["ids"]["output_token_ids"] == rows["text"]["output_token_ids"]
+    assert rows["ids"]["output"] == rows["text"]["output"]
+    assert rows["ids"]["usage"] == rows["text"]["usage"]
+    assert rows["ids"]["prompt_token_ids"] == ids  # echoed as given
+    api = llm.generate("abc abc abc", SamplingParams(max_tokens=6), use_tqdm=False)[0]
+    assert api.token_ids == rows["ids"]["output_token_ids"]
+    with pytest.raises(ValueError) as e:
+        llm.generate([{"prompt_token_ids": ids}, *bad])
+    assert str(e.value) == (
+        "prompt 3: id='empty': prompt_token_ids is an empty list; "
+        "prompt 4: id='neg': prompt_token_ids[1]=-1: expected a token id (an integer >= 0); "
+        "prompt 5: id='both': both prompt and prompt_token_ids are given; keep one; "
+        f"prompt 2: id='oov': prompt_token_ids [{vocab}, {vocab + 5}] are not token ids of "
+        f"this model (its vocabulary has ids 0..{vocab - 1})")
+
+
+def test_api_errors_name_the_prompt_by_its_place(tmp_path, tiny_gguf):
+    """Every bad prompt of ``generate`` is named alike, ``prompt N:`` (N from 1), with
+    ``id=ID`` where the prompt has its own id: they read ``<records>:2: id=2:``,
+    ``<prompts>:5: id=5:`` (too long for the context) and ``prompt 3:`` (no dict, raised
+    alone)."""
+    from specbatch import LLM
+
+    llm = LLM(model=str(tiny_gguf), method="none", cache_dir=str(tmp_path / "c"),
+              max_model_len=40)
+    n = len(llm.get_tokenizer().encode("x " * 60))
+    with pytest.raises(ValueError) as e:
+        llm.generate(["fine", "  ", 5, {"id": "a", "prompt": ""}, "x " * 60,
+                      {"prompt": "ok", "temperature": -1}])
+    assert str(e.value) == (
+        "prompt 2: prompt is empty; "
+        "prompt 3: expected a string or a dict, got a number; "
+        "prompt 4: id='a': prompt is empty; "
+        "prompt 6: invalid sampling field: temperature=-1: expected a number >= 0; "
+        f"prompt 5: prompt is {n} tokens; the context limit is 40 (max_model_len)"), str(e.value)
+
+
+def test_a_json_array_or_a_too_long_prompt_on_stdin_is_one_line(tmp_path, tiny_gguf):
+    """``specbatch run - -o OUT`` given a JSON array (one line or several) or one prompt too
+    long for the context prints one line, naming the line, exit 2 (a second line said "no
+    valid records", or suggested --on-error skip "to run the others": there were none);
+    several bad records end with the one summary line."""
+    from specbatch.models.loader import load_tokenizer
+
+    common = ["--model", str(tiny_gguf), "--cache-dir", str(tmp_path / "c"), "--method", "none",
+              "--max-model-len", "40", "--no-progress"]
+    n = len(load_tokenizer(str(tiny_gguf), str(tmp_path / "c"))[0].encode("x " * 60))
+    hint = ("standard input is read as JSONL: pass the array as a .json file, or pipe it "
+            "through jq -c '.[]'")
+    cases = [
+        ('[{"prompt": "a"}, {"prompt": "b"}]\n',
+         [f"error: <stdin>:1: id=1: expected one JSON object per line, got an array ({hint})"]),
+        ('[\n {"prompt": "a"},\n {"prompt": "b"}\n]\n',
+         ["error: <stdin>: expected one JSON object per line, got a JSON array over several "
+          f"lines (from line 1); {hint}"]),
+        (json.dumps({"prompt": "x " * 60}) + "\n",
+         [f"error: <stdin>:1: id=1: prompt is {n} tokens; the context limit is 40 "
+          "(--max-model-len)"]),
+        ('hello\n{"prompt": ""}\n',
+         ["error: <stdin>:1: invalid JSON at column 1: unexpected character, expected a JSON "
+          "value", "error: <stdin>:2: id=2: prompt is empty",
+          "error: no valid records; nothing to run."]),
+    ]
+    for i, (text, lines) in enumerate(cases):
+        for on_error in ("fail", "skip"):
+            out = tmp_path / f"o{i}{on_error}.jsonl"
+            r = CliRunner().invoke(main, ["run", "-", "-o", str(out), *common, "--on-error",
+                                          on_error], input=text)
+            assert r.exit_code == 2, r.output
+            said = [line for line in r.stderr.splitlines() if not line.startswith(
+                ("cpu:", "loading model", "model ready", "warning: the machine is busy"))]
+            assert said == lines, r.stderr
+            assert not out.exists()
