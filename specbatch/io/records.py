@@ -421,10 +421,7 @@ def check_token_ids(records: Iterable[Record], vocab_size: int,
     return errors
 
 
-MAX_IDS_SHOWN = 10
-
-
-
+MAX_IDS_SHOWN = 10  # bad token ids a record's error lists
 MAX_ERRORS_SHOWN = 20
 
 
