@@ -8,8 +8,9 @@ forward's logits come padded ``[B, Q, V]``; ``token_index [T]`` (``b * Q + j``) 
 queries out of them without a host sync.
 
 Every field is written into one host int64 buffer (float64 fields bit-cast, exact) and copied to
-the device with one copy (``_Packer``); the fields on the device are views of that buffer. The
-results of the step come back with one device-to-host copy (``fetch_step_results``).
+the device with one copy (``_Packer``); the fields on the device are views of that buffer (on
+the CPU, views of the host tensors, no copy). The results of the step come back with one
+device-to-host copy (``fetch_step_results``).
 
 Per-token sampling fields live in ``SamplingMetadata``: a new logits processor that needs a
 per-token value (a penalty, ``min_p``, a bias) adds a field there and one line in
@@ -29,32 +30,42 @@ DRAFT_PAD_ID = -1  # placeholder in padded draft_ids; never equal to a target to
 
 
 class _Packer:
-    """Host lists -> one int64 host buffer -> one copy to the device -> named device views.
+    """Host lists -> one int64 and one float64 host tensor -> named views; on another device
+    than the CPU, the two as one int64 buffer (float64 bit-cast, exact) and one copy.
 
-    Float64 fields are bit-cast into int64 slots (``Tensor.view``), so they arrive exact.
+    Two ``torch.tensor`` calls a step, whatever the fields: one per field (and a copy of each
+    into the buffer) took ~0.15 ms of a batch-1 step's ~0.3 ms of host work on the CPU (EPYC
+    Zen 4), where the fields need no copy at all.
     """
 
     def __init__(self) -> None:
-        self._parts: list[tuple[str, torch.Tensor, torch.dtype, tuple[int, ...]]] = []
+        self._values: dict[torch.dtype, list] = {torch.int64: [], torch.float64: []}
+        # name, dtype, start and length in its dtype's list, shape
+        self._parts: list[tuple[str, torch.dtype, int, int, tuple[int, ...]]] = []
 
     def add(self, name: str, values, dtype: torch.dtype = torch.int64,
             shape: tuple[int, ...] | None = None) -> None:
-        t = torch.tensor(values, dtype=dtype, device="cpu")
-        self._parts.append((name, t.reshape(-1).view(torch.int64), dtype,
-                            tuple(t.shape) if shape is None else shape))
+        """values: a flat sequence of ints (or floats where dtype is float64); shape: its
+        shape (default: flat)."""
+        vals = self._values[dtype]
+        start = len(vals)
+        vals.extend(values)
+        n = len(vals) - start
+        self._parts.append((name, dtype, start, n, (n,) if shape is None else shape))
 
     def to(self, device: torch.device) -> dict[str, torch.Tensor]:
-        host = torch.cat([p[1] for p in self._parts])
-        if device.type == "cuda":
-            buf = host.pin_memory().to(device, non_blocking=True)
-        else:
-            buf = host.to(device)
-        out, start = {}, 0
-        for name, flat, dtype, shape in self._parts:
-            n = flat.numel()
-            out[name] = buf[start:start + n].view(dtype).view(shape)
-            start += n
-        return out
+        ints = torch.tensor(self._values[torch.int64], dtype=torch.int64)
+        floats = torch.tensor(self._values[torch.float64], dtype=torch.float64)
+        if device.type != "cpu":
+            host = torch.cat([ints, floats.view(torch.int64)])
+            if device.type == "cuda":
+                buf = host.pin_memory().to(device, non_blocking=True)
+            else:
+                buf = host.to(device)
+            ints, floats = buf[:ints.numel()], buf[ints.numel():].view(torch.float64)
+        src = {torch.int64: ints, torch.float64: floats}
+        return {name: src[dtype][start:start + n].view(shape)
+                for name, dtype, start, n, shape in self._parts}
 
 
 @dataclass
