@@ -27,7 +27,7 @@ from specbatch.engine import logits as logits_processing
 from specbatch.engine.runner import ModelRunner
 from specbatch.engine.scheduler import Scheduler
 from specbatch.engine.sequence import LogprobEntry, Request, Sequence, StopRules
-from specbatch.engine.step_metadata import StepMetadata, fetch_step_results
+from specbatch.engine.step_metadata import StepMetadata, StepResults, fetch_step_results
 from specbatch.spec_decode.caps import draft_cap
 from specbatch.spec_decode.proposer import Proposer
 from specbatch.spec_decode.stats import SpecStats
@@ -249,8 +249,7 @@ class Engine:
         if not want_logprobs and not bias_or_penalties:
             greedy = greedy_accept(logits, meta, bitmask)  # all-greedy on the CPU: one pass
         if greedy is not None:
-            target, num_accepted, has_nan = greedy
-            scaled = None
+            res, scaled = StepResults(*greedy), None
         else:
             # grammar masks, logit_bias, penalties (engine.logits), when any row has them
             process = None
@@ -260,7 +259,7 @@ class Engine:
             target, num_accepted, scaled = sample_and_accept(logits, meta, process,
                                                              want_logprobs)
             has_nan = torch.isnan(logits.amax(dim=-1)).any(dim=1)  # amax keeps a NaN: [B]
-        res = fetch_step_results(num_accepted, has_nan, target)
+            res = fetch_step_results(num_accepted, has_nan, target)
         if want_logprobs:
             scaled = scaled.cpu()
         offsets = meta.cu_num_fed_host

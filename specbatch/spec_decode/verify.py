@@ -73,16 +73,19 @@ def _target_grid(ids: torch.Tensor, meta, bsz: int, qlen: int) -> torch.Tensor:
 
 
 def greedy_accept(logits: torch.Tensor, meta, bitmask: torch.Tensor | None = None,
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+                  ) -> tuple[list[int], list[bool], list[list[int]]] | None:
     """An all-greedy step on the CPU in one pass per fed position (``kernels.select_cpu``, C):
     the argmax among the tokens ``bitmask`` allows (``engine.logits.step_bitmask``; None: all),
-    as ``sample_and_accept`` with the masks as its ``process`` would choose, and each row's NaN
-    flag from its fed positions.
+    as ``sample_and_accept`` with the masks as its ``process`` would choose, then acceptance
+    and each row's NaN flag on the host (a step's few fed positions: torch's ops on them cost
+    more than the loop).
 
     logits: ``[B, Q, V]`` float32 on the CPU; meta: the step's ``StepMetadata``.
-    Returns (target ids ``[B, Q]`` int64, padded slots -1; accepted draft tokens ``[B]``
-    int64; has_nan ``[B]`` bool), or None where it does not apply: another device or dtype, a
-    row sampling at T > 0, a banned token (``min_tokens``), or no C kernels.
+    Returns host lists, as ``engine.step_metadata.fetch_step_results`` gives them: accepted
+    draft tokens per row (``B`` ints), whether a row's fed logits held a NaN (``B`` bools) and
+    the target's token at each fed position (``B`` lists of ``Q`` ints, padded slots -1); or
+    None where it does not apply: another device or dtype, a row sampling at T > 0, a banned
+    token (``min_tokens``), or no C kernels.
     """
     sm = meta.sampling
     if (logits.device.type != "cpu" or logits.dtype != torch.float32 or not sm.all_greedy
@@ -97,10 +100,19 @@ def greedy_accept(logits: torch.Tensor, meta, bitmask: torch.Tensor | None = Non
     bsz, qlen, vocab = logits.shape
     ids, nan = select_cpu.greedy_select(logits.reshape(bsz * qlen, vocab), meta.token_index,
                                         bitmask)
-    target = _target_grid(ids, meta, bsz, qlen)
-    has_nan = torch.zeros(bsz, dtype=torch.bool)
-    has_nan[meta.token_index[nan] // qlen] = True
-    return target, sampler.count_accepted(target, meta.draft_ids, meta.num_draft), has_nan
+    ids, nan, drafts = ids.tolist(), nan.tolist(), meta.draft_ids.tolist()
+    accepted, has_nan, target = [], [], []
+    start = 0
+    for fed, draft in zip(meta.num_fed, drafts):
+        row = ids[start:start + fed]
+        n = 0  # draft j is accepted iff it equals the target's token there and 0..j-1 were
+        while n < fed - 1 and draft[n] == row[n]:
+            n += 1
+        accepted.append(n)
+        has_nan.append(any(nan[start:start + fed]))
+        target.append(row + [-1] * (qlen - fed))
+        start += fed
+    return accepted, has_nan, target
 
 
 def _use_kernel(logits: torch.Tensor) -> bool:

@@ -64,3 +64,50 @@ def test_rows_of_a_padded_step_by_index():
     index = torch.tensor([0, 1, 5, 10, 11, 12, 13], dtype=torch.int64)
     ids, _ = select_cpu.greedy_select(step.view(15, 300), index)
     assert torch.equal(ids, torch.argmax(step.view(15, 300)[index], dim=-1))
+
+
+def test_greedy_accept_equals_sample_and_accept():
+    """``verify.greedy_accept`` (C choice, acceptance and NaN flags on the host) gives what the
+    torch path gives (``sample_and_accept`` at T = 0, NaN from the logits, one fetch): accepted
+    counts and the target grid with its padding (of the rows without a NaN: those end in an
+    error), NaN rows, on 200 random steps of 1-6 rows with
+    drafts of 0-5 tokens that the target partly takes, padded queries and NaN logits."""
+    import random
+    from types import SimpleNamespace
+
+    from specbatch.config import SamplingParams
+    from specbatch.engine.step_metadata import StepMetadata, fetch_step_results
+    from specbatch.spec_decode.verify import greedy_accept, sample_and_accept
+
+    rng, vocab, seen = random.Random(0), 50, {"accepted": 0, "nan": 0}
+    sp = SamplingParams(temperature=0.0, max_tokens=64)
+    no_stops = SimpleNamespace(stop_ids=lambda s: set())
+    for _ in range(200):
+        b = rng.randint(1, 6)
+        drafts = [[rng.randrange(vocab) for _ in range(rng.choice([0, 0, 1, 3, 5]))]
+                  for _ in range(b)]
+        seqs = [SimpleNamespace(token_ids=list(range(5 + i)), num_output_tokens=1, sampling=sp,
+                                request=SimpleNamespace(seed=0), row=i) for i in range(b)]
+        meta = StepMetadata.build(seqs, drafts, no_stops, torch.device("cpu"),
+                                  rng.choice([None, 8]))
+        logits = torch.randn(b, meta.query_len, vocab)
+        for i, d in enumerate(drafts):
+            for j, t in enumerate(d):
+                if rng.random() < 0.7:
+                    logits[i, j, t] = 100.0
+        if rng.random() < 0.2:
+            logits[rng.randrange(b), 0, rng.randrange(vocab)] = float("nan")
+        target, accepted, _ = sample_and_accept(logits, meta)
+        nan = torch.isnan(logits.amax(dim=-1)).any(dim=1)
+        ref = fetch_step_results(accepted, nan, target)
+        ref.target_ids = [[t if j < n else -1 for j, t in enumerate(row)]
+                          for row, n in zip(ref.target_ids, meta.num_fed)]
+        got = greedy_accept(logits, meta)
+        assert got is not None
+        assert got[1] == ref.has_nan
+        ok = [i for i, bad in enumerate(ref.has_nan) if not bad]  # a NaN row ends in an error
+        assert [got[0][i] for i in ok] == [ref.num_accepted[i] for i in ok]
+        assert [got[2][i] for i in ok] == [ref.target_ids[i] for i in ok]
+        seen["accepted"] += sum(ref.num_accepted)
+        seen["nan"] += sum(ref.has_nan)
+    assert seen["accepted"] > 100 and seen["nan"] > 10  # both cases were exercised
