@@ -363,6 +363,8 @@ class EngineConfig:
                "max_prefill_tokens", self.max_prefill_tokens, "an integer >= 1")
         _check(isinstance(self.prefix_caching, bool), "prefix_caching", self.prefix_caching,
                "true or false")
+        if type(self.dtype).__module__ == "torch":  # vLLM takes a torch.dtype: torch.float16
+            object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
         _check(isinstance(self.dtype, str) and self.dtype in DTYPE_CHOICES, "dtype", self.dtype,
                f"one of {', '.join(DTYPE_CHOICES)}")
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))

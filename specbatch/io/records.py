@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import numbers
 import os
 import re
 import string
@@ -253,6 +254,9 @@ def _validate(p: str, rows: list, prompt_field: str | None, id_field: str | None
             first_line[key] = seen
             _check_fields(row, named)
             if template is not None:
+                if row.get("prompt_token_ids") is not None:
+                    raise ValueError("prompt_token_ids is given with a template, which builds "
+                                     "the prompt from the record's fields; keep one")
                 prompt, messages, turns, token_ids = None, [_render(template, row)], None, None
             else:
                 prompt, messages, turns, token_ids = _prompt(row, prompt_field)
@@ -1001,16 +1005,20 @@ def _token_ids(value) -> tuple[int, ...]:
     """A ``prompt_token_ids`` value (vLLM's ``TokensPrompt``) as a tuple of ids; raises
     ``ValueError`` naming the first bad entry. Ids past the vocabulary are the model's to
     refuse (``check_token_ids``)."""
+    if isinstance(value, tuple) or (hasattr(value, "tolist") and getattr(value, "ndim", 0) == 1):
+        value = list(value.tolist() if hasattr(value, "tolist") else value)  # numpy, a tensor
     if not isinstance(value, list):
         raise ValueError(f"prompt_token_ids must be a list of token ids (integers >= 0); got "
                          f"{_a(_kind(value))}")
     if not value:
         raise ValueError("prompt_token_ids is an empty list")
     for i, t in enumerate(value):
-        if not (_is_int(t) and t >= 0):
-            raise ValueError(f"prompt_token_ids[{i}]={_as_json(t)}: expected a token id (an "
-                             "integer >= 0)")
-    return tuple(value)
+        # numpy's integers (np.int64) are integers too
+        integer = isinstance(t, numbers.Integral) and not isinstance(t, bool)
+        if not (integer and t >= 0):
+            raise ValueError(f"prompt_token_ids[{i}]={_as_json(int(t) if integer else t)}: "
+                             "expected a token id (an integer >= 0)")
+    return tuple(int(t) for t in value)
 
 
 def template_fields(template: str) -> list[str]:

@@ -506,3 +506,32 @@ def test_a_json_array_or_a_too_long_prompt_on_stdin_is_one_line(tmp_path, tiny_g
                 ("cpu:", "loading model", "model ready", "warning: the machine is busy"))]
             assert said == lines, r.stderr
             assert not out.exists()
+
+
+def test_token_ids_from_numpy_and_torch_dtypes_as_vllm_takes_them():
+    """vLLM habits the fresh-user pass hit: numpy ids (an array, np.int64 items) are token ids;
+    ``TokensPrompt`` imports from ``specbatch``; ``dtype=torch.float16`` is ``float16``; a
+    record with ``prompt_token_ids`` under a template is refused in one line (the template
+    builds the prompt: the ids were silently dropped)."""
+    import numpy as np
+    import torch
+
+    from specbatch import TokensPrompt
+    from specbatch.config import EngineConfig
+    from specbatch.io.records import records_from_rows
+
+    rows = [TokensPrompt(prompt_token_ids=np.array([5, 6, 7])),
+            {"prompt_token_ids": [np.int64(5), np.int64(6), np.int64(7)]},
+            {"prompt_token_ids": torch.tensor([5, 6, 7])}, {"prompt_token_ids": [5, 6, 7]}]
+    records, errors = records_from_rows(rows)
+    assert errors == [] and [r.prompt_token_ids for r in records] == [(5, 6, 7)] * 4
+    assert all(type(t) is int for r in records for t in r.prompt_token_ids)
+    _, errors = records_from_rows([{"prompt_token_ids": [np.int64(-1)]}])
+    assert [str(e) for e in errors] == [
+        "prompt 1: prompt_token_ids[0]=-1: expected a token id (an integer >= 0)"]
+    assert EngineConfig(dtype=torch.float16, device="cpu").dtype == "float16"
+    assert EngineConfig(dtype=torch.float, device="cpu").dtype == "float32"
+    _, errors = records_from_rows([{"prompt_token_ids": [1, 2], "x": "hi"}], template="say {x}")
+    assert [str(e) for e in errors] == [
+        "prompt 1: prompt_token_ids is given with a template, which builds the prompt from the "
+        "record's fields; keep one"]
