@@ -15,6 +15,7 @@ import click
 import orjson
 
 from specbatch.analyze.load import RunFile, load_run
+from specbatch.analyze.plots import MIN_CONDITIONAL_SUPPORT
 from specbatch.analyze.tables import (ALL, NO_GROUPS, default_grouping, differing_settings,
                                       distinct_rows, file_tables, group_table, record_groups)
 
@@ -273,11 +274,13 @@ def _per_position_text(rows: list[dict], w: int) -> list[str]:
         return []
     if all(r["acceptance_rate_per_pos"] is not None for r in rows):
         lines = ["per-position acceptance rate: accepted / drafts that reached the position "
-                 "(draft position 1 to the longest draft):",
+                 "(draft position 1 to the longest draft; *: fewer than "
+                 f"{MIN_CONDITIONAL_SUPPORT} drafts reached it, a rate to read with care):",
                  f"{'group':<{w}}" + "".join(f"{i + 1:>7}" for i in range(num_pos))]
         for r in rows:
-            lines.append(f"{r['group']:<{w}}"
-                         + "".join(f"{_f(x):>7}" for x in r["acceptance_rate_per_pos"]))
+            cells = [_f(x) + ("" if n >= MIN_CONDITIONAL_SUPPORT else "*")
+                     for x, n in zip(r["acceptance_rate_per_pos"], r["num_draft_tokens_per_pos"])]
+            lines.append(f"{r['group']:<{w}}" + "".join(f"{c:>7}" for c in cells))
         return lines
     lines = ["per-position acceptance, unconditional/conditional (draft position 1 to the "
              "longest draft; a file written before spec.num_draft_tokens_per_pos does not say "

@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from specbatch.analyze.load import config_path, load_run, upgrade_spec
+from specbatch.analyze.plots import MIN_CONDITIONAL_SUPPORT
 from specbatch.commands.analyze import format_text
 from specbatch.config import SamplingParams, SpecConfig
 from specbatch.io.records import read_records
@@ -131,7 +132,12 @@ def test_suffix_records_count_the_drafts_that_reach_each_position(suffix_run):
     head = next(i for i in range(at, len(lines)) if lines[i].startswith("per-position"))
     assert lines[head].startswith("per-position acceptance rate: accepted / drafts that "
                                   "reached the position")
-    assert lines[head + 2].split() == [f"suffix:k={K}"] + [f"{x:.2f}" for x in rates]
+    # a rate from fewer than MIN_CONDITIONAL_SUPPORT drafts is starred, as the plot leaves it
+    # out (a suffix run's last positions read 1.00 from one draft each)
+    shown = [f"{x:.2f}" + ("" if n >= MIN_CONDITIONAL_SUPPORT else "*")
+             for x, n in zip(rates, drafted)]
+    assert shown[-1].endswith("*") and not shown[0].endswith("*")
+    assert lines[head + 2].split() == [f"suffix:k={K}"] + shown
 
 
 def _old_format(spec: dict) -> dict:
@@ -202,7 +208,8 @@ def test_a_hand_made_old_record(tmp_path):
     text = format_text(doc)
     assert _per_pos_columns(text, "proposer") == 7
     assert "suffix:k=15" not in text
-    assert "suffix:k=5 0.75 0.25 0.33 1.00 1.00 1.00 0.00" in " ".join(text.split())
+    # every position reached by fewer than MIN_CONDITIONAL_SUPPORT drafts: starred
+    assert "suffix:k=5 0.75* 0.25* 0.33* 1.00* 1.00* 1.00* 0.00*" in " ".join(text.split())
     # an old record whose histogram does not account for its drafts: the drafts that reached
     # each position are unknown, and the table says what it prints instead
     rows[1]["spec"]["k_histogram"] = {}
