@@ -54,8 +54,8 @@ class _Packer:
         self._parts.append((name, dtype, start, n, (n,) if shape is None else shape))
 
     def to(self, device: torch.device) -> dict[str, torch.Tensor]:
-        ints = torch.tensor(self._values[torch.int64], dtype=torch.int64)
-        floats = torch.tensor(self._values[torch.float64], dtype=torch.float64)
+        ints = torch.tensor(self._values[torch.int64], dtype=torch.int64, device="cpu")
+        floats = torch.tensor(self._values[torch.float64], dtype=torch.float64, device="cpu")
         if device.type != "cpu":
             host = torch.cat([ints, floats.view(torch.int64)])
             if device.type == "cuda":
