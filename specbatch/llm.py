@@ -352,7 +352,7 @@ class LLM:
         cost, path, measured = costmodel.load_or_calibrate(
             forward or LlamaForward(self.loaded.model), key, self.engine_config.dtype,
             cache_root(self.cache_dir), recalibrate=recalibrate, echo=echo or self.echo,
-            purpose=purpose, lookup=model_id is None)
+            purpose=purpose)
         fits[key] = (cost, path)
         return cost, path, measured
 
@@ -364,7 +364,7 @@ class LLM:
         file) when it is no usable calibration."""
         from pathlib import Path
 
-        from specbatch.auto.costmodel import load, other_engine, with_lookup_seconds
+        from specbatch.auto.costmodel import load, other_engine
 
         cost = load(path)
         if (why := cost.problem()) is not None:
@@ -376,7 +376,7 @@ class LLM:
             warnings.append(f"measured at dtype {cost.dtype}, not {self.engine_config.dtype}")
         if (why := other_engine(cost)) is not None:
             warnings.append(why)
-        self.__dict__["_pinned"] = (with_lookup_seconds(cost), Path(path))
+        self.__dict__["_pinned"] = (cost, Path(path))
         return [f"--calibration {path}: {w}; used anyway"
                 for w in warnings]
 
@@ -387,10 +387,10 @@ class LLM:
         the file)."""
         from pathlib import Path
 
-        from specbatch.auto.costmodel import load_job_fits, with_lookup_seconds
+        from specbatch.auto.costmodel import load_job_fits
 
         target, draft = load_job_fits(path)
-        self.__dict__["_pinned"] = (with_lookup_seconds(target), Path(path))
+        self.__dict__["_pinned"] = (target, Path(path))
         if draft is not None:
             key = self.draft_model_id or "draft"
             self.__dict__.setdefault("_fits", {})[key] = (draft, Path(path))

@@ -227,7 +227,7 @@ def _draft_candidate(proposer, setup):
 def _suffix_candidate(proposer, setup):
     from specbatch.auto.candidate import SuffixCandidate
 
-    return SuffixCandidate(proposer, setup.suffix_lookup_seconds)
+    return SuffixCandidate(proposer)
 
 
 _SUFFIX_NOTE = ("suffix drafts depend on the records that finished before (job order), so they "

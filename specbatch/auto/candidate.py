@@ -24,7 +24,6 @@ cap), ``DraftModelCandidate`` and ``SuffixCandidate``.
 
 from __future__ import annotations
 
-import time
 from bisect import bisect_right
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
@@ -56,9 +55,6 @@ SUFFIX_MATCH_BINS = 8  # matched tokens behind a suffix draft position: 1 .. 8 (
 LOOKUP_CALIBRATION_BIN = 0.1
 LOOKUP_CALIBRATION_PRIOR = 2.0  # pseudo-trials at the estimate itself, per bin
 _LAST_CALIBRATION_BIN = round(1 / LOOKUP_CALIBRATION_BIN) - 1
-# a suffix lookup's CPU seconds per row where none was measured (a fit written before
-# ``CostModel.lookup_seconds``): ~what ``measure_suffix_lookup`` gives on an AVX-512 EPYC
-DEFAULT_LOOKUP_SECONDS = 30e-6
 
 
 class Candidate(Protocol):
@@ -150,15 +146,12 @@ class Setup:
 
     k_max: auto's k (tokens); prior_for(seq) -> [(alpha, beta)] per draft position: the
     planner's prediction of the row's lookup acceptance; probe: the lookup probe, or None;
-    draft_cost: the draft forward's ``CostModel`` when a draft model is loaded, else None;
-    suffix_lookup_seconds: CPU seconds of one suffix lookup per row (``CostModel.lookup_seconds``
-    of the job's fit, ``measure_suffix_lookup``), what suffix drafting adds to a step."""
+    draft_cost: the draft forward's ``CostModel`` when a draft model is loaded, else None."""
 
     k_max: int
     prior_for: Callable[[Sequence], list[tuple[float, float]]]
     probe: Probe | None = None
     draft_cost: CostModel | None = None
-    suffix_lookup_seconds: float = DEFAULT_LOOKUP_SECONDS
 
 
 @dataclass
@@ -229,45 +222,6 @@ def pool_from(d: dict) -> RowAcceptance:
     return RowAcceptance([(float(a), float(b)) for a, b in d["prior"]],
                          [float(t) for t in d["trials"]], [float(h) for h in d["hits"]],
                          float(d["weight"]))
-
-
-def measure_suffix_lookup(rows: int = 16, cap: int = 15, repeats: int = 7) -> float:
-    """CPU seconds (this thread's) of one suffix lookup (``SuffixProposer.draft``) per row: the
-    median over ``repeats`` steps of ``rows`` rows of 512 tokens, each grown by 3 tokens a
-    step, over a job index of 8 finished answers; the texts are phrases of 8 tokens drawn from
-    32, so matches are long and branch as in real text. Deterministic work, measured once
-    per calibration (``costmodel.load_or_calibrate``): auto prices suffix drafting with it for
-    the whole job, never with the time of the moment."""
-    import random
-    from types import SimpleNamespace
-
-    from specbatch.spec_decode.suffix import SuffixIndex, SuffixProposer
-
-    rng = random.Random(0)
-    phrases = [[rng.randrange(1000) for _ in range(8)] for _ in range(32)]
-
-    def text(n: int) -> list[int]:
-        out = []
-        while len(out) < n:
-            out += rng.choice(phrases)
-        return out[:n]
-
-    proposer = SuffixProposer(SuffixIndex())
-    for _ in range(8):
-        proposer.index.add(text(256))
-    seqs = [SimpleNamespace(seq_id=i, token_ids=text(512)) for i in range(rows)]
-    for s in seqs:
-        proposer.start(s)
-    times = []
-    for _ in range(repeats):
-        for s in seqs:
-            s.token_ids += text(3)
-            proposer.on_commit(s, 3)
-        t0 = time.thread_time()
-        for s in seqs:
-            proposer.draft(s, cap, rows)
-        times.append((time.thread_time() - t0) / rows)
-    return sorted(times)[len(times) // 2]
 
 
 def _odds(p: float) -> float:
@@ -650,9 +604,12 @@ class SuffixCandidate(ForwardingCandidate):
     0.71 tokens from a 1-token suffix draft that gave 0.45. Every draft is scored against the
     emitted tokens as the lookup's are (its first position; positions 1..n where n suffix
     tokens were verified) (``pool``, [trials, hits] per cell, decays once per step,
-    ``SUFFIX_POOL_DECAY``). Cost: ``lookup_seconds`` per row of the step, the lookup's CPU time
-    measured with the job's calibration (``measure_suffix_lookup``), fixed for the job: the
-    time of the moment never enters a decision, so two runs of a job decide alike.
+    ``SUFFIX_POOL_DECAY``). Cost: none beyond the verify step's. The lookup runs for every row
+    every step (``prepare``, before anything is chosen: its drafts are what the policy weighs,
+    and the rows learn from them), so it is spent whichever draft the step verifies and is no
+    part of the choice. Charging it to suffix drafts alone (as auto did, ~30 us per row
+    measured once per calibration) weighed ~3% of a batch-16 int8 step against them on the
+    16 peer records.
 
     num_rows (``counts_rows``): the rows of the verify step, a resumed job's placeholders
     included; the own-text factor depends on it (``SuffixProposer.draft``)."""
@@ -661,10 +618,9 @@ class SuffixCandidate(ForwardingCandidate):
     hysteresis = False
     counts_rows = True
 
-    def __init__(self, proposer, lookup_seconds: float = DEFAULT_LOOKUP_SECONDS) -> None:
+    def __init__(self, proposer) -> None:
         self.proposer = proposer
         self.pool: dict[tuple[int, int], list[float]] = {}
-        self.lookup_seconds = lookup_seconds  # CPU seconds of one row's lookup
         self._drafts: dict = {}  # seq id -> this step's suffix Draft (rows with one)
         self._verified: dict[int, int] = {}  # seq id -> suffix tokens verified this step
 
@@ -705,7 +661,7 @@ class SuffixCandidate(ForwardingCandidate):
         return [0.0] * len(seqs)
 
     def step_seconds(self, lengths: list[int], ctx: float) -> list[float]:
-        return [self.lookup_seconds * len(lengths)]  # every row of the step was looked up
+        return []  # the lookup is spent in ``prepare`` whatever the step verifies
 
     def drafts(self, seqs, lengths: list[int], ctx: float) -> list[list[int]]:
         for s, n in zip(seqs, lengths):

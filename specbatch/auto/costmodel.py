@@ -43,7 +43,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -140,9 +140,6 @@ class CostModel:
     # the tile and padded-slot terms (``ct``, ``cp``), fitted from packed shapes too
     # (``PACKED_SHAPES``); False: the uniform grid alone, which cannot tell them apart
     tiled: bool = False
-    # CPU seconds of one suffix lookup per row (``candidate.measure_suffix_lookup``), measured
-    # with the fit; None in files written before it (measured when such a fit is used)
-    lookup_seconds: float | None = None
 
     def __post_init__(self) -> None:
         n = 4 + len(self.knots) + 2 * self.tiled
@@ -262,24 +259,12 @@ def _from_dict(d, path) -> CostModel:
                          load_average=d.get("load_average"), engine=d.get("engine", ""),
                          knots=tuple(int(k) for k in d.get("knots", ())),
                          packed=bool(d.get("packed", False)),
-                         tiled=bool(d.get("tiled", False)),
-                         lookup_seconds=(None if d.get("lookup_seconds") is None
-                                         else float(d["lookup_seconds"])))
+                         tiled=bool(d.get("tiled", False)))
     except KeyError as e:
         raise ValueError(f"{path}: not a specbatch calibration file (no {e.args[0]!r} field; "
                          "write one with `specbatch calibrate -o FILE`)") from None
     except (TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"{path}: not a specbatch calibration file ({e})") from None
-
-
-def with_lookup_seconds(cost: CostModel) -> CostModel:
-    """``cost`` with ``lookup_seconds`` measured (``candidate.measure_suffix_lookup``) where it
-    has none."""
-    if cost.lookup_seconds is not None:
-        return cost
-    from specbatch.auto.candidate import measure_suffix_lookup
-
-    return replace(cost, lookup_seconds=measure_suffix_lookup())
 
 
 def save_job_fits(path: str | os.PathLike, target: CostModel,
@@ -650,16 +635,13 @@ def find_cached(cache_root: Path, model_id: str, dtype: str,
 def load_or_calibrate(forward, model_id: str, dtype: str, cache_root: Path,
                       recalibrate: bool = False, echo=None, progress: bool = True,
                       time_fn=None, purpose: str | None = None,
-                      budget_seconds: float | None = BUDGET_SECONDS,
-                      lookup: bool = False) -> tuple[CostModel, Path, bool]:
+                      budget_seconds: float | None = BUDGET_SECONDS) -> tuple[CostModel, Path, bool]:
     """The cached cost model for this (model, dtype, device, kernel path, host), measured if
     absent, unusable (``CostModel.problem``: an older format, a negative coefficient), of
     another engine build, torch or thread count (``other_engine``), or ``recalibrate``. The
     load average is no reason to measure again (``specbatch calibrate --recalibrate`` on a
     quieter machine replaces a fit measured on a busy one). A new fit is always cached; a noisy one
-    (``CostModel.noise``) with a ``note:`` line saying so. lookup: the fit also holds the
-    suffix lookup's cost (``CostModel.lookup_seconds``, measured and cached where a cached fit
-    lacks it): the target's fit, which ``auto`` prices suffix drafts with.
+    (``CostModel.noise``) with a ``note:`` line saying so.
     echo: a callable for the lines a person should see (``None``: silent): the line that says
     it is calibrating, for what (``purpose``), how long at most and where the fit is cached;
     progress: a tqdm bar while measuring; time_fn, budget_seconds: as ``calibrate``.
@@ -674,12 +656,6 @@ def load_or_calibrate(forward, model_id: str, dtype: str, cache_root: Path,
         else:
             why = cached.problem() or other_engine(cached)
             if why is None:
-                if lookup and cached.lookup_seconds is None:
-                    cached = with_lookup_seconds(cached)
-                    try:
-                        cached.save(path)
-                    except OSError:
-                        pass  # measured again next time
                 return cached, path, False
             say(f"the cached calibration {path} is not used ({why}); calibrating again")
     load_now = load_average()
@@ -693,8 +669,6 @@ def load_or_calibrate(forward, model_id: str, dtype: str, cache_root: Path,
     model = calibrate(forward, model_id=model_id, dtype=dtype, progress=progress,
                       time_fn=time_fn, budget_seconds=budget_seconds)
     seconds = time.perf_counter() - t0
-    if lookup:
-        model = with_lookup_seconds(model)
     if model.problem() is None:
         model.save(path)
     noisy = model.noise()

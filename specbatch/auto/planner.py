@@ -30,7 +30,7 @@ import math
 
 from dataclasses import dataclass, field
 
-from specbatch.auto.candidate import DEFAULT_LOOKUP_SECONDS, MODEL_PRIOR, Probe, Setup
+from specbatch.auto.candidate import MODEL_PRIOR, Probe, Setup
 from specbatch.auto.costmodel import CostModel
 from specbatch.auto.policy import AdaptivePolicy
 from specbatch.auto.predict import (FITTED_ON, Prediction, fitted_for,
@@ -108,9 +108,7 @@ class Plan:
         """The policy over ``proposer``'s candidates (an ``auto.proposer.AutoProposer``; its
         members' registry entries build them, ``Setup``), which ``proposer`` then routes
         through. model_cost: the draft forward's cost model, when a draft model is given."""
-        lookup_seconds = getattr(cost, "lookup_seconds", None)
-        setup = Setup(self.k_max, lambda seq: self.prior(seq.request.tag), probe, model_cost,
-                      DEFAULT_LOOKUP_SECONDS if lookup_seconds is None else lookup_seconds)
+        setup = Setup(self.k_max, lambda seq: self.prior(seq.request.tag), probe, model_cost)
         lookup, *others = proposer.build_candidates(setup)
         self.policy = AdaptivePolicy(cost, self.k_max, lookup, others)
         proposer.use(self.policy)

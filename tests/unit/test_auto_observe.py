@@ -115,8 +115,52 @@ def test_a_suffix_draft_that_extends_the_lookup_draft_scores_their_shared_tokens
 
     lookup = LookupCandidate(FixedLookup(text), 5, lambda s: [(9.0, 1.0)] * 5, match_len=True)
     policy = AdaptivePolicy(CostModel((0.010, 0.0002, 0.0, 0.0)), 5, lookup,
-                            [SuffixCandidate(Suffix(), lookup_seconds=0.0)])
+                            [SuffixCandidate(Suffix())])
     drafts = policy.select([_seq()], [15])
     assert policy.decisions[0][1:] == ("suffix", len(drafts[0])) and len(drafts[0]) > 5, \
         policy.decisions
     assert drafts[0] == text[:len(drafts[0])]
+
+
+def _one_token_suffix_policy(freq: float, rows: int = 16):
+    """A step of ``rows`` rows where the lookup proposes nothing and suffix proposes one token
+    at ``freq`` per row (its reach, before the pool has seen a draft)."""
+    from specbatch.auto.costmodel import CostModel
+    from specbatch.auto.policy import AdaptivePolicy
+
+    class NoLookup(FixedLookup):
+        def propose(self, seqs, caps):
+            return [[] for _ in caps]
+
+    class Suffix:
+        def draft(self, seq, cap, rows):
+            return Draft([7], [freq], 4, "self")
+
+    lookup = LookupCandidate(NoLookup(), 4, lambda s: [(1.0, 1.0)] * 4)
+    policy = AdaptivePolicy(CostModel((0.010, 0.0002, 0.0, 0.0)), 4, lookup,
+                            [SuffixCandidate(Suffix())])
+    seqs = [SimpleNamespace(seq_id=i, token_ids=[1, 2, 3], num_output_tokens=0,
+                            request=SimpleNamespace(tag=0)) for i in range(rows)]
+    return policy, seqs
+
+
+def test_suffix_drafts_are_priced_by_the_verify_step_alone():
+    """The suffix lookup runs for every row in ``prepare``, before anything is chosen, so it
+    costs the same whichever draft the step verifies: suffix drafts pay when their predicted
+    rate (the verify step's seconds alone) beats plain decoding's by ``draft_margin``. Priced
+    at the ~30 us per row auto used to charge suffix drafts alone (0.48 ms of a 16.4 ms step
+    here), the 1.045x draft below lost to plain decoding."""
+    policy, seqs = _one_token_suffix_policy(0.5)
+    plain = 16 / policy._seconds(16, 1, 3.0, 16)
+    drafted = lambda f: (16 + 16 * f) / policy._seconds(16, 2, 3.0, 32)  # noqa: E731
+    # the frequencies where drafting is 1.045x and 1.02x of plain decoding
+    pays = (1.045 * plain * policy._seconds(16, 2, 3.0, 32) - 16) / 16
+    short = (1.02 * plain * policy._seconds(16, 2, 3.0, 32) - 16) / 16
+    assert drafted(pays) / plain > 1 + policy.draft_margin > drafted(short) / plain
+    assert (drafted(pays) * policy._seconds(16, 2, 3.0, 32)
+            / (policy._seconds(16, 2, 3.0, 32) + 16 * 30e-6)) / plain < 1 + policy.draft_margin
+    for freq, taken in ((pays, True), (short, False)):
+        policy, seqs = _one_token_suffix_policy(freq)
+        drafts = policy.select(seqs, [4] * 16)
+        assert [src for _, src, _ in policy.decisions] == ["suffix" if taken else "none"] * 16
+        assert drafts == ([[7]] * 16 if taken else [[]] * 16)

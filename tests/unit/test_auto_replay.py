@@ -5,7 +5,7 @@ step by step, as the policy before the ``specbatch.auto`` package (``specbatch/p
 at commit 4815fd0, per-candidate ``_select_lookup`` / ``_select_model`` / ``_select_suffix``),
 whose decisions ``tests/data/auto_decisions.json`` holds; re-recorded when auto's costs became
 fixed for a job (no online refit of the target's fit from the reported step times, the suffix
-lookup priced at ``SUFFIX_LOOKUP_SECONDS`` per row): with those two pinned the same way, the
+lookup priced at a fixed cost per row): with those two pinned the same way, the
 tree before gave this tree's decisions on all three scenarios; and again when the lookup and
 suffix candidates stopped learning from positions another draft's accepted tokens showed
 (``LookupCandidate.observe``) and the lookup's estimates got a pooled calibration; and when a
@@ -15,7 +15,9 @@ scenario's decisions moved); and when the lookup stand-in's proposal became the 
 under any cap (as ``NgramIndex.propose``'s is; it proposes in 80% of steps, was 70%, so that
 every candidate is still chosen in every scenario), with which the lookup candidate asking for
 at most k + 1 tokens was shown to change nothing; and when a later candidate's draft that starts
-with the lookup's scored the shared tokens with the higher estimate (``policy._shared``).
+with the lookup's scored the shared tokens with the higher estimate (``policy._shared``); and
+when the suffix lookup stopped being charged to suffix drafts alone (it runs for every row every
+step, whatever the step verifies: ``SuffixCandidate``).
 
 A step here is what the engine does: admit rows up to the batch (``start``, then the first
 token is committed), ask the proposer for drafts under each row's cap, commit what a target
@@ -41,7 +43,6 @@ K = 4
 BATCH = 6
 CAP = min(32, 3 * K)  # auto's draft cap (SUFFIX_CAP_FACTOR * k)
 VOCAB = 6  # small, so drafts from any source are often right
-SUFFIX_LOOKUP_SECONDS = 3e-4  # a suffix lookup's CPU seconds per row (fixed, as a job's fit)
 # name -> the draft model's step cost (seconds: per forward, per row), or None: no draft model
 SCENARIOS = {"lookup+suffix": None, "lookup+draft+suffix": (0.0015, 0.0002),
              "lookup+slower-draft+suffix": (0.0025, 0.0003)}
@@ -217,8 +218,7 @@ def new_proposer(draft_cost, clock):
         ("suffix", Suffix())]
     proposer = AutoProposer(members)
     setup = Setup(K, _prior, Probe(16, 2, 4, 4096),
-                  cost_model((*draft_cost, 0.0, 0.0)) if draft_cost else None,
-                  suffix_lookup_seconds=SUFFIX_LOOKUP_SECONDS)
+                  cost_model((*draft_cost, 0.0, 0.0)) if draft_cost else None)
     lookup, *others = proposer.build_candidates(setup)
     proposer.use(AdaptivePolicy(target, K, lookup, others))
     return proposer

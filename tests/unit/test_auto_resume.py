@@ -47,7 +47,7 @@ def _auto_engine(model, batch_size: int, draft=None):
     engine.proposer = make_proposer(config, LlamaForward(draft) if draft else None, batch_size)
     engine.k = config.draft_cap
     lookup, *others = engine.proposer.build_candidates(
-        Setup(K, _prior, draft_cost=DRAFT_COST if draft else None, suffix_lookup_seconds=2e-4))
+        Setup(K, _prior, draft_cost=DRAFT_COST if draft else None))
     policy = AdaptivePolicy(COST, K, lookup, others)
     engine.proposer.use(policy)
     return engine, policy
