@@ -221,10 +221,11 @@ def what_if(files: list[RunFile], grouping: str, tokenizer_for: Callable[[str], 
 
     settings = settings_for(files, ks, lookups)
     groups: dict[str, _GroupAcc] = {}
+    order: dict[str, tuple[int, str]] = {}  # group name -> (its file's place, group label)
     totals: dict[str, _GroupAcc] = {}  # one per file where not pooled, else one: ALL
     skipped, checks = [], []
     renderers: dict[str, PromptRenderer] = {}
-    for f, fname in zip(files, file_names(files)):
+    for i, (f, fname) in enumerate(zip(files, file_names(files))):
         prefix = "" if pooled else f"{fname}: "
         total = totals.setdefault(prefix + ALL, _GroupAcc())
         for rec in f.records:
@@ -251,8 +252,12 @@ def what_if(files: list[RunFile], grouping: str, tokenizer_for: Callable[[str], 
                 checks.append({"file": f.label, "id": rec.id, "setting": own.name,
                                "equal": replayed == spec_stats(rec.fields).to_dict(),
                                "replayed": replayed})
-            accs = (total,) if grouping == NO_GROUPS else (
-                groups.setdefault(prefix + group_label(rec, grouping), _GroupAcc()), total)
+            if grouping == NO_GROUPS:
+                accs = (total,)
+            else:
+                label = group_label(rec, grouping)
+                order.setdefault(prefix + label, (0 if pooled else i, label))
+                accs = (groups.setdefault(prefix + label, _GroupAcc()), total)
             for acc in accs:
                 acc.num_records += 1
                 acc.num_answers += len(outputs)
@@ -262,7 +267,7 @@ def what_if(files: list[RunFile], grouping: str, tokenizer_for: Callable[[str], 
                 for s in settings:
                     acc.stats.setdefault(s, SpecStats("ngram", s.k)).merge(stats[s])
     rows = [_group_result(name, groups[name], settings, batch_size, cost)
-            for name in sorted(groups)]
+            for name in sorted(groups, key=order.__getitem__)]  # files in the order given
     rows += [_group_result(name, acc, settings, batch_size, cost)
              for name, acc in totals.items() if acc.num_records]
     reasons: dict[str, int] = {}

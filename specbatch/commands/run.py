@@ -281,7 +281,13 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     bad_lines = {e.line for e in model_errors}  # records this model cannot run
     skipped = [r.index for r in records if r.line in bad_lines]
     if len(skipped) == len(records):  # this model can run none of them: nothing to skip to
-        _report_errors(errors + model_errors, opts.on_error, none_valid=True)
+        if errors and opts.on_error == "skip":  # the input's own were said before the load
+            from specbatch.io.records import NO_VALID_RECORDS
+
+            _report_errors(model_errors, "skip")
+            _err(NO_VALID_RECORDS)
+        else:
+            _report_errors(errors + model_errors, opts.on_error, none_valid=True)
         return EXIT_BAD_INPUT
     if model_errors and opts.on_error == "fail":
         _report_errors(errors + model_errors, "fail")

@@ -771,6 +771,10 @@ def test_what_if_of_files_with_one_group_each_skips_their_totals(runs):
     heads = [line.split(":")[0] + ":" + line.split(":")[1] for line in
              format_text(doc).split("== what-if")[1].splitlines() if " records, " in line]
     assert heads == ["ngram.jsonl: ngram", "none.jsonl: none"]
+    # the files in the order given (it was by name: none.jsonl's groups after ngram.jsonl's)
+    _, doc = _doc([runs["none"], runs["ngram"]], by="proposer", what_if=True)
+    assert [g["group"] for g in doc["what_if"]["groups"]] == [
+        "none.jsonl: none", "ngram.jsonl: ngram:k=4", "none.jsonl: (all)", "ngram.jsonl: (all)"]
     # by category each file has three groups: every total is printed
     _, doc = _doc([runs["ngram"], runs["none"]], by="category", what_if=True)
     text = format_text(doc).split("== what-if")[1]

@@ -196,6 +196,19 @@ def test_skip_with_every_record_refused_by_the_model_is_an_error(tmp_path, tiny_
     assert result.stderr.splitlines()[-1].startswith(f"error: {src}:1: id='long': prompt is")
     assert "no valid records" not in result.stderr, result.stderr
     assert not out.exists() and "wrote" not in result.stdout
+    # with a line the input check refused too: that one is said once (a warning, before the
+    # load), the model's refusal after it, then that nothing is left to run
+    src.write_text('{"id": "bad", "promt": "hi"}\n' + src.read_text())
+    result = CliRunner().invoke(main, ["run", str(src), "-o", str(out), "--model", str(tiny_gguf),
+                                       "--cache-dir", str(tmp_path / "c"), "--method", "none",
+                                       "--max-model-len", "40", "--on-error", "skip",
+                                       "--no-progress"])
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.stderr.splitlines() if ln.startswith(("warning: ", "error: "))]
+    assert [ln.split(":")[0] for ln in lines] == ["warning", "error", "error"], lines
+    assert f"{src}:1:" in lines[0] and lines[1].startswith(f"error: {src}:2: id='long': prompt is")
+    assert lines[2] == "error: no valid records; nothing to run."
+    assert not out.exists()
 
 
 def test_resume_with_changed_options_is_refused_before_the_model_loads(tmp_path, tiny_gguf):
