@@ -61,8 +61,9 @@ PACKED_SHAPES = ((4, 2, 5), (4, 6, 11), (16, 2, 17), (16, 2, 24), (16, 6, 21), (
 # the matmul kernels multiply the tokens 8 rows at a time (kernels/csrc/linear_q8.c MRQ, the
 # AVX-512 row groups of linear_f32.c): a tile started costs its weight pass whatever it holds
 TILE_TOKENS = 8
-CALIBRATION_VERSION = 4  # 1: plain least squares, no outlier check; 2: one token slope;
-# 3: no packed shapes (uniform rows only; no tile or padded-logits terms)
+CALIBRATION_VERSION = 5  # 1: plain least squares, no outlier check; 2: one token slope;
+# 3: no packed shapes (uniform rows only; no tile or padded-logits terms); 4: the 1-row shape
+# timed at 2 tokens where plain decoding feeds 1, a fresh cache's first step timed cold
 # token counts where the dense term's slope may change (segments [0, 4], [4, 8] ... [64, inf));
 # a fit keeps the knots its samples pass (``knots_for``)
 TOKEN_KNOTS = (4, 8, 16, 32, 64)
@@ -71,6 +72,13 @@ OUTLIER_ROUNDS = 2  # times an outlier is timed again before it is left out
 MIN_SAMPLES = 12  # never leave out samples below this many (4 coefficients to fit)
 NOISY_RESIDUAL = 0.08  # median |measured / fit - 1| above this: a noisy fit (a note)
 NOISY_REJECTED_SHARE = 0.2  # more timings than this share left out: a noisy fit
+# untimed steps of each (rows, ctx) group's first shape, in every sweep: after a step of
+# another group (16 rows x 1024 keys streams ~380 MB of int8's float16 KV cache for
+# SmolLM2-135M) the next 2-3 steps ran slow while the weights came back into the CPU's cache
+# (1 row x 1 token at 256 keys: 4.8, 4.7, 3.4, then 2.9 ms; AMX Xeon, int8). Timed after one
+# warm-up, the first shape of each group read 6-17% slow in every sweep, under the outlier
+# cut, and priced plain batch-1 decoding above a 4-token step
+SHAPE_WARMUP_STEPS = 3
 # seconds a calibration may take: after the first sweep of the grid, more sweeps and the
 # outliers' retakes only while time is left (the fit uses what was measured)
 BUDGET_SECONDS = 20.0
@@ -405,10 +413,10 @@ def packed_fed(rows: int, query_len: int, num_tokens: int) -> list[int]:
 
 
 def measure(forward, rows: int, query_len: int, context_len: int, repeats: int = 3,
-            cache=None, warmup: bool = True, num_tokens: int | None = None) -> float:
-    """Fastest of ``repeats`` timings of one decode/verify forward of this shape, after one
-    warm-up unless ``warmup`` is False (the minimum, not the median: other processes only
-    ever add time).
+            cache=None, warmup: int = 1, num_tokens: int | None = None) -> float:
+    """Fastest of ``repeats`` timings of one decode/verify forward of this shape, after
+    ``warmup`` untimed ones (the minimum, not the median: other processes only ever add
+    time).
     cache: a ``KVCache`` of at least ``rows`` rows and ``context_len + query_len + 1``
     positions to reuse (default: a new one). num_tokens: fewer real tokens than ``rows *
     query_len``: a packed step (``packed_fed``; the dense layers and attention on the real
@@ -418,7 +426,8 @@ def measure(forward, rows: int, query_len: int, context_len: int, repeats: int =
     for r in range(rows):
         cache.seq_lens[r] = context_len
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, forward.vocab_size, (rows, max(query_len, 2 if rows == 1 else 1)),
+    lone = _min_query_len(forward) if rows == 1 else 1
+    ids = torch.randint(0, forward.vocab_size, (rows, max(query_len, lone)),
                         generator=gen).to(forward.device)
     qlen = ids.shape[1]
     positions = (context_len + torch.arange(qlen))[None, :].expand(rows, -1).to(forward.device)
@@ -432,9 +441,15 @@ def measure(forward, rows: int, query_len: int, context_len: int, repeats: int =
         forward.forward(ids, positions, cache, row_ids, num_fed=num_fed)
         if forward.device.type == "cuda":
             torch.cuda.synchronize()
-        if i or not warmup:
+        if i >= warmup:
             times.append(time.perf_counter() - t0)
     return min(times)
+
+
+def _min_query_len(forward) -> int:
+    """Query tokens a one-row step feeds at least (``StepBackend.min_query_len``: 1 on the C
+    step, else 2: no one-row matmuls; 2 for a forward without a backend)."""
+    return getattr(getattr(forward, "backend", None), "min_query_len", 2)
 
 
 def load_average() -> float | None:
@@ -452,7 +467,8 @@ def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
               packed_grid=PACKED_SHAPES) -> CostModel:
     """Measure the grid and fit, rejecting timings that other processes inflated.
 
-    ``forward``: a ``LlamaForward``. Every shape is timed once (after a warm-up), then the
+    ``forward``: a ``LlamaForward``. Every shape is timed once (the first of each (rows, ctx)
+    after ``SHAPE_WARMUP_STEPS`` untimed steps), then the
     grid is swept again ``repeats - 1`` times, interleaved, keeping each shape's fastest time
     (a burst of load then hits different shapes in different sweeps; the minimum is the
     estimate because load only ever adds time). The fit is non-negative least squares on
@@ -469,29 +485,37 @@ def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
     progress: show a tqdm bar on stderr when it is a terminal. time_fn(rows, q, ctx) -> seconds
     replaces the measurement (tests; a packed shape: time_fn(rows, q, ctx, tokens)).
     budget_seconds: once this much wall time has passed, no more sweeps or retakes (the first
-    sweep always completes: every shape once, one warm-up per cache); None: no limit.
+    sweep always completes: every shape once, ``SHAPE_WARMUP_STEPS`` untimed before each group); None: no limit.
     SmolLM2-135M float32 on a 2-core CPU: ~8 s quiet (the packed shapes add ~1/3); beside busy
     neighbours the first sweep is most of the budget (issue 36).
     """
-    # a 1-row step feeds at least 2 query tokens (runner.verify: no one-row matmuls), so the
-    # 1-row, 1-token shape is timed and fitted as what runs: 2 tokens
+    # a 1-row step feeds at least ``min_query_len`` tokens (runner.query_len): the 1-row,
+    # 1-token shape is timed and fitted as what runs, 2 tokens where one-row matmuls are not
+    # allowed, and 1 on the C step, whose plain batch-1 decode feeds one. Timed at 2 there, it
+    # priced plain decoding at a 2-token step and made a batch-1 draft token look free
+    # (SmolLM2-135M int8 on an AMX Xeon: the fit's slope 0.000 ms per token up to 8 tokens,
+    # where 1 -> 4 tokens cost 0.25 ms each and 4 -> 9 0.65 ms; auto fed 2-token drafts that
+    # did not pay and ran 0.97x prompt lookup k5 on the 16 peer records)
     tiled = bool(forward.backend.packed_attention) and bool(packed_grid)
+    lone = _min_query_len(forward)
     shapes = []
     for c in context_grid:
         for r in rows_grid:
-            shapes += [(r, max(q, 2) if r == 1 else q, c) for q in query_grid]
+            shapes += [(r, max(q, lone) if r == 1 else q, c) for q in query_grid]
             if tiled:  # (rows, q, ctx, tokens): packed steps beside the uniform ones
                 shapes += [(r, q, c, t) for pr, q, t in packed_grid if pr == r]
     shapes = [_shape(s) for s in dict.fromkeys(shapes)]
     caches: dict[tuple[int, int], object] = {}
     max_q = max(max(query_grid), 2, *(q for _, q, _ in (packed_grid if tiled else ())))
 
-    def one(r: int, q: int, c: int, t: int, warm: bool) -> float:
+    def one(r: int, q: int, c: int, t: int) -> float:
         if time_fn is not None:
             return time_fn(r, q, c) if t == r * q else time_fn(r, q, c, t)
+        warm = 0
         if (r, c) not in caches:  # one cache per (rows, ctx), reused for every q
             caches.clear()
             caches[(r, c)] = forward.new_cache(r, c + max_q + 1)
+            warm = SHAPE_WARMUP_STEPS
         return measure(forward, r, q, c, repeats=1, cache=caches[(r, c)], warmup=warm,
                        num_tokens=t)
 
@@ -509,14 +533,11 @@ def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
                    desc=f"calibrating {model_id or 'the model'} ({dtype or 'model dtype'})",
                    dynamic_ncols=True)
     best: dict[tuple[int, int, int], float] = {}
-    warmed: set[tuple[int, int]] = set()  # one warm-up per (rows, ctx) cache
     for sweep in range(max(repeats, 1)):
         if sweep and not time_left():
             break
         for shape in shapes:
-            warm = (shape[0], shape[2]) not in warmed
-            warmed.add((shape[0], shape[2]))
-            t = one(*shape, warm=warm)
+            t = one(*shape)
             best[shape] = min(best.get(shape, t), t)
             if bar is not None:
                 bar.update(1)
@@ -527,7 +548,7 @@ def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
         if not rejected or not time_left():
             break
         for s in rejected:  # time it again: load comes and goes
-            rejected[s] = min(rejected[s], one(*s, warm=False))
+            rejected[s] = min(rejected[s], one(*s))
         kept, rejected = _reject_outliers({**kept, **rejected}, knots, packed, tiled)
     knots = knots_for(kept, knots)
     # a shape timed again comes back last from the merge: back to its place in the grid

@@ -206,12 +206,47 @@ def test_a_fit_measured_under_load_is_kept_when_quiet(tmp_path, monkeypatch):
 
 
 def test_the_one_row_shape_is_timed_as_it_runs():
-    """A 1-row step feeds 2 tokens (no one-row matmuls), so calibration times (1, 2, ctx) once,
-    not a (1, 1, ctx) that costs the same and looks like an outlier of the fit."""
+    """Where a 1-row step feeds 2 tokens (no one-row matmuls: ``min_query_len`` 2),
+    calibration times (1, 2, ctx) once, not a (1, 1, ctx) that costs the same and looks like an
+    outlier of the fit. On the C step (``min_query_len`` 1) plain batch-1 decoding feeds one
+    token, and (1, 1, ctx) is timed as such: timed as 2 tokens, the fit priced plain decoding
+    at a 2-token step and a batch-1 draft token looked free."""
     timer = _timer()
     cost = calibrate(FORWARD, time_fn=timer)
     assert (1, 1, 256) not in timer.calls and (1, 2, 256) in timer.calls
     assert [s[:3] for s in cost.samples].count((1, 2, 256)) == 1
+    one_token = SimpleNamespace(device=FORWARD.device, backend=SimpleNamespace(
+        packed_attention=False, min_query_len=1))
+    timer = _timer()
+    cost = calibrate(one_token, time_fn=timer)
+    assert (1, 1, 256) in timer.calls and (1, 2, 256) in timer.calls
+    assert [s[:3] for s in cost.samples if s[0] == 1 and s[2] == 256] == [
+        (1, q, 256) for q in costmodel.QUERY_LENS]
+
+
+def test_each_group_of_shapes_is_timed_after_warm_up_steps(monkeypatch):
+    """The first shape of each (rows, ctx) group, in every sweep, is timed after
+    ``SHAPE_WARMUP_STEPS`` untimed steps on its cache (after another group's steps the next 2-3
+    ran slow while the weights came back into the CPU's cache: timed after one warm-up, the
+    first shape of every group read 6-17% slow in all sweeps); the other shapes of the group
+    reuse the warm cache without a warm-up."""
+    calls = []
+
+    def fake_measure(forward, rows, q, ctx, repeats=3, cache=None, warmup=1, num_tokens=None):
+        calls.append(((rows, q, ctx), warmup, cache))
+        return TRUE.step_time(rows, q, ctx, num_tokens)
+
+    monkeypatch.setattr(costmodel, "measure", fake_measure)
+    forward = SimpleNamespace(device=FORWARD.device, new_cache=lambda rows, n: object(),
+                              backend=SimpleNamespace(packed_attention=False, min_query_len=1))
+    calibrate(forward, budget_seconds=None)
+    assert costmodel.SHAPE_WARMUP_STEPS >= 3
+    groups = [(s[0], s[2]) for s, _, _ in calls]
+    for i, ((shape, warmup, cache), group) in enumerate(zip(calls, groups)):
+        first = i == 0 or groups[i - 1] != group
+        assert warmup == (costmodel.SHAPE_WARMUP_STEPS if first else 0), (i, shape, warmup)
+        assert first or cache is calls[i - 1][2]  # the group's cache, warm
+    assert len(calls) == 3 * 30 and sum(1 for _, w, _ in calls if w) == 3 * 6
 
 
 def test_an_llm_measures_a_fit_once_even_when_it_cannot_cache_it(monkeypatch, tmp_path):
