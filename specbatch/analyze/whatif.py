@@ -25,8 +25,9 @@ With a cost model ``step_time(num_rows, query_len, context_len)`` and ``batch_si
              draft E[d' | d' <= d] each
     speedup = time(none) / time(config)
 
-q0 = 2 at B = 1 (the runner never feeds a one-row step a single query), else 1, and q >= q0
-likewise. ctx is the group's mean context at a decode step: sum over answers of
+q0 = the cost model's ``min_query_len`` at B = 1 (the tokens a one-row step feeds at least: 1
+on the CPU C step, else 2; 2 for a fit that does not say), else 1, and q >= q0 likewise. ctx
+is the group's mean context at a decode step: sum over answers of
 (prompt + output / 2) * output, over the output tokens. The best configuration of a group is the
 highest predicted speedup (``none`` = 1) with a cost model, else the most tokens per decode step
 (which ignores what longer drafts cost: pass a calibration file for a real answer).
@@ -171,11 +172,17 @@ def replay_record(prompts: list[list[int]], outputs: list[list[int]], max_tokens
     return out
 
 
+def _min_query_len(cost: CostModel, batch_size: int) -> int:
+    """q0 of the module doc: the fit's ``min_query_len`` at batch size 1 (2 where it has
+    none), else 1."""
+    return getattr(cost, "min_query_len", 2) if batch_size == 1 else 1
+
+
 def expected_step_time(cost: CostModel, batch_size: int, k_histogram: dict[int, int],
                        context_len: int) -> float:
     """Mean seconds of a decode step of ``batch_size`` rows whose draft lengths are drawn
     independently from ``k_histogram`` (draft length -> steps); see the module doc."""
-    q0 = 2 if batch_size == 1 else 1
+    q0 = _min_query_len(cost, batch_size)
     total = sum(k_histogram.values())
     seconds, below = 0.0, 0.0
     cum, cum_drafts = 0, 0
@@ -199,7 +206,7 @@ def predicted_speedup(cost: CostModel, batch_size: int, stats: SpecStats, num_ou
     num_decode = sum(stats.k_histogram.values())
     if num_plain_steps <= 0 or num_decode == 0:
         return None
-    q0 = 2 if batch_size == 1 else 1
+    q0 = _min_query_len(cost, batch_size)
     plain = num_plain_steps * cost.step_time(batch_size, q0, context_len)
     spec = num_decode * expected_step_time(cost, batch_size, stats.k_histogram, context_len)
     return plain / spec

@@ -148,6 +148,9 @@ class CostModel:
     # the tile and padded-slot terms (``ct``, ``cp``), fitted from packed shapes too
     # (``PACKED_SHAPES``); False: the uniform grid alone, which cannot tell them apart
     tiled: bool = False
+    # query tokens a one-row step feeds at least (``StepBackend.min_query_len``): plain
+    # batch-1 decoding costs ``step_time(1, min_query_len, ctx)`` (analyze's what-if)
+    min_query_len: int = 2
 
     def __post_init__(self) -> None:
         n = 4 + len(self.knots) + 2 * self.tiled
@@ -267,7 +270,8 @@ def _from_dict(d, path) -> CostModel:
                          load_average=d.get("load_average"), engine=d.get("engine", ""),
                          knots=tuple(int(k) for k in d.get("knots", ())),
                          packed=bool(d.get("packed", False)),
-                         tiled=bool(d.get("tiled", False)))
+                         tiled=bool(d.get("tiled", False)),
+                         min_query_len=int(d.get("min_query_len", 2)))
     except KeyError as e:
         raise ValueError(f"{path}: not a specbatch calibration file (no {e.args[0]!r} field; "
                          "write one with `specbatch calibrate -o FILE`)") from None
@@ -566,7 +570,8 @@ def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
                      rejected=tuple(_sample(s, t) for s, t in rejected.items()),
                      median_residual=residuals[len(residuals) // 2] if residuals else 0.0,
                      load_average=max(loads) if loads else None,
-                     engine=engine_fingerprint(), knots=knots, packed=packed, tiled=tiled)
+                     engine=engine_fingerprint(), knots=knots, packed=packed, tiled=tiled,
+                     min_query_len=lone)
 
 
 def _predict(model: CostModel, shape: tuple[int, int, int, int]) -> float:

@@ -422,8 +422,18 @@ def test_expected_step_time_counts_the_rows_real_tokens():
         step_time=lambda r, q, c, num_tokens=None: seen.append((q, num_tokens)) or 1.0)
     whatif.expected_step_time(probe, 2, {0: 5, 2: 5}, 100)
     assert seen == [(1, 2.0), (3, 5.0)]  # padded attention still sees the longest row
-    # one row: never fewer than 2 queries (the runner pads a lone row)
+    # one row: never fewer than 2 queries (the runner pads a lone row) where the fit says
+    # nothing; the fit's min_query_len where it does (1 on the CPU C step: a plain batch-1
+    # step feeds one token, and priced as two, every draft looked cheaper than it is)
     assert whatif.expected_step_time(cost, 1, {0: 4}, 100) == cost.step_time(1, 2, 100)
+    cost.min_query_len = 1
+    assert whatif.expected_step_time(cost, 1, {0: 4}, 100) == cost.step_time(1, 1, 100)
+    stats = SimpleNamespace(k_histogram={0: 2, 3: 2})
+    assert whatif.predicted_speedup(cost, 1, stats, 10, 2, 100) == pytest.approx(
+        8 * 1.5 / (4 * (0.5 * 1.5 + 0.5 * 3.0)))
+    cost.min_query_len = 2
+    assert whatif.predicted_speedup(cost, 1, stats, 10, 2, 100) == pytest.approx(
+        8 * 2.0 / (4 * (0.5 * 2.0 + 0.5 * 3.0)))
 
 
 def test_predicted_speedup(runs):

@@ -205,7 +205,7 @@ def test_a_fit_measured_under_load_is_kept_when_quiet(tmp_path, monkeypatch):
     assert not measured and not timer.calls and lines == []
 
 
-def test_the_one_row_shape_is_timed_as_it_runs():
+def test_the_one_row_shape_is_timed_as_it_runs(tmp_path):
     """Where a 1-row step feeds 2 tokens (no one-row matmuls: ``min_query_len`` 2),
     calibration times (1, 2, ctx) once, not a (1, 1, ctx) that costs the same and looks like an
     outlier of the fit. On the C step (``min_query_len`` 1) plain batch-1 decoding feeds one
@@ -222,6 +222,11 @@ def test_the_one_row_shape_is_timed_as_it_runs():
     assert (1, 1, 256) in timer.calls and (1, 2, 256) in timer.calls
     assert [s[:3] for s in cost.samples if s[0] == 1 and s[2] == 256] == [
         (1, q, 256) for q in costmodel.QUERY_LENS]
+    # the fit says so (analyze's what-if prices plain batch-1 decoding by it), and keeps it
+    assert cost.min_query_len == 1
+    assert calibrate(FORWARD, time_fn=_timer()).min_query_len == 2
+    cost.save(tmp_path / "c.json")
+    assert load(tmp_path / "c.json").min_query_len == 1
 
 
 def test_each_group_of_shapes_is_timed_after_warm_up_steps(monkeypatch):
