@@ -42,7 +42,8 @@ def bench_arms(path: Path) -> dict:
     last row (all categories, or the one category) and the per-round lines under it."""
     lines = path.read_text().splitlines()
     head = [ln for ln in lines if ln.startswith("| category")][-1]
-    row = [ln for ln in lines if ln.startswith("| ") and not ln.startswith(("| category", "|---"))][-1]
+    row = [ln for ln in lines
+           if ln.startswith("| ") and not ln.startswith(("| category", "|---"))][-1]
     cols = [c.strip() for c in head.strip("|").split("|")]
     vals = [c.strip() for c in row.strip("|").split("|")]
     pooled = {c[:-len(" tok/s")]: float(v) for c, v in zip(cols, vals) if c.endswith(" tok/s")}

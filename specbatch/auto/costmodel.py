@@ -489,7 +489,8 @@ def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
     progress: show a tqdm bar on stderr when it is a terminal. time_fn(rows, q, ctx) -> seconds
     replaces the measurement (tests; a packed shape: time_fn(rows, q, ctx, tokens)).
     budget_seconds: once this much wall time has passed, no more sweeps or retakes (the first
-    sweep always completes: every shape once, ``SHAPE_WARMUP_STEPS`` untimed before each group); None: no limit.
+    sweep always completes: every shape once, ``SHAPE_WARMUP_STEPS`` untimed steps before each
+    group); None: no limit.
     SmolLM2-135M float32 on a 2-core CPU: ~8 s quiet (the packed shapes add ~1/3); beside busy
     neighbours the first sweep is most of the budget (issue 36).
     """
