@@ -14,23 +14,32 @@ must equal the recorded ``spec`` counters; ``self_check`` reports every record's
 ``SpecStats.from_dict``.)
 
 Predicted speedup (decode phase; prefill is the same for every configuration and left out).
-With a cost model ``step_time(num_rows, query_len, context_len)`` and ``batch_size`` B rows:
+With a cost model ``step_time(num_rows, query_len, context_len, num_tokens)`` and ``batch_size``
+B rows, each group's records are run as a job of their own through a model of the engine's
+schedule (``simulate``), once with plain decoding and once per setting, from the replayed steps:
 
-    none:    (output tokens - answers) steps of step_time(B, q0, ctx)
-    config:  replayed decode steps, each step_time(B, q, ctx, num_tokens=t) with q = 1 + the
-             longest draft among the B rows (what padded attention costs) and t the rows' real
-             tokens (the runner packs them: the dense layers, and on the CPU C kernels attention
-             too, cost by t); the draft lengths are drawn from the group's replayed
-             k_histogram, so P(q <= 1 + d) = F(d)^B, and given the longest d the other rows
-             draft E[d' | d' <= d] each
+    order:   longest first prompt first (``pipeline``'s order without a plan); a turn's follow-up
+             goes to the front of the queue when its answer finishes (``Engine``)
+    a step:  the running rows (at most B; a freed row is refilled at the next step, whose
+             prefill commits the answer's first token; a prompt longer than the prefill budget,
+             which the engine prefills over several steps, joins at once here) each run their
+             next replayed step, drafting d_i
+             and committing e_i tokens; it costs step_time(rows, q, ctx, num_tokens=t) with
+             q = 1 + max d_i (padded attention; at least the fit's ``min_query_len`` on a one-row
+             step, 2 for a fit that does not say, as ``runner.query_len`` pads a lone row), t =
+             sum (1 + d_i) (the runner packs the rows' real tokens) and ctx the rows' mean
+             context (prompt + committed output tokens)
+    none:    the same schedule with d_i = 0, e_i = 1
     speedup = time(none) / time(config)
 
-q0 = the cost model's ``min_query_len`` at B = 1 (the tokens a one-row step feeds at least: 1
-on the CPU C step, else 2; 2 for a fit that does not say), else 1, and q >= q0 likewise. ctx
-is the group's mean context at a decode step: sum over answers of
-(prompt + output / 2) * output, over the output tokens. The best configuration of a group is the
-highest predicted speedup (``none`` = 1) with a cost model, else the most tokens per decode step
-(which ignores what longer drafts cost: pass a calibration file for a real answer).
+So a job's tail is priced as it runs: where few records are left the steps have few rows, and
+drafting pays there as at batch 1 (20 Spec-Bench records at batch 16: 508 plain steps of ~10
+rows, not 5043 / 16 steps of 16; a model of full steps with independent draft lengths read
+ngram k5 at 0.71x where the cost model priced the run's own steps at 0.80x). The best
+configuration of a group is the highest predicted speedup (``none`` = 1) with a cost model, else
+the most tokens per decode step (which ignores what longer drafts cost: pass a calibration file
+for a real answer). ``mean_context_len`` reports the group's mean context at a decode step: sum
+over answers of (prompt + output / 2) * output, over the output tokens.
 """
 
 from __future__ import annotations
@@ -75,6 +84,25 @@ class _GroupAcc:
     num_output_tokens: int = 0
     context_weight: float = 0.0  # sum over answers of (prompt + output / 2) * output
     stats: dict[Setting, SpecStats] = field(default_factory=dict)
+    jobs: list[list[Answer]] = field(default_factory=list)  # per record (with a cost model)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One recorded answer as ``simulate`` runs it: its prompt (tokens, earlier turns
+    included), its output tokens, and per setting the replayed verify steps as two byte strings
+    of one entry per step: the draft tokens fed and the tokens the step committed."""
+
+    prompt_len: int
+    output_len: int
+    steps: dict[Setting, tuple[bytes, bytes]]
+
+    def plan(self, setting: Setting | None) -> tuple[bytes, bytes]:
+        """``(drafts, emitted)`` per verify step at ``setting``; None: plain decoding (one
+        token a step after the prefill's)."""
+        if setting is None:
+            return bytes(self.output_len - 1), b"\x01" * (self.output_len - 1)
+        return self.steps[setting]
 
 
 def settings_for(files: list[RunFile], ks=KS, lookups=LOOKUPS) -> list[Setting]:
@@ -150,14 +178,18 @@ def prompt_ids_per_answer(rec: Record, renderer) -> list[list[int]]:
 
 
 def replay_record(prompts: list[list[int]], outputs: list[list[int]], max_tokens: int,
-                  max_model_len: int, settings: list[Setting]) -> dict[Setting, SpecStats]:
+                  max_model_len: int, settings: list[Setting],
+                  answers_out: list[Answer] | None = None) -> dict[Setting, SpecStats]:
     """Replayed stats of one record (its answers merged) for every setting.
 
     prompts / outputs: per answer, the prompt ids and the recorded output ids (tokens).
     max_tokens: the record's completion cap; max_model_len: the run's context cap (tokens).
-    One ``spec_decode.replay.NgramReplay`` per answer and (min, max) serves every k.
+    answers_out: given, gets one ``Answer`` per answer appended (its steps at every setting,
+    for ``simulate``). One ``spec_decode.replay.NgramReplay`` per answer and (min, max) serves
+    every k.
     """
     out: dict[Setting, SpecStats] = {}
+    steps: list[dict[Setting, tuple[bytes, bytes]]] = [{} for _ in outputs]
     by_lookup: dict[tuple[int, int], list[Setting]] = {}
     for s in settings:
         by_lookup.setdefault((s.prompt_lookup_min, s.prompt_lookup_max), []).append(s)
@@ -166,50 +198,71 @@ def replay_record(prompts: list[list[int]], outputs: list[list[int]], max_tokens
         replays = [NgramReplay(p, o, lo, hi, max_k) for p, o in zip(prompts, outputs)]
         for s in group:
             total = SpecStats(proposer="ngram", num_speculative_tokens=s.k)
-            for r in replays:
-                total.merge(r.stats(s.k, max_tokens, max_model_len))
+            for i, r in enumerate(replays):
+                trace = [] if answers_out is not None else None
+                total.merge(r.stats(s.k, max_tokens, max_model_len, steps_out=trace))
+                if trace is not None:
+                    steps[i][s] = (bytes(d for d, _ in trace), bytes(e for _, e in trace))
             out[s] = total
+    if answers_out is not None:
+        answers_out.extend(Answer(len(p), len(o), st) for p, o, st in zip(prompts, outputs, steps))
     return out
 
 
-def _min_query_len(cost: CostModel, batch_size: int) -> int:
-    """q0 of the module doc: the fit's ``min_query_len`` at batch size 1 (2 where it has
-    none), else 1."""
-    return getattr(cost, "min_query_len", 2) if batch_size == 1 else 1
+def simulate(jobs: list[list[Answer]], batch_size: int, cost: CostModel,
+             setting: Setting | None = None) -> float:
+    """Seconds of the verify steps of ``jobs`` (per record, its answers in turn order) run as
+    one job at ``batch_size`` rows with ``setting``'s replayed steps (None: plain decoding),
+    each step priced by ``cost``; the schedule and the price are the module doc's."""
+    from collections import deque
 
+    lone = getattr(cost, "min_query_len", 2)  # what a one-row step feeds at least
+    order = sorted(range(len(jobs)), key=lambda i: -jobs[i][0].prompt_len)  # stable
+    waiting = deque((i, 0) for i in order)
+    free = list(range(batch_size))  # rows, the lowest taken first (``Scheduler``)
+    running: dict[int, list] = {}  # row -> [record, answer, next step, context, drafts, emitted]
+    seconds = 0.0
 
-def expected_step_time(cost: CostModel, batch_size: int, k_histogram: dict[int, int],
-                       context_len: int) -> float:
-    """Mean seconds of a decode step of ``batch_size`` rows whose draft lengths are drawn
-    independently from ``k_histogram`` (draft length -> steps); see the module doc."""
-    q0 = _min_query_len(cost, batch_size)
-    total = sum(k_histogram.values())
-    seconds, below = 0.0, 0.0
-    cum, cum_drafts = 0, 0
-    for d in sorted(k_histogram):
-        cum += k_histogram[d]
-        cum_drafts += d * k_histogram[d]
-        at_most = (cum / total) ** batch_size  # P(longest draft among the rows <= d)
-        q = max(1 + d, q0)
-        # one row drafts d, the others their mean below it (all rows are real tokens)
-        tokens = q if batch_size == 1 else batch_size + d + (batch_size - 1) * cum_drafts / cum
-        seconds += (at_most - below) * cost.step_time(batch_size, q, context_len,
-                                                      num_tokens=tokens)
-        below = at_most
+    def finish(row: int) -> None:
+        i, a = running.pop(row)[:2]
+        free.append(row)
+        if a + 1 < len(jobs[i]):  # the record's next turn, first in the queue
+            waiting.appendleft((i, a + 1))
+
+    while waiting or running:
+        # Engine._admit: fill the free rows and prefill them; a row whose prefill token ended
+        # its answer is refilled in this step only while no row is decoding
+        while waiting and free:
+            new = []
+            while waiting and free:
+                row = min(free)
+                free.remove(row)
+                i, a = waiting.popleft()
+                running[row] = [i, a, 0, jobs[i][a].prompt_len + 1, *jobs[i][a].plan(setting)]
+                new.append(row)
+            for row in sorted(new):
+                if not running[row][4]:
+                    finish(row)
+            if running:
+                break
+        if not running:
+            continue
+        rows = sorted(running)
+        longest = fed = context = 0
+        for row in rows:
+            r = running[row]
+            d = r[4][r[2]]
+            longest, fed, context = max(longest, d), fed + d, context + r[3]
+        n = len(rows)
+        q = max(1 + longest, lone if n == 1 else 1)
+        seconds += cost.step_time(n, q, context / n, num_tokens=n + fed)
+        for row in rows:
+            r = running[row]
+            r[3] += r[5][r[2]]
+            r[2] += 1
+            if r[2] == len(r[4]):
+                finish(row)
     return seconds
-
-
-def predicted_speedup(cost: CostModel, batch_size: int, stats: SpecStats, num_output_tokens: int,
-                      num_answers: int, context_len: int) -> float | None:
-    """Decode-phase speedup of the replayed ``stats`` over plain decoding; None if no decode."""
-    num_plain_steps = num_output_tokens - num_answers
-    num_decode = sum(stats.k_histogram.values())
-    if num_plain_steps <= 0 or num_decode == 0:
-        return None
-    q0 = _min_query_len(cost, batch_size)
-    plain = num_plain_steps * cost.step_time(batch_size, q0, context_len)
-    spec = num_decode * expected_step_time(cost, batch_size, stats.k_histogram, context_len)
-    return plain / spec
 
 
 def what_if(files: list[RunFile], grouping: str, tokenizer_for: Callable[[str], Any],
@@ -252,8 +305,9 @@ def what_if(files: list[RunFile], grouping: str, tokenizer_for: Callable[[str], 
             outputs = answers(rec.fields, "output_token_ids")
             own = own_setting(f, rec)
             record_settings = settings if own is None or own in settings else settings + [own]
+            record_answers: list[Answer] | None = [] if cost is not None else None
             stats = replay_record(prompts, outputs, rec.sampling.max_tokens,
-                                  f.config["max_model_len"], record_settings)
+                                  f.config["max_model_len"], record_settings, record_answers)
             if own is not None:
                 replayed = stats[own].to_dict()
                 checks.append({"file": f.label, "id": rec.id, "setting": own.name,
@@ -273,6 +327,8 @@ def what_if(files: list[RunFile], grouping: str, tokenizer_for: Callable[[str], 
                                           for p, o in zip(prompts, outputs))
                 for s in settings:
                     acc.stats.setdefault(s, SpecStats("ngram", s.k)).merge(stats[s])
+                if record_answers is not None:
+                    acc.jobs.append(record_answers)
     rows = [_group_result(name, groups[name], settings, batch_size, cost)
             for name in sorted(groups, key=order.__getitem__)]  # files in the order given
     rows += [_group_result(name, acc, settings, batch_size, cost)
@@ -303,12 +359,13 @@ def what_if(files: list[RunFile], grouping: str, tokenizer_for: Callable[[str], 
 def _group_result(name: str, acc: _GroupAcc, settings: list[Setting], batch_size: int,
                   cost: CostModel | None) -> dict:
     ctx = round(acc.context_weight / acc.num_output_tokens) if acc.num_output_tokens else 0
+    plain = simulate(acc.jobs, batch_size, cost) if cost is not None else 0.0
     configs = []
     for s in settings:
         st = acc.stats[s]
         num_decode = sum(st.k_histogram.values())
-        speedup = (predicted_speedup(cost, batch_size, st, acc.num_output_tokens,
-                                     acc.num_answers, ctx) if cost is not None else None)
+        speedup = (plain / simulate(acc.jobs, batch_size, cost, s)
+                   if plain > 0 and num_decode else None)
         configs.append({
             "name": s.name,
             "mean_acceptance_length": _round(st.mean_acceptance_length),

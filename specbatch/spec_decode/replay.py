@@ -86,19 +86,23 @@ class NgramReplay:
             n += accepted + 1  # overshoots the end only on the last step
 
     def stats(self, k: int, max_tokens: int, max_model_len: int,
-              proposer: str = "ngram", start: int = 1) -> SpecStats:
+              proposer: str = "ngram", start: int = 1,
+              steps_out: list[tuple[int, int]] | None = None) -> SpecStats:
         """Replayed ``SpecStats`` of this answer at draft cap ``k`` (<= ``max_k``).
 
         max_tokens: the record's completion cap (tokens). max_model_len: the run's context cap
         (tokens), as saved in ``OUT.config.json``. start: replay only the steps after this many
         output tokens (1 = the whole answer, counting its prefill step); with start > 1 the
-        stats measure the rest of the answer, e.g. after a probe prefix.
+        stats measure the rest of the answer, e.g. after a probe prefix. steps_out: given, gets
+        each verify step's ``(draft tokens, emitted tokens)`` appended, in order.
         """
         stats = SpecStats(proposer=proposer, num_speculative_tokens=k)
         if start <= 1:
             stats.num_steps += 1  # prefill emits the first token
-        for draft, accepted, _ in self.steps(k, max_tokens, max_model_len, start):
+        for draft, accepted, emitted in self.steps(k, max_tokens, max_model_len, start):
             stats.record_step(len(draft), accepted)
+            if steps_out is not None:
+                steps_out.append((len(draft), emitted))
         return stats
 
 

@@ -74,16 +74,28 @@ def _rows(num: int, seed: int) -> list[dict]:
 
 
 def mini_run(tmp_path, name: str, rows: list[dict], k: int, lookup: tuple[int, int],
-             eos_id: int, max_model_len: int = 256, model_seed: int = 11):
+             eos_id: int, max_model_len: int = 256, model_seed: int = 11,
+             batch_size: int = 8, steps: list | None = None):
     """Generate ``rows`` like ``specbatch run`` (method ngram when k > 0) and write
-    ``<name>.jsonl`` with its ``.config.json``; returns the output path."""
+    ``<name>.jsonl`` with its ``.config.json``; returns the output path. steps: given, gets
+    every verify step's (rows, padded queries per row, real tokens, mean context) appended."""
     inp = tmp_path / f"{name}.in.jsonl"
     inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     records, errors = read_records(inp, defaults=SamplingParams(max_tokens=24))
     assert not errors
     model = tiny_llama(VOCAB, seed=model_seed)
-    engine = make_engine(model, k, 8, eos_ids=(eos_id,), max_model_len=max_model_len,
+    engine = make_engine(model, k, batch_size, eos_ids=(eos_id,), max_model_len=max_model_len,
                          detokenize=TOK.decode, prompt_lookup=lookup)
+    if steps is not None:
+        verify = engine.runner.verify
+
+        def spy(seqs, drafts, meta=None):
+            steps.append((len(seqs), engine.runner.query_len(drafts),
+                          sum(1 + len(d) for d in drafts),
+                          sum(len(s.token_ids) for s in seqs) / len(seqs)))
+            return verify(seqs, drafts, meta)
+
+        engine.runner.verify = spy
     outs = {rec.index: {**rec.fields, **out}
             for rec, out in generate_records(engine, PromptRenderer(TOK), records)}
     out = tmp_path / f"{name}.jsonl"
@@ -410,35 +422,77 @@ class LinearCost:
                                              else num_tokens)
 
 
-def test_expected_step_time_counts_the_rows_real_tokens():
-    """Rows run packed: a step costs by its real tokens (and, padded, by its longest row)."""
-    cost = LinearCost(1.0, 0.5)
-    # half the steps draft 2 tokens: with 2 rows the longest drafts 2 3/4 of the time, and the
-    # other row then drafts (0 + 2) / 2 = 1 on average: 2 + 2 + 1 = 5 tokens, not 2 x 3
-    got = whatif.expected_step_time(cost, 2, {0: 5, 2: 5}, 100)
-    assert got == pytest.approx(0.25 * (1.0 + 0.5 * 2) + 0.75 * (1.0 + 0.5 * 5))
+class SpyCost:
+    """A cost model that prices every step at 1 s and keeps its shape:
+    (rows, padded queries per row, real tokens, mean context)."""
+
+    def __init__(self, min_query_len: int) -> None:
+        self.min_query_len = min_query_len
+        self.calls: list[tuple] = []
+
+    def step_time(self, num_rows: int, query_len: int, context_len: float,
+                  num_tokens: float | None = None) -> float:
+        self.calls.append((num_rows, query_len, num_tokens, context_len))
+        return 1.0
+
+
+@pytest.mark.parametrize("k, batch_size", [(0, 8), (4, 8), (4, 3), (3, 1)])
+def test_simulate_prices_the_steps_the_engine_ran(tmp_path, monkeypatch, k, batch_size):
+    """``whatif.simulate`` of a run's own setting at its batch size prices the very verify
+    steps the engine ran: step by step the same rows, padded queries, real tokens and mean
+    context (turns queued first, rows refilled as records finish, a job's tail of few rows,
+    answers of one token, the lone row's padding)."""
+    rows = [r for r in _rows(30, seed=5) if "temperature" not in r]
+    ran: list = []
+    path = mini_run(tmp_path, "run", rows, k, (1, 3), EOS, batch_size=batch_size, steps=ran)
+    lone = make_engine(tiny_llama(VOCAB), 0, 1).runner.backend.min_query_len
+    cost = SpyCost(lone)
+    simulate, calls = whatif.simulate, {}
+
+    def spy(jobs, b, c, setting=None):
+        c.calls = calls.setdefault(setting, [])
+        return simulate(jobs, b, c, setting)
+
+    monkeypatch.setattr(whatif, "simulate", spy)
+    doc = whatif.what_if([load_run(path)], whatif.NO_GROUPS, lambda m: TOK,
+                         batch_size=batch_size, cost=cost, ks=(max(k, 1),), lookups=((1, 3),))
+    assert doc["num_skipped"] == 0 and len(doc["groups"]) == 1
+    plain, spec = calls[None], calls[whatif.Setting(1, 3, max(k, 1))]
+    got = plain if k == 0 else spec
+    assert len(got) == len(ran) and (batch_size == 1 or any(r[0] < batch_size for r in ran))
+    for (r, q, t, c), want in zip(got, ran):
+        assert (r, q, t) == want[:3] and c == pytest.approx(want[3])
+    if k:  # fewer steps than plain decoding, and some of them drafting
+        assert len(spec) < len(plain) and any(t > r for r, q, t, c in spec)
+
+
+def test_simulate_prices_the_tail():
+    """Two rows, one record of 10 plain steps beside one of 2: plain decoding takes 10 steps
+    (the short record's row idles), drafting that halves the long record's steps takes 5,
+    where a model of full steps would read the tokens per row step, 12 / 7."""
+    cost = SimpleNamespace(step_time=lambda r, q, c, num_tokens=None: 1.0, min_query_len=1)
+    s = whatif.Setting(1, 3, 2)
+    long = whatif.Answer(5, 11, {s: (bytes([1] * 5), bytes([2] * 5))})
+    short = whatif.Answer(3, 3, {s: (bytes([0, 0]), bytes([1, 1]))})
+    jobs = [[short], [long]]
+    assert whatif.simulate(jobs, 2, cost) == 10
+    assert whatif.simulate(jobs, 2, cost, s) == 5
+    assert whatif.simulate(jobs, 1, cost) == 12  # one row: every step of both
+    assert whatif.simulate(jobs, 1, cost, s) == 7
+    # a step costs its rows' real tokens; the padded queries follow the longest draft
     seen = []
-    probe = SimpleNamespace(
-        step_time=lambda r, q, c, num_tokens=None: seen.append((q, num_tokens)) or 1.0)
-    whatif.expected_step_time(probe, 2, {0: 5, 2: 5}, 100)
-    assert seen == [(1, 2.0), (3, 5.0)]  # padded attention still sees the longest row
-    # one row: never fewer than 2 queries (the runner pads a lone row) where the fit says
-    # nothing; the fit's min_query_len where it does (1 on the CPU C step: a plain batch-1
-    # step feeds one token, and priced as two, every draft looked cheaper than it is)
-    assert whatif.expected_step_time(cost, 1, {0: 4}, 100) == cost.step_time(1, 2, 100)
-    cost.min_query_len = 1
-    assert whatif.expected_step_time(cost, 1, {0: 4}, 100) == cost.step_time(1, 1, 100)
-    stats = SimpleNamespace(k_histogram={0: 2, 3: 2})
-    assert whatif.predicted_speedup(cost, 1, stats, 10, 2, 100) == pytest.approx(
-        8 * 1.5 / (4 * (0.5 * 1.5 + 0.5 * 3.0)))
-    cost.min_query_len = 2
-    assert whatif.predicted_speedup(cost, 1, stats, 10, 2, 100) == pytest.approx(
-        8 * 2.0 / (4 * (0.5 * 2.0 + 0.5 * 3.0)))
+    probe = SimpleNamespace(min_query_len=2, step_time=lambda r, q, c, num_tokens=None:
+                            seen.append((r, q, num_tokens)) or 1.0)
+    whatif.simulate(jobs, 2, probe, s)
+    assert seen == [(2, 2, 3), (2, 2, 3)] + [(1, 2, 2)] * 3
+    seen.clear()
+    whatif.simulate([[short]], 2, probe)  # one row alone: padded to the fit's min_query_len
+    assert seen == [(1, 2, 1), (1, 2, 1)]
 
 
 def test_predicted_speedup(runs):
-    # a step costs the same whatever its length: speedup = plain steps / decode steps
-    _, doc = _doc([runs["ngram"]], what_if=True, cost=LinearCost(1.0, 0.0), batch_size=4)
+    # one row, a step costs the same whatever its length: speedup = plain steps / decode steps
+    _, doc = _doc([runs["ngram"]], what_if=True, cost=LinearCost(1.0, 0.0), batch_size=1)
     for g in doc["what_if"]["groups"]:
         for c in g["configs"]:
             assert c["predicted_speedup"] == pytest.approx(c["tokens_per_decode_step"], abs=1e-5)
