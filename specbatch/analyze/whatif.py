@@ -214,18 +214,21 @@ def simulate(jobs: list[list[Answer]], batch_size: int, cost: CostModel,
     """Seconds of the verify steps of ``jobs`` (per record, its answers in turn order) run as
     one job at ``batch_size`` rows with ``setting``'s replayed steps (None: plain decoding),
     each step priced by ``cost``; the schedule and the price are the module doc's."""
+    import bisect
+    import heapq
     from collections import deque
 
     lone = getattr(cost, "min_query_len", 2)  # what a one-row step feeds at least
     order = sorted(range(len(jobs)), key=lambda i: -jobs[i][0].prompt_len)  # stable
     waiting = deque((i, 0) for i in order)
-    free = list(range(batch_size))  # rows, the lowest taken first (``Scheduler``)
-    running: dict[int, list] = {}  # row -> [record, answer, next step, context, drafts, emitted]
+    free = list(range(batch_size))  # a heap: the lowest row is taken first (``Scheduler``)
+    # in row order: [row, record, answer, steps done, context, drafts, emitted]
+    running: list[list] = []
     seconds = 0.0
 
-    def finish(row: int) -> None:
-        i, a = running.pop(row)[:2]
-        free.append(row)
+    def finish(entry: list) -> None:
+        heapq.heappush(free, entry[0])
+        i, a = entry[1], entry[2]
         if a + 1 < len(jobs[i]):  # the record's next turn, first in the queue
             waiting.appendleft((i, a + 1))
 
@@ -235,33 +238,37 @@ def simulate(jobs: list[list[Answer]], batch_size: int, cost: CostModel,
         while waiting and free:
             new = []
             while waiting and free:
-                row = min(free)
-                free.remove(row)
                 i, a = waiting.popleft()
-                running[row] = [i, a, 0, jobs[i][a].prompt_len + 1, *jobs[i][a].plan(setting)]
-                new.append(row)
-            for row in sorted(new):
-                if not running[row][4]:
-                    finish(row)
+                answer = jobs[i][a]
+                new.append([heapq.heappop(free), i, a, 0, answer.prompt_len + 1,
+                            *answer.plan(setting)])
+            for entry in sorted(new):
+                if entry[5]:
+                    bisect.insort(running, entry)
+                else:
+                    finish(entry)
             if running:
                 break
         if not running:
             continue
-        rows = sorted(running)
-        longest = fed = context = 0
-        for row in rows:
-            r = running[row]
-            d = r[4][r[2]]
-            longest, fed, context = max(longest, d), fed + d, context + r[3]
-        n = len(rows)
-        q = max(1 + longest, lone if n == 1 else 1)
+        # price the step, then commit it row by row (rows finish in row order)
+        n, longest, fed, context, still = len(running), 0, 0, 0, []
+        for entry in running:
+            j = entry[3]
+            d = entry[5][j]
+            fed += d
+            if d > longest:
+                longest = d
+            context += entry[4]
+            entry[4] += entry[6][j]
+            entry[3] = j + 1
+            if j + 1 < len(entry[5]):
+                still.append(entry)
+            else:
+                finish(entry)
+        running = still
+        q = 1 + longest if n > 1 or longest + 1 >= lone else lone
         seconds += cost.step_time(n, q, context / n, num_tokens=n + fed)
-        for row in rows:
-            r = running[row]
-            r[3] += r[5][r[2]]
-            r[2] += 1
-            if r[2] == len(r[4]):
-                finish(row)
     return seconds
 
 
