@@ -43,22 +43,56 @@ class ThreadChoice:
         return f"cpu: {self.threads} {noun}, OpenMP threads {how} ({self.why})"
 
 
-def usable_cpus() -> int:
+def _usable_cpu_ids() -> set[int]:
     try:
-        return len(os.sched_getaffinity(0))
+        return set(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return set(range(os.cpu_count() or 1))
 
 
-def other_load(samples: int = 9, interval: float = 0.025,
-               loadavg: str = "/proc/loadavg") -> float | None:
-    """How many CPUs other work holds now: the runnable threads this instant less this one
-    (``/proc/loadavg``'s 4th field, the median of ``samples`` reads ``interval`` s apart). The
-    1-minute load average only where that cannot be read: it lags by a minute both ways, and
-    counted the job that ran just before this one (a script running jobs back to back, or a
-    benchmark's interleaved arms, load 1.2-1.5 on 2 quiet CPUs) as other work, which made
-    threads wait passively on a quiet machine: ngram k5 int8 at batch 16 ran at 0.65x of
-    spinning threads. None where the OS has neither."""
+def usable_cpus() -> int:
+    return len(_usable_cpu_ids())
+
+
+def _cpu_jiffies(cpus: set[int], stat: str = "/proc/stat") -> tuple[int, int] | None:
+    """(busy, total) clock ticks of the CPUs ``cpus`` since boot (``/proc/stat``'s ``cpuN``
+    lines: busy = user + nice + system + irq + softirq; total adds idle, iowait and steal), or
+    None where they cannot be read."""
+    busy = total = 0
+    try:
+        with open(stat) as f:
+            for line in f:
+                name, *fields = line.split()
+                if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+                    continue
+                t = [int(x) for x in fields[:8]]
+                busy += t[0] + t[1] + t[2] + t[5] + t[6]
+                total += sum(t)
+    except (OSError, ValueError, IndexError):
+        return None
+    return (busy, total) if total else None
+
+
+def other_load(samples: int = 13, interval: float = 0.025,
+               loadavg: str = "/proc/loadavg", stat: str = "/proc/stat") -> float | None:
+    """How many of the usable CPUs other work holds now: the larger of two reads over the same
+    ``samples * interval`` s (0.3 s) window:
+
+    - the threads runnable, less this one (``loadavg``'s 4th field, the median of ``samples``
+      reads ``interval`` s apart);
+    - the usable CPUs' busy share over the window (``stat``'s ticks) times their count, less
+      this process's own CPU time in it.
+
+    The runnable count alone read 0 beside a test suite that held one of 2 CPUs most of the
+    time (a moment between its tests), and threads spin-waited beside it: the plain decode of a
+    run went 4.7x slower than passive waiting would have. The 1-minute load average only where
+    neither can be read: it lags by a minute both ways, and counted the job that ran just
+    before this one (a script running jobs back to back, or a benchmark's interleaved arms,
+    load 1.2-1.5 on 2 quiet CPUs) as other work, which made threads wait passively on a quiet
+    machine: ngram k5 int8 at batch 16 ran at 0.65x of spinning threads. None where the OS has
+    none of them."""
+    cpus = _usable_cpu_ids()
+    start, own, t0 = _cpu_jiffies(cpus, stat), _own_cpu_seconds(), time.monotonic()
     runnable = []
     for i in range(samples):
         try:
@@ -68,12 +102,26 @@ def other_load(samples: int = 9, interval: float = 0.025,
             break
         if i + 1 < samples:
             time.sleep(interval)
+    end, own, seconds = (_cpu_jiffies(cpus, stat), _own_cpu_seconds() - own,
+                         time.monotonic() - t0)
+    reads = []
     if runnable:
-        return float(sorted(runnable)[len(runnable) // 2])
+        reads.append(float(sorted(runnable)[len(runnable) // 2]))
+    if start is not None and end is not None and end[1] > start[1] and seconds > 0:
+        share = (end[0] - start[0]) / (end[1] - start[1])
+        reads.append(max(0.0, share * len(cpus) - own / seconds))
+    if reads:
+        return max(reads)
     try:
         return os.getloadavg()[0]
     except (AttributeError, OSError):
         return None
+
+
+def _own_cpu_seconds() -> float:
+    """CPU seconds this process (all its threads) has used."""
+    t = os.times()
+    return t.user + t.system
 
 
 def choose_threads(threads: int | None = None, load: float | None = None,
@@ -113,9 +161,8 @@ def choose_threads(threads: int | None = None, load: float | None = None,
         load = other_load() if load is None else load
         if load is not None and load >= BUSY_SHARE * cpus:
             wait = "passive"
-            why = (f"other work holds the CPUs: {load:.0f} runnable thread(s) beside this job on "
-                   f"{cpus} usable CPU(s); spin-waiting threads of several jobs slow each other "
-                   "~7x")
+            why = (f"other work holds {load:.1f} of the {cpus} usable CPU(s); spin-waiting "
+                   "threads of several jobs slow each other ~7x")
             if environ is None and "torch" in sys.modules:
                 wait, why = "active", why + "; torch was loaded already, so they spin"
             else:

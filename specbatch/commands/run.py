@@ -50,8 +50,8 @@ def _err(msg: str) -> None:
 
 
 def busy_machine_warning() -> str | None:
-    """A one-line warning when other work holds the CPUs (``cpu_threads.other_load``: the
-    threads runnable now, at least ``BUSY_SHARE`` of the usable CPUs: the same measure that
+    """A one-line warning when other work holds the CPUs (``cpu_threads.other_load``: what
+    runs beside this job now, at least ``BUSY_SHARE`` of the usable CPUs: the same measure that
     makes the CLI choose passive waiting) and OpenMP threads still spin-wait (a wait policy set
     by hand, or torch loaded before the choice): their spinning threads and ours slow each
     other a lot. None on a quieter machine, where the OS says nothing of its load, or where
@@ -63,9 +63,9 @@ def busy_machine_warning() -> str | None:
     load, cpus = cpu_threads.other_load(), cpu_threads.usable_cpus()
     if load is None or load < cpu_threads.BUSY_SHARE * cpus:
         return None
-    return (f"the machine is busy ({load:.0f} runnable thread(s) beside this job on {cpus} usable "
-            "CPU(s)): OpenMP threads spin-wait, so several jobs on the same cores slow each "
-            "other a lot; run one job at a time, or set OMP_WAIT_POLICY=PASSIVE")
+    return (f"the machine is busy (other work holds {load:.1f} of the {cpus} usable CPU(s)): "
+            "OpenMP threads spin-wait, so several jobs on the same cores slow each other a "
+            "lot; run one job at a time, or set OMP_WAIT_POLICY=PASSIVE")
 
 
 def warn_if_busy() -> None:
@@ -400,7 +400,7 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
                 failed.append(RecordError(input_name(opts.input_path), rec.line, rec.id,
                                           out["error"], rec.unit))
             if bar is not None:
-                bar.record_done()
+                bar.record_done(out.get("usage", {}).get("completion_tokens"))
         if bar is not None:
             bar.close()
         if not opts.ray and prepared.engine.replay_mismatches:

@@ -47,6 +47,6 @@ def test_a_job_beside_a_busy_neighbour_stays_within_2x(tmp_path, real_model):
             p.kill()
             p.wait()
     print(f"generation alone {alone:.1f} s, beside {usable_cpus()} spinners {busy:.1f} s")
-    assert "OpenMP threads wait passively (other work holds the CPUs" in err, err
+    assert "OpenMP threads wait passively (other work holds " in err, err
     assert busy <= 2.5 * alone + 1.0, (busy, alone)
     assert (tmp_path / "busy.jsonl").read_bytes() == (tmp_path / "alone.jsonl").read_bytes()

@@ -463,9 +463,9 @@ def test_busy_machine_warning(monkeypatch):
     assert busy_machine_warning() is None
     monkeypatch.setattr(cpu_threads, "other_load", lambda: 1.0)
     assert busy_machine_warning() == (
-        "the machine is busy (1 runnable thread(s) beside this job on 2 usable CPU(s)): OpenMP "
-        "threads spin-wait, so several jobs on the same cores slow each other a lot; run one "
-        "job at a time, or set OMP_WAIT_POLICY=PASSIVE")
+        "the machine is busy (other work holds 1.0 of the 2 usable CPU(s)): OpenMP threads "
+        "spin-wait, so several jobs on the same cores slow each other a lot; run one job at a "
+        "time, or set OMP_WAIT_POLICY=PASSIVE")
     monkeypatch.setenv("OMP_WAIT_POLICY", "passive")  # threads wait passively: no spinning
     assert busy_machine_warning() is None
     monkeypatch.delenv("OMP_WAIT_POLICY")
@@ -492,7 +492,7 @@ def test_run_and_bench_warn_once_on_a_busy_machine(tmp_path, monkeypatch, tiny_g
         assert result.exit_code == 0, result.output
         lines = result.output.splitlines()
         busy = [i for i, line in enumerate(lines)
-                if line.startswith("warning: the machine is busy (64 runnable thread(s)")]
+                if line.startswith("warning: the machine is busy (other work holds 64.0 of")]
         loading = [i for i, line in enumerate(lines) if line.startswith("loading model")]
         assert len(busy) == 1 and busy[0] < loading[0], result.output
 

@@ -4,6 +4,8 @@ and said in the ``cpu:`` line (the job beside busy neighbours: tests/e2e/test_sh
 from __future__ import annotations
 
 
+import os
+
 import pytest
 
 from specbatch.cpu_threads import choose_threads, usable_cpus
@@ -16,7 +18,8 @@ def test_busy_machine_makes_threads_wait_passively():
     assert env == {"OMP_WAIT_POLICY": "PASSIVE"} and choice.wait == "passive"
     assert choice.threads == cpus
     assert choice.line().startswith(f"cpu: {cpus} thread")
-    assert "wait passively (other work holds the CPUs: " in choice.line(), choice.line()
+    assert (f"wait passively (other work holds {0.5 * cpus:.1f} of the {cpus} usable CPU(s); "
+            in choice.line()), choice.line()
 
 
 def test_quiet_machine_keeps_the_default():
@@ -45,10 +48,50 @@ def test_other_load_is_the_runnable_threads_now_not_the_minute_average(tmp_path)
     from specbatch.cpu_threads import other_load
 
     path = tmp_path / "loadavg"
+    nostat = str(tmp_path / "no-stat")
     path.write_text("1.52 0.90 0.40 1/412 9999\n")  # quiet now, busy a moment ago
-    assert other_load(samples=3, interval=0, loadavg=str(path)) == 0.0
+    assert other_load(samples=3, interval=0, loadavg=str(path), stat=nostat) == 0.0
     path.write_text("0.20 0.10 0.05 3/412 9999\n")  # two neighbours just started
-    assert other_load(samples=3, interval=0, loadavg=str(path)) == 2.0
+    assert other_load(samples=3, interval=0, loadavg=str(path), stat=nostat) == 2.0
+
+
+def test_other_load_counts_the_cpu_time_others_used_in_the_window(tmp_path, monkeypatch):
+    """A neighbour that held one of 2 CPUs over the window counts though no thread of it was
+    runnable at the reads (a test suite between two tests read 0 runnable, threads spun, and a
+    plain decode ran 4.7x slower than passive waiting); this process's own CPU time in the
+    window does not count; only the usable CPUs' lines are read."""
+    from specbatch import cpu_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    loadavg = tmp_path / "loadavg"
+    loadavg.write_text("2.78 1.50 0.60 1/412 9999\n")  # nothing else runnable at the reads
+    stat = tmp_path / "stat"
+
+    def write(busy0: int, idle0: int, busy1: int, idle1: int) -> None:  # user, idle ticks
+        stat.write_text(f"cpu  0 0 0 0 0 0 0 0 0 0\n"
+                        f"cpu0 {busy0} 0 0 {idle0} 0 0 0 0 0 0\n"
+                        f"cpu1 {busy1} 0 0 {idle1} 0 0 0 0 0 0\n"
+                        f"cpu2 {busy0 * 7} 0 0 0 0 0 0 0 0 0\nintr 1 2 3\n")  # not usable
+
+    # over the window cpu0 is busy its 30 ticks, cpu1 idle its 30
+    reads = iter([(0, 100, 0, 100), (30, 100, 0, 130)])
+
+    def fake_jiffies(cpus, path):
+        write(*next(reads))
+        return real(cpus, path)
+
+    real = cpu_threads._cpu_jiffies
+    monkeypatch.setattr(cpu_threads, "_cpu_jiffies", fake_jiffies)
+    monkeypatch.setattr(cpu_threads, "_own_cpu_seconds", lambda: 0.0)
+    got = cpu_threads.other_load(samples=3, interval=0.01, loadavg=str(loadavg), stat=str(stat))
+    assert got == pytest.approx(30 / 60 * 2)  # 1 of the 2 CPUs
+    assert cpu_threads.choose_threads(load=got, environ={}).wait == "passive"
+    # the same ticks, all of them this process's own CPU time: nobody else
+    reads = iter([(0, 100, 0, 100), (30, 100, 0, 130)])
+    clock = iter([0.0, 10.0])
+    monkeypatch.setattr(cpu_threads, "_own_cpu_seconds", lambda: next(clock))
+    assert cpu_threads.other_load(samples=3, interval=0.01, loadavg=str(loadavg),
+                                  stat=str(stat)) == 0.0
 
 
 @pytest.mark.parametrize("load, policy", [(8.0, "PASSIVE"), (0.0, None)])
