@@ -490,7 +490,7 @@ class LLM:
             for rec, out in run:
                 outs[rec.index] = self._request_output(rec, out)
                 if progress is not None:
-                    progress.record_done()
+                    progress.record_done(out.get("usage", {}).get("completion_tokens"))
         finally:
             if progress is not None:
                 progress.close()

@@ -5,7 +5,8 @@ The rate counts every output token generated in this run, the rows still in flig
 records for minutes, and a rate of finished records only read 0.7 tok/s where the run made 6.8
 (issue 36). The time left is estimated from tokens, not records: the records not finished yet
 times the mean output tokens of the records finished in this run (``max_tokens`` before any
-finished), less the tokens already in flight, at the token rate so far.
+finished), less the tokens of the records in flight (a finished turn of one included), at the
+token rate so far.
 
 On a terminal a tqdm bar over records is redrawn at most every ``redraw`` seconds. Elsewhere
 (stderr redirected to a file, a cron log) a plain line is written every ``interval`` seconds
@@ -51,6 +52,7 @@ class Progress:
         self.num_records = 0  # finished in this run
         self.num_tokens = 0  # generated in this run, in-flight rows included
         self.num_finished_tokens = 0  # of the finished answers
+        self.num_record_tokens = 0  # of the finished records
         self.stats = SpecStats()
         self.bar = None
         if self.tty:
@@ -72,8 +74,12 @@ class Progress:
         self.num_tokens = max(self.num_tokens, self.num_finished_tokens)
         self.stats.merge(stats)
 
-    def record_done(self) -> None:
+    def record_done(self, num_tokens: int | None = None) -> None:
+        """A record finished with ``num_tokens`` output tokens (all its answers; default: every
+        finished answer's tokens not yet counted in a record)."""
         self.num_records += 1
+        self.num_record_tokens += (self.num_finished_tokens - self.num_record_tokens
+                                   if num_tokens is None else num_tokens)
         if self.bar is not None:
             self.bar.update(1)
         self._maybe_show(force=self.bar is not None)
@@ -104,10 +110,9 @@ class Progress:
             return 0.0
         if not self.num_tokens:
             return None
-        per_record = (self.num_finished_tokens / self.num_records if self.num_records
+        per_record = (self.num_record_tokens / self.num_records if self.num_records
                       else self.max_tokens)
-        in_flight = self.num_tokens - self.num_finished_tokens
-        return max(left * per_record - in_flight, 0.0) / self.tokens_per_second
+        return max(left * per_record - self.in_flight, 0.0) / self.tokens_per_second
 
     def _postfix(self, final: bool = False) -> str:
         parts = [f"{self.num_tokens} tok", f"{self.tokens_per_second:.1f} tok/s"]
@@ -118,10 +123,15 @@ class Progress:
             parts.append("left ?" if left is None else f"~{_clock(left)} left")
         return ", ".join(parts)
 
+    @property
+    def in_flight(self) -> int:
+        """Output tokens of the records not finished yet (a finished turn of one included)."""
+        return self.num_tokens - self.num_record_tokens
+
     def line(self, final: bool = False) -> str:
         """The plain progress line."""
         done = self.initial + self.num_records
-        in_flight = self.num_tokens - self.num_finished_tokens
+        in_flight = self.in_flight
         out = (f"progress: {done}/{self.total} records, {self.num_tokens} tokens"
                + (f" ({in_flight} in flight)" if in_flight and not final else "")
                + f", {self.tokens_per_second:.1f} tok/s")

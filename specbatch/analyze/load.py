@@ -46,6 +46,8 @@ def load_run(path: str | Path) -> RunFile:
     all (missing, unknown format, no records, no output record: an input file); bad lines
     become ``RunFile.problems``."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path}: a directory, not an output file (give OUT.jsonl)")
     if not path.is_file():
         raise ValueError(f"{path}: no such output file")
     config = None

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from specbatch import methods
-from specbatch.analyze.load import RunFile, answers, spec_stats
+from specbatch.analyze.load import RunFile, answers, config_path, spec_stats
 from specbatch.analyze.tables import ALL, NO_GROUPS, file_names, group_label
 from specbatch.io.records import Record
 from specbatch.spec_decode.replay import NgramReplay
@@ -148,8 +148,10 @@ def _whatif_note(config: dict) -> str | None:
 def skip_reason(f: RunFile, rec: Record) -> str | None:
     """Why the record cannot be replayed, or None."""
     c = f.config
-    if c is None or not c.get("model") or not c.get("max_model_len"):
-        return "no OUT.config.json with the model and max_model_len"
+    if c is None:
+        return f"no run config {config_path(f.path).name} beside it"
+    if not c.get("model") or not c.get("max_model_len"):
+        return f"its run config {config_path(f.path).name} names no model or max_model_len"
     if not rec.sampling.is_greedy:
         return f"temperature {rec.sampling.temperature} > 0"
     reasons = answers(rec.fields, "finish_reason")

@@ -316,6 +316,11 @@ def _what_if_text(wi: dict) -> list[str]:
              + (f" ({wi['num_skipped']} skipped: {skipped})" if wi["num_skipped"] else "")
              + " =="]
     lines += [f"note: {n}" for n in wi.get("notes", [])]
+    if wi["has_cost_model"]:
+        lines.append(f"predicted speedup: each group's records run as one job of at most "
+                     f"{wi['batch_size']} rows a step, verify steps only (prefill costs every "
+                     "setting the same and is left out, so a measured end-to-end ratio, as "
+                     "`bench` gives, sits nearer 1)")
     sc = wi["self_check"]
     if sc["num_checked"]:
         lines.append(f"self-check: the replay of the run's own setting equals the recorded "

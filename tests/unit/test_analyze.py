@@ -504,6 +504,8 @@ def test_predicted_speedup(runs):
         assert g["best"]["name"] == "none"
         assert all(c["predicted_speedup"] < 1 for c in g["configs"])
     assert "predicted decode speedup vs none at batch size 4" in format_text(doc)
+    assert ("predicted speedup: each group's records run as one job of at most 4 rows a step, "
+            "verify steps only (prefill") in format_text(doc)
 
 
 def test_compare_counts_differing_outputs(runs, tmp_path):
@@ -620,6 +622,7 @@ def test_cli_json_and_usage_errors(runs, tmp_path):
     articles.write_text('{"id": 1, "article": "a"}\n{"id": 2, "article": "b"}\n')
     bad = [(["analyze", str(runs["ngram"]), "--compare"], "--compare needs exactly two"),
            (["analyze", str(tmp_path / "nope.jsonl")], "no such output file"),
+           (["analyze", str(tmp_path)], "a directory, not an output file"),
            (["analyze", str(inp)], "none of its 2 lines is an output record"),
            (["analyze", str(articles)], "none of its 2 lines is an output record"),
            (["analyze", str(runs["ngram"]), "--calibration", "x.json"], "add --what-if")]
@@ -860,3 +863,17 @@ def test_self_check_of_a_file_written_before_drafted_per_position(runs, tmp_path
     assert sc["num_checked"] == 33 and sc["num_equal"] == 33
     _, new = _doc([runs["ngram"]], by="category")
     assert doc["tables"] == new["tables"]
+
+
+def test_what_if_names_the_run_config_it_missed(runs, tmp_path):
+    """A file without its run config beside it: every record is skipped, and the reason names
+    the file it looked for (a user saw "no OUT.config.json" and did not know which name)."""
+    out = tmp_path / "moved.jsonl"
+    out.write_bytes(runs["ngram"].read_bytes())
+    wi = _doc([out], what_if=True)[1]["what_if"]
+    assert wi["num_replayed"] == 0
+    assert wi["skipped_reasons"] == {"no run config moved.jsonl.config.json beside it": 36}
+    config_path(out).write_text(json.dumps({"model": "chars"}))
+    wi = _doc([out], what_if=True)[1]["what_if"]
+    assert wi["skipped_reasons"] == {
+        "its run config moved.jsonl.config.json names no model or max_model_len": 36}

@@ -190,11 +190,21 @@ def test_the_rate_counts_tokens_in_flight_and_time_left_comes_from_tokens():
     stats.record_step(4, 3)
     for _ in range(4):  # 4 records of 20 tokens finished; 20 more tokens in flight
         p.answer_done(20, stats)
-        p.record_done()
+        p.record_done(20)
     clock.now = 40.0
     p.tick(100)
     assert p.tokens_per_second == pytest.approx(2.5)
     assert p.seconds_left() == pytest.approx((4 * 20 - 20) / 2.5)
+    # a two-turn record's first turn (15 tokens) finished: its tokens are still in flight (the
+    # record is not done), and the records done still average 20 tokens
+    p.answer_done(15, stats)
+    clock.now = 50.0
+    p.tick(115)
+    assert p.in_flight == 35 and p.line().startswith("progress: 4/8 records, 115 tokens (35 in")
+    assert p.seconds_left() == pytest.approx((4 * 20 - 35) / 2.3)
+    p.answer_done(10, stats)
+    p.record_done(25)
+    assert p.in_flight == 115 - 105 and p.seconds_left() == pytest.approx((3 * 21 - 10) / 2.3)
 
 
 def test_a_log_gets_plain_periodic_lines():
