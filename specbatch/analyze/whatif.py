@@ -44,6 +44,9 @@ over answers of (prompt + output / 2) * output, over the output tokens.
 
 from __future__ import annotations
 
+import bisect
+import heapq
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -216,10 +219,6 @@ def simulate(jobs: list[list[Answer]], batch_size: int, cost: CostModel,
     """Seconds of the verify steps of ``jobs`` (per record, its answers in turn order) run as
     one job at ``batch_size`` rows with ``setting``'s replayed steps (None: plain decoding),
     each step priced by ``cost``; the schedule and the price are the module doc's."""
-    import bisect
-    import heapq
-    from collections import deque
-
     lone = getattr(cost, "min_query_len", 2)  # what a one-row step feeds at least
     order = sorted(range(len(jobs)), key=lambda i: -jobs[i][0].prompt_len)  # stable
     waiting = deque((i, 0) for i in order)
