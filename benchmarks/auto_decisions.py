@@ -2,7 +2,7 @@
 
     python benchmarks/auto_decisions.py benchmarks/peers/records16.jsonl --batch 16 --dtype int8 \
         --arms none,ngram,suffix,auto [--max-tokens 128] [--limit N] [--fixed-cost | --cost FIT.json]
-        [--json OUT]
+        [--json OUT] [--template T --json-schema SCHEMA.json]
 
 Load-independent measures first: per arm the verify steps, output tokens, draft tokens and
 accepted tokens summed over the records (tokens per step; draft tokens not accepted are the
@@ -40,6 +40,8 @@ def main() -> None:
     ap.add_argument("--fixed-cost", action="store_true")
     ap.add_argument("--cost", default=None,
                     help="a CostModel JSON (CostModel.save) that auto prices steps with, fixed")
+    ap.add_argument("--template", default=None, help="as specbatch run --template")
+    ap.add_argument("--json-schema", default=None, help="as specbatch run --json-schema")
     ap.add_argument("--show-steps", type=int, default=12)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -54,8 +56,13 @@ def main() -> None:
 
     engine = EngineConfig(max_batch_size=args.batch, dtype=args.dtype, device="cpu")
     llm = LLM.from_config(None, SpecConfig(method="none"), engine, echo=lambda _l: None)
-    records, errors = read_records(args.records,
-                                   defaults=SamplingParams(max_tokens=args.max_tokens))
+    defaults = SamplingParams(max_tokens=args.max_tokens)
+    if args.json_schema:
+        with open(args.json_schema) as f:
+            defaults = replace(defaults, response_format={
+                "type": "json_schema", "json_schema": {"schema": json.load(f)}})
+    kwargs = {"template": args.template} if args.template else {}
+    records, errors = read_records(args.records, defaults=defaults, **kwargs)
     assert not errors, errors
     records = records[:args.limit] if args.limit else records
     records = [replace(r, sampling=replace(r.sampling, max_tokens=args.max_tokens))
@@ -66,7 +73,7 @@ def main() -> None:
                 else SpecConfig(method=arm, num_speculative_tokens=args.k))
         prepared = llm.prepare(records, spec, echo=lambda _l: None)
         log = {"K": [], "drafted": [], "rows": [], "fit_ms": []}
-        timers = {"select": 0.0, "observe": 0.0, "propose": 0.0}
+        timers = {"select": 0.0, "observe": 0.0, "propose": 0.0, "commit": 0.0}
         policy = prepared.plan.policy if prepared.plan is not None else None
         if policy is not None:
             policy._base_cost = (policy.cost.model if hasattr(policy.cost, "model")
@@ -110,7 +117,8 @@ def main() -> None:
         per = {k: v / n_steps * 1e3 for k, v in tm.items()}
         print(f"{arm}: CPU ms per verify step ({n_steps} steps, thread time): policy select "
               f"{per['select']:.3f} (suffix lookup included), lookup propose "
-              f"{per['propose']:.3f}, observe {per['observe']:.3f}; total "
+              f"{per['propose']:.3f}, observe {per['observe']:.3f}, candidates' on_commit "
+              f"{per['commit']:.3f}; total "
               f"{sum(per.values()):.3f}; calibrated step "
               f"{r['calib_ms']:.2f} ms at the run's mean rows, q=1")
         n = args.show_steps
@@ -183,6 +191,8 @@ def _instrument(policy, timers, log) -> None:
         timers["observe_step"] = 0.0
         timed(policy, "observe_step", "observe_step", after_step)
     timed(policy.lookup.proposer, "propose", "propose")  # prompt lookup's
+    for cand in policy.candidates:  # each candidate's index of the committed tokens
+        timed(cand, "on_commit", "commit")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ One JSON line per verify step (``orjson``, no spaces):
 
 (the request id, ``Request.request_id``, then the choice; a request id that is not a tuple is
 one value).
-``source`` is the candidate that drafted (``ngram``, ``suffix``, ``draft``) or ``none``. Lines
+``source`` is the candidate that drafted (``ngram``, ``suffix``, ``draft``), ``none``, or
+``idle`` (a step the policy slept through: only prompt lookup proposed, ``auto.policy``). Lines
 are buffered and appended ``FLUSH_STEPS`` at a time, and before each finished record is written
 to the work file (``flush``), so the journal always covers the steps of the records the work
 file holds; the last line of every append also holds ``"state"`` (``AdaptivePolicy.state``, at

@@ -37,6 +37,25 @@ where the step's predicted rate beats plain decoding's (no row drafting) by ``dr
 where drafting's predicted gain was within it, ran 0.965x plain decoding without it, 0.986x
 with it).
 
+Dormancy: weighing the drafts costs host time every step (candidates drafted and scored, every
+row's cuts, every row learning from the commit: ~1.6 ms a step of 16 rows and ~0.3 ms at one
+row, CPU time, SmolLM2-135M int8 on an AMX Xeon, against a ~20 ms / ~7.5 ms verify step). Where
+no drafting pays, that is all the difference to plain decoding: the 16 peer records at batch
+16, int8, ran auto at 0.978x ``none`` (6 interleaved rounds) with its verify steps 3% cheaper
+and its host time 3% dearer. So after ``IDLE_STEPS`` weighed steps in a row where no row
+drafted, the policy sleeps: the next ``SLEEP_FIRST`` steps draft nothing and weigh nothing (no
+reach, no cuts, no candidate but the base drafts), then it weighs one step; a step that again
+drafts nothing doubles the sleep (up to ``SLEEP_MAX`` steps), one that drafts wakes it. A row
+that joins the step (a new record, or a turn's follow-up) wakes it at once. While it sleeps
+the rows still learn: the base proposes every step and its first position is scored against
+the commit (``LookupCandidate.observe``), so a row whose text starts copying is drafted for
+at the next weighed step. Steps slept through count as ``none`` in ``steps_by_proposer`` and
+are journaled as ``idle`` (a resume replays them as slept: the other candidates' pooled
+acceptance decays per step they draft). Measured (``benchmarks/auto_decisions.py``, one fit,
+CPU time of the policy and candidates per verify step): 16 peer records at batch 16, 1.64 ->
+1.20 ms (128 verify steps, 127 awake); 64 Spec-Bench records at batch 16, 2.11 -> 1.14 ms (844
+steps, 839 awake); batch 1 (peer records, extraction recipe) within 2 steps of awake.
+
 ``steps_by_proposer`` counts which candidate (or none) drafted each row's steps, per record.
 After every step each candidate learns from the committed tokens (``Candidate.observe``). The
 cost models are fixed for the job (the job's calibration): no time measured while it runs
@@ -61,6 +80,11 @@ from specbatch.auto.costmodel import CostModel
 
 if TYPE_CHECKING:
     from specbatch.engine.sequence import Sequence
+
+IDLE_STEPS = 4  # weighed steps in a row without a draft before the policy sleeps
+SLEEP_FIRST = 2  # steps slept the first time; doubled while the step it then weighs is idle
+SLEEP_MAX = 16  # the longest sleep (steps): a row that starts copying waits at most this long
+IDLE = "idle"  # the journal's source of a row in a step slept through
 
 
 def _request_id(seq) -> tuple:
@@ -183,6 +207,12 @@ class AdaptivePolicy:
         self._forced_state: dict | None = None
         self.forced_mismatches = 0  # rows whose journaled choices did not fit (a divergence)
         self._memo: dict[tuple, float] = {}  # this step's step times (``_seconds``)
+        # dormancy (module docstring): weighed steps in a row without a draft, the next
+        # sleep's length, steps of the current sleep left, the seq ids of the last step's rows
+        self.idle_steps = 0
+        self.sleep_steps = SLEEP_FIRST
+        self.asleep = 0
+        self._last_rows: set[int] = set()
 
     @property
     def candidates(self) -> list[Candidate]:
@@ -242,20 +272,33 @@ class AdaptivePolicy:
         j only if the chance that positions 0..j are all accepted (the expected extra tokens
         it brings) is worth the packed token it costs at the step's rate (Dinkelbach-style
         fixed point, 3 rounds from "keep everything")."""
-        cuts = [min(k, n) for n in lengths]
-        if not any(cuts):
-            return cuts
+        tops = [min(k, n) for n in lengths]
+        if not any(tops):
+            return tops
+        cuts, per_key = tops, self.cost.token_key_cost
         for _ in range(3):
             # a packed token's price: the dense slope at the step's token count (plus scoring
             # the row's keys where attention is packed)
             rate = self._rate_of(rows, cuts, sums, ctx)
-            slope, per_key = self.cost.token_cost(rows + sum(cuts)), self.cost.token_key_cost
-            new = [min(k, n, _run(r, rate * (slope + per_key * key_len)))
-                   for key_len, r, n in zip(keys, reach, lengths)]
+            slope = self._token_cost(rows + sum(cuts))
+            new = []
+            for key_len, r, top in zip(keys, reach, tops):
+                threshold, j = rate * (slope + per_key * key_len), 0
+                while j < top and r[j] >= threshold:  # ``_run`` of r[:top]
+                    j += 1
+                new.append(j)
             if new == cuts:
                 break
             cuts = new
         return cuts
+
+    def _token_cost(self, tokens: int) -> float:
+        """``cost.token_cost(tokens)``, remembered until the next ``select``."""
+        key = ("token", tokens)
+        seconds = self._memo.get(key)
+        if seconds is None:
+            seconds = self._memo[key] = self.cost.token_cost(tokens)
+        return seconds
 
     def select(self, seqs: list[Sequence], caps: list[int],
                num_rows: int | None = None) -> list[list[int]]:
@@ -265,11 +308,17 @@ class AdaptivePolicy:
         included (default ``len(seqs)``; candidates with ``counts_rows`` are told)."""
         ctx = _context(seqs)
         self._memo.clear()
+        rows_now = {s.seq_id for s in seqs}
+        joined, self._last_rows = not rows_now <= self._last_rows, rows_now
         if self._forced is not None:
             queues = [self._forced.get(_request_id(s)) for s in seqs]
             if any(queues):
                 return self._replay(seqs, caps, num_rows, ctx, queues)
             self._end_forcing()
+        if self.asleep and not joined:
+            self.asleep -= 1
+            return self._doze(seqs, caps)
+        self.asleep = 0
         lengths = self.lookup.prepare(seqs, caps)
         fed, rate, plain, reach = self._select_base(seqs, lengths, ctx)
         step = _Step(seqs, caps, ctx, num_rows, rate, plain, fed,
@@ -282,12 +331,30 @@ class AdaptivePolicy:
                                                  [fed[i] for i in rows], ctx)):
             step.chosen[i] = d
         self._count(seqs, step.chosen, step.source)
+        if any(step.chosen):
+            self.idle_steps, self.sleep_steps = 0, SLEEP_FIRST
+        else:
+            self.idle_steps += 1
+            if self.idle_steps >= IDLE_STEPS:
+                self.asleep = self.sleep_steps
+                self.sleep_steps = min(2 * self.sleep_steps, SLEEP_MAX)
         return step.chosen
 
-    def _count(self, seqs, chosen: list[list[int]], source: list[str]) -> None:
+    def _doze(self, seqs, caps: list[int]) -> list[list[int]]:
+        """A step slept through: no drafts; the base proposes (its first position is scored
+        when the step commits), nothing is weighed."""
+        self.lookup.prepare(seqs, caps)
+        chosen: list[list[int]] = [[] for _ in seqs]
+        self._count(seqs, chosen, ["none"] * len(seqs), IDLE)
+        return chosen
+
+    def _count(self, seqs, chosen: list[list[int]], source: list[str],
+               journaled: str | None = None) -> None:
+        """Count the step's sources per record, and keep its decisions for the journal (the
+        source ``journaled`` for every row where given)."""
         for s, src in zip(seqs, source):
             self.steps_by_proposer.setdefault(s.request.tag, Counter())[src] += 1
-        self.decisions = [(_request_id(s), src, len(d))
+        self.decisions = [(_request_id(s), journaled or src, len(d))
                           for s, src, d in zip(seqs, source, chosen)]
 
     # ---- resume ---------------------------------------------------------------------------
@@ -324,12 +391,14 @@ class AdaptivePolicy:
             else:
                 self.forced_mismatches += 1
                 chosen_src.append(("none", 0))
+        if all(src == IDLE for src, _ in chosen_src):
+            return self._doze(seqs, caps)
         self.lookup.prepare(seqs, caps)
         chosen: list[list[int]] = [[] for _ in seqs]
         source = ["none"] * len(seqs)
         names = {c.name for c in self.candidates}
         for i, (src, n) in enumerate(chosen_src):
-            if src not in names and src != "none":
+            if src not in names and src not in ("none", IDLE):
                 self.forced_mismatches += 1
         for cand in self.candidates:
             if cand is not self.lookup:
@@ -347,8 +416,10 @@ class AdaptivePolicy:
 
     def state(self) -> dict:
         """What the policy learned pooled over rows, as JSON values: the step cap, which
-        candidates are in use, each candidate's ``global_state`` (those that have one)."""
+        candidates are in use, the dormancy counters (idle steps, next sleep, steps of sleep
+        left), each candidate's ``global_state`` (those that have one)."""
         return {"current_k": self.current_k, "using": dict(sorted(self.using.items())),
+                "sleep": [self.idle_steps, self.sleep_steps, self.asleep],
                 "candidates": {c.name: c.global_state() for c in self.candidates
                                if hasattr(c, "global_state")}}
 
@@ -356,6 +427,8 @@ class AdaptivePolicy:
         """Set ``state()``'s values; raises ``KeyError`` / ``TypeError`` / ``ValueError`` on
         another shape."""
         self.current_k = int(state["current_k"])
+        self.idle_steps, self.sleep_steps, self.asleep = (
+            int(x) for x in state.get("sleep", (0, SLEEP_FIRST, 0)))
         self.using.update({str(k): bool(v) for k, v in state["using"].items()})
         for c in self.candidates:
             got = state["candidates"].get(c.name)

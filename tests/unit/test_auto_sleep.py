@@ -1,0 +1,98 @@
+"""``--method auto`` sleeps where no drafting pays (``auto.policy``, "Dormancy"): after
+``IDLE_STEPS`` weighed steps without a draft it weighs only every 2, 4, 8, then 16 steps, wakes
+at once for a row that joins, learns while asleep, and a resume replays the steps slept
+through as slept."""
+
+from __future__ import annotations
+
+from specbatch.auto import policy as policy_mod
+from specbatch.auto.costmodel import CostModel
+from specbatch.auto.policy import IDLE, IDLE_STEPS, SLEEP_FIRST, SLEEP_MAX
+from tests.unit import test_auto_resume as resume
+from tests.unit.test_planner import _policy, _select, _seq
+
+NEVER_PAYS = CostModel((0.02, 0.02, 0.0, 0.0))  # a draft token costs a whole step
+COPY = [1, 2, 3, 4, 5]
+
+
+def _weighed_steps(policy, seqs_per_step, drafts, emitted):
+    """Run ``len(seqs_per_step)`` steps (the rows of each, every row proposing ``drafts``
+    and committing ``emitted``); returns the indices of the steps the policy weighed."""
+    weighed, inner = [], policy._select_base
+    step = [0]
+
+    def spy(*a):
+        weighed.append(step[0])
+        return inner(*a)
+
+    policy._select_base = spy
+    for i, seqs in enumerate(seqs_per_step):
+        step[0] = i
+        chosen = _select(policy, seqs, [drafts] * len(seqs))
+        for s, d in zip(seqs, chosen):
+            policy.observe(s, emitted[:len(d) + 1])
+    return weighed
+
+
+def test_the_schedule_of_a_job_where_no_drafting_pays():
+    policy, _ = _policy(NEVER_PAYS, 5, lambda s: [(1.0, 1.0)] * 5)
+    rows = [_seq(1), _seq(2)]
+    weighed = _weighed_steps(policy, [rows] * 60, COPY, [7] * 6)
+    # 4 weighed steps, then sleeps of 2, 4, 8, 16, 16 steps with one weighed step after each
+    assert IDLE_STEPS == 4 and SLEEP_FIRST == 2 and SLEEP_MAX == 16
+    assert weighed == [0, 1, 2, 3, 6, 11, 20, 37, 54], weighed
+    assert policy.steps_by_proposer[1]["none"] == 60
+    assert policy.decisions == [((1,), IDLE, 0), ((2,), IDLE, 0)]  # step 59 was slept
+
+
+def test_a_row_that_joins_wakes_the_policy():
+    policy, _ = _policy(NEVER_PAYS, 5, lambda s: [(1.0, 1.0)] * 5)
+    a, b = _seq(1), _seq(2)
+    steps = [[a]] * 12 + [[a, b]] * 3
+    weighed = _weighed_steps(policy, steps, COPY, [7] * 6)
+    assert weighed == [0, 1, 2, 3, 6, 11, 12], weighed  # step 12: b joined mid-sleep
+    # it weighed idle again: the next sleep in the doubling (16 steps) began, 2 slept since
+    assert policy.asleep == SLEEP_MAX - 2
+
+
+def test_a_row_that_starts_copying_is_drafted_for_after_the_sleep():
+    # a draft token costs 10% of a step: drafting pays once drafts are accepted
+    policy, _ = _policy(CostModel((0.02, 0.002, 0.0, 0.0)), 5, lambda s: [(1.0, 9.0)] * 5)
+    row = _seq(1)
+    novel = _weighed_steps(policy, [[row]] * 30, COPY, [7] * 6)
+    assert len(novel) < 12, novel  # mostly asleep while nothing is accepted
+    lens = []
+    for _ in range(SLEEP_MAX + 4):  # the text copies now: the base's first position is
+        chosen = _select(policy, [row], [COPY])[0]  # scored every step, asleep or not
+        lens.append(len(chosen))
+        policy.observe(row, COPY[:len(chosen)] + [COPY[len(chosen)]] if len(chosen) < 5
+                       else COPY + [9])
+    first = next(i for i, n in enumerate(lens) if n)
+    assert first <= SLEEP_MAX and all(lens[first:]), lens  # then awake every step
+    assert lens[-1] == 5, lens
+
+
+def test_a_resume_replays_the_steps_slept_through(tmp_path, monkeypatch):
+    """A job where a draft token costs half a step: the policy sleeps between drafting
+    stretches; killed after 5 answers and resumed from the journal (``idle`` steps in it),
+    every other answer and the policy's state are the uninterrupted run's."""
+    true = CostModel((0.020, 0.010, 0.0, 0.0))
+    monkeypatch.setattr(resume, "COST", CostModel(true.coef, samples=tuple(
+        (r, q, 300, true.step_time(r, q, 300)) for r in (1, 4) for q in (1, 3, 5))))
+    model = resume.tiny_llama(resume.VOCAB, seed=5)
+    _, policy1, full = resume._run(model, 4, tmp_path / "j.jsonl", 5, tmp_path / "kept.jsonl")
+    kept = (tmp_path / "kept.jsonl").read_text()
+    assert f'"{IDLE}"' in kept and '"suffix"' in kept, kept[:400]
+    _, policy2, resumed = resume._resume(model, 4, tmp_path / "kept.jsonl", full[:5])
+    assert policy2.forced_mismatches == 0
+    want = {c.request.request_id: c for c in full}
+    for c in resumed:
+        assert c.output_ids == want[c.request.request_id].output_ids
+        assert c.stats.to_dict() == want[c.request.request_id].stats.to_dict()
+        assert policy2.steps_by_proposer[c.request.tag] == \
+            policy1.steps_by_proposer[c.request.tag]
+    assert policy2.state() == policy1.state()
+    # replaying the slept steps as weighed ones decays the suffix pool once more per step
+    monkeypatch.setattr(policy_mod, "IDLE", "not idle")
+    _, policy3, _ = resume._resume(model, 4, tmp_path / "kept.jsonl", full[:5])
+    assert policy3.state() != policy1.state()
