@@ -42,8 +42,8 @@ row's cuts, every row learning from the commit: ~1.6 ms a step of 16 rows and ~0
 row, CPU time, SmolLM2-135M int8 on an AMX Xeon, against a ~20 ms / ~7.5 ms verify step). Where
 no drafting pays, that is all the difference to plain decoding: the 16 peer records at batch
 16, int8, ran auto at 0.978x ``none`` (6 interleaved rounds) with its verify steps 3% cheaper
-and its host time 3% dearer. So after ``IDLE_STEPS`` weighed steps in a row where no row
-drafted, the policy sleeps: the next ``SLEEP_FIRST`` steps draft nothing and weigh nothing (no
+and its host time 3% dearer. So once weighed steps in a row where no row drafted
+add up to ``IDLE_ROWS`` rows, the policy sleeps: the next ``SLEEP_FIRST`` steps draft nothing and weigh nothing (no
 reach, no cuts, no candidate but the base drafts), then it weighs one step; a step that again
 drafts nothing doubles the sleep (up to ``SLEEP_MAX`` steps), one that drafts wakes it. A row
 that joins the step (a new record, or a turn's follow-up) wakes it at once. While it sleeps
@@ -54,7 +54,8 @@ are journaled as ``idle`` (a resume replays them as slept: the other candidates'
 acceptance decays per step they draft). Measured (``benchmarks/auto_decisions.py``, one fit,
 CPU time of the policy and candidates per verify step): 16 peer records at batch 16, 1.64 ->
 1.20 ms (128 verify steps, 127 awake); 64 Spec-Bench records at batch 16, 2.11 -> 1.14 ms (844
-steps, 839 awake); batch 1 (peer records, extraction recipe) within 2 steps of awake.
+steps, 839 awake); at batch 1 it sleeps only after 64 idle steps (the 16 peer records, float32:
+1137 verify steps, as awake).
 
 ``steps_by_proposer`` counts which candidate (or none) drafted each row's steps, per record.
 After every step each candidate learns from the committed tokens (``Candidate.observe``). The
@@ -81,7 +82,11 @@ from specbatch.auto.costmodel import CostModel
 if TYPE_CHECKING:
     from specbatch.engine.sequence import Sequence
 
-IDLE_STEPS = 4  # weighed steps in a row without a draft before the policy sleeps
+# rows of the weighed steps in a row without a draft before the policy sleeps: 4 steps of 16
+# rows, 64 steps of one. At batch 1 weighing costs ~2% of a step and a row's copying comes
+# and goes: sleeping after 4 idle steps there cost 2.5% more verify steps on the 16 peer
+# records (float32: 1165 against 1137 awake), more than the weighing it saved
+IDLE_ROWS = 64
 SLEEP_FIRST = 2  # steps slept the first time; doubled while the step it then weighs is idle
 SLEEP_MAX = 16  # the longest sleep (steps): a row that starts copying waits at most this long
 IDLE = "idle"  # the journal's source of a row in a step slept through
@@ -207,9 +212,9 @@ class AdaptivePolicy:
         self._forced_state: dict | None = None
         self.forced_mismatches = 0  # rows whose journaled choices did not fit (a divergence)
         self._memo: dict[tuple, float] = {}  # this step's step times (``_seconds``)
-        # dormancy (module docstring): weighed steps in a row without a draft, the next
-        # sleep's length, steps of the current sleep left, the seq ids of the last step's rows
-        self.idle_steps = 0
+        # dormancy (module docstring): rows of the weighed steps in a row without a draft,
+        # the next sleep's length, steps of the current sleep left, the last step's seq ids
+        self.idle_rows = 0
         self.sleep_steps = SLEEP_FIRST
         self.asleep = 0
         self._last_rows: set[int] = set()
@@ -332,10 +337,10 @@ class AdaptivePolicy:
             step.chosen[i] = d
         self._count(seqs, step.chosen, step.source)
         if any(step.chosen):
-            self.idle_steps, self.sleep_steps = 0, SLEEP_FIRST
+            self.idle_rows, self.sleep_steps = 0, SLEEP_FIRST
         else:
-            self.idle_steps += 1
-            if self.idle_steps >= IDLE_STEPS:
+            self.idle_rows += len(seqs)
+            if self.idle_rows >= IDLE_ROWS:
                 self.asleep = self.sleep_steps
                 self.sleep_steps = min(2 * self.sleep_steps, SLEEP_MAX)
         return step.chosen
@@ -416,10 +421,10 @@ class AdaptivePolicy:
 
     def state(self) -> dict:
         """What the policy learned pooled over rows, as JSON values: the step cap, which
-        candidates are in use, the dormancy counters (idle steps, next sleep, steps of sleep
+        candidates are in use, the dormancy counters (idle rows, next sleep, steps of sleep
         left), each candidate's ``global_state`` (those that have one)."""
         return {"current_k": self.current_k, "using": dict(sorted(self.using.items())),
-                "sleep": [self.idle_steps, self.sleep_steps, self.asleep],
+                "sleep": [self.idle_rows, self.sleep_steps, self.asleep],
                 "candidates": {c.name: c.global_state() for c in self.candidates
                                if hasattr(c, "global_state")}}
 
@@ -427,7 +432,7 @@ class AdaptivePolicy:
         """Set ``state()``'s values; raises ``KeyError`` / ``TypeError`` / ``ValueError`` on
         another shape."""
         self.current_k = int(state["current_k"])
-        self.idle_steps, self.sleep_steps, self.asleep = (
+        self.idle_rows, self.sleep_steps, self.asleep = (
             int(x) for x in state.get("sleep", (0, SLEEP_FIRST, 0)))
         self.using.update({str(k): bool(v) for k, v in state["using"].items()})
         for c in self.candidates:

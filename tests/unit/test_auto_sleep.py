@@ -1,5 +1,5 @@
-"""``--method auto`` sleeps where no drafting pays (``auto.policy``, "Dormancy"): after
-``IDLE_STEPS`` weighed steps without a draft it weighs only every 2, 4, 8, then 16 steps, wakes
+"""``--method auto`` sleeps where no drafting pays (``auto.policy``, "Dormancy"): after weighed
+steps without a draft of ``IDLE_ROWS`` rows in all it weighs only every 2, 4, 8, then 16 steps, wakes
 at once for a row that joins, learns while asleep, and a resume replays the steps slept
 through as slept."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from specbatch.auto import policy as policy_mod
 from specbatch.auto.costmodel import CostModel
-from specbatch.auto.policy import IDLE, IDLE_STEPS, SLEEP_FIRST, SLEEP_MAX
+from specbatch.auto.policy import IDLE, IDLE_ROWS, SLEEP_FIRST, SLEEP_MAX
 from tests.unit import test_auto_resume as resume
 from tests.unit.test_planner import _policy, _select, _seq
 
@@ -36,21 +36,25 @@ def _weighed_steps(policy, seqs_per_step, drafts, emitted):
 
 def test_the_schedule_of_a_job_where_no_drafting_pays():
     policy, _ = _policy(NEVER_PAYS, 5, lambda s: [(1.0, 1.0)] * 5)
-    rows = [_seq(1), _seq(2)]
+    rows = [_seq(i) for i in range(16)]
     weighed = _weighed_steps(policy, [rows] * 60, COPY, [7] * 6)
-    # 4 weighed steps, then sleeps of 2, 4, 8, 16, 16 steps with one weighed step after each
-    assert IDLE_STEPS == 4 and SLEEP_FIRST == 2 and SLEEP_MAX == 16
+    # 4 weighed steps of 16 rows, then sleeps of 2, 4, 8, 16, 16 steps, one weighed after each
+    assert IDLE_ROWS == 64 and SLEEP_FIRST == 2 and SLEEP_MAX == 16
     assert weighed == [0, 1, 2, 3, 6, 11, 20, 37, 54], weighed
     assert policy.steps_by_proposer[1]["none"] == 60
-    assert policy.decisions == [((1,), IDLE, 0), ((2,), IDLE, 0)]  # step 59 was slept
+    assert policy.decisions[:2] == [((0,), IDLE, 0), ((1,), IDLE, 0)]  # step 59 was slept
+    # one row: 64 weighed steps before the first sleep
+    policy, _ = _policy(NEVER_PAYS, 5, lambda s: [(1.0, 1.0)] * 5)
+    weighed = _weighed_steps(policy, [[_seq(1)]] * 70, COPY, [7] * 6)
+    assert weighed == list(range(64)) + [66], weighed  # then asleep for steps 67-70
 
 
 def test_a_row_that_joins_wakes_the_policy():
     policy, _ = _policy(NEVER_PAYS, 5, lambda s: [(1.0, 1.0)] * 5)
-    a, b = _seq(1), _seq(2)
-    steps = [[a]] * 12 + [[a, b]] * 3
+    rows = [_seq(i) for i in range(16)]
+    steps = [rows] * 12 + [rows + [_seq(99)]] * 3
     weighed = _weighed_steps(policy, steps, COPY, [7] * 6)
-    assert weighed == [0, 1, 2, 3, 6, 11, 12], weighed  # step 12: b joined mid-sleep
+    assert weighed == [0, 1, 2, 3, 6, 11, 12], weighed  # step 12: row 99 joined mid-sleep
     # it weighed idle again: the next sleep in the doubling (16 steps) began, 2 slept since
     assert policy.asleep == SLEEP_MAX - 2
 
@@ -59,8 +63,8 @@ def test_a_row_that_starts_copying_is_drafted_for_after_the_sleep():
     # a draft token costs 10% of a step: drafting pays once drafts are accepted
     policy, _ = _policy(CostModel((0.02, 0.002, 0.0, 0.0)), 5, lambda s: [(1.0, 9.0)] * 5)
     row = _seq(1)
-    novel = _weighed_steps(policy, [[row]] * 30, COPY, [7] * 6)
-    assert len(novel) < 12, novel  # mostly asleep while nothing is accepted
+    novel = _weighed_steps(policy, [[row]] * 90, COPY, [7] * 6)
+    assert novel == list(range(64)) + [66, 71, 80], novel  # asleep for steps 81-96
     lens = []
     for _ in range(SLEEP_MAX + 4):  # the text copies now: the base's first position is
         chosen = _select(policy, [row], [COPY])[0]  # scored every step, asleep or not
@@ -77,6 +81,7 @@ def test_a_resume_replays_the_steps_slept_through(tmp_path, monkeypatch):
     stretches; killed after 5 answers and resumed from the journal (``idle`` steps in it),
     every other answer and the policy's state are the uninterrupted run's."""
     true = CostModel((0.020, 0.010, 0.0, 0.0))
+    monkeypatch.setattr(policy_mod, "IDLE_ROWS", 16)  # 4 idle steps of this job's 4 rows
     monkeypatch.setattr(resume, "COST", CostModel(true.coef, samples=tuple(
         (r, q, 300, true.step_time(r, q, 300)) for r in (1, 4) for q in (1, 3, 5))))
     model = resume.tiny_llama(resume.VOCAB, seed=5)
