@@ -113,6 +113,8 @@ def library() -> ctypes.CDLL | None:
     lib.sb_linear_quant.restype = ctypes.c_int
     lib.sb_linear_avx512.argtypes = [ctypes.c_int]
     lib.sb_linear_avx512.restype = ctypes.c_int
+    lib.sb_linear_qmicro512_from.argtypes = [ctypes.c_int]
+    lib.sb_linear_qmicro512_from.restype = ctypes.c_int
     lib.sb_linear_q8_isa.argtypes = [ctypes.c_int]
     lib.sb_linear_q8_isa.restype = ctypes.c_int
     lib.sb_attention_avx512.argtypes = [ctypes.c_int]

@@ -75,6 +75,19 @@ def avx512(enable: bool | None = None) -> bool:
     return bool(lib.sb_linear_avx512(-1 if enable is None else int(enable)))
 
 
+def avx512_from_rows(rows: int | None = None) -> int:
+    """The fewest rows a pass of a code weight's matmul (``pack_quantized``: Q4_1 / Q8_0 at
+    float32) takes on the AVX-512 kernel; fewer take the AVX2 one (where ``avx512()`` is on).
+    Decided per CPU on first use: 1 on Intel CPUs (1-3 rows 1.2-1.3x faster there, an Emerald
+    Rapids Xeon), 4 elsewhere (1-3 rows 0.73-0.95x as fast on an AVX-512 EPYC). ``rows`` (1-4)
+    sets it first (tests and A/B timings); the bits are the same either way. Returns 0 where
+    the kernels are not available."""
+    lib = _library()
+    if lib is None:
+        return 0
+    return int(lib.sb_linear_qmicro512_from(0 if rows is None else int(rows)))
+
+
 # weight -> (its version, its form: see ``packed``); the form lives as long as the weight
 _PACKED = WeakIdKeyDictionary()
 

@@ -366,8 +366,27 @@ QMICRO(4)
 #define QMICRO_MAX_M 8 /* AVX2, measured: from 9-12 rows the block path is faster */
 #define QMICRO512_MAX_M 48 /* AVX-512 (passes of up to 8 rows), measured: 9-48 rows are
                             * 1.03-1.3x faster than the block path, 64 rows 0.98x (dense_rows.py) */
-#define QMICRO512_MIN_M 4 /* a pass of fewer rows takes the AVX2 qmicro: 1-3 rows were 0.73-0.95x
-                           * as fast on AVX-512 (its per-16-weight decode costs more than it saves) */
+
+/* The fewest rows a pass over the codes takes on AVX-512 (fewer: the AVX2 qmicro). Which is
+ * faster at 1-3 rows depends on the CPU's AVX-512 units (the bits are the same either way):
+ * on an AVX-512 EPYC (Zen 4, 256-bit units) 1-3 rows ran 0.73-0.95x as fast on AVX-512 (its
+ * per-16-weight decode cost more than it saved), so there it starts at 4 rows; on an Intel Xeon
+ * (Emerald Rapids) 1-3 rows ran 1.2-1.3x faster on AVX-512 (a batch-1 float32 step of
+ * SmolLM2-135M's Q4_1 / Q8_0 codes feeding 1, 2, 3 tokens 6.8, 8.4, 10.7 -> 5.8, 6.8, 8.2 ms;
+ * on AVX2 3 tokens cost more than 4), so Intel CPUs start at 1. */
+static int qmicro512_min_m = 0; /* 0: not decided yet */
+
+static int qmicro512_from(void) {
+    if (qmicro512_min_m == 0) qmicro512_min_m = __builtin_cpu_is("intel") ? 1 : 4;
+    return qmicro512_min_m;
+}
+
+/* rows: 1-4 sets the fewest rows of an AVX-512 pass over the codes, anything else leaves it;
+ * returns it. The bits are the same either way: this is for tests and A/B timings. */
+int sb_linear_qmicro512_from(int rows) {
+    if (rows >= 1 && rows <= 4) qmicro512_min_m = rows;
+    return qmicro512_from();
+}
 
 typedef void (*qmicro_fn)(int, const float *, int64_t, const float *, const uint8_t *, int64_t,
                           const float *, float *, int64_t, int64_t);
@@ -462,6 +481,9 @@ AVX512 static inline __attribute__((always_inline)) void qmicro512(
         else                                                                                  \
             qmicro512(MR, Q8_0, x, ldx, sa, ca, sb, cb, nblk, bias, y, ldy, nb);              \
     }
+QMICRO512(1)
+QMICRO512(2)
+QMICRO512(3)
 QMICRO512(4)
 QMICRO512(5)
 QMICRO512(6)
@@ -472,7 +494,7 @@ typedef void (*qmicro512_fn)(int, const float *, int64_t, const float *, const u
                              const float *, const uint8_t *, int64_t, const float *, float *,
                              int64_t, int64_t);
 static const qmicro512_fn QMICROS512[MR512 + 1] = {
-    NULL, NULL, NULL, NULL, qmicro512_4, /* from QMICRO512_MIN_M rows */
+    NULL, qmicro512_1, qmicro512_2, qmicro512_3, qmicro512_4, /* from qmicro512_from() rows */
     qmicro512_5, qmicro512_6, qmicro512_7, qmicro512_8};
 
 #define Q4_1_X8 3 /* the kinds of linear_q8.c: the same codes, 8-bit activations */
@@ -519,7 +541,7 @@ int sb_linear_quant(const float *x, int64_t ldx, int kind, const float *scales,
     const int64_t panels = (N + NR - 1) / NR;
     const int64_t panel_size = K / 8 * NR * 8, nblk = K / 32;
     const int64_t ss = kind == Q4_1 ? 2 : 1, cs = kind == Q4_1 ? 16 : 32; /* per (block, col) */
-    const int avx512 = use_avx512();
+    const int avx512 = use_avx512(), min512 = qmicro512_from();
     /* up to QMICRO_MAX_M (AVX-512: QMICRO512_MAX_M) rows: straight from the codes, every pass
      * over them rebuilding the weights in registers, PANELS panels per block (an even count,
      * so none is left to the AVX2 kernel; their codes are 55 KB at K = 1536); more: a block of
@@ -550,7 +572,7 @@ int sb_linear_quant(const float *x, int64_t ldx, int kind, const float *scales,
                 /* rows m..m+mr: pairs of panels on AVX-512 (one pass), the rest on AVX2 */
                 const int64_t mr = M - m < group ? M - m : group;
                 int64_t p = p0;
-                if (avx512 && mr >= QMICRO512_MIN_M)
+                if (avx512 && mr >= min512)
                     for (; p + 2 <= p1; p += 2) {
                         const int64_t n = p * NR, nb = N - n - NR < NR ? N - n - NR : NR;
                         const float *sa = scales + p * nblk * NR * ss;

@@ -97,8 +97,9 @@ BUDGET_SECONDS = 20.0
 # (session 12); 11 = the weights prefetched ahead of each pass (int8 b1 verify of 11 tokens 15.0
 # -> 12.4 ms), AVX-512 attention with two tokens a pass, prefix caching (session 13).
 # 12 = the calibration records whether attention runs on the real tokens of a packed step
-# (``CostModel.packed``; session 15).
-ENGINE_REVISION = 12
+# (``CostModel.packed``; session 15). 13 = float32 code weights at 1-3 rows on AVX-512 on Intel
+# CPUs (a batch-1 step of 1-3 tokens 15-23% cheaper on an Emerald Rapids Xeon; session 27).
+ENGINE_REVISION = 13
 
 
 def engine_fingerprint() -> str:

@@ -163,13 +163,17 @@ def test_weights_without_exact_codes_stay_float32():
 
 
 @pytest.mark.skipif(not linear_cpu.avx512(), reason="needs a CPU with AVX-512 F/VL/DQ")
-@pytest.mark.parametrize("quantised", [None, "Q4_1", "Q8_0"])
-def test_avx512_path_gives_the_avx2_bits(quantised):
-    """Where the CPU has AVX-512, matmuls of 8 rows and more (and code weights at 4-48 rows, read
-    straight from the codes in passes of up to 8 rows) take the AVX-512 micro-kernels: every
-    output element has the AVX2 kernels' bits (float32 and code weights; whole and partial
-    groups of 8 rows, passes of 1-3 rows left to AVX2, an odd panel left over, a partial last
-    chunk of k), so the two can share a run."""
+@pytest.mark.parametrize("quantised,from_rows",
+                         [(None, 4), ("Q4_1", 4), ("Q8_0", 4), ("Q4_1", 1), ("Q8_0", 1)])
+def test_avx512_path_gives_the_avx2_bits(quantised, from_rows):
+    """Where the CPU has AVX-512, matmuls of 8 rows and more (and code weights in passes of up to
+    8 rows from ``avx512_from_rows()`` rows: 1 on Intel CPUs, else 4) take the AVX-512
+    micro-kernels: every output element has the AVX2 kernels' bits (float32 and code weights;
+    whole and partial groups of 8 rows, passes of 1-3 rows on either kernel, an odd panel left
+    over, a partial last chunk of k), so the two can share a run."""
+    default = linear_cpu.avx512_from_rows()
+    assert default == (1 if _intel() else 4)
+    assert linear_cpu.avx512_from_rows(from_rows) == from_rows
     gen = torch.Generator().manual_seed(5)
     shapes = [(960, 576), (1536, 576), (576, 1536), (103, 64)] + (
         [] if quantised else [(17, 1000), (11, 13)])
@@ -188,3 +192,13 @@ def test_avx512_path_gives_the_avx2_bits(quantised):
                 assert torch.equal(linear_cpu.linear(x[:rows], w, b), avx2), (n, k, rows)
     finally:
         linear_cpu.avx512(True)
+        linear_cpu.avx512_from_rows(default)
+
+
+def _intel() -> bool:
+    """Whether this is an Intel CPU (``/proc/cpuinfo``'s vendor_id)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "GenuineIntel" in f.read(4096)
+    except OSError:
+        return False
