@@ -94,8 +94,9 @@ def _spec_options(f):
                      "sharing the target's tokenizer. Refused with ngram; none ignores it."),
         click.option("--k", "--num-speculative-tokens", "k", type=click.IntRange(0, 32),
                      default=5, show_default=True,
-                     help="Draft tokens per verify step (auto: the most a lookup or draft-model "
-                     "draft may have; suffix drafts, with suffix or auto, may reach min(32, 3k))."),
+                     help="Draft tokens per verify step, 1-32 (0 only with --method none; auto: "
+                     "the most a lookup or draft-model draft may have; suffix drafts, with suffix "
+                     "or auto, may reach min(32, 3k))."),
         click.option("--prompt-lookup-min", type=click.IntRange(1), default=2, show_default=True,
                      help="Shortest n-gram (tokens) the lookup matches."),
         click.option("--prompt-lookup-max", type=click.IntRange(1), default=4, show_default=True,

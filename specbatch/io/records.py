@@ -249,9 +249,10 @@ def _validate(p: str, rows: list, prompt_field: str | None, id_field: str | None
                 rec_id = f"{unit} {line}"
                 seen = (line, rec_id, True)
             key = str(rec_id)
-            if key in first_line:
-                raise ValueError(_duplicate(seen, first_line[key], unit))
-            first_line[key] = seen
+            clash = _duplicate(seen, first_line[key], unit) if key in first_line else None
+            if clash is not None and not seen[2]:
+                raise ValueError(clash)
+            first_line.setdefault(key, seen)
             _check_fields(row, named)
             if template is not None:
                 if row.get("prompt_token_ids") is not None:
@@ -262,6 +263,8 @@ def _validate(p: str, rows: list, prompt_field: str | None, id_field: str | None
                 prompt, messages, turns, token_ids = _prompt(row, prompt_field)
             sampling = _sampling(row, defaults[line - 1] if isinstance(
                 defaults, list) else defaults, wide)
+            if clash is not None:  # a record known by its line: its own faults are named first
+                raise ValueError(clash)
         except ValueError as e:
             errors.append(RecordError(p, line, rec_id, str(e), unit))
             continue

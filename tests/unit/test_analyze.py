@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import random
 from types import SimpleNamespace
 
@@ -20,6 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 from specbatch.analyze import whatif
+from specbatch.commands import analyze as analyze_cmd
 from specbatch.analyze.load import config_path, load_run, spec_stats
 from specbatch.commands.analyze import AnalyzeOptions, build_document, format_text
 from specbatch.cli import main
@@ -715,8 +717,12 @@ def test_what_if_takes_the_cached_calibration(runs, tmp_path, monkeypatch):
     fit.save(cached)
     result = _invoke(args, tokenizer=True)
     assert result.exit_code == 0, result.output
-    assert f"step costs from the cached calibration {cached}" in result.output
+    assert f"step costs from the cached calibration {cached}, measured 0 min ago" \
+        in result.output
     assert "warning" not in result.output
+    written = os.path.getmtime(cached)  # its age, as the cached fit grows old
+    assert [analyze_cmd._age(str(cached), written + s) for s in (59, 3 * 3600 + 5, 3 * 86400)] \
+        == ["0 min ago", "3 h ago", "3 days ago"]
     doc = json.loads(result.output[result.output.index("{"):])
     assert {g["best"]["criterion"] for g in doc["what_if"]["groups"]} == {"predicted_speedup"}
     assert doc["what_if"]["calibration"] == str(cached)

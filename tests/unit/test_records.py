@@ -206,6 +206,20 @@ def test_ids_are_compared_as_text(tmp_path):
         f"{path}:5: id=7: duplicate id 7: first seen on line 1"]
 
 
+def test_a_record_known_by_its_line_is_refused_for_its_own_fault_first(tmp_path):
+    """A record without an id takes its line number, which can be an earlier record's id: where
+    the record is bad anyway (no prompt here) that is what its error says; where it is sound,
+    the clash (either way the clashing record is refused, the first one kept)."""
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"id": 2, "prompt": "a"}\n{"note": "b"}\n{"id": 3, "prompt": "c"}\n'
+                    '{"id": 5, "prompt": "d"}\n{"prompt": "e"}\n')
+    records, errors = read_records(path)
+    assert [r.id for r in records] == [2, 3, 5]
+    assert [(e.line, e.reason.split(":")[0]) for e in errors] == [
+        (2, "no prompt"), (5, "duplicate id 5")]
+    assert "line 5 has no id and takes its line number" in errors[1].reason
+
+
 def test_check_lengths():
     path = CORPUS / "too_long.jsonl"
     records, errors = read_records(path)
