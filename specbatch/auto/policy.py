@@ -455,10 +455,14 @@ class AdaptivePolicy:
         lens = [lengths[i] for i in act]
         mine = self.lookup.reach([seqs[i] for i in act], [min(self.k_max, n) for n in lens])
         sums = _prefix_sums(mine)
-        keys = [len(seqs[i].token_ids) for i in act]
-        options = {k: self._cuts(rows, lens, k, mine, keys, ctx, sums)
-                   for k in range(0, min(self.k_max, longest) + 1)}
-        rates = {k: self._rate_of(rows, cuts, sums, ctx) for k, cuts in options.items()}
+        top = min(self.k_max, longest)
+        if rows == 1:  # one row: every cut priced, each cap's best (``_one_row``)
+            options, rates = self._one_row(sums[0], top, ctx)
+        else:
+            keys = [len(seqs[i].token_ids) for i in act]
+            options = {k: self._cuts(rows, lens, k, mine, keys, ctx, sums)
+                       for k in range(0, top + 1)}
+            rates = {k: self._rate_of(rows, cuts, sums, ctx) for k, cuts in options.items()}
         best = max(rates, key=lambda k: (rates[k], -k))
         keep = min(self.current_k, longest)
         if rates[best] > rates[keep] * (1 + self.switch_margin):
@@ -471,6 +475,24 @@ class AdaptivePolicy:
         for i, c, r in zip(act, options[keep], mine):
             fed[i], reach[i] = c, r
         return fed, rates[keep], rates[0], reach
+
+    def _one_row(self, sums: list[float], top: int,
+                 ctx: float) -> tuple[dict[int, list[int]], dict[int, float]]:
+        """``_select_base``'s options and rates for a step of one row (sums: its reach's
+        ``_prefix_sums``; top: the longest cut, ``min(k_max, its proposal)``): the rate of every
+        cut c in 0..top, ``(1 + sums[c]) / step_time(1, 1 + c)``, and for each cap K the best
+        cut up to K (the shorter of equals). Exact where the fixed point of ``_cuts`` prices a
+        position by the dense slope alone: a cut that starts a matmul tile (9 fed tokens on the
+        CPU's AVX-512 kernels) costs the whole tile, and at one row that is the choice."""
+        options: dict[int, list[int]] = {}
+        rates: dict[int, float] = {}
+        best_c, best_r = 0, -1.0
+        for c in range(top + 1):
+            r = (1 + sums[c]) / self._seconds(1, 1 + c, ctx, 1 + c)
+            if r > best_r:
+                best_c, best_r = c, r
+            options[c], rates[c] = [best_c], best_r
+        return options, rates
 
     def _offer(self, cand: Candidate, step: _Step) -> None:
         """Offer ``cand`` the rows no earlier candidate took (``step.source`` still the

@@ -346,13 +346,19 @@ class _Row:
             self.last = self.sam.extend(self.last, toks[i])
         self.num_indexed = len(toks)
 
-    def draft(self, cap: int, min_prob: float, factor: float) -> Draft:
-        """Longest suffix of the row's text that also occurs earlier with a continuation: the
-        first state on the suffix-link path of the whole text that has transitions."""
+    def match(self) -> int:
+        """The state of the longest suffix of the row's text that also occurs earlier with a
+        continuation: the first state on the suffix-link path of the whole text that has
+        transitions (its ``sam.length`` is the match length)."""
         sam, v = self.sam, self.last
         while v and not sam.nxt[v]:
             v = sam.link[v]
-        return draft_from(sam, v, sam.length[v], cap, "self", min_prob, factor)
+        return v
+
+    def draft(self, cap: int, min_prob: float, factor: float) -> Draft:
+        """The continuation of ``match``."""
+        v = self.match()
+        return draft_from(self.sam, v, self.sam.length[v], cap, "self", min_prob, factor)
 
 
 class SuffixProposer(Proposer):
@@ -393,13 +399,24 @@ class SuffixProposer(Proposer):
                 cap, min_prob = min(cap, self.many_rows_cap), self.many_rows_min_prob
         if cap <= 0:
             return _EMPTY
-        own = self.rows[seq.seq_id].draft(cap, min_prob, own_factor)
-        sam = self.index.sam
-        if not sam.num_tokens:
+        row = self.rows[seq.seq_id]
+        if not self.index.sam.num_tokens:
+            return row.draft(cap, min_prob, own_factor)
+        v = row.match()
+        mine = row.sam.length[v]
+        state, n = row.job_match(self.index, self.max_match)
+        # the longer match drafts; the other's continuation is walked only where the longer
+        # one's is empty (a walk per row and step is most of a suffix lookup's time)
+        if n > mine:
+            job = draft_from(self.index.sam, state, n, cap, "job", min_prob, factor)
+            if job.ids:
+                return job
+            return draft_from(row.sam, v, mine, cap, "self", min_prob, own_factor)
+        own = draft_from(row.sam, v, mine, cap, "self", min_prob, own_factor)
+        if own.ids or not n:
             return own
-        state, n = self.rows[seq.seq_id].job_match(self.index, self.max_match)
-        job = draft_from(sam, state, n, cap, "job", min_prob, factor)
-        return job if job.ids and (job.match_len > own.match_len or not own.ids) else own
+        job = draft_from(self.index.sam, state, n, cap, "job", min_prob, factor)
+        return job if job.ids else own
 
     counts_rows = True  # drafts depend on the rows of the step: ``propose(num_rows=)``
 

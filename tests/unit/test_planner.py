@@ -78,6 +78,24 @@ def _select(policy, seqs, drafts):
     return policy.select(seqs, [policy.k_max] * len(seqs))
 
 
+def test_one_row_takes_the_cut_of_the_best_predicted_rate():
+    """At one row the policy prices every cut (``_one_row``): a step of 9 fed tokens starts a
+    second matmul tile, so with every position sure to be accepted 7 drafts (8 tokens, one
+    tile) beat 8, and a cap takes the best cut up to it."""
+    tiled = CostModel((0.01, 0.0001, 0.0, 0.0, 0.01, 0.0), tiled=True)
+    policy, _ = _policy(tiled, 8, lambda s: [(99.0, 1.0)] * 8)
+    sums = [float(c) for c in range(9)]  # every position accepted
+    options, rates = policy._one_row(sums, 8, 100.0)
+    by_cut = [(1 + c) / tiled.step_time(1, 1 + c, 100.0, num_tokens=1 + c) for c in range(9)]
+    assert options == {k: [min(k, 7)] for k in range(9)}
+    assert rates == {k: max(by_cut[:k + 1]) for k in range(9)}
+    for _ in range(3):  # the row's posterior learns every draft is accepted
+        seq = _seq(1)
+        chosen = _select(policy, [seq], [list(range(1, 10))])[0]
+        policy.observe(seq, chosen + [0])
+    assert len(chosen) == 7
+
+
 def test_online_adaptation_drops_k_when_drafts_stop_being_accepted():
     # verifying a token costs 10% of a step: drafting pays only while drafts are accepted
     policy, _ = _policy(CostModel((0.02, 0.002, 0.0, 0.0)), 5, lambda s: [(1.0, 1.0)] * 5)

@@ -177,6 +177,37 @@ def test_proposer_drafts_from_the_job_index_when_own_text_has_no_match():
     assert len(job.docs) == 4 and job.docs[-1] == (5, 6, 7)  # the finished answer joined
 
 
+def test_the_longer_match_drafts_as_if_both_were_walked():
+    """``SuffixProposer.draft`` walks the continuation of the longer match only (the other's
+    where that one is empty): on random texts over a few tokens, beside a job index, its drafts
+    are those of walking both and keeping the longer match's, own text on a tie or where the
+    job's is empty."""
+    rng = random.Random(3)
+    job = SuffixIndex()
+    for _ in range(6):
+        job.add([rng.randrange(5) for _ in range(rng.randrange(4, 30))])
+    prop = SuffixProposer(job)
+    seqs = [_seq([rng.randrange(5) for _ in range(rng.randrange(1, 12))], 1) for _ in range(8)]
+    for seq in seqs:
+        prop.start(seq)
+    for step in range(40):
+        for seq in seqs:
+            cap, rows = rng.choice((1, 3, 15)), rng.choice((1, 16))
+            got = prop.draft(seq, cap, rows)
+            row = prop.rows[seq.seq_id]
+            own_factor = (max(prop.max_spec_factor, suffix.OWN_FACTOR_FEW_ROWS)
+                          if rows <= suffix.FEW_ROWS else prop.max_spec_factor)
+            own = row.draft(cap, prop.min_token_prob, own_factor)
+            state, n = row.job_match(job, prop.max_match)
+            both = suffix.draft_from(job.sam, state, n, cap, "job", prop.min_token_prob,
+                                     prop.max_spec_factor)
+            want = both if both.ids and (both.match_len > own.match_len or not own.ids) else own
+            assert got == want, (step, seq.seq_id)
+            seq.token_ids.append(got.ids[0] if got.ids and rng.random() < 0.7
+                                 else rng.randrange(5))
+            prop.on_commit(seq, 1)
+
+
 def test_proposer_picks_the_longer_match_and_few_rows_draft_longer_own_text():
     """Own text and job index compete on match length, not on path probability: a 2-token own
     match drafting with probability 1 loses to a 3-token job match whose continuations are split
