@@ -17,8 +17,8 @@ One loop, two stages:
 
 1. The base candidate (prompt lookup, ``LookupCandidate``; drafted every step) sets the step:
    for each step cap K in 0..k_max every row keeps draft position j only while its reach is
-   worth that token at the step's rate (a fixed point of three rounds), and the cap with the
-   best rate wins. Hysteresis: K changes only when the new choice is predicted to be
+   worth that token at the step's rate (a fixed point of three rounds; at one row every cut
+   is priced instead, ``_one_row``), and the cap with the best rate wins. Hysteresis: K changes only when the new choice is predicted to be
    ``switch_margin`` better than keeping the current one.
 2. Every other candidate, in order (``methods`` registration order: the draft model, then
    suffix, then any registered method with ``auto=True``), is offered the rows no earlier
