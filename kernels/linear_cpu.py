@@ -64,11 +64,12 @@ def available() -> bool:
 
 
 def avx512(enable: bool | None = None) -> bool:
-    """Whether the AVX-512 micro-kernels run the matmuls of 8 rows and more, and those of 4-48
-    rows on code weights, in passes of up to 8 rows (CPUs with AVX-512 F/VL/DQ;
-    ``SPECBATCH_CPU_AVX512=0`` starts them off). They give every output element the AVX2 kernels' bits (two panels per 512-bit
-    register, each half the AVX2 lanes' own arithmetic), ~1.6x faster on a prompt-sized matmul
-    on an AVX-512 EPYC. ``enable`` turns them on or off first (tests and A/B timings)."""
+    """Whether the AVX-512 micro-kernels run the matmuls of 8 rows and more, and those of up to
+    48 rows on code weights (from ``avx512_from_rows()`` rows), in passes of up to 8 rows (CPUs
+    with AVX-512 F/VL/DQ; ``SPECBATCH_CPU_AVX512=0`` starts them off). They give every output
+    element the AVX2 kernels' bits (two panels per 512-bit register, each half the AVX2 lanes'
+    own arithmetic), ~1.6x faster on a prompt-sized matmul on an AVX-512 EPYC. ``enable``
+    turns them on or off first (tests and A/B timings)."""
     lib = _library()
     if lib is None:
         return False
