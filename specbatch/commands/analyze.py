@@ -9,14 +9,13 @@ calibration file, no matplotlib for ``--plot``).
 
 from __future__ import annotations
 
-import os
-
 from dataclasses import dataclass
 
 import click
 import orjson
 
 from specbatch.analyze.load import RunFile, load_run
+from specbatch.commands.common import file_age
 from specbatch.analyze.plots import MIN_CONDITIONAL_SUPPORT
 from specbatch.analyze.tables import (ALL, NO_GROUPS, default_grouping, differing_settings,
                                       distinct_rows, file_tables, group_table, record_groups)
@@ -93,20 +92,6 @@ def _cached_calibration(config: dict | None) -> str | None:
     return str(path) if path else None
 
 
-def _age(path: str, now: float | None = None) -> str:
-    """How long ago ``path`` was written, in words ("5 min ago", "3 h ago", "2 days ago"): a
-    machine's speed drifts (a 2-core VM's step times moved 2x within hours), so an old fit
-    may price steps wrong. now: seconds since the epoch (default: the clock)."""
-    import time
-
-    seconds = max((time.time() if now is None else now) - os.path.getmtime(path), 0.0)
-    if seconds < 3600:
-        return f"{int(seconds // 60)} min ago"
-    if seconds < 2 * 86400:
-        return f"{int(seconds // 3600)} h ago"
-    return f"{int(seconds // 86400)} days ago"
-
-
 def run_analyze(opts: AnalyzeOptions) -> int:
     if opts.compare and len(opts.paths) != 2:
         return _bad(f"--compare needs exactly two output files, got {len(opts.paths)}")
@@ -120,7 +105,7 @@ def run_analyze(opts: AnalyzeOptions) -> int:
             calibration = _cached_calibration(files[0].config)
             if calibration:
                 click.echo(f"what-if: step costs from the cached calibration {calibration}, "
-                           f"measured {_age(calibration)} (--calibration FILE takes another; "
+                           f"measured {file_age(calibration)} (--calibration FILE takes another; "
                            "`specbatch calibrate --recalibrate` measures again)", err=True)
         if calibration:
             from specbatch.auto.costmodel import load, other_engine

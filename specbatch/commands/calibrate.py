@@ -30,8 +30,14 @@ def run_calibrate(model: str | None, dtype: str, cache_dir: str | None, output: 
         click.echo(f"error: {e}", err=True)
         return 2
     cost, path, measured = llm.calibrate(recalibrate=recalibrate, echo=err)
-    status = "cached" if not measured else "measured"
-    click.echo(f"{status}: {path}")
+    from specbatch.commands.common import file_age
+
+    import os
+
+    if measured or not path or not os.path.exists(path):
+        click.echo(f"{'measured' if measured else 'cached'}: {path}")
+    else:
+        click.echo(f"cached: {path}, measured {file_age(path)} (--recalibrate measures again)")
     click.echo(f"{'rows':>5}{'q':>4}{'ctx':>6}{'tokens':>7}{'measured ms':>13}{'fit ms':>9}")
     # one row per timed shape, by context, rows, q, tokens (files written before calibrate kept
     # the grid's order list a shape timed again last), outliers labelled in their place; a

@@ -49,6 +49,21 @@ class StopError(click.ClickException):
         click.echo(f"error: {self.format_message()}", file=file, err=file is None)
 
 
+def file_age(path: str | Path, now: float | None = None) -> str:
+    """How long ago ``path`` was written, in words ("5 min ago", "3 h ago", "2 days ago"): a
+    machine's speed drifts (a 2-core VM's step times moved 2x within hours), so an old
+    calibration may price steps wrong. now: seconds since the epoch (default: the clock)."""
+    import os
+    import time
+
+    seconds = max((time.time() if now is None else now) - os.path.getmtime(path), 0.0)
+    if seconds < 3600:
+        return f"{int(seconds // 60)} min ago"
+    if seconds < 2 * 86400:
+        return f"{int(seconds // 3600)} h ago"
+    return f"{int(seconds // 86400)} days ago"
+
+
 def check_model(name: str | None, draft: bool = False) -> None:
     """Fail fast on a ``--model`` (None: the packaged default) or, with ``draft``, a
     ``--draft-model`` that names no registry model, ``.gguf`` file or model folder, or a registry

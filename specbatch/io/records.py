@@ -801,7 +801,10 @@ def _jsonl_rows(data: bytes, array_hint: str = _ARRAY_HINT
         except orjson.JSONDecodeError as e:  # its "line 1" is this line: give the column only
             mixed = (" (a CR ends a record inside this line: the file mixes CR-only and LF line "
                      "endings)" if b"}\r" in raw.rstrip() else "")
-            yield n, _BadLine(f"invalid JSON at column {e.colno}: {e.msg}{mixed}")
+            # orjson reads a word starting with n, t or f as a misspelt null, true or false
+            why = ("unexpected word, expected a JSON value" if e.msg.startswith("invalid literal")
+                   else e.msg)
+            yield n, _BadLine(f"invalid JSON at column {e.colno}: {why}{mixed}")
             continue
         if not isinstance(value, dict):
             hint = (f" ({array_hint})" if isinstance(value, list)

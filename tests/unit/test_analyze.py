@@ -21,7 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 from specbatch.analyze import whatif
-from specbatch.commands import analyze as analyze_cmd
+from specbatch.commands.common import file_age
 from specbatch.analyze.load import config_path, load_run, spec_stats
 from specbatch.commands.analyze import AnalyzeOptions, build_document, format_text
 from specbatch.cli import main
@@ -721,7 +721,7 @@ def test_what_if_takes_the_cached_calibration(runs, tmp_path, monkeypatch):
         in result.output
     assert "warning" not in result.output
     written = os.path.getmtime(cached)  # its age, as the cached fit grows old
-    assert [analyze_cmd._age(str(cached), written + s) for s in (59, 3 * 3600 + 5, 3 * 86400)] \
+    assert [file_age(cached, written + s) for s in (59, 3 * 3600 + 5, 3 * 86400)] \
         == ["0 min ago", "3 h ago", "3 days ago"]
     doc = json.loads(result.output[result.output.index("{"):])
     assert {g["best"]["criterion"] for g in doc["what_if"]["groups"]} == {"predicted_speedup"}

@@ -354,6 +354,23 @@ def test_the_calibrate_table_lists_shapes_by_context(monkeypatch, capsys):
     assert out[header + 1 + len(GRID)].startswith("fit: ")
 
 
+def test_calibrate_says_how_old_the_cached_fit_is(tmp_path, monkeypatch, capsys):
+    """A cached fit is named with its age (a VM's speed drifts within hours); a fresh one as
+    measured."""
+    from specbatch import llm as llm_module
+    from specbatch.commands.calibrate import run_calibrate
+
+    path = tmp_path / "cal.json"
+    TRUE.save(path)
+    for measured, first in ((False, f"cached: {path}, measured 0 min ago (--recalibrate "
+                                    "measures again)"), (True, f"measured: {path}")):
+        fake = SimpleNamespace(calibrate=lambda recalibrate, echo, m=measured:
+                               (TRUE, str(path), m))
+        monkeypatch.setattr(llm_module.LLM, "from_config", staticmethod(lambda *a, **k: fake))
+        assert run_calibrate("m", "float32", None, None, False) == 0
+        assert capsys.readouterr().out.splitlines()[0] == first
+
+
 def test_each_cpu_kernel_path_keeps_its_own_calibration(tmp_path, monkeypatch):
     """Runs with the C kernels and with ``SPECBATCH_CPU_KERNELS=0`` (torch's kernels, ~1.6x
     slower batch-16 steps) each keep their own cached fit, as do int8 runs on the AVX2 and the

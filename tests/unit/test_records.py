@@ -220,6 +220,18 @@ def test_a_record_known_by_its_line_is_refused_for_its_own_fault_first(tmp_path)
     assert "line 5 has no id and takes its line number" in errors[1].reason
 
 
+def test_a_word_that_is_not_json_is_named_so(tmp_path):
+    """A line starting with a word orjson reads as a misspelt null / true / false ("not json",
+    "trash") is "an unexpected word" (orjson: "invalid literal, expected 'null'")."""
+    path = tmp_path / "in.jsonl"
+    path.write_text('not json\n{"prompt": "a"}\ntrash\n')
+    records, errors = read_records(path)
+    assert len(records) == 1
+    assert [(e.line, e.reason) for e in errors] == [
+        (1, "invalid JSON at column 1: unexpected word, expected a JSON value"),
+        (3, "invalid JSON at column 1: unexpected word, expected a JSON value")]
+
+
 def test_check_lengths():
     path = CORPUS / "too_long.jsonl"
     records, errors = read_records(path)
