@@ -18,8 +18,9 @@ One loop, two stages:
 1. The base candidate (prompt lookup, ``LookupCandidate``; drafted every step) sets the step:
    for each step cap K in 0..k_max every row keeps draft position j only while its reach is
    worth that token at the step's rate (a fixed point of three rounds; at one row every cut
-   is priced instead, ``_one_row``), and the cap with the best rate wins. Hysteresis: K changes only when the new choice is predicted to be
-   ``switch_margin`` better than keeping the current one.
+   is priced instead, ``_one_row``), and the cap with the best rate wins. Hysteresis: K
+   changes only when the new choice is predicted to be ``switch_margin`` better than keeping
+   the current one.
 2. Every other candidate, in order (``methods`` registration order: the draft model, then
    suffix, then any registered method with ``auto=True``), is offered the rows no earlier
    candidate took (``_offer``). At the base's rate r one more verified token costs
@@ -40,22 +41,22 @@ with it).
 Dormancy: weighing the drafts costs host time every step (candidates drafted and scored, every
 row's cuts, every row learning from the commit: ~1.6 ms a step of 16 rows and ~0.3 ms at one
 row, CPU time, SmolLM2-135M int8 on an AMX Xeon, against a ~20 ms / ~7.5 ms verify step). Where
-no drafting pays, that is all the difference to plain decoding: the 16 peer records at batch
-16, int8, ran auto at 0.978x ``none`` (6 interleaved rounds) with its verify steps 3% cheaper
-and its host time 3% dearer. So once weighed steps in a row where no row drafted
-add up to ``IDLE_ROWS`` rows, the policy sleeps: the next ``SLEEP_FIRST`` steps draft nothing and weigh nothing (no
-reach, no cuts, no candidate but the base drafts), then it weighs one step; a step that again
-drafts nothing doubles the sleep (up to ``SLEEP_MAX`` steps), one that drafts wakes it. A row
-that joins the step (a new record, or a turn's follow-up) wakes it at once. While it sleeps
-the rows still learn: the base proposes every step and its first position is scored against
-the commit (``LookupCandidate.observe``), so a row whose text starts copying is drafted for
-at the next weighed step. Steps slept through count as ``none`` in ``steps_by_proposer`` and
+no drafting pays, that is all the difference to plain decoding: the 16 peer records at batch 16,
+int8, ran auto at 0.978x ``none`` (6 interleaved rounds) with its verify steps 3% cheaper and
+its host time 3% dearer. So once weighed steps in a row where no row drafted add up to
+``IDLE_ROWS`` rows, the policy sleeps: the next ``SLEEP_FIRST`` steps draft nothing and weigh
+nothing (no reach, no cuts, no candidate but the base drafts), then it weighs one step; a step
+that again drafts nothing doubles the sleep (up to ``SLEEP_MAX`` steps), one that drafts wakes
+it. A row that joins the step (a new record, or a turn's follow-up) wakes it at once. While it
+sleeps the rows still learn: the base proposes every step and its first position is scored
+against the commit (``LookupCandidate.observe``), so a row whose text starts copying is drafted
+for at the next weighed step. Steps slept through count as ``none`` in ``steps_by_proposer`` and
 are journaled as ``idle`` (a resume replays them as slept: the other candidates' pooled
-acceptance decays per step they draft). Measured (``benchmarks/auto_decisions.py``, one fit,
-CPU time of the policy and candidates per verify step): 16 peer records at batch 16, 1.64 ->
-1.20 ms (128 verify steps, 127 awake); 64 Spec-Bench records at batch 16, 2.11 -> 1.14 ms (844
-steps, 839 awake); at batch 1 it sleeps only after 64 idle steps (the 16 peer records, float32:
-1137 verify steps, as awake).
+acceptance decays per step they draft). Measured (``benchmarks/auto_decisions.py``, one fit, CPU
+time of the policy and candidates per verify step): 16 peer records at batch 16, 1.64 -> 1.20 ms
+(128 verify steps, 127 awake); 64 Spec-Bench records at batch 16, 2.11 -> 1.14 ms (844 steps,
+839 awake); at batch 1 it sleeps only after 64 idle steps (the 16 peer records, float32: 1137
+verify steps, as awake).
 
 ``steps_by_proposer`` counts which candidate (or none) drafted each row's steps, per record.
 After every step each candidate learns from the committed tokens (``Candidate.observe``). The

@@ -15,10 +15,10 @@ import click
 import orjson
 
 from specbatch.analyze.load import RunFile, load_run
-from specbatch.commands.common import file_age
 from specbatch.analyze.plots import MIN_CONDITIONAL_SUPPORT
 from specbatch.analyze.tables import (ALL, NO_GROUPS, default_grouping, differing_settings,
                                       distinct_rows, file_tables, group_table, record_groups)
+from specbatch.commands.common import file_age
 
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
 MAX_DIFFS_SHOWN = 20

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 
 import click
+
+from specbatch.commands.common import file_age
 
 
 def run_calibrate(model: str | None, dtype: str, cache_dir: str | None, output: str | None,
@@ -30,10 +33,6 @@ def run_calibrate(model: str | None, dtype: str, cache_dir: str | None, output: 
         click.echo(f"error: {e}", err=True)
         return 2
     cost, path, measured = llm.calibrate(recalibrate=recalibrate, echo=err)
-    from specbatch.commands.common import file_age
-
-    import os
-
     if measured or not path or not os.path.exists(path):
         click.echo(f"{'measured' if measured else 'cached'}: {path}")
     else:

@@ -5,8 +5,10 @@ one ``error:`` line and a usage hint, exit 2) and ``StopError`` (one ``error:`` 
 
 from __future__ import annotations
 
+import os
 import re
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,9 +55,6 @@ def file_age(path: str | Path, now: float | None = None) -> str:
     """How long ago ``path`` was written, in words ("5 min ago", "3 h ago", "2 days ago"): a
     machine's speed drifts (a 2-core VM's step times moved 2x within hours), so an old
     calibration may price steps wrong. now: seconds since the epoch (default: the clock)."""
-    import os
-    import time
-
     seconds = max((time.time() if now is None else now) - os.path.getmtime(path), 0.0)
     if seconds < 3600:
         return f"{int(seconds // 60)} min ago"

@@ -1,6 +1,6 @@
 """``--method auto`` sleeps where no drafting pays (``auto.policy``, "Dormancy"): after weighed
-steps without a draft of ``IDLE_ROWS`` rows in all it weighs only every 2, 4, 8, then 16 steps, wakes
-at once for a row that joins, learns while asleep, and a resume replays the steps slept
+steps without a draft of ``IDLE_ROWS`` rows in all it weighs only every 2, 4, 8, then 16 steps,
+wakes at once for a row that joins, learns while asleep, and a resume replays the steps slept
 through as slept."""
 
 from __future__ import annotations
