@@ -8,6 +8,16 @@ example records at 32 tokens, ngram k5, beside other jobs (load average 5): 95.5
 default policy, 13.0 s with ``OMP_WAIT_POLICY=PASSIVE`` (2 threads), 12.2 s with one thread.
 Passive keeps both threads (a quiet spell of the neighbours is used) and is what is chosen.
 
+The policy is chosen once, at start-up; a job that starts on a quiet machine spin-waits for its
+whole run. When other work appears later (a second job, a test suite), ``ThreadGovernor`` gives
+the neighbours their cores: every ``ThreadGovernor.INTERVAL`` s of the run it reads how much CPU
+time others took and, while they hold cores, runs the engine on fewer threads (the CPU backend
+calls ``poll()`` every step; the first window starts when the threads are chosen). Measured on
+the 2-core Xeon (model 207), 6 of the peer records at 64 tokens, plain decoding, int8, one busy
+loop beside the job: 16.8 s spinning on 2 threads, 5.5 s on 1 thread, 5.6 s passive on 2
+threads, 2.5 s alone on 2 threads. Two such jobs (8 records) started together: 52.5 s for both
+spinning, 21.1 s with the governor (each settles on one thread).
+
 libgomp reads ``OMP_WAIT_POLICY`` and ``OMP_NUM_THREADS`` once, when it is loaded (with torch),
 so ``choose_threads`` sets them in the environment and must run before torch is imported
 (the CLI calls it first thing in ``run``, ``bench`` and ``calibrate``). Where torch is already
@@ -18,6 +28,9 @@ thread count (the same token ids with 1 and 2 threads in the measurement above).
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import math
 import os
 import sys
 import time
@@ -136,6 +149,8 @@ def choose_threads(threads: int | None = None, load: float | None = None,
     Raises ``ValueError`` for threads < 1."""
     env = os.environ if environ is None else environ
     cpus = usable_cpus()
+    # this process's own choice, made before its OpenMP runtime starts: a governor may act
+    fresh = environ is None and "torch" not in sys.modules
     if threads is not None:
         if threads < 1:
             raise ValueError(f"threads={threads}: expected an integer >= 1")
@@ -172,7 +187,126 @@ def choose_threads(threads: int | None = None, load: float | None = None,
             why = ("the machine is quiet" if load is not None else "no load average here")
     if why_threads:
         why = f"{why_threads}; {why}"
+    global governor
+    if fresh and why_threads is None and wait == "active" and threads > 1:
+        governor = ThreadGovernor(threads)
     return ThreadChoice(threads, wait, why)
 
 
-__all__ = ["ThreadChoice", "choose_threads", "other_load", "usable_cpus"]
+class ThreadGovernor:
+    """Fewer OpenMP threads while other work holds the CPUs; all of them again when it is gone.
+
+    base: the threads chosen at start-up. Every ``INTERVAL`` s (``poll``) it reads the CPU
+    time other processes took on the usable CPUs since the last read: the CPUs' busy ticks
+    (``/proc/stat``) less this process's own CPU time, in CPUs. Where that is at least
+    ``SLACK`` of a CPU in ``PATIENCE`` reads in a row, it runs ``usable_cpus() - ceil(other -
+    SLACK)`` threads (at least 1, at most ``base``); a read that allows more threads raises the
+    count at once. Two spinning threads beside one busy loop on 2 CPUs read ~0.6-0.7 (the three
+    share the cores); one thread beside it reads ~1.0 and keeps one; alone, ~0.01. Two jobs
+    started together on a quiet machine each read the other and settle on one thread each.
+
+    Token ids do not depend on the thread count (the C kernels and torch's ops split work by
+    rows and columns, never a sum: ``tests/helpers.at_thread_counts``), so the count may change
+    between any two steps.
+
+    reader() -> (busy, total) ticks of the usable CPUs, or None; own() -> this process's CPU
+    seconds; clock() -> seconds; set_threads(n): applies a count (default
+    ``torch.set_num_threads``); all injectable for tests. Changes are logged on the
+    ``specbatch`` logger (INFO), and counted in ``changes``.
+    """
+
+    INTERVAL = 0.5  # seconds between reads
+    SLACK = 0.3  # CPUs of other work ignored: daemons, this job's own helper processes
+    PATIENCE = 2  # reads in a row that must see the neighbours before threads are given up
+
+    def __init__(self, base: int, cpus: int | None = None, reader=None, own=None, clock=None,
+                 set_threads=None) -> None:
+        self.base = self.threads = base
+        self.cpus = cpus if cpus is not None else usable_cpus()
+        ids = _usable_cpu_ids()
+        self._reader = reader or (lambda: _cpu_jiffies(ids))
+        self._own = own or _own_cpu_seconds
+        self._clock = clock or time.monotonic
+        self._set_threads = set_threads
+        self._busy_reads = 0
+        self._last = (self._clock(), self._reader(), self._own())  # the first window's start
+        self.changes = 0
+        self.held = False  # ``held()``: the base count, no reads
+        self.other = 0.0  # CPUs other work held in the last window
+
+    def poll(self) -> None:
+        """Cheap (a clock read) except once per ``INTERVAL``: then reads the CPU counters and
+        changes the thread count where the neighbours call for it."""
+        now = self._clock()
+        if now - self._last[0] < self.INTERVAL:
+            return
+        ticks, own = self._reader(), self._own()
+        last, self._last = self._last, (now, ticks, own)
+        if ticks is None or last[1] is None or ticks[1] <= last[1][1]:
+            return
+        share = (ticks[0] - last[1][0]) / (ticks[1] - last[1][1])
+        self.other = max(0.0, share * self.cpus - (own - last[2]) / (now - last[0]))
+        want = max(1, min(self.base, self.cpus - math.ceil(self.other - self.SLACK)))
+        if want < self.threads:
+            self._busy_reads += 1
+            if self._busy_reads < self.PATIENCE:
+                return
+        self._busy_reads = 0
+        if want != self.threads:
+            self._apply(want)
+
+    def _apply(self, threads: int, why: str | None = None) -> None:
+        if self._set_threads is None:
+            import torch
+
+            self._set_threads = torch.set_num_threads
+        self._set_threads(threads)
+        self.changes += 1
+        why = why or (f"other work holds {self.other:.1f} of the {self.cpus} usable CPU(s)"
+                      if threads < self.threads else "the other work is gone")
+        logging.getLogger("specbatch").info(
+            "cpu: %d thread%s now (was %d): %s", threads, "" if threads == 1 else "s",
+            self.threads, why)
+        self.threads = threads
+
+
+governor: ThreadGovernor | None = None  # set by ``choose_threads`` where it may act
+
+
+def poll() -> None:
+    """``governor.poll()`` where ``choose_threads`` installed one and no ``held()`` block runs
+    (the CPU backend calls it every step), else nothing."""
+    if governor is not None and not governor.held:
+        governor.poll()
+
+
+def chosen_threads() -> int:
+    """The threads this process chose (the governor's ``base``, whatever it runs now), else
+    torch's current count: what a step-cost fit is measured for (``engine_fingerprint``)."""
+    if governor is not None:
+        return governor.base
+    import torch
+
+    return torch.get_num_threads()
+
+
+@contextlib.contextmanager
+def held():
+    """The chosen thread count (``chosen_threads``) for the block, whatever the neighbours do:
+    a step-cost calibration times the engine that runs on a quiet machine, not a count of the
+    moment (``auto.costmodel.calibrate``). Nothing where there is no governor."""
+    if governor is None or governor.held:
+        yield
+        return
+    governor.held = True
+    if governor.threads != governor.base:
+        governor._apply(governor.base, "a calibration times all of them")
+    try:
+        yield
+    finally:
+        governor.held = False
+        governor._last = (governor._clock(), governor._reader(), governor._own())
+
+
+__all__ = ["ThreadChoice", "ThreadGovernor", "choose_threads", "chosen_threads", "held",
+           "other_load", "poll", "usable_cpus"]

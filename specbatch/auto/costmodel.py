@@ -49,7 +49,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specbatch import settings
+from specbatch import cpu_threads, settings
 
 ROWS = (1, 4, 16)
 QUERY_LENS = (1, 2, 4, 6, 9)
@@ -113,7 +113,7 @@ def engine_fingerprint() -> str:
     policy = os.environ.get("OMP_WAIT_POLICY", "default").lower()
     kernels = ("on" if settings.cpu_kernels() else "off") + settings.cpu_switches()
     return (f"engine r{ENGINE_REVISION}, torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads, OpenMP wait {policy}, C kernels {kernels}")
+            f"{cpu_threads.chosen_threads()} threads, OpenMP wait {policy}, C kernels {kernels}")
 
 
 @dataclass(frozen=True)
@@ -465,6 +465,7 @@ def load_average() -> float | None:
         return None
 
 
+@cpu_threads.held()  # every thread the run chose, whatever the neighbours do meanwhile
 def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
               rows_grid=ROWS, query_grid=QUERY_LENS, context_grid=CONTEXTS,
               progress: bool = False, time_fn=None,

@@ -125,3 +125,176 @@ print("POLICY", os.environ.get("OMP_WAIT_POLICY"))
     assert f"POLICY {policy}" in out.stdout
     how = "wait passively" if policy else "spin-wait"
     assert f"OpenMP threads {how}" in out.stderr
+
+
+class _Neighbours:
+    """A fake machine for ``ThreadGovernor``: each ``window(busy, own)`` is the next
+    ``INTERVAL`` s, in which the 2 CPUs were busy ``busy`` CPUs' worth and this process used
+    ``own`` CPUs (all its threads)."""
+
+    def __init__(self) -> None:
+        self.now, self.ticks, self.own_s, self.reads, self.applied = 0.0, [0, 0], 0.0, 0, []
+
+    def window(self, busy: float, own: float, seconds: float = 1.0) -> None:
+        self.now += seconds
+        self.ticks[0] += round(100 * busy * seconds)
+        self.ticks[1] += round(100 * 2 * seconds)
+        self.own_s += own * seconds
+
+    def reader(self):
+        self.reads += 1
+        return tuple(self.ticks)
+
+    def governor(self):
+        from specbatch.cpu_threads import ThreadGovernor
+
+        return ThreadGovernor(2, cpus=2, reader=self.reader, own=lambda: self.own_s,
+                              clock=lambda: self.now, set_threads=self.applied.append)
+
+
+def test_governor_gives_a_cpu_to_work_that_appears_and_takes_it_back(caplog):
+    """Measured on the 2-core Xeon: a busy loop beside two spinning threads reads ~0.6-0.7
+    CPUs of other work (the three share the cores); beside one thread ~1.0; alone ~0.01."""
+    m = _Neighbours()
+    g = m.governor()
+    m.window(busy=2.0, own=1.99)  # alone: 0.01 of other work
+    g.poll()
+    assert g.threads == 2 and m.applied == [] and g.other == pytest.approx(0.01, abs=1e-6)
+    with caplog.at_level("INFO", logger="specbatch"):
+        m.window(busy=2.0, own=1.35)  # a busy loop appears
+        g.poll()
+        assert m.applied == []  # one read is not enough (PATIENCE)
+        m.window(busy=2.0, own=1.3)
+        g.poll()
+        assert m.applied == [1] and g.threads == 1
+        for _ in range(3):  # one thread beside it: the loop holds its CPU, ours the other
+            m.window(busy=2.0, own=1.0)
+            g.poll()
+        assert m.applied == [1] and g.other == pytest.approx(1.0)
+        m.window(busy=1.0, own=1.0)  # gone: every thread again at once
+        g.poll()
+    assert m.applied == [1, 2] and g.threads == 2 and g.changes == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "cpu: 1 thread now (was 2): other work holds 0.7 of the 2 usable CPU(s)",
+        "cpu: 2 threads now (was 1): the other work is gone"]
+
+
+def test_governor_reads_once_per_interval_and_ignores_a_blip():
+    m = _Neighbours()
+    g = m.governor()
+    assert m.reads == 1  # the first window starts at the choice
+    m.window(busy=2.0, own=2.0, seconds=g.INTERVAL / 4)
+    g.poll()
+    assert m.reads == 1  # within the interval: a clock read only
+    m.window(busy=2.0, own=1.3, seconds=g.INTERVAL)
+    g.poll()  # one busy window ...
+    m.window(busy=2.0, own=2.0)
+    g.poll()  # ... then quiet again: the count never moved
+    m.window(busy=2.0, own=1.3)
+    g.poll()
+    assert m.reads == 4 and m.applied == [] and g.threads == 2
+    m.window(busy=2.0, own=1.95)  # daemons: under SLACK of a CPU
+    g.poll()
+    assert m.applied == []
+
+
+def test_held_runs_every_chosen_thread_and_stops_reading(monkeypatch):
+    """A calibration inside ``held()`` times the engine a quiet machine runs (the fit's
+    fingerprint says the chosen count, whatever runs now)."""
+    from specbatch import cpu_threads
+    from specbatch.auto.costmodel import engine_fingerprint
+
+    m = _Neighbours()
+    g = m.governor()
+    monkeypatch.setattr(cpu_threads, "governor", g)
+    for _ in range(2):
+        m.window(busy=2.0, own=1.3)
+        cpu_threads.poll()
+    assert g.threads == 1 and cpu_threads.chosen_threads() == 2
+    assert ", 2 threads, " in engine_fingerprint()
+    with cpu_threads.held():
+        assert m.applied == [1, 2] and g.threads == 2
+        reads = m.reads
+        for _ in range(3):
+            m.window(busy=2.0, own=1.3)
+            cpu_threads.poll()
+        assert m.reads == reads and m.applied == [1, 2]
+    assert not g.held
+    for _ in range(2):  # the neighbour is still there: one thread again
+        m.window(busy=2.0, own=1.3)
+        cpu_threads.poll()
+    assert m.applied == [1, 2, 1]
+
+
+@pytest.mark.parametrize("env, load, governed", [
+    ({}, 0.0, True),  # the process's own choice on a quiet machine
+    ({"OMP_NUM_THREADS": "2"}, 0.0, False),  # the user's count is kept
+    ({}, 99.0, False),  # busy at start: threads wait passively (no spinning to undo)
+    ({"OMP_WAIT_POLICY": "PASSIVE"}, 0.0, False),
+])
+def test_a_governor_acts_only_on_a_spinning_count_the_process_chose(env, load, governed):
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+import specbatch.cpu_threads as c
+c.usable_cpus = lambda: 2
+c.other_load = lambda *a, **k: {load}
+c.choose_threads()
+assert "torch" not in sys.modules
+print("GOVERNED", c.governor is not None and c.governor.base == 2)
+"""
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env={**base, **env}, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f"GOVERNED {governed}" in out.stdout, out.stdout
+
+
+C_BACKENDS = [case for case in __import__("tests.helpers", fromlist=["x"]).backend_cases()
+              if case.id.startswith("c-")]
+
+
+@pytest.mark.parametrize("case", C_BACKENDS, ids=lambda c: c.id)
+def test_threads_changing_between_steps_change_no_token(case, monkeypatch):
+    """The governor may change the count between any two steps: a run whose count flips
+    2 -> 1 -> 2 ... at every step (neighbours that come and go each window) gives the tokens of
+    a run on a fixed count, speculative and plain."""
+    import torch
+
+    from specbatch import cpu_threads
+    from specbatch.config import SamplingParams
+    from tests.helpers import repeating_prompts, run_engine, tiny_llama
+
+    forward = case.forward(case.convert(tiny_llama(96, seed=5)))
+    prompts = repeating_prompts(96, 6, seed=7)
+    sampling = SamplingParams(max_tokens=24)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with case.switches():
+            fixed = [run_engine(forward, prompts, k, 4, sampling) for k in (0, 5)]
+        m = _Neighbours()
+        counts = []
+        g = cpu_threads.ThreadGovernor(2, cpus=2, reader=m.reader, own=lambda: m.own_s,
+                                       clock=lambda: m.now,
+                                       set_threads=lambda n: (counts.append(n),
+                                                              torch.set_num_threads(n)))
+        g.PATIENCE = 1
+        real_poll = g.poll
+
+        def poll():  # a window per step: a neighbour beside two threads, gone beside one
+            m.window(busy=2.0, own=1.2) if g.threads == 2 else m.window(busy=1.0, own=1.0)
+            real_poll()
+
+        g.poll = poll
+        monkeypatch.setattr(cpu_threads, "governor", g)
+        with case.switches():
+            flipped = [run_engine(forward, prompts, k, 4, sampling) for k in (0, 5)]
+    finally:
+        torch.set_num_threads(before)
+    assert len(counts) > 20 and set(counts) == {1, 2}, counts
+    for a, b in zip(fixed, flipped):
+        assert [c.output_ids for c in a] == [c.output_ids for c in b]

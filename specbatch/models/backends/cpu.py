@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specbatch import cpu_threads
 from specbatch.engine.kv_cache import KVCache
 from specbatch.models.backends.reference import TorchBackend
 
@@ -67,6 +68,7 @@ class CpuBackend(TorchBackend):
         that row (this chunk's own are written before attention in every layer). A prompt
         token's bits then depend on its own row alone, never on the chunks beside it, and its
         keys and values are the ones a decode step would write for it."""
+        cpu_threads.poll()  # fewer threads while other work holds the CPUs (ThreadGovernor)
         if self.decode is None:
             return super().prefill(input_ids, cache, chunks, logits_at)
         f = self.forward
@@ -89,6 +91,7 @@ class CpuBackend(TorchBackend):
         every token reads its own cache row up to its own position, so a token's result does
         not depend on what shares the step (kernels/csrc/attention_f32.c); in the one-call mode
         every layer in one C call."""
+        cpu_threads.poll()
         f = self.forward
         bsz, qlen = input_ids.shape
         if (qlen * (self.num_heads // self.num_kv_heads) > self.max_exact_rows
