@@ -6,7 +6,7 @@ loaded machine disturbs less than tok/s (``run.py``'s figure).
         --rounds 5 --arms specbatch:none:1,llamacpp:none:1
 
 Each arm is ``run.py``'s worker (same command line, models from ``WORK/model.json``), the
-others stopped (SIGSTOP) while it runs. Per round and arm, in an order rotating per round: a
+others stopped (SIGSTOP) while it runs. Per round and arm, in ``run.round_order``: a
 job of ``--limit`` prompts with max_tokens 1 (prefill and the first token), then the same
 prompts with ``--max-tokens``. The decode cost per token is the difference of the two jobs'
 seconds over the difference of their output tokens (the prompts' prefill cancels out); CPU
@@ -29,7 +29,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from run import LABELS, Worker, parse_arms  # noqa: E402
+from run import LABELS, Worker, parse_arms, round_order  # noqa: E402
 
 
 def main() -> None:
@@ -64,7 +64,7 @@ def main() -> None:
             w.run(1, 8)
             w.pause()
         for rnd in range(args.rounds):
-            for arm in arms[rnd % len(arms):] + arms[:rnd % len(arms)]:
+            for arm in round_order(arms, rnd):
                 w = workers[arm]
                 w.resume()
                 load = os.getloadavg()[0]

@@ -3,7 +3,9 @@
 Each arm (engine, method, batch size) is a worker process in its engine's own venv (see
 README.md), started once and warmed up (two prompts, 16 tokens); then every round runs each
 arm on all prompts, one arm at a time (the other workers stopped with SIGSTOP meanwhile), the
-arm order rotating from round to round so drift of a shared machine spreads over all arms.
+arm order rotating from round to round so drift of a shared machine spreads over all arms, and
+backwards every other round, so that no arm always runs right after the same one (rotation
+alone ran auto right after ngram of its batch size in every round).
 Output tok/s = output tokens (a final EOS counted, as every engine emits it) / wall seconds of
 the batch job, summed over rounds; "per round" gives each round's. The 1-minute load average is
 read before and after every run; the table's "load" column is its range over the arm's runs.
@@ -152,6 +154,12 @@ class Worker:
             self.proc.wait(timeout=60)
         except Exception:  # noqa: BLE001 - a stuck engine must not keep the driver alive
             self.proc.kill()
+
+
+def round_order(arms: list, rnd: int) -> list:
+    """The arms of round ``rnd`` (from 0): rotated by ``rnd``, backwards in odd rounds."""
+    order = arms[rnd % len(arms):] + arms[:rnd % len(arms)]
+    return order[::-1] if rnd % 2 else order
 
 
 def parse_arms(text: str) -> list[tuple[str, str, int, str]]:
@@ -313,8 +321,7 @@ def main() -> None:
         results = {arm: [] for arm in arms}
         outputs: dict = {}
         for rnd in range(args.rounds):
-            order = arms[rnd % len(arms):] + arms[:rnd % len(arms)]
-            for arm in order:
+            for arm in round_order(arms, rnd):
                 workers[arm].resume()  # the only engine not stopped (see Worker.pause)
                 load = os.getloadavg()[0]
                 limit = args.batch1_limit if arm[2] == 1 and args.batch1_limit else args.limit

@@ -2,7 +2,10 @@
 
 Records are grouped by category (a single group when the input has none). For each group every
 configuration runs the group's records with a fresh engine, in an order that rotates from group
-to group (and round to round), so slow drift of the machine spreads over all configurations.
+to group (and round to round), so slow drift of the machine spreads over all configurations,
+and runs backwards every other round (A B, then B A), so that no configuration always runs
+right after the same one (rotation alone keeps neighbours: with one group, auto ran after
+suffix in every round).
 Output tok/s = completion tokens / wall seconds of the run (prefill included). Ratios are to
 ``none`` wherever it is one of the configurations, whatever its place; without it, to the first
 configuration, and the table says so. The outputs of every configuration are compared with that
@@ -175,8 +178,8 @@ def run_bench(opts: BenchOptions) -> int:
     n = len(opts.specs)
     for rnd in range(opts.repeats):
         for gi, (cat, recs) in enumerate(groups.items()):
-            for j in range(n):
-                label, spec = opts.specs[(gi + rnd + j) % n]
+            for j in run_order(n, gi, rnd):
+                label, spec = opts.specs[j]
                 dt, outs = run_once(spec, recs)
                 seconds[label, cat] += dt
                 round_seconds[label, rnd] += dt
@@ -221,6 +224,14 @@ def spread(rates: list[float]) -> float | None:
     if len(rates) < 2 or not sum(rates):
         return None
     return (max(rates) - min(rates)) / (sum(rates) / len(rates))
+
+
+def run_order(n: int, group: int, rnd: int) -> list[int]:
+    """The order of ``n`` configurations (indices) in group ``group`` of round ``rnd`` (both
+    from 0): rotated by ``group + rnd``, backwards in odd rounds. In two rounds running, no
+    configuration runs right after the same one (for n >= 3)."""
+    order = [(group + rnd + j) % n for j in range(n)]
+    return order[::-1] if rnd % 2 else order
 
 
 def spread_lines(labels, repeats: int, round_tokens, round_seconds) -> list[str]:

@@ -217,3 +217,19 @@ def test_bench_prints_each_rounds_overall_rate_and_their_spread(tmp_path, tiny_g
         assert line.startswith(f"{lb:<9} tok/s per round (all categories): "
                                f"{rates[0]:.1f}, {rates[1]:.1f}; spread "), line
         assert line.endswith("% ((max-min)/mean)"), line
+
+
+def test_run_order_rotates_and_runs_backwards_every_other_round():
+    """Rotation alone kept neighbours: with one group, each configuration ran right after the
+    same one in every round (auto after suffix on the extraction recipe), so whatever the
+    previous run leaves behind (a slower machine, a warm cache) fell on the same arm."""
+    from specbatch.commands.bench import run_order
+
+    assert [run_order(4, 0, r) for r in range(3)] == [[0, 1, 2, 3], [0, 3, 2, 1], [2, 3, 0, 1]]
+    for n in (3, 4, 5):
+        for group in range(3):
+            for r in range(4):
+                order, after = run_order(n, group, r), run_order(n, group, r + 1)
+                assert sorted(order) == list(range(n))
+                pairs = set(zip(order, order[1:]))
+                assert not pairs & set(zip(after, after[1:])), (n, group, r)
