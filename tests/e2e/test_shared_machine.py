@@ -26,16 +26,23 @@ def _generation_seconds(args: list[str], env: dict) -> tuple[float, str]:
     return float(m.group(1)), p.stderr
 
 
+def _job_input(tmp_path, records, n: int) -> tuple[Path, dict]:
+    """The first ``n`` records of ``records`` in a file, and the job's environment: the thread
+    count and wait policy left to the CLI."""
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(records.read_text().splitlines(keepends=True)[:n]))
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS",
+                                                            "OMP_WAIT_POLICY")}
+    env["HF_HUB_OFFLINE"] = "1"
+    return src, env
+
+
 @pytest.mark.slow
 def test_a_job_beside_a_busy_neighbour_stays_within_2x(tmp_path, real_model):
     """A spinning process per usable CPU beside the job: its generation takes at most ~2x
     what it takes alone (measured here first). Before the CLI chose passive waiting it took
     ~12x (issue 36: 85.6 s against 7.0 s). The ``cpu:`` line says what was chosen."""
-    src = tmp_path / "in.jsonl"
-    src.write_text("".join(EXAMPLE_PROMPTS.read_text().splitlines(keepends=True)[:4]))
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS",
-                                                            "OMP_WAIT_POLICY")}
-    env["HF_HUB_OFFLINE"] = "1"
+    src, env = _job_input(tmp_path, EXAMPLE_PROMPTS, 4)
     args = ["run", str(src), "--method", "ngram", "--k", "5", "--max-tokens", "16",
             "--no-progress", "--force"]
     alone, _ = _generation_seconds([*args, "-o", str(tmp_path / "alone.jsonl")], env)
@@ -61,12 +68,8 @@ def test_a_job_that_meets_a_neighbour_mid_run_gives_it_a_cpu(tmp_path, real_mode
     (``cpu_threads.ThreadGovernor``), with the same output. Measured on the 2-core Xeon, 8
     peer records at 64 tokens, batch 1: generation 5.8 s alone, 22 s beside the loop before the
     governor, 11.8 s with it (one CPU each)."""
-    src = tmp_path / "in.jsonl"
     peers = Path(__file__).parents[2] / "benchmarks" / "peers" / "records16.jsonl"
-    src.write_text("".join(peers.read_text().splitlines(keepends=True)[:8]))
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS",
-                                                            "OMP_WAIT_POLICY")}
-    env["HF_HUB_OFFLINE"] = "1"
+    src, env = _job_input(tmp_path, peers, 8)
     args = ["run", str(src), "--method", "none", "--max-tokens", "64", "--max-batch-size", "1",
             "--no-progress", "--force"]
     alone, err = _generation_seconds([*args, "-o", str(tmp_path / "alone.jsonl")], env)
