@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import click
 from click.core import ParameterSource
@@ -221,14 +221,18 @@ class _StderrHandler(logging.Handler):
     """Prints the ``specbatch`` logger's records on stderr as the CLI's other lines: INFO as
     the bare message (progress: ``loading model ...``), other levels prefixed with the level
     (``warning: ...``). Writes through ``click.echo``, so it follows a replaced ``sys.stderr``
-    (click's test runner, ``specbatch run ... 2> log``)."""
+    (click's test runner, ``specbatch run ... 2> log``); above the progress bar where one is
+    drawn (a line during a run, e.g. ``cpu: 1 thread now ...``, would split the bar)."""
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
             message = record.getMessage()
             if record.levelno != logging.INFO:
                 message = f"{record.levelname.lower()}: {message}"
-            click.echo(message, err=True)
+            bars = sys.modules.get("tqdm")  # loaded: a bar may be on the terminal
+            with (bars.tqdm.external_write_mode(file=sys.stderr) if bars is not None
+                  else nullcontext()):
+                click.echo(message, err=True)
         except Exception:  # noqa: BLE001 -- logging's contract: report, never raise
             self.handleError(record)
 

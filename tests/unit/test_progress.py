@@ -259,3 +259,27 @@ def test_a_run_whose_stderr_is_a_file_logs_readable_progress(tiny, tmp_path):
                         r"(~\d+:\d\d left|time left \?)", lines[0]), lines[0]
     assert any("in flight" in x and "left" in x for x in lines[:-1]), lines
     assert lines[-1].startswith("progress: 6/6 records, 288 tokens, "), lines[-1]
+
+
+def test_a_line_logged_during_a_run_goes_above_the_bar(monkeypatch):
+    """A library line while the bar is drawn (the thread governor's ``cpu: 1 thread now ...``)
+    clears the bar, is written on a line of its own and the bar is drawn again below it."""
+    import io
+
+    from specbatch.cli import _StderrHandler
+    from specbatch.progress import Progress
+
+    term = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", term)
+    bar = Progress(4, tty=True)
+    bar.record_done(10)
+    before = term.getvalue()
+    assert "1/4" in before
+    record = logging.LogRecord("specbatch", logging.INFO, __file__, 0, "cpu: 1 thread now",
+                               None, None)
+    _StderrHandler().emit(record)
+    after = term.getvalue()[len(before):]
+    head, line, tail = after.partition("cpu: 1 thread now\n")
+    assert line and head.endswith("\r") and head.strip() == "", repr(after)  # the bar cleared
+    assert "1/4" in tail, repr(after)  # and drawn again
+    bar.close()
