@@ -142,9 +142,12 @@ def _model_options(f, batch: bool = True):
     if batch:  # calibrate follows OMP_NUM_THREADS
         opts.append(click.option("--threads", type=click.IntRange(1), default=None,
                                  help="CPU threads (default: OMP_NUM_THREADS, else one per "
-                                 "usable CPU). When other work holds the CPUs, OpenMP threads "
-                                 "wait passively instead of spinning (OMP_WAIT_POLICY set by "
-                                 "you wins); the `cpu:` line says what was chosen."))
+                                 "usable CPU). When other work holds the CPUs at start, OpenMP "
+                                 "threads wait passively instead of spinning (OMP_WAIT_POLICY "
+                                 "set by you wins); the `cpu:` line says what was chosen. "
+                                 "Without --threads or OMP_NUM_THREADS, a spinning run gives "
+                                 "CPUs to work that appears later (fewer threads while it "
+                                 "runs, a `cpu: N threads now` line; no output bit changes)."))
     opts.append(click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
                              help="Where converted weights are cached (default: "
                              "$SPECBATCH_CACHE or ~/.cache/specbatch)."))

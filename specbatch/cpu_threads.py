@@ -215,7 +215,10 @@ class ThreadGovernor:
     ``specbatch`` logger (INFO), and counted in ``changes``.
     """
 
-    INTERVAL = 0.5  # seconds between reads
+    # seconds between reads (a read: ~50 us). A busy loop started beside a batch-1 run on 2
+    # cores got its CPU 1.1-2.0 s later: PATIENCE reads, and the call in progress (a long
+    # prompt's prefill is one call, slow while the threads contend)
+    INTERVAL = 0.25
     SLACK = 0.3  # CPUs of other work ignored: daemons, this job's own helper processes
     PATIENCE = 2  # reads in a row that must see the neighbours before threads are given up
 
