@@ -224,18 +224,21 @@ class ThreadGovernor:
 
     def __init__(self, base: int, cpus: int | None = None, reader=None, own=None, clock=None,
                  set_threads=None) -> None:
-        self.base = self.threads = base
-        self.cpus = cpus if cpus is not None else usable_cpus()
         ids = _usable_cpu_ids()
+        self.base = self.threads = base
+        self.cpus = cpus if cpus is not None else len(ids)
         self._reader = reader or (lambda: _cpu_jiffies(ids))
         self._own = own or _own_cpu_seconds
         self._clock = clock or time.monotonic
         self._set_threads = set_threads
         self._busy_reads = 0
-        self._last = (self._clock(), self._reader(), self._own())  # the first window's start
+        self._start_window()  # the first window starts at the choice
         self.changes = 0
-        self.held = False  # ``held()``: the base count, no reads
+        self.held = False  # ``hold()``: the base count, no reads
         self.other = 0.0  # CPUs other work held in the last window
+
+    def _start_window(self) -> None:
+        self._last = (self._clock(), self._reader(), self._own())
 
     def poll(self) -> None:
         """Cheap (a clock read) except once per ``INTERVAL``: then reads the CPU counters and
@@ -257,6 +260,18 @@ class ThreadGovernor:
         self._busy_reads = 0
         if want != self.threads:
             self._apply(want)
+
+    @contextlib.contextmanager
+    def hold(self):
+        """The base count for the block, no reads (``held``); a fresh window after it."""
+        self.held = True
+        if self.threads != self.base:
+            self._apply(self.base, "a calibration times all of them")
+        try:
+            yield
+        finally:
+            self.held = False
+            self._start_window()
 
     def _apply(self, threads: int, why: str | None = None) -> None:
         if self._set_threads is None:
@@ -300,15 +315,9 @@ def held():
     moment (``auto.costmodel.calibrate``). Nothing where there is no governor."""
     if governor is None or governor.held:
         yield
-        return
-    governor.held = True
-    if governor.threads != governor.base:
-        governor._apply(governor.base, "a calibration times all of them")
-    try:
-        yield
-    finally:
-        governor.held = False
-        governor._last = (governor._clock(), governor._reader(), governor._own())
+    else:
+        with governor.hold():
+            yield
 
 
 __all__ = ["ThreadChoice", "ThreadGovernor", "choose_threads", "chosen_threads", "held",
