@@ -96,7 +96,8 @@ def generate_records(engine: Engine, renderer: PromptRenderer, records: Iterable
         if rec.sampling.json_schema is not None and compiler is None:
             from specbatch.engine.grammar import GrammarCompiler
 
-            compiler = GrammarCompiler(renderer.tokenizer, engine.runner.forward.vocab_size)
+            compiler = GrammarCompiler.for_tokenizer(renderer.tokenizer,
+                                                    engine.runner.forward.vocab_size)
         grammar = grammar_for(rec, compiler)
         for sample in range(rec.sampling.n):
             pending[rec.index].messages[sample] = messages

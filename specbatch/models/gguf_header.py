@@ -15,7 +15,9 @@ weights; ``tests/unit/test_dtype_auto.py`` checks each against ``pack_q8`` (and 
 
 from __future__ import annotations
 
+import functools
 import mmap
+import os
 import struct
 from pathlib import Path
 
@@ -46,12 +48,27 @@ def tensor_types(path: str | Path) -> list[tuple[str, str, tuple[int, ...]]]:
 def tensor_table(path: str | Path) -> list[tuple[str, str, tuple[int, ...], int]]:
     """As ``tensor_types``, each tensor with the byte offset of its data in the file (the data
     section starts at the header's end rounded up to ``general.alignment``, 32 by default):
-    ``(name, type, shape, offset)``. Raises as ``tensor_types``."""
-    with open(path, "rb") as f:
+    ``(name, type, shape, offset)``. Raises as ``tensor_types``.
+
+    A file's table is read once per process while its size and modification time stay the
+    same (``_cached_table``): every engine an ``LLM`` builds reads it (the int8 weights' codes,
+    ``kernels.kquant``), and skipping the tokenizer's ~49k metadata strings took ~25 ms a
+    read, twice per ``generate`` call."""
+    st = os.stat(path)
+    return list(_cached_table(os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns,
+                              str(path)))
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_table(real: str, inode: int, size: int, mtime_ns: int, shown: str) -> tuple:
+    """``tensor_table`` of the file at ``real`` (errors name it as ``shown``), remembered per
+    (path, inode, size, modification time): a rewritten or replaced file is read again.
+    Errors are not cached."""
+    with open(real, "rb") as f:
         if f.read(8)[:4] != b"GGUF":
-            raise ValueError(f"{path}: not a GGUF file")
+            raise ValueError(f"{shown}: not a GGUF file")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return _parse(buf, str(path))
+            return tuple(_parse(buf, shown))
 
 
 def _parse(buf, where: str) -> list[tuple[str, str, tuple[int, ...], int]]:

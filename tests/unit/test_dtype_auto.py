@@ -308,3 +308,22 @@ def test_a_dummy_model_keeps_float32_and_says_why():
         pytest.skip(f"no dummy model here: {e}")
     assert auto_dtype("cpu", "dummy:smollm2-135m") == ("float32",
                                                        "random float32 weights (dummy model)")
+
+
+def test_the_header_is_read_once_per_version_of_a_file(tmp_path, monkeypatch):
+    """Every engine reads the tensor table (the int8 codes): a file's table is parsed once,
+    and again when the file is rewritten; a copy comes back, so a caller cannot edit the
+    cache."""
+    parsed = []
+    real_parse = gguf_header._parse
+    monkeypatch.setattr(gguf_header, "_parse",
+                        lambda buf, where: parsed.append(where) or real_parse(buf, where))
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, linear_type="Q8_0")
+    first = gguf_header.tensor_table(path)
+    first.clear()
+    again = gguf_header.tensor_table(str(path))
+    assert len(parsed) == 1 and again and {t[1] for t in again} >= {"Q8_0"}
+    write_tiny_gguf(path, linear_type="F16")  # rewritten in place
+    assert {t[1] for t in gguf_header.tensor_table(path)} >= {"F16"}
+    assert len(parsed) == 2

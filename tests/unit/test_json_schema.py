@@ -326,3 +326,23 @@ def test_min_tokens_past_the_json_is_a_clear_error(setup):
         assert c.finish_reason == "error"
         assert c.error.startswith("min_tokens=79 cannot be met: the response_format JSON is "
                                   "complete after "), c.error
+
+
+def test_one_compiler_per_tokenizer_keeps_its_schemas(tmp_path):
+    """``pipeline`` takes the tokenizer's compiler for every ``generate`` call (building
+    xgrammar's ``TokenizerInfo`` reads the vocabulary): the same object, with the schemas it
+    compiled, until tokens are added or the vocabulary size differs."""
+    from transformers import AutoTokenizer
+
+    from tests.unit.test_dummy import write_word_tokenizer
+
+    write_word_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    first = GrammarCompiler.for_tokenizer(tok, 256)
+    assert GrammarCompiler.for_tokenizer(tok, 256) is first
+    assert first.compile(SCHEMA) is GrammarCompiler.for_tokenizer(tok, 256).compile(SCHEMA)
+    assert GrammarCompiler.for_tokenizer(tok, 320) is not first  # a larger lm_head
+    tok.add_tokens(["w256"])
+    assert GrammarCompiler.for_tokenizer(tok, 320) is not first
+    other = AutoTokenizer.from_pretrained(tmp_path)
+    assert GrammarCompiler.for_tokenizer(other, 256) is not first

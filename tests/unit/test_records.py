@@ -1003,3 +1003,26 @@ def test_turns_field_must_hold_a_list_of_turns(tmp_path):
     assert [e.reason for e in errors] == [
         'turns must be a list of user turns (strings), e.g. ["..."]; got string '
         '(a single prompt goes in "prompt")']
+
+
+def test_max_token_bytes_reads_a_vocabulary_once_until_it_grows():
+    """``check_lengths`` runs on every ``generate`` call: the longest token is measured once
+    per tokenizer, and again when tokens are added."""
+    from specbatch.io.records import max_token_bytes
+
+    class Tok:
+        def __init__(self):
+            self.vocab, self.reads = {"a": 0, "bcd": 1, "\u00e9\u00e9": 2}, 0
+
+        def __len__(self):
+            return len(self.vocab)
+
+        def get_vocab(self):
+            self.reads += 1
+            return dict(self.vocab)
+
+    tok = Tok()
+    assert max_token_bytes(tok) == 4 and max_token_bytes(tok) == 4 and tok.reads == 1
+    tok.vocab["longest-token"] = 3
+    assert max_token_bytes(tok) == 13 and tok.reads == 2
+    assert max_token_bytes(Tok()) == 4  # another tokenizer: its own
