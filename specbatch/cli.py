@@ -142,12 +142,14 @@ def _model_options(f, batch: bool = True):
     if batch:  # calibrate follows OMP_NUM_THREADS
         opts.append(click.option("--threads", type=click.IntRange(1), default=None,
                                  help="CPU threads (default: OMP_NUM_THREADS, else one per "
-                                 "usable CPU). When other work holds the CPUs at start, OpenMP "
-                                 "threads wait passively instead of spinning (OMP_WAIT_POLICY "
-                                 "set by you wins); the `cpu:` line says what was chosen. "
-                                 "Without --threads or OMP_NUM_THREADS, a spinning run gives "
-                                 "CPUs to work that appears later (fewer threads while it "
-                                 "runs, a `cpu: N threads now` line; no output bit changes)."))
+                                 "usable CPU). Without --threads or OMP_NUM_THREADS, a run "
+                                 "fits its threads to other work on the CPUs: it starts on the "
+                                 "CPUs others leave, gives CPUs to work that appears later and "
+                                 "takes them back when it is gone (a `cpu: N threads now` "
+                                 "line; no output bit changes). With a count of yours, OpenMP "
+                                 "threads wait passively when other work holds the CPUs at "
+                                 "start (OMP_WAIT_POLICY set by you wins); the `cpu:` line "
+                                 "says what was chosen."))
     opts.append(click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
                              help="Where converted weights are cached (default: "
                              "$SPECBATCH_CACHE or ~/.cache/specbatch)."))

@@ -6,17 +6,30 @@ processes hold the cores, a spinning thread keeps the core from the sibling it w
 each barrier waits for a descheduled thread. Measured on the 2-core EPYC (issue 36), the
 example records at 32 tokens, ngram k5, beside other jobs (load average 5): 95.5 s with the
 default policy, 13.0 s with ``OMP_WAIT_POLICY=PASSIVE`` (2 threads), 12.2 s with one thread.
-Passive keeps both threads (a quiet spell of the neighbours is used) and is what is chosen.
 
-The policy is chosen once, at start-up; a job that starts on a quiet machine spin-waits for its
-whole run. When other work appears later (a second job, a test suite), ``ThreadGovernor`` gives
-the neighbours their cores: every ``ThreadGovernor.INTERVAL`` s of the run it reads how much CPU
-time others took and, while they hold cores, runs the engine on fewer threads (the CPU backend
-calls ``poll()`` every step; the first window starts when the threads are chosen). Measured on
-the 2-core Xeon (model 207), 6 of the peer records at 64 tokens, plain decoding, int8, one busy
-loop beside the job: 16.8 s spinning on 2 threads, 5.5 s on 1 thread, 5.6 s passive on 2
-threads, 2.5 s alone on 2 threads. Two such jobs (8 records) started together: 52.5 s for both
-spinning, 21.1 s with the governor (each settles on one thread).
+The policy is chosen once, at start-up, and where the process chooses its own thread count
+(no ``--threads``, no ``OMP_NUM_THREADS``, no ``OMP_WAIT_POLICY``) its threads spin and
+``ThreadGovernor`` fits their number to the neighbours for the whole run: every
+``ThreadGovernor.INTERVAL`` s it reads how much CPU time others took and, while they hold
+cores, runs the engine on fewer threads; all of them again once they are gone (the CPU backend
+calls ``poll()`` every step; the first window starts when the threads are chosen). A job that
+starts beside other work starts on the CPUs they leave (``start_threads``, at least one).
+Measured on the 2-core Xeon (model 207), 6 of the peer records at 64 tokens, plain decoding,
+int8, one busy loop beside the job: 16.8 s spinning on 2 threads, 5.5 s on 1 thread, 5.6 s
+passive on 2 threads, 2.5 s alone on 2 threads. Two such jobs (8 records) started together:
+52.5 s for both spinning, 21.1 s with the governor (each settles on one thread).
+
+A job that started beside other work used to wait passively on every CPU for its whole run:
+a 0.3 s burst at start-up (another command finishing) slowed a night's job by ~1.3x. Measured
+(8 peer records, 96 tokens, batch 1, int8, ngram k5; generation seconds, 2 rounds, loops
+started 1 s before the job): alone, spinning 4.1, 4.1 against passive 5.3, 5.2; one busy loop
+gone when generation starts, one spinning thread raised to 2 by the governor 5.0, 4.7 against
+passive 5.5, 5.1; one busy loop for the whole run 8.5, 7.5 against passive 6.7, 7.2; two loops
+12.3, 12.8 against 12.8, 9.7. Passive threads on every CPU take a larger share from a
+neighbour that never yields (~1.15x faster beside it); one that leaves gives its CPU back to
+spinning threads for the rest of the run.
+Where the user fixed the count (``--threads``, ``OMP_NUM_THREADS``) and other work holds the
+CPUs at start-up, threads wait passively: no governor can give the neighbours their cores.
 
 libgomp reads ``OMP_WAIT_POLICY`` and ``OMP_NUM_THREADS`` once, when it is loaded (with torch),
 so ``choose_threads`` sets them in the environment and must run before torch is imported
@@ -143,14 +156,17 @@ def choose_threads(threads: int | None = None, load: float | None = None,
     ``os.environ``) for torch's OpenMP runtime to read when it loads.
 
     threads: ``--threads N`` (None: ``OMP_NUM_THREADS`` if set, else one per usable CPU).
-    load: CPUs held by other work (default: ``other_load()``). The policy is passive when the
-    user set ``OMP_WAIT_POLICY=PASSIVE``, or did not set it and other work holds at least
-    ``BUSY_SHARE`` of the usable CPUs; a user's ``OMP_WAIT_POLICY`` is kept as it is.
-    Raises ``ValueError`` for threads < 1."""
+    load: CPUs held by other work (default: ``other_load()``). Where other work holds at least
+    ``BUSY_SHARE`` of the usable CPUs: a count the process chooses itself starts at
+    ``start_threads`` spinning threads, which its ``ThreadGovernor`` raises when the others
+    leave; a count the user set waits passively (unless ``OMP_WAIT_POLICY`` is set: a user's
+    policy is kept as it is). Raises ``ValueError`` for threads < 1."""
+    global governor
     env = os.environ if environ is None else environ
     cpus = usable_cpus()
     # this process's own choice, made before its OpenMP runtime starts: a governor may act
     fresh = environ is None and "torch" not in sys.modules
+    _forget_start(env)
     if threads is not None:
         if threads < 1:
             raise ValueError(f"threads={threads}: expected an integer >= 1")
@@ -174,6 +190,15 @@ def choose_threads(threads: int | None = None, load: float | None = None,
         why = "OMP_WAIT_POLICY is set"
     else:
         load = other_load() if load is None else load
+        if (load is not None and load >= BUSY_SHARE * cpus and fresh and why_threads is None
+                and threads > 1):
+            start = start_threads(threads, cpus, load)
+            governor = ThreadGovernor(threads, start=start)
+            env["OMP_NUM_THREADS"] = str(start)
+            env[_START_MARK] = str(start)
+            return ThreadChoice(start, "active", (
+                f"other work holds {load:.1f} of the {cpus} usable CPU(s); all {threads} "
+                "once it is gone"))
         if load is not None and load >= BUSY_SHARE * cpus:
             wait = "passive"
             why = (f"other work holds {load:.1f} of the {cpus} usable CPU(s); spin-waiting "
@@ -187,16 +212,37 @@ def choose_threads(threads: int | None = None, load: float | None = None,
             why = ("the machine is quiet" if load is not None else "no load average here")
     if why_threads:
         why = f"{why_threads}; {why}"
-    global governor
     if fresh and why_threads is None and wait == "active" and threads > 1:
         governor = ThreadGovernor(threads)
     return ThreadChoice(threads, wait, why)
 
 
+def start_threads(threads: int, cpus: int, load: float) -> int:
+    """The spinning threads a job of ``threads`` starts on beside ``load`` CPUs of other work
+    (of ``cpus`` usable): what ``ThreadGovernor`` would run there, ``cpus - ceil(load -
+    SLACK)``, at least 1 and at most ``threads``."""
+    return max(1, min(threads, cpus - math.ceil(load - ThreadGovernor.SLACK)))
+
+
+# the count a ``choose_threads`` put in OMP_NUM_THREADS (a start beside other work): no user's
+# count, for a later choice of this process or of a child that inherits the environment (a Ray
+# worker started by the driver)
+_START_MARK = "SPECBATCH_START_THREADS"
+
+
+def _forget_start(env) -> None:
+    """Remove an ``OMP_NUM_THREADS`` that a ``choose_threads`` set (``_START_MARK``), so that
+    it does not read as the user's count."""
+    count = env.pop(_START_MARK, None)
+    if count is not None and env.get("OMP_NUM_THREADS") == count:
+        del env["OMP_NUM_THREADS"]
+
+
 class ThreadGovernor:
     """Fewer OpenMP threads while other work holds the CPUs; all of them again when it is gone.
 
-    base: the threads chosen at start-up. Every ``INTERVAL`` s (``poll``) it reads the CPU
+    base: the threads chosen at start-up; start: the threads it runs first (default base:
+    fewer where other work held the CPUs at start-up, ``start_threads``). Every ``INTERVAL`` s (``poll``) it reads the CPU
     time other processes took on the usable CPUs since the last read: the CPUs' busy ticks
     (``/proc/stat``) less this process's own CPU time, in CPUs. Where that is at least
     ``SLACK`` of a CPU in ``PATIENCE`` reads in a row, it runs ``usable_cpus() - ceil(other -
@@ -223,9 +269,10 @@ class ThreadGovernor:
     PATIENCE = 2  # reads in a row that must see the neighbours before threads are given up
 
     def __init__(self, base: int, cpus: int | None = None, reader=None, own=None, clock=None,
-                 set_threads=None) -> None:
+                 set_threads=None, start: int | None = None) -> None:
         ids = _usable_cpu_ids()
-        self.base = self.threads = base
+        self.base = base
+        self.threads = base if start is None else start
         self.cpus = cpus if cpus is not None else len(ids)
         self._reader = reader or (lambda: _cpu_jiffies(ids))
         self._own = own or _own_cpu_seconds

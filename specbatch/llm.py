@@ -111,10 +111,10 @@ class LLM:
         echo: gets the human-readable notes (calibration, plan table, a lowered batch size);
         default: the ``specbatch`` logger at INFO.
 
-    On the CPU, the first ``LLM(...)`` of a process chooses the OpenMP wait policy as the CLI
-    does (``cpu_threads.choose_threads``, before torch loads): passive when other work holds
-    the CPUs (spin-waiting threads of several jobs slow each other ~7x), and logs the
-    ``cpu:`` line. ``OMP_WAIT_POLICY`` / ``OMP_NUM_THREADS`` set by the caller win; where torch
+    On the CPU, the first ``LLM(...)`` of a process chooses its threads as the CLI does
+    (``cpu_threads.choose_threads``, before torch loads): spinning threads fitted to the other
+    work on the CPUs while it runs (spin-waiting threads of several jobs slow each other ~7x),
+    and logs the ``cpu:`` line. ``OMP_WAIT_POLICY`` / ``OMP_NUM_THREADS`` set by the caller win; where torch
     was imported before, the policy cannot change any more and the line says so.
 
     vLLM's names, so a vLLM script's ``LLM(...)`` runs: ``max_num_seqs`` (= max_batch_size),

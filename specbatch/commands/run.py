@@ -54,11 +54,13 @@ def busy_machine_warning() -> str | None:
     runs beside this job now, at least ``BUSY_SHARE`` of the usable CPUs: the same measure that
     makes the CLI choose passive waiting) and OpenMP threads still spin-wait (a wait policy set
     by hand, or torch loaded before the choice): their spinning threads and ours slow each
-    other a lot. None on a quieter machine, where the OS says nothing of its load, or where
-    threads wait passively (the ``cpu:`` line says so)."""
+    other a lot. None on a quieter machine, where the OS says nothing of its load, where
+    threads wait passively, or where the job's ``ThreadGovernor`` fits its spinning threads to
+    the neighbours (the ``cpu:`` line says which)."""
     from specbatch import cpu_threads
 
-    if os.environ.get("OMP_WAIT_POLICY", "").lower() == "passive":
+    if (os.environ.get("OMP_WAIT_POLICY", "").lower() == "passive"
+            or cpu_threads.governor is not None):
         return None
     load, cpus = cpu_threads.other_load(), cpu_threads.usable_cpus()
     if load is None or load < cpu_threads.BUSY_SHARE * cpus:

@@ -1,6 +1,6 @@
-"""A job beside busy neighbours (issue 36): a spinning process per usable CPU slows it at most
-~2x, where spin-waiting OpenMP threads made it ~12x slower; a neighbour that appears mid-run
-gets a CPU (``cpu_threads.ThreadGovernor``)."""
+"""A job beside busy neighbours (issue 36): a spinning process per usable CPU slows it ~3x
+(it starts on one thread), where spin-waiting OpenMP threads on every CPU made it ~12x slower;
+a neighbour that appears mid-run gets a CPU (``cpu_threads.ThreadGovernor``)."""
 
 from __future__ import annotations
 
@@ -39,9 +39,12 @@ def _job_input(tmp_path, records, n: int) -> tuple[Path, dict]:
 
 @pytest.mark.slow
 def test_a_job_beside_a_busy_neighbour_stays_within_2x(tmp_path, real_model):
-    """A spinning process per usable CPU beside the job: its generation takes at most ~2x
-    what it takes alone (measured here first). Before the CLI chose passive waiting it took
-    ~12x (issue 36: 85.6 s against 7.0 s). The ``cpu:`` line says what was chosen."""
+    """A spinning process per usable CPU beside the job: it starts on one spinning thread (the
+    CPUs the others leave, at least one), so its generation takes ~3x what it takes alone on
+    every CPU (measured here first; 8 peer records, 96 tokens, batch 1, int8, 2 cores: 3.1x,
+    and 2.7x with passive threads on both CPUs, what the CLI chose here before it started on
+    fewer spinning threads). With every thread spinning it took ~12x (issue 36: 85.6 s against
+    7.0 s). The ``cpu:`` line says what was chosen."""
     src, env = _job_input(tmp_path, EXAMPLE_PROMPTS, 4)
     args = ["run", str(src), "--method", "ngram", "--k", "5", "--max-tokens", "16",
             "--no-progress", "--force"]
@@ -56,8 +59,8 @@ def test_a_job_beside_a_busy_neighbour_stays_within_2x(tmp_path, real_model):
             p.kill()
             p.wait()
     print(f"generation alone {alone:.1f} s, beside {usable_cpus()} spinners {busy:.1f} s")
-    assert "OpenMP threads wait passively (other work holds " in err, err
-    assert busy <= 2.5 * alone + 1.0, (busy, alone)
+    assert "cpu: 1 thread, OpenMP threads spin-wait (other work holds " in err, err
+    assert busy <= 4 * alone + 1.0, (busy, alone)
     assert (tmp_path / "busy.jsonl").read_bytes() == (tmp_path / "alone.jsonl").read_bytes()
 
 

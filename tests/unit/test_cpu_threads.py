@@ -94,11 +94,15 @@ def test_other_load_counts_the_cpu_time_others_used_in_the_window(tmp_path, monk
                                   stat=str(stat)) == 0.0
 
 
-@pytest.mark.parametrize("load, policy", [(8.0, "PASSIVE"), (0.0, None)])
-def test_python_api_chooses_the_wait_policy_like_the_cli(load, policy):
-    """``LLM(...)`` on a busy machine sets ``OMP_WAIT_POLICY=PASSIVE`` before torch loads (an API
-    user was 3-10x slower than the CLI beside other jobs), logs the ``cpu:`` line, and leaves
-    the default on a quiet one; in a fresh process, so torch is not loaded yet."""
+@pytest.mark.parametrize("load, threads, line", [
+    (8.0, "1", "cpu: 1 thread, OpenMP threads spin-wait (other work holds 8.0 of the 2 usable "
+               "CPU(s); all 2 once it is gone)"),
+    (0.0, None, "cpu: 2 threads, OpenMP threads spin-wait (the machine is quiet)")])
+def test_python_api_chooses_threads_like_the_cli(load, threads, line):
+    """``LLM(...)`` chooses its threads before torch loads, as the CLI does (an API user was
+    3-10x slower than the CLI beside other jobs when its threads spun on every CPU): on a busy
+    machine the CPUs the others leave, raised by the governor when they go; logs the ``cpu:``
+    line. In a fresh process, so torch is not loaded yet."""
     import os
     import subprocess
     import sys
@@ -108,6 +112,7 @@ import logging, os, sys
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 import specbatch.cpu_threads as c
 c.other_load = lambda *a, **k: {load}
+c.usable_cpus = lambda: 2
 from specbatch import LLM
 from specbatch.llm import ModelLoadError
 assert "torch" not in sys.modules
@@ -115,16 +120,41 @@ try:
     LLM("no-such-model")
 except ModelLoadError:
     pass
-print("POLICY", os.environ.get("OMP_WAIT_POLICY"))
+import torch
+print("POLICY", os.environ.get("OMP_WAIT_POLICY"), "THREADS", os.environ.get("OMP_NUM_THREADS"),
+      "GOVERNOR", c.governor.base, c.governor.threads, "TORCH", torch.get_num_threads())
 """
     env = {k: v for k, v in os.environ.items()
            if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          env=env, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert f"POLICY {policy}" in out.stdout
-    how = "wait passively" if policy else "spin-wait"
-    assert f"OpenMP threads {how}" in out.stderr
+    start = int(threads or 2)
+    want = f"POLICY None THREADS {threads} GOVERNOR 2 {start} TORCH {start}"
+    assert want in out.stdout, out.stdout
+    assert line in out.stderr, out.stderr
+
+
+def test_a_start_beside_other_work_is_no_users_count():
+    """The ``OMP_NUM_THREADS`` a busy start put in the environment is the process's own choice:
+    a later choice (of this process, or of a child that inherits it, as a Ray worker does)
+    does not read it as a count the user fixed."""
+    from specbatch import cpu_threads
+
+    env = {"OMP_NUM_THREADS": "1", cpu_threads._START_MARK: "1"}
+    choice = choose_threads(load=0.0, environ=env)
+    assert env == {} and choice.threads == usable_cpus() and "OMP_NUM_THREADS" not in choice.why
+    env = {"OMP_NUM_THREADS": "3", cpu_threads._START_MARK: "1"}  # the user's, set afterwards
+    assert choose_threads(load=0.0, environ=env).threads == 3
+
+
+@pytest.mark.parametrize("cpus, load, want", [(2, 1.0, 1), (2, 1.25, 1), (2, 5.0, 1),
+                                              (8, 4.0, 4), (8, 4.4, 3), (8, 7.9, 1)])
+def test_a_busy_start_takes_the_cpus_the_others_leave(cpus, load, want):
+    """As the governor would run there: ``cpus - ceil(load - SLACK)``, at least one."""
+    from specbatch.cpu_threads import start_threads
+
+    assert start_threads(cpus, cpus, load) == want
 
 
 class _Neighbours:
@@ -145,11 +175,12 @@ class _Neighbours:
         self.reads += 1
         return tuple(self.ticks)
 
-    def governor(self):
+    def governor(self, start: int | None = None):
         from specbatch.cpu_threads import ThreadGovernor
 
         return ThreadGovernor(2, cpus=2, reader=self.reader, own=lambda: self.own_s,
-                              clock=lambda: self.now, set_threads=self.applied.append)
+                              clock=lambda: self.now, set_threads=self.applied.append,
+                              start=start)
 
 
 def test_governor_gives_a_cpu_to_work_that_appears_and_takes_it_back(caplog):
@@ -176,6 +207,24 @@ def test_governor_gives_a_cpu_to_work_that_appears_and_takes_it_back(caplog):
     assert m.applied == [1, 2] and g.threads == 2 and g.changes == 2
     assert [r.getMessage() for r in caplog.records] == [
         "cpu: 1 thread now (was 2): other work holds 0.7 of the 2 usable CPU(s)",
+        "cpu: 2 threads now (was 1): the other work is gone"]
+
+
+def test_a_job_started_beside_other_work_takes_every_cpu_once_it_is_gone(caplog):
+    """A busy start runs one spinning thread (``start_threads``) where passive threads on every
+    CPU ran before, 1.25-1.4x slower than spinning at batch 1 once the neighbours left."""
+    m = _Neighbours()
+    g = m.governor(start=1)
+    assert g.threads == 1 and g.base == 2
+    for _ in range(3):  # one thread beside the loop: it holds its CPU, ours the other
+        m.window(busy=2.0, own=1.0)
+        g.poll()
+    assert m.applied == [] and g.other == pytest.approx(1.0)
+    with caplog.at_level("INFO", logger="specbatch"):
+        m.window(busy=1.0, own=1.0)
+        g.poll()
+    assert m.applied == [2] and g.threads == 2
+    assert [r.getMessage() for r in caplog.records] == [
         "cpu: 2 threads now (was 1): the other work is gone"]
 
 
@@ -229,7 +278,8 @@ def test_held_runs_every_chosen_thread_and_stops_reading(monkeypatch):
 @pytest.mark.parametrize("env, load, governed", [
     ({}, 0.0, True),  # the process's own choice on a quiet machine
     ({"OMP_NUM_THREADS": "2"}, 0.0, False),  # the user's count is kept
-    ({}, 99.0, False),  # busy at start: threads wait passively (no spinning to undo)
+    ({}, 99.0, True),  # busy at start: one spinning thread, more when the others go
+    ({"OMP_NUM_THREADS": "2"}, 99.0, False),  # the user's count: threads wait passively
     ({"OMP_WAIT_POLICY": "PASSIVE"}, 0.0, False),
 ])
 def test_a_governor_acts_only_on_a_spinning_count_the_process_chose(env, load, governed):
