@@ -49,6 +49,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from specbatch import settings
+
 BUSY_SHARE = 0.5  # other work on at least this share of the usable CPUs: the machine is busy
 
 
@@ -195,7 +197,7 @@ def choose_threads(threads: int | None = None, load: float | None = None,
             start = start_threads(threads, cpus, load)
             governor = ThreadGovernor(threads, start=start)
             env["OMP_NUM_THREADS"] = str(start)
-            env[_START_MARK] = str(start)
+            env[settings.START_THREADS] = str(start)
             return ThreadChoice(start, "active", (
                 f"other work holds {load:.1f} of the {cpus} usable CPU(s); all {threads} "
                 "once it is gone"))
@@ -224,16 +226,12 @@ def start_threads(threads: int, cpus: int, load: float) -> int:
     return max(1, min(threads, cpus - math.ceil(load - ThreadGovernor.SLACK)))
 
 
-# the count a ``choose_threads`` put in OMP_NUM_THREADS (a start beside other work): no user's
-# count, for a later choice of this process or of a child that inherits the environment (a Ray
-# worker started by the driver)
-_START_MARK = "SPECBATCH_START_THREADS"
-
-
 def _forget_start(env) -> None:
-    """Remove an ``OMP_NUM_THREADS`` that a ``choose_threads`` set (``_START_MARK``), so that
-    it does not read as the user's count."""
-    count = env.pop(_START_MARK, None)
+    """Remove an ``OMP_NUM_THREADS`` that a ``choose_threads`` set (a start beside other work,
+    marked ``settings.START_THREADS``), so that it does not read as the user's count: in a
+    later choice of this process, or of a child that inherits the environment (a Ray worker
+    started by the driver)."""
+    count = env.pop(settings.START_THREADS, None)
     if count is not None and env.get("OMP_NUM_THREADS") == count:
         del env["OMP_NUM_THREADS"]
 

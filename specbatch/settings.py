@@ -13,6 +13,7 @@
 | ``SPECBATCH_TOKENIZER`` | unset: the packaged SmolLM2 GGUF's | A folder holding SmolLM2's ``tokenizer.json``, for the dummy-weights models (``--model dummy:...``) where the GGUF is not installed (the air-gapped GPU bundle). |
 | ``SPECBATCH_CUDA_LINEAR`` | ``auto`` | ``triton`` / ``cublas``: the CUDA dense layers on specbatch's invariant Triton matmul / on cuBLAS, instead of the load-time probe's choice (``models/dense.choose_cuda_linear``). |
 | ``SPECBATCH_CPU_VNNI`` | on | ``0``: the int8 matmul starts on its AVX2 form instead of AVX-512 VNNI (same bits). |
+| ``SPECBATCH_START_THREADS`` | unset | Set by specbatch, not by hand: the count a job that started beside other work put in ``OMP_NUM_THREADS`` (``cpu_threads.choose_threads``), so that a later choice, or a child process that inherits it (a Ray worker), does not take it for the user's count. |
 
 Each function reads its variable when called, never at import, so a test's
 ``monkeypatch.setenv`` applies to the next call (the C kernels read ``cpu_avx512`` and
@@ -29,8 +30,9 @@ from pathlib import Path
 VARIABLES = ("SPECBATCH_CACHE", "SPECBATCH_KERNELS", "SPECBATCH_CPU_KERNELS",
              "SPECBATCH_CPU_LINEAR", "SPECBATCH_CPU_ATTENTION", "SPECBATCH_CPU_DECODE",
              "SPECBATCH_CPU_WEIGHTS", "SPECBATCH_CPU_AVX512", "SPECBATCH_CPU_VNNI",
-             "SPECBATCH_CUDA_LINEAR", "SPECBATCH_TOKENIZER")
+             "SPECBATCH_CUDA_LINEAR", "SPECBATCH_TOKENIZER", "SPECBATCH_START_THREADS")
 TOKENIZER = "SPECBATCH_TOKENIZER"  # named in messages (models/dummy.py)
+START_THREADS = "SPECBATCH_START_THREADS"  # written by cpu_threads.choose_threads
 
 
 def _get(name: str) -> str:

@@ -139,12 +139,12 @@ def test_a_start_beside_other_work_is_no_users_count():
     """The ``OMP_NUM_THREADS`` a busy start put in the environment is the process's own choice:
     a later choice (of this process, or of a child that inherits it, as a Ray worker does)
     does not read it as a count the user fixed."""
-    from specbatch import cpu_threads
+    from specbatch import settings
 
-    env = {"OMP_NUM_THREADS": "1", cpu_threads._START_MARK: "1"}
+    env = {"OMP_NUM_THREADS": "1", settings.START_THREADS: "1"}
     choice = choose_threads(load=0.0, environ=env)
     assert env == {} and choice.threads == usable_cpus() and "OMP_NUM_THREADS" not in choice.why
-    env = {"OMP_NUM_THREADS": "3", cpu_threads._START_MARK: "1"}  # the user's, set afterwards
+    env = {"OMP_NUM_THREADS": "3", settings.START_THREADS: "1"}  # the user's, set afterwards
     assert choose_threads(load=0.0, environ=env).threads == 3
 
 
