@@ -78,6 +78,24 @@ class Prepared:
 _THREADS_CHOSEN = False
 
 
+def _default_logging() -> None:
+    """Show the ``specbatch`` logger's lines on stderr where the program set up no logging (no
+    handler on it or on the root logger), as vLLM does for its ``vllm`` logger: an API user
+    otherwise saw nothing while the first ``method="auto"`` call measured the step cost
+    (57 s on a busy 2-core machine, fresh-user report) or a model converted. INFO and above
+    (the logger's level, where the program left it unset), as ``LEVEL specbatch: message``;
+    not passed on to the root logger, so a ``logging.basicConfig`` made later does not print
+    them twice. A program that configures logging first gets them through its own handlers."""
+    if _log.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()  # sys.stderr
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    _log.addHandler(handler)
+    if _log.level == logging.NOTSET:
+        _log.setLevel(logging.INFO)
+    _log.propagate = False
+
+
 def _choose_cpu_threads(device: str) -> None:
     """The CLI's thread and wait-policy choice for an API user, once per process, logged."""
     global _THREADS_CHOSEN
@@ -109,7 +127,8 @@ class LLM:
         enable_prefix_caching: vLLM's name; a prompt's prefill starts after the longest prefix
         of it a cache row holds (``EngineConfig.prefix_caching``: exact, on the CPU kernels).
         echo: gets the human-readable notes (calibration, plan table, a lowered batch size);
-        default: the ``specbatch`` logger at INFO.
+        default: the ``specbatch`` logger at INFO, shown on stderr where the program set up no
+        logging (``_default_logging``, as vLLM's ``vllm`` logger).
 
     On the CPU, the first ``LLM(...)`` of a process chooses its threads as the CLI does
     (``cpu_threads.choose_threads``, before torch loads): spinning threads fitted to the other
@@ -139,6 +158,7 @@ class LLM:
                  echo: Callable[[str], None] | None = None, max_num_seqs: int | None = None,
                  speculative_config: dict | None = None, tensor_parallel_size: int = 1,
                  trust_remote_code: bool = False, **vllm_kwargs) -> None:
+        _default_logging()
         _ignore_vllm_kwargs(vllm_kwargs)
         _choose_cpu_threads(device)
         if tensor_parallel_size != 1:

@@ -535,3 +535,34 @@ def test_token_ids_from_numpy_and_torch_dtypes_as_vllm_takes_them():
     assert [str(e) for e in errors] == [
         "prompt 1: prompt_token_ids is given with a template, which builds the prompt from the "
         "record's fields; keep one"]
+
+
+@pytest.mark.parametrize("setup, shown", [("", True), ("import logging; logging.basicConfig()",
+                                                       False)])
+def test_the_api_shows_its_progress_lines_as_vllm_does(setup, shown):
+    """A script that sets up no logging sees the ``specbatch`` logger's INFO lines on stderr
+    (vLLM's habit for its logger): the first ``method="auto"`` call calibrated for 57 s in
+    silence (fresh-user report). A script that configures logging keeps its own choice (here:
+    WARNING, the root default)."""
+    import os
+    import subprocess
+    import sys
+
+    script = f"""
+{setup}
+from specbatch import LLM
+from specbatch.llm import ModelLoadError
+try:
+    LLM("no-such-model")
+except ModelLoadError:
+    pass
+import logging
+logging.basicConfig()  # later: not a second copy of each line
+logging.getLogger("specbatch").info("once")
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert ("INFO specbatch: cpu: " in out.stderr) == shown, out.stderr
+    assert out.stderr.count("once") == (1 if shown else 0), out.stderr
