@@ -261,7 +261,8 @@ def _validate(p: str, rows: list, prompt_field: str | None, id_field: str | None
                                      "the prompt from the record's fields; keep one")
                 prompt, messages, turns, token_ids = None, [_render(template, row)], None, None
             else:
-                prompt, messages, turns, token_ids = _prompt(row, prompt_field)
+                prompt, messages, turns, token_ids = _prompt(row, prompt_field,
+                                                             cli=unit != PROMPT_UNIT)
             sampling = _sampling(row, defaults[line - 1] if isinstance(
                 defaults, list) else defaults, wide)
             if clash is not None:  # a record known by its line: its own faults are named first
@@ -978,10 +979,11 @@ def _near_miss(name: str) -> str | None:
     return match[0] if match else None
 
 
-def _prompt(row: dict, prompt_field: str | None
+def _prompt(row: dict, prompt_field: str | None, cli: bool = True
             ) -> tuple[str | None, list[dict] | None, list[str] | None, tuple[int, ...] | None]:
     """(prompt, messages, turns, prompt_token_ids), one of them set, from the prompt field's
-    value."""
+    value. cli: a file's record (a missing prompt names ``--prompt-field``), not an API
+    prompt."""
     if prompt_field is not None:
         if prompt_field not in row:
             raise ValueError(f"missing prompt field {prompt_field!r}")
@@ -994,8 +996,8 @@ def _prompt(row: dict, prompt_field: str | None
         if name is None:
             name = next((k for k in PROMPT_FIELDS if k in row), None)
             if name is None:
-                raise ValueError(f"no prompt: expected a field {', '.join(PROMPT_FIELDS)} "
-                                 "(or choose one with --prompt-field)")
+                raise ValueError(f"no prompt: expected a field {', '.join(PROMPT_FIELDS)}"
+                                 + (" (or choose one with --prompt-field)" if cli else ""))
     value = row[name]
     if name == "prompt_token_ids":
         return None, None, None, _token_ids(value)

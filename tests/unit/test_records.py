@@ -1026,3 +1026,13 @@ def test_max_token_bytes_reads_a_vocabulary_once_until_it_grows():
     tok.vocab["longest-token"] = 3
     assert max_token_bytes(tok) == 13 and tok.reads == 2
     assert max_token_bytes(Tok()) == 4  # another tokenizer: its own
+
+
+def test_an_api_prompt_without_a_prompt_names_no_cli_flag():
+    """``LLM.generate``'s dicts have no ``--prompt-field`` to point at (fresh-user finding); a
+    file's record still gets the hint."""
+    from specbatch.io.records import records_from_rows
+
+    _, errors = records_from_rows([{"id": 1, "text": "hi"}])
+    assert [str(e) for e in errors] == [
+        "prompt 1: no prompt: expected a field prompt, messages, turns, prompt_token_ids"]
