@@ -382,8 +382,8 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
         if "spec" in line and "usage" in line:  # not an OpenAI batch response line
             by_category[str(line.get("category", ""))].append(line)
     failed = []  # records written with an ``error`` (a NaN, a later turn past the context)
-    bar = progress = job.bar = (Progress(
-        len(records), len(done) + len(skip),
+    bar = progress = job.bar = (Progress(  # the records run: not those --on-error skip left out
+        len(records) - len(skip), len(done),
         max_tokens=max((r.sampling.max_tokens * r.sampling.n * len(r.turns or [None])
                         for r in todo), default=1),
         interval=opts.progress_interval) if opts.progress else None)

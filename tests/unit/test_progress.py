@@ -235,19 +235,24 @@ def test_a_log_gets_plain_periodic_lines():
     ], lines
 
 
-def test_a_run_whose_stderr_is_a_file_logs_readable_progress(tiny, tmp_path):
+@pytest.mark.parametrize("skipped", [False, True])
+def test_a_run_whose_stderr_is_a_file_logs_readable_progress(tiny, tmp_path, skipped):
     """``specbatch run ... 2> log``: periodic ``progress:`` lines with a token rate and time
-    left, no ``\\r`` anywhere (a tqdm bar in a file was one long line joined by ``\\r``)."""
+    left, no ``\\r`` anywhere (a tqdm bar in a file was one long line joined by ``\\r``). A
+    record ``--on-error skip`` leaves out after the load (token ids outside the vocabulary)
+    is not counted: the last line's count is what ``wrote N records`` says (it read 7/7 before
+    ``wrote 6``, fresh-user finding)."""
     model, cache = tiny
     src = tmp_path / "in.jsonl"
-    src.write_text("".join(f'{{"id": {i}, "prompt": "count {i} {i} {i}"}}\n' for i in range(6)))
+    src.write_text("".join(f'{{"id": {i}, "prompt": "count {i} {i} {i}"}}\n' for i in range(6))
+                   + ('{"id": 6, "prompt_token_ids": [1000000000]}\n' if skipped else ""))
     log = tmp_path / "stderr.log"
     with open(log, "w") as err:
         proc = subprocess.run([sys.executable, "-m", "specbatch.cli", "run", str(src), "-o",
                                str(tmp_path / "out.jsonl"), "--model", str(model),
                                "--cache-dir", str(cache), "--method", "ngram",
                                "--max-tokens", "48", "--ignore-eos", "--max-batch-size", "2",
-                               "--progress-interval", "0.01"],
+                               "--progress-interval", "0.01", "--on-error", "skip"],
                               stdout=subprocess.PIPE, stderr=err, text=True, timeout=300)
     text = log.read_text()
     assert proc.returncode == 0, text
@@ -259,6 +264,7 @@ def test_a_run_whose_stderr_is_a_file_logs_readable_progress(tiny, tmp_path):
                         r"(~\d+:\d\d left|time left \?)", lines[0]), lines[0]
     assert any("in flight" in x and "left" in x for x in lines[:-1]), lines
     assert lines[-1].startswith("progress: 6/6 records, 288 tokens, "), lines[-1]
+    assert proc.stdout.startswith("wrote 6 records to "), proc.stdout
 
 
 def test_a_line_logged_during_a_run_goes_above_the_bar(monkeypatch):
