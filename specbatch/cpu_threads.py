@@ -240,7 +240,8 @@ class ThreadGovernor:
     """Fewer OpenMP threads while other work holds the CPUs; all of them again when it is gone.
 
     base: the threads chosen at start-up; start: the threads it runs first (default base:
-    fewer where other work held the CPUs at start-up, ``start_threads``). Every ``INTERVAL`` s (``poll``) it reads the CPU
+    fewer where other work held the CPUs at start-up, ``start_threads``). Every ``INTERVAL`` s
+    (``poll``) it reads the CPU
     time other processes took on the usable CPUs since the last read: the CPUs' busy ticks
     (``/proc/stat``) less this process's own CPU time, in CPUs. Where that is at least
     ``SLACK`` of a CPU in ``PATIENCE`` reads in a row, it runs ``usable_cpus() - ceil(other -

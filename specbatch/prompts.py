@@ -9,6 +9,31 @@ re-renders prompts with this module and the run's tokenizer, without importing t
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def per_tokenizer(cache: weakref.WeakKeyDictionary, tokenizer, key, build: Callable[[], T]) -> T:
+    """``build()`` once per tokenizer object and ``key`` (the last one asked for is kept), in
+    ``cache`` while the tokenizer lives: what a ``generate`` call used to rebuild from the
+    whole vocabulary. Built again when the tokenizer's length changes (tokens added); not kept
+    for an object without a length or that takes no weak reference."""
+    if not hasattr(tokenizer, "__len__"):
+        return build()
+    full = (len(tokenizer), key)
+    try:
+        known = cache.get(tokenizer)
+    except TypeError:
+        return build()
+    if known is not None and known[0] == full:
+        return known[1]
+    value = build()
+    cache[tokenizer] = (full, value)
+    return value
+
 
 class PromptRenderer:
     """Tokenises a record's prompt for each turn. ``tokenizer``: a transformers tokenizer."""

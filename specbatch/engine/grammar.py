@@ -74,15 +74,10 @@ class GrammarCompiler:
         once per process and kept while the tokenizer lives, with the schemas it compiled:
         building xgrammar's ``TokenizerInfo`` reads the whole vocabulary (~70 ms for
         SmolLM2's 49k tokens, once per ``generate`` call before)."""
-        try:
-            mine = _COMPILERS.setdefault(tokenizer, {})
-        except TypeError:  # takes no weak reference: built each time
-            return cls(tokenizer, vocab_size)
-        key = (len(tokenizer), vocab_size)  # tokens added later: built again
-        if key not in mine:
-            mine.clear()
-            mine[key] = cls(tokenizer, vocab_size)
-        return mine[key]
+        from specbatch.prompts import per_tokenizer
+
+        return per_tokenizer(_COMPILERS, tokenizer, vocab_size,
+                             lambda: cls(tokenizer, vocab_size))
 
     def compile(self, schema: dict | bool):
         """An ``xgrammar.CompiledGrammar`` for ``schema`` (``True``: any JSON object, OpenAI's

@@ -361,23 +361,11 @@ def max_token_bytes(tokenizer) -> int:
     (3 bytes) and a byte as "<0xE4>": the entry is never shorter than the text it covers, so
     the bound errs on the safe side (SmolLM2: 162, for 81 bytes of text).
     """
-    # once per tokenizer and size (tokens added later: measured again): ~25 ms for a 49k
-    # vocabulary, every ``generate`` call before. Not kept for an object without a length or
-    # that takes no weak reference
-    size = len(tokenizer) if hasattr(tokenizer, "__len__") else None
-    try:
-        known = _MAX_TOKEN_BYTES.get(tokenizer)
-    except TypeError:
-        known = None
-    if known is not None and size is not None and known[0] == size:
-        return known[1]
-    found = max(len(t.encode("utf-8")) for t in tokenizer.get_vocab())
-    if size is not None:
-        try:
-            _MAX_TOKEN_BYTES[tokenizer] = (size, found)
-        except TypeError:
-            pass
-    return found
+    from specbatch.prompts import per_tokenizer
+
+    # once per tokenizer (~25 ms for a 49k vocabulary, every ``generate`` call before)
+    return per_tokenizer(_MAX_TOKEN_BYTES, tokenizer, None, lambda: max(
+        len(t.encode("utf-8")) for t in tokenizer.get_vocab()))
 
 
 _MAX_TOKEN_BYTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
