@@ -133,8 +133,9 @@ class LLM:
     On the CPU, the first ``LLM(...)`` of a process chooses its threads as the CLI does
     (``cpu_threads.choose_threads``, before torch loads): spinning threads fitted to the other
     work on the CPUs while it runs (spin-waiting threads of several jobs slow each other ~7x),
-    and logs the ``cpu:`` line. ``OMP_WAIT_POLICY`` / ``OMP_NUM_THREADS`` set by the caller win; where torch
-    was imported before, the policy cannot change any more and the line says so.
+    and logs the ``cpu:`` line. ``OMP_WAIT_POLICY`` / ``OMP_NUM_THREADS`` set by the caller
+    win; where torch was imported before, the policy cannot change any more and the line says
+    so.
 
     vLLM's names, so a vLLM script's ``LLM(...)`` runs: ``max_num_seqs`` (= max_batch_size),
     ``speculative_config`` (a dict: ``method`` ``ngram`` | ``suffix`` | ``draft_model``,
