@@ -213,7 +213,10 @@ def sweep(args) -> None:
         logits = forward.forward(ids, positions, cache, row_ids,
                                  num_fed=num_fed if min(fed) < q else None)
         t1 = CLOCK()
-        select_cpu.greedy_select(logits.reshape(rows * q, -1), token_index, None)
+        if logits.dim() == 2:  # packed: the fed positions' logits [T, V]
+            select_cpu.greedy_select(logits, None, None)
+        else:
+            select_cpu.greedy_select(logits.reshape(rows * q, -1), token_index, None)
         t2 = CLOCK()
         if not warm:
             times[(t, c)].append(t1 - t0)

@@ -2,8 +2,8 @@
 
 Per fed token t (row b, query j): the target's token is
 
-    argmax_v( logits[b, j, v] / T_t + g(seed_t, pos_t, v) )     (T_t > 0; top-k / top-p kept set)
-    argmax_v( logits[b, j, v] )                                 (T_t = 0)
+    argmax_v( logits[t, v] / T_t + g(seed_t, pos_t, v) )     (T_t > 0; top-k / top-p kept set)
+    argmax_v( logits[t, v] )                                 (T_t = 0)
 
 with bans (-inf) applied first and ties to the lowest id; then row b accepts its drafts while
 they equal the target's tokens. This is ``specbatch.spec_decode.sampler.sample`` followed by
@@ -62,7 +62,7 @@ if triton is not None:
 
     @triton.jit
     def _sample_accept_kernel(
-            logits_ptr, s_lb, s_lq,  # [B, Q, V] float32/float64 (vocab stride 1)
+            logits_ptr, s_lt,  # [T, V] float32/float64, the fed positions (vocab stride 1)
             cu_ptr,  # [B + 1] int64 cu_num_fed
             draft_ptr, s_db,  # [B, K] int64 draft ids
             num_draft_ptr,  # [B] int64
@@ -93,7 +93,7 @@ if triton is not None:
                 cut = tl.load(cut_ptr + t)
             best_val = tl.full((), float("-inf"), tl.float64)
             best_id = num_draft * 0
-            row_ptr = logits_ptr + b * s_lb + j * s_lq
+            row_ptr = logits_ptr + t * s_lt
             for v0 in range(0, V, BLOCK):
                 v = v0 + offs
                 vmask = v < V
@@ -145,39 +145,38 @@ def sample_accept(logits: torch.Tensor, cu_num_fed: torch.Tensor, draft_ids: tor
                   num_draft: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                   top_p: torch.Tensor, seeds: torch.Tensor, output_positions: torch.Tensor,
                   banned: torch.Tensor | None = None, any_top_k_p: bool = True,
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  query_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launcher: the target's token at every fed position, and accepted drafts per row.
 
-    logits: ``[B, Q, V]`` float32 / float64 (vocab dim contiguous); row b feeds
-    ``num_fed[b] = cu_num_fed[b + 1] - cu_num_fed[b] <= Q`` tokens, its queries 0 ..
-    num_fed[b] - 1. cu_num_fed: ``[B + 1]`` int64; draft_ids: ``[B, K]`` int64 (padded with
-    any id that is not a token, e.g. -1); num_draft: ``[B]`` int64 (``num_fed - 1``).
-    temperature ``[T]`` float64, top_k ``[T]`` int64, top_p ``[T]`` float64, seeds ``[T]``
-    int64 (record seed), output_positions ``[T]`` int64 (the noise key), T = cu_num_fed[-1],
-    flat row-major. banned: optional ``[T, V]`` bool. any_top_k_p: False skips the top-k / top-p
-    pre-pass (a host flag: no sync to find out).
+    logits: ``[T, V]`` float32 / float64 (vocab dim contiguous), the fed positions' logits in
+    row order (``runner.verify``): row b feeds ``num_fed[b] = cu_num_fed[b + 1] -
+    cu_num_fed[b]`` tokens, its logits rows ``cu_num_fed[b] .. cu_num_fed[b + 1] - 1``.
+    cu_num_fed: ``[B + 1]`` int64; draft_ids: ``[B, K]`` int64 (padded with any id that is not
+    a token, e.g. -1); num_draft: ``[B]`` int64 (``num_fed - 1``). temperature ``[T]`` float64,
+    top_k ``[T]`` int64, top_p ``[T]`` float64, seeds ``[T]`` int64 (record seed),
+    output_positions ``[T]`` int64 (the noise key), flat row-major. banned: optional ``[T, V]``
+    bool. any_top_k_p: False skips the top-k / top-p pre-pass (a host flag: no sync to find
+    out). query_len: Q of the target grid, at least the longest row's ``num_fed`` (default
+    ``K + 1``).
     Returns (target ids ``[B, Q]`` int64, padded slots -1; accepted ``[B]`` int64).
     Raises ``ValueError`` for a shape, dtype, device or layout mismatch.
     """
-    bsz, qlen, vocab = logits.shape
-    t = temperature.shape[0]
     _check_args(logits, cu_num_fed, draft_ids, num_draft, temperature, top_k, top_p, seeds,
                 output_positions, banned)
+    bsz, vocab = num_draft.shape[0], logits.shape[1]
+    qlen = draft_ids.shape[1] + 1 if query_len is None else query_len
     target = torch.full((bsz, qlen), -1, dtype=torch.int64, device=logits.device)
     accepted = torch.empty(bsz, dtype=torch.int64, device=logits.device)
     thr = cut = temperature  # unused unless HAS_CUT
     if any_top_k_p:
-        rows = torch.repeat_interleave(torch.arange(bsz, device=logits.device),
-                                       cu_num_fed.diff(), output_size=t)
-        cols = torch.arange(t, device=logits.device) - cu_num_fed[rows]
-        scaled = logits[rows, cols].double()
+        scaled = logits.double()
         if banned is not None:
             scaled = scaled.masked_fill(banned, float("-inf"))
         greedy = temperature == 0
         scaled = scaled / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
         thr, cut = top_k_top_p_cut(scaled, top_k, top_p)
     _sample_accept_kernel[(bsz,)](
-        logits, logits.stride(0), logits.stride(1), cu_num_fed, draft_ids,
+        logits, logits.stride(0), cu_num_fed, draft_ids,
         draft_ids.stride(0), num_draft, temperature, seeds, output_positions,
         banned if banned is not None else temperature, thr, cut, target, target.stride(0),
         accepted, vocab, HAS_BAN=banned is not None, HAS_CUT=any_top_k_p, BLOCK=BLOCK_V)
@@ -189,17 +188,17 @@ def sample_accept_reference(logits: torch.Tensor, cu_num_fed: torch.Tensor,
                             temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                             seeds: torch.Tensor, output_positions: torch.Tensor,
                             banned: torch.Tensor | None = None, any_top_k_p: bool = True,
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+                            query_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain torch, same contract as ``sample_accept``: ``sampler.sample`` on the fed positions,
     then ``sampler.count_accepted`` (the engine's torch path)."""
     from specbatch.spec_decode.sampler import count_accepted, sample
 
-    bsz, qlen, vocab = logits.shape
-    t = temperature.shape[0]
+    bsz, t = num_draft.shape[0], temperature.shape[0]
+    qlen = draft_ids.shape[1] + 1 if query_len is None else query_len
     rows = torch.repeat_interleave(torch.arange(bsz, device=logits.device), cu_num_fed.diff(),
                                    output_size=t)
     cols = torch.arange(t, device=logits.device) - cu_num_fed[rows]
-    ids, _ = sample(logits[rows, cols], temperature, top_k, top_p, seeds, output_positions,
+    ids, _ = sample(logits, temperature, top_k, top_p, seeds, output_positions,
                     banned)
     target = torch.full((bsz, qlen), -1, dtype=torch.int64, device=logits.device)
     target[rows, cols] = ids
@@ -209,11 +208,14 @@ def sample_accept_reference(logits: torch.Tensor, cu_num_fed: torch.Tensor,
 def _check_args(logits, cu_num_fed, draft_ids, num_draft, temperature, top_k, top_p, seeds,
                 output_positions, banned) -> None:
     check(triton is not None, "sample_accept needs triton (pip install 'specbatch[gpu]')")
-    check(logits.dim() == 3, f"logits: [B, Q, V], got {tuple(logits.shape)}")
+    check(logits.dim() == 2, f"logits: [T, V], got {tuple(logits.shape)}")
     check(logits.dtype in (torch.float32, torch.float64),
           f"logits: float32 or float64, got {logits.dtype}")
-    check(logits.stride(2) == 1, "logits: vocab dim contiguous")
-    bsz, qlen, vocab = logits.shape
+    check(logits.stride(1) == 1, "logits: vocab dim contiguous")
+    bsz, vocab = num_draft.shape[0], logits.shape[1]
+    check(logits.shape[0] == temperature.shape[0],
+          f"logits: [{temperature.shape[0]}, V] (a row per fed position), got "
+          f"{tuple(logits.shape)}")
     check(cu_num_fed.shape == (bsz + 1,), f"cu_num_fed: [{bsz + 1}], got "
           f"{tuple(cu_num_fed.shape)}")
     check(draft_ids.dim() == 2 and draft_ids.shape[0] == bsz and draft_ids.stride(1) == 1,

@@ -19,17 +19,19 @@ def available() -> bool:
     return cpu_build.library() is not None
 
 
-def greedy_select(logits: torch.Tensor, index: torch.Tensor,
+def greedy_select(logits: torch.Tensor, index: torch.Tensor | None = None,
                   bitmask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits: ``[N, V]`` float32 on the CPU, rows contiguous (e.g. a step's ``[B * Q, V]``);
-    index: ``[T]`` int64, the row of each fed position; bitmask: ``[T, ceil(V / 32)]`` int32,
-    xgrammar's packed masks (bit ``v % 32`` of word ``v // 32``: token v allowed), or None for
-    every token. Returns (ids ``[T]`` int64, nan ``[T]`` bool). Raises ``RuntimeError`` when the
-    C kernels are not built."""
+    """logits: ``[N, V]`` float32 on the CPU, rows contiguous (e.g. a step's fed positions
+    ``[T, V]``); index: ``[T]`` int64, the row of each position to choose at (None: every row,
+    in order); bitmask: ``[T, ceil(V / 32)]`` int32, xgrammar's packed masks (bit ``v % 32`` of
+    word ``v // 32``: token v allowed), or None for every token. Returns (ids ``[T]`` int64, nan
+    ``[T]`` bool). Raises ``RuntimeError`` when the C kernels are not built."""
     lib = cpu_build.library()
     if lib is None:
         raise RuntimeError("the C kernels are not built")
     assert logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1
+    if index is None:
+        index = torch.arange(logits.shape[0])
     index = index.to(torch.int64).contiguous()
     t, v = index.numel(), logits.shape[1]
     if bitmask is not None:

@@ -114,7 +114,7 @@ class _Replayer:
         for t in range(position):
             ok &= int(argmax_lowest(logits.float())) == output_ids[t]
             seq.token_ids.append(output_ids[t])  # the cache holds all but this token
-            logits = self.runner.verify([seq], [[]])[0, 0]
+            logits = self.runner.verify([seq], [[]])[0]
         return logits, ok
 
 

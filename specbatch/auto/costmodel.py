@@ -99,7 +99,9 @@ BUDGET_SECONDS = 20.0
 # 12 = the calibration records whether attention runs on the real tokens of a packed step
 # (``CostModel.packed``; session 15). 13 = float32 code weights at 1-3 rows on AVX-512 on Intel
 # CPUs (a batch-1 step of 1-3 tokens 15-23% cheaper on an Emerald Rapids Xeon; session 27).
-ENGINE_REVISION = 13
+# 14 = a packed verify step's logits stay packed ``[T, vocab]`` (no zeroed ``[B, Q, vocab]``
+# grid and scatter: ~3 ms of a batch-16 step with 5-token drafts; session 30).
+ENGINE_REVISION = 14
 
 
 def engine_fingerprint() -> str:
@@ -123,9 +125,12 @@ class CostModel:
     every token when ``knots`` is empty: the linear model ``c0 + s0 t + ...``), c2 seconds per
     row x key, c3 per token x key, s_i seconds per token between ``knots[i - 1]`` and
     ``knots[i]`` tokens (the last slope from the last knot on); where ``tiled``, then ``ct``
-    seconds per matmul tile started (``ceil(t / TILE_TOKENS)``) and ``cp`` per padded query
-    slot of a packed step (``rows * q`` when ``t < rows * q``, else 0: its logits are laid out
-    ``[rows, q, vocab]``, zeros where a row fed fewer).
+    seconds per matmul tile started (``ceil(t / TILE_TOKENS)``) and ``cp`` per query slot of
+    a packed step (``rows * q`` when ``t < rows * q``, else 0): what the padded ``[rows, q]``
+    layout still costs there (the ids grid; on the torch reference backend, attention). Its
+    logits are never padded (``runner.verify``): until engine r14 they were laid out
+    ``[rows, q, vocab]``, zeros where a row fed fewer, and ``cp`` came to 18-39 us a slot
+    (SmolLM2-135M int8, 2-core Xeon), ~3 ms of a batch-16 step with 5-token drafts.
 
     samples: the measurements ``[rows, q, ctx, seconds]`` the fit came from, a packed one
     ``[rows, q, ctx, seconds, tokens]``.
@@ -485,7 +490,7 @@ def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
     Where the forward packs a verify step (``backend.packed_attention``) the packed shapes
     ``packed_grid`` ``(rows, q, real tokens)`` are timed too, at every context, for rows in
     ``rows_grid`` (``measure``'s num_tokens), and the fit is ``tiled``: a matmul tile partly
-    filled and a packed step's padded logits get terms of their own (the uniform grid's token
+    filled and a packed step's query slots get terms of their own (the uniform grid's token
     counts are whole tiles: 16 rows x 1-2 tokens priced a batch-16 step with a few rows
     drafting 2-4% low relative to plain steps, and ``auto`` drafted where it did not pay).
     progress: show a tqdm bar on stderr when it is a terminal. time_fn(rows, q, ctx) -> seconds

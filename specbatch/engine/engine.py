@@ -201,8 +201,7 @@ class Engine:
                 if ready:
                     no_drafts = [[] for _ in ready]
                     meta = StepMetadata.build(ready, no_drafts, self.stop_rules, logits.device)
-                    done += self._commit_step(ready, no_drafts, logits[:, None, :], meta,
-                                              is_prefill=True)
+                    done += self._commit_step(ready, no_drafts, logits, meta, is_prefill=True)
             self._release_ghosts(due)
             if (any(s.is_prefilled and not s.is_finished for s in running)
                     or any(g.replay.verify is not None and g.replay.verify <= self.step_index
@@ -237,7 +236,8 @@ class Engine:
                      ghosts: list[Sequence] = ()) -> list[Completion]:
         """Sample the target at every fed position, accept, commit, roll back.
 
-        logits: ``[B, Q, vocab]``; row i uses its first ``len(drafts[i]) + 1`` queries.
+        logits: ``[T, vocab]``, the fed positions in row order (``runner.verify``): row i's
+        ``len(drafts[i]) + 1`` of them, from ``meta.cu_num_fed_host[i]``.
         ghosts: a resumed job's placeholders (row order); those recorded to finish at this
         verify step finish in row order among the rows (``_release_ghosts``).
         Sampling and acceptance run on the logits' device; one copy brings the results back.
@@ -258,8 +258,7 @@ class Engine:
                     return logits_processing.process_logits(flat, seqs, drafts, bitmask)
             target, num_accepted, scaled = sample_and_accept(logits, meta, process,
                                                              want_logprobs)
-            has_nan = torch.isnan(logits.amax(dim=-1)).any(dim=1)  # amax keeps a NaN: [B]
-            res = fetch_step_results(num_accepted, has_nan, target)
+            res = fetch_step_results(num_accepted, _rows_with_nan(logits, meta), target)
         if want_logprobs:
             scaled = scaled.cpu()
         offsets = meta.cu_num_fed_host
@@ -362,3 +361,11 @@ def hold_back_incomplete_char(text: str) -> str:
 
 def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
+
+
+def _rows_with_nan(logits: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+    """``[B]`` bool on the logits' device: whether row b's fed logits (``[T, V]``, row order)
+    hold a NaN (``amax`` keeps one), without a host sync."""
+    nan = torch.zeros(meta.num_rows * meta.query_len, dtype=torch.bool, device=logits.device)
+    nan[meta.token_index] = torch.isnan(logits.amax(dim=-1))
+    return nan.view(meta.num_rows, meta.query_len).any(dim=1)

@@ -4,8 +4,9 @@ A step feeds ``B`` rows; row ``b`` feeds ``num_fed[b] = 1 + len(drafts[b])`` tok
 committed token, then its draft tokens), ``T = sum(num_fed)`` tokens in all. Every per-token
 field is flat ``[T]`` in row-major order (row 0's tokens, then row 1's, ...), with the prefix sums
 ``cu_num_fed [B + 1]`` giving each row's slice, as vLLM's ``SpecDecodeMetadata`` does. The
-forward's logits come padded ``[B, Q, V]``; ``token_index [T]`` (``b * Q + j``) picks the fed
-queries out of them without a host sync.
+forward runs ``[B, Q]`` ids (padded to the longest row, ``Q``); ``token_index [T]`` (``b * Q +
+j``) places the fed tokens there and, where a backend returns padded logits ``[B, Q, V]``, picks
+the fed queries' out of them without a host sync (``runner.verify`` returns ``[T, V]``).
 
 Every field is written into one host int64 buffer (float64 fields bit-cast, exact) and copied to
 the device with one copy (``_Packer``); the fields on the device are views of that buffer (on
@@ -190,8 +191,8 @@ class StepMetadata:
               device: torch.device, query_len: int | None = None) -> StepMetadata:
         """Pack a step: row i feeds ``[seqs[i].token_ids[-1], *drafts[i]]``.
 
-        query_len: Q of the forward's padded logits (default ``1 + max draft length``); the
-        runner may pad further (see ``ModelRunner.query_len``).
+        query_len: Q, the forward's padded queries per row (default ``1 + max draft length``);
+        the runner may pad further (see ``ModelRunner.query_len``).
         """
         num_fed = [1 + len(d) for d in drafts]
         q = max(num_fed) if query_len is None else query_len

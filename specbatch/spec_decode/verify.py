@@ -24,18 +24,18 @@ def sample_and_accept(logits: torch.Tensor, meta, process=None, want_scaled: boo
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Sampling and acceptance of one step, on the logits' device, without a host sync.
 
-    logits: ``[B, Q, V]`` float (the forward's padded output); meta: the step's
-    ``engine.step_metadata.StepMetadata`` (on the same device); process: optional
-    ``[T, V] -> [T, V]`` logits processing applied before sampling (``engine.logits``: grammar
-    masks, logit_bias, penalties). On CUDA with Triton, and with neither ``process`` nor
-    min_p, this is one fused kernel (``kernels.sample_accept``, same ids); else
+    logits: ``[T, V]`` float, the fed positions' logits in row order (``runner.verify``);
+    meta: the step's ``engine.step_metadata.StepMetadata`` (on the same device); process:
+    optional ``[T, V] -> [T, V]`` logits processing applied before sampling (``engine.logits``:
+    grammar masks, logit_bias, penalties). On CUDA with Triton, and with neither ``process``
+    nor min_p, this is one fused kernel (``kernels.sample_accept``, same ids); else
     ``sampler.sample`` and ``sampler.count_accepted`` in torch.
     Returns (target ids ``[B, Q]`` int64: the target's token at each fed position, padded
     slots hold -1; accepted draft tokens ``[B]`` int64; with ``want_scaled``, the scaled
     logits ``[T, V]`` float64 (logits / T, or logits at T = 0, bans applied: the logprob
     source), else None).
     """
-    bsz, qlen, vocab = logits.shape
+    vocab = logits.shape[-1]
     sm = meta.sampling
     banned = sm.banned_mask(meta.num_tokens, vocab)
     if process is None and not sm.any_min_p and _use_kernel(logits):
@@ -43,30 +43,30 @@ def sample_and_accept(logits: torch.Tensor, meta, process=None, want_scaled: boo
 
         target, accepted = sample_accept(
             logits, meta.cu_num_fed, meta.draft_ids, meta.num_draft, sm.temperature, sm.top_k,
-            sm.top_p, sm.seeds, sm.output_positions, banned, any_top_k_p=sm.any_top_k_p)
+            sm.top_p, sm.seeds, sm.output_positions, banned, any_top_k_p=sm.any_top_k_p,
+            query_len=meta.query_len)
         scaled = None
         if want_scaled:
-            flat = logits.reshape(bsz * qlen, vocab).index_select(0, meta.token_index).double()
+            flat = logits.double()
             if banned is not None:
                 flat = flat.masked_fill(banned, float("-inf"))
             greedy = sm.temperature == 0
             scaled = flat / torch.where(greedy, torch.ones_like(sm.temperature),
                                         sm.temperature)[:, None]
         return target, accepted, scaled
-    flat = logits.reshape(bsz * qlen, vocab).index_select(0, meta.token_index)  # [T, V]
-    if process is not None:
-        flat = process(flat)
+    flat = logits if process is None else process(logits)
     ids, scaled = sampler.sample(flat, sm.temperature, sm.top_k, sm.top_p, sm.seeds,
                                  sm.output_positions, banned,
                                  sm.min_p if sm.any_min_p else None, want_scaled)
-    target = _target_grid(ids, meta, bsz, qlen)
+    target = _target_grid(ids, meta)
     return (target, sampler.count_accepted(target, meta.draft_ids, meta.num_draft),
             scaled if want_scaled else None)
 
 
-def _target_grid(ids: torch.Tensor, meta, bsz: int, qlen: int) -> torch.Tensor:
+def _target_grid(ids: torch.Tensor, meta) -> torch.Tensor:
     """``[B, Q]`` int64: the chosen ids ``[T]`` at their fed slots (``meta.token_index``), -1
     in the padded ones."""
+    bsz, qlen = meta.num_rows, meta.query_len
     target = torch.full((bsz * qlen,), -1, dtype=torch.int64, device=ids.device)
     target[meta.token_index] = ids
     return target.view(bsz, qlen)
@@ -80,7 +80,8 @@ def greedy_accept(logits: torch.Tensor, meta, bitmask: torch.Tensor | None = Non
     and each row's NaN flag on the host (a step's few fed positions: torch's ops on them cost
     more than the loop).
 
-    logits: ``[B, Q, V]`` float32 on the CPU; meta: the step's ``StepMetadata``.
+    logits: ``[T, V]`` float32 on the CPU, the fed positions in row order; meta: the step's
+    ``StepMetadata``.
     Returns host lists, as ``engine.step_metadata.fetch_step_results`` gives them: accepted
     draft tokens per row (``B`` ints), whether a row's fed logits held a NaN (``B`` bools) and
     the target's token at each fed position (``B`` lists of ``Q`` ints, padded slots -1); or
@@ -97,9 +98,8 @@ def greedy_accept(logits: torch.Tensor, meta, bitmask: torch.Tensor | None = Non
         return None
     if not select_cpu.available():
         return None
-    bsz, qlen, vocab = logits.shape
-    ids, nan = select_cpu.greedy_select(logits.reshape(bsz * qlen, vocab), meta.token_index,
-                                        bitmask)
+    qlen = meta.query_len
+    ids, nan = select_cpu.greedy_select(logits, None, bitmask)
     ids, nan, drafts = ids.tolist(), nan.tolist(), meta.draft_ids.tolist()
     accepted, has_nan, target = [], [], []
     start = 0

@@ -11,12 +11,12 @@ from specbatch.spec_decode.sampler import mask_top_k_top_p
 
 
 def _step(gen, num_fed, vocab, device, logits_dtype=torch.float32, scale=3.0):
-    """A random step: logits [B, Q, V] with exact ties planted, per-token parameters mixing
-    greedy / T > 0 / top-k / top-p rows, and drafts that follow the reference's own targets
-    for a while, then diverge."""
-    bsz, qlen = len(num_fed), max(num_fed) + 1  # one padded query more than the longest row
-    logits = (torch.randn(bsz, qlen, vocab, generator=gen) * scale).to(logits_dtype)
-    logits[0, 0, 7] = logits[0, 0, 3] = logits[0, 0].max() + 1  # greedy tie: id 3 must win
+    """A random step: the fed positions' logits [T, V] (row order, as ``runner.verify`` gives
+    them) with exact ties planted, per-token parameters mixing greedy / T > 0 / top-k / top-p
+    rows, and drafts that follow the reference's own targets for a while, then diverge."""
+    bsz = len(num_fed)
+    logits = (torch.randn(sum(num_fed), vocab, generator=gen) * scale).to(logits_dtype)
+    logits[0, 7] = logits[0, 3] = logits[0].max() + 1  # greedy tie: id 3 must win
     cu = torch.tensor([0, *torch.tensor(num_fed).cumsum(0).tolist()])
     t = int(cu[-1])
     temp = torch.tensor([[0.0, 0.7, 1.0, 1.3][(i * 7) % 4] for i in range(t)], dtype=torch.float64)
@@ -47,15 +47,17 @@ def _step(gen, num_fed, vocab, device, logits_dtype=torch.float32, scale=3.0):
 def test_sample_accept_equals_torch_path(device, vocab, logits_dtype, num_fed):
     gen = torch.Generator().manual_seed(vocab)
     args = _step(gen, num_fed, vocab, device, logits_dtype)
-    want_ids, want_acc = sample_accept_reference(*args)
-    got_ids, got_acc = sample_accept(*args)
+    qlen = max(num_fed) + 1  # one padded query more than the longest row
+    want_ids, want_acc = sample_accept_reference(*args, query_len=qlen)
+    got_ids, got_acc = sample_accept(*args, query_len=qlen)
+    assert got_ids.shape == (len(num_fed), qlen)
     assert torch.equal(got_ids, want_ids)
     assert torch.equal(got_acc, want_acc)
     assert want_acc.tolist() == [b % n if n > 1 else 0 for b, n in enumerate(num_fed)]
     assert int(want_ids[0, 0]) == 3  # the planted tie went to the lower id
     # the T > 0 tokens really are random draws: not all the argmax
-    greedy = args[0].argmax(-1)
-    assert (want_ids[want_ids >= 0] != greedy[want_ids >= 0]).any()
+    greedy = args[0].argmax(-1)  # [T]: the fed slots of the grid, in row order
+    assert (want_ids[want_ids >= 0] != greedy).any()
 
 
 def test_bans_and_all_greedy_without_top_k_p(device):
@@ -77,8 +79,7 @@ def test_bans_and_all_greedy_without_top_k_p(device):
     got = sample_accept(*args, any_top_k_p=False)
     want = sample_accept_reference(*args)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    fed = want[0] >= 0
-    assert torch.equal(want[0][fed], logits.argmax(-1)[fed])
+    assert torch.equal(want[0][want[0] >= 0], logits.argmax(-1))
 
 
 def test_top_k_top_p_cut_is_the_masks_kept_set(device):
@@ -102,6 +103,8 @@ def test_sample_accept_checks_its_arguments(device):
     args = _step(gen, [2, 2], 100, device)
     with pytest.raises(ValueError, match="logits: float32 or float64"):
         sample_accept(args[0].half(), *args[1:])
+    with pytest.raises(ValueError, match=r"logits: \[4, V\]"):  # a row per fed position
+        sample_accept(args[0][:3], *args[1:])
     with pytest.raises(ValueError, match=r"cu_num_fed: \[3\]"):
         sample_accept(args[0], args[1][:2], *args[2:])
     with pytest.raises(ValueError, match="temperature: torch.float64"):

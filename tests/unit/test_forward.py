@@ -48,7 +48,7 @@ def feed(fwd: LlamaForward, cache, rows: list[int], starts: list[int],
          new_ids: list[list[int]], pad_id: int = 0, packed: bool = False) -> torch.Tensor:
     """One forward where row ``rows[b]`` feeds ``new_ids[b]`` at positions ``starts[b]...``,
     right-padded (``packed``: dense layers on the real tokens only); returns logits
-    ``[B, Q, vocab]``."""
+    ``[B, Q, vocab]`` (packed: the forward's ``[T, vocab]`` laid out so, zeros padded)."""
     # as runner.query_len: never a one-token forward (a one-row matmul takes another kernel)
     qlen = max(max(len(x) for x in new_ids), 2 if len(rows) == 1 else 1)
     ids = torch.full((len(rows), qlen), pad_id, dtype=torch.int64)
@@ -56,7 +56,16 @@ def feed(fwd: LlamaForward, cache, rows: list[int], starts: list[int],
         ids[b, :len(x)] = torch.tensor(x)
     positions = torch.tensor(starts)[:, None] + torch.arange(qlen)[None, :]
     num_fed = torch.tensor([len(x) for x in new_ids]) if packed else None
-    return fwd.forward(ids, positions, cache, torch.tensor(rows), num_fed=num_fed)
+    out = fwd.forward(ids, positions, cache, torch.tensor(rows), num_fed=num_fed)
+    if not packed:
+        return out
+    # packed: the real tokens' logits [T, V] in row order, never padded; laid out here as
+    # [B, Q, V] (zeros in the padded slots) to compare with a padded step
+    real = torch.arange(qlen)[None, :] < num_fed[:, None]
+    assert out.shape == (int(num_fed.sum()), out.shape[-1])
+    grid = out.new_zeros(len(rows), qlen, out.shape[-1])
+    grid[real] = out
+    return grid
 
 
 def test_rope_variants_are_really_scaled():

@@ -62,7 +62,11 @@ class PoisonedForward:
                 continue
             self.poisoned_rows[row] += 1
             if self.poisoned_rows[row] == NUM_CLEAN_STEPS + 1:
-                logits[b] = float("nan")
+                if logits.dim() == 2:  # packed: row b's real tokens, in row order
+                    start = int(num_fed[:b].sum())
+                    logits[start:start + int(num_fed[b])] = float("nan")
+                else:
+                    logits[b] = float("nan")
                 self.num_poisoned += 1
                 if self.into_cache:
                     for layer in range(len(cache.k)):

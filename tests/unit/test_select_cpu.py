@@ -97,12 +97,13 @@ def test_greedy_accept_equals_sample_and_accept():
                     logits[i, j, t] = 100.0
         if rng.random() < 0.2:
             logits[rng.randrange(b), 0, rng.randrange(vocab)] = float("nan")
-        target, accepted, _ = sample_and_accept(logits, meta)
+        fed = logits.reshape(-1, vocab)[meta.token_index]  # [T, V], as runner.verify gives
+        target, accepted, _ = sample_and_accept(fed, meta)
         nan = torch.isnan(logits.amax(dim=-1)).any(dim=1)
         ref = fetch_step_results(accepted, nan, target)
         ref.target_ids = [[t if j < n else -1 for j, t in enumerate(row)]
                           for row, n in zip(ref.target_ids, meta.num_fed)]
-        got = greedy_accept(logits, meta)
+        got = greedy_accept(fed, meta)
         assert got is not None
         assert got[1] == ref.has_nan
         ok = [i for i, bad in enumerate(ref.has_nan) if not bad]  # a NaN row ends in an error

@@ -62,7 +62,9 @@ class StepBackend(Protocol):
              num_fed: torch.Tensor | None = None) -> torch.Tensor:
         """One decode/verify step over ``[B, Q]`` new tokens (int64 ids and positions, cache
         rows ``[B]``); writes their keys and values into ``cache``. Returns logits ``[B, Q or
-        M, vocab]``, float32 (float64 for a float64 model). See ``TorchBackend.step``."""
+        M, vocab]``, float32 (float64 for a float64 model); a backend that packs a step given
+        ``num_fed`` returns the real tokens' ``[sum(num_fed), vocab]`` in row order instead
+        (``runner.verify`` takes either). See ``TorchBackend.step``."""
         ...
 
 

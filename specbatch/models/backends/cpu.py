@@ -129,13 +129,11 @@ class CpuBackend(TorchBackend):
     def _logits(self, h: torch.Tensor, bsz: int, qlen: int, real: torch.Tensor | None,
                 logits_index: torch.Tensor | None) -> torch.Tensor:
         """Logits of ``step``'s final hidden states h ``[T, hidden]`` (T = real tokens when
-        ``real`` is given, else ``bsz * qlen``)."""
+        ``real`` is given, else ``bsz * qlen``): ``[T, vocab]`` when ``real`` is given (packed),
+        else ``[B, Q or M, vocab]``."""
         f = self.forward
-        if real is not None:
-            logits = f.linear(f._rms_norm(h, f.norm.weight), f.lm_head)
-            out = logits.new_zeros(bsz, qlen, logits.shape[-1])
-            out[real] = logits
-            return out
+        if real is not None:  # packed: the real tokens' logits [T, vocab], never padded
+            return f.linear(f._rms_norm(h, f.norm.weight), f.lm_head)
         h = h.view(bsz, qlen, -1)
         if logits_index is not None:
             h = torch.gather(h, 1, logits_index[:, :, None].expand(-1, -1, h.shape[-1]))

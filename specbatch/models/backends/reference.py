@@ -182,9 +182,9 @@ class TorchBackend:
             and lm_head run on the real tokens only, packed ``[sum(num_fed), hidden]``; only
             attention sees the padded ``[B, Q]`` layout. A verify step whose rows draft
             different lengths then costs by its total tokens, not by ``B x`` the longest row.
-            Padded queries' logits are returned as zeros. Needs ``sum(num_fed) >= 2`` (see
-            ``runner.verify``: no one-row matmuls).
-        Returns logits ``[B, Q or M, vocab]``, float32 (float64 for a float64 model).
+            Needs ``sum(num_fed) >= 2`` (see ``runner.verify``: no one-row matmuls).
+        Returns logits ``[B, Q or M, vocab]``, float32 (float64 for a float64 model); packed
+        (``num_fed``), the real tokens' logits ``[sum(num_fed), vocab]`` in row order.
 
         In bfloat16 every op of a decode/verify step gives a token the same result whatever the
         other rows and tokens in the call (checked on this CPU: AMX matmuls do not depend on the
@@ -228,12 +228,7 @@ class TorchBackend:
             h = torch.gather(h, 1, logits_index[:, :, None].expand(-1, -1, h.shape[-1]))
         h = f._rms_norm(h, f.norm.weight)
         logits = f.linear(h, f.lm_head)
-        logits = logits if logits.dtype == torch.float64 else logits.float()
-        if real is not None:
-            out = logits.new_zeros(bsz, qlen, logits.shape[-1])
-            out[real] = logits
-            logits = out
-        return logits
+        return logits if logits.dtype == torch.float64 else logits.float()
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, cache: KVCache,
