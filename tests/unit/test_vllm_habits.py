@@ -558,11 +558,12 @@ except ModelLoadError:
     pass
 import logging
 logging.basicConfig()  # later: not a second copy of each line
-logging.getLogger("specbatch").info("once")
+logging.getLogger("specbatch").info("a line logged once")
 """
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert ("INFO specbatch: cpu: " in out.stderr) == shown, out.stderr
-    assert out.stderr.count("once") == (1 if shown else 0), out.stderr
+    # (the cpu line says "... once it is gone" on a busy machine: count the line itself)
+    assert out.stderr.count("a line logged once") == (1 if shown else 0), out.stderr
