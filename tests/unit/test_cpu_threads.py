@@ -33,8 +33,9 @@ def test_user_settings_win():
     env = {"OMP_WAIT_POLICY": "ACTIVE"}
     choice = choose_threads(3, load=99.0, environ=env)
     assert env == {"OMP_WAIT_POLICY": "ACTIVE", "OMP_NUM_THREADS": "3"}
+    over = f"; more threads than the {usable_cpus()} usable CPU(s)" if usable_cpus() < 3 else ""
     assert choice.line() == ("cpu: 3 threads, OpenMP threads spin-wait (--threads; "
-                             "OMP_WAIT_POLICY is set)")
+                             f"OMP_WAIT_POLICY is set{over})")
     env = {"OMP_NUM_THREADS": "1"}
     assert choose_threads(load=0.0, environ=env).threads == 1
     with pytest.raises(ValueError, match="threads=0"):
@@ -348,3 +349,14 @@ def test_threads_changing_between_steps_change_no_token(case, monkeypatch):
     assert len(counts) > 20 and set(counts) == {1, 2}, counts
     for a, b in zip(fixed, flipped):
         assert [c.output_ids for c in a] == [c.output_ids for c in b]
+
+
+def test_more_threads_than_cpus_are_said():
+    """``--threads 64`` on a 2-CPU machine is taken as asked, and the line says it is more
+    than the usable CPUs (a typo or a count copied from another machine shows)."""
+    cpus = usable_cpus()
+    choice = choose_threads(cpus + 1, load=0.0, environ={})
+    assert choice.threads == cpus + 1
+    assert choice.line().endswith(f"(--threads; the machine is quiet; more threads than the "
+                                  f"{cpus} usable CPU(s))"), choice.line()
+    assert "more threads" not in choose_threads(cpus, load=0.0, environ={}).line()
