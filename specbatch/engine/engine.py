@@ -193,11 +193,17 @@ class Engine:
             # ended it, or its prompt was refused)
             due = [g for g in ghosts if g.replay.phase == "admit"
                    and g.replay.finish == self.step_index]
-            prefilling = [s for s in running if not s.is_prefilled]
-            if not prefilling and not due:
+            # a resumed job's placeholders are charged their prompt's prefill as the run they
+            # replay prefilled it (nothing computed), in row order with the real prompts, so
+            # those prefill at the steps they did there (``ModelRunner.prefill_step``)
+            charged = [s for s in rows if not s.is_finished and (
+                (s.replay is None and not s.is_prefilled)
+                or (s.replay is not None and s.prefill_charged < s.num_prompt_tokens
+                    and s.num_prompt_tokens < self.runner.max_model_len))]
+            if not charged and not due:
                 return done
-            if prefilling:
-                ready, logits = self.runner.prefill_step(prefilling)  # [len(ready), V]
+            if charged:
+                ready, logits = self.runner.prefill_step(charged)  # [len(ready), V]
                 if ready:
                     no_drafts = [[] for _ in ready]
                     meta = StepMetadata.build(ready, no_drafts, self.stop_rules, logits.device)

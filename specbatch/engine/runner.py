@@ -102,7 +102,7 @@ class ModelRunner:
         """Write every prompt whole into its cache row (as many packed forwards as the token
         budget needs). Returns logits ``[len(seqs), vocab]`` at each sequence's last token."""
         for seq in seqs:
-            seq.num_prefilled = 0
+            seq.num_prefilled = seq.prefill_charged = 0
         logits: dict[int, torch.Tensor] = {}
         pending = list(seqs)
         while pending:
@@ -125,24 +125,36 @@ class ModelRunner:
         """
         budget = self.max_prefill_tokens if max_tokens is None else max_tokens
         chunks, ids, done, last = [], [], [], []
+        charged = 0  # the step's prompt tokens as if none were cached (``prefill_charged``)
         for seq in seqs:
-            start = seq.num_prefilled
-            prompt = seq.token_ids
-            while start < len(prompt):
-                end = min(len(prompt), (start // self.prefill_chunk + 1) * self.prefill_chunk)
-                if chunks and len(ids) + end - start > budget:
+            pos = seq.prefill_charged
+            prompt = seq.token_ids[:seq.num_prompt_tokens]
+            ghost = seq.replay is not None  # a resumed job's placeholder: charged, not run
+            while pos < len(prompt):
+                end = min(len(prompt), (pos // self.prefill_chunk + 1) * self.prefill_chunk)
+                if charged and charged + end - pos > budget:
                     break
-                chunks.append((seq.row, start, end - start))
-                ids.extend(prompt[start:end])
-                start = end
-            if start == seq.num_prefilled:
+                charged += end - pos
+                start = max(pos, seq.num_prefilled)  # the cached tokens are not computed
+                if start < end and not ghost:
+                    chunks.append((seq.row, start, end - start))
+                    ids.extend(prompt[start:end])
+                pos = end
+            if pos == seq.prefill_charged:
                 break  # over budget: later prompts wait for the next step
-            self.cache.ensure_capacity(start)
-            seq.num_prefilled = start
-            self.cache.seq_lens[seq.row] = start
-            if start == len(prompt):
+            seq.prefill_charged = pos
+            if ghost:
+                continue
+            pos = max(pos, seq.num_prefilled)
+            self.cache.ensure_capacity(pos)
+            seq.num_prefilled = pos
+            self.cache.seq_lens[seq.row] = pos
+            if pos == len(prompt):
                 done.append(seq)
                 last.append(len(ids) - 1)
+        if not chunks:  # only cached tokens or placeholders charged (a prompt's last token is
+            # never cached, so nothing finished)
+            return done, torch.empty(0, self.vocab_size, device=self.device)
         logits = self.backend.prefill(torch.tensor(ids, device=self.device), self.cache, chunks,
                                       last)
         return done, logits

@@ -95,6 +95,9 @@ class Sequence:
         self.k = k  # current draft cap; the planner may change it per step
         self.row: int | None = None
         self.num_prefilled = 0  # prompt tokens written to the cache so far (chunked prefill)
+        # prompt tokens the prefill budget has charged so far, cached ones included (a resumed
+        # job's placeholder is charged its prompt too, with nothing computed)
+        self.prefill_charged = 0
         self.finish_reason: str | None = None  # "stop" | "length" | "error"
         self.stop_reason: int | str | None = None
         self.error: str | None = None

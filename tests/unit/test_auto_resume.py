@@ -37,13 +37,15 @@ def _prior(seq):
 DRAFT_COST = CostModel((0.002, 0.0004, 0.0, 0.0))  # a draft forward: a tenth of a step
 
 
-def _auto_engine(model, batch_size: int, draft=None):
+def _auto_engine(model, batch_size: int, draft=None, prefill_budget=None):
     """An engine with auto's proposer (lookup + suffix, and the draft model ``draft`` when
     given) and policy, as ``llm.prepare`` builds it; returns (engine, policy)."""
     from specbatch.models.llama import LlamaForward
 
     config = SpecConfig(method="auto", num_speculative_tokens=K)
     engine = make_engine(model, K, batch_size)
+    if prefill_budget is not None:  # prompt tokens per prefill forward
+        engine.runner.max_prefill_tokens = prefill_budget
     engine.proposer = make_proposer(config, LlamaForward(draft) if draft else None, batch_size)
     engine.k = config.draft_cap
     lookup, *others = engine.proposer.build_candidates(
@@ -65,13 +67,13 @@ def _requests(prompts, sampling):
             for i, (p, sp) in enumerate(zip(prompts, sampling))]
 
 
-def _run(model, batch_size, journal_path, cut=None, kept=None, draft=None):
+def _run(model, batch_size, journal_path, cut=None, kept=None, draft=None, prefill_budget=None):
     """Run the job with a journal, flushing it before each finished answer is "written" (as
     ``specbatch run`` does); with ``cut``, the journal file as it was right after the
     ``cut``-th answer was written is copied to ``kept`` (a kill there). Returns (engine,
     policy, completions in finish order)."""
     prompts, sampling = _job()
-    engine, policy = _auto_engine(model, batch_size, draft)
+    engine, policy = _auto_engine(model, batch_size, draft, prefill_budget)
     journal = DecisionJournal(journal_path, resume=False, done=set())
     journal.attach(policy)
     engine.proposer.journal = journal
@@ -87,11 +89,11 @@ def _run(model, batch_size, journal_path, cut=None, kept=None, draft=None):
 
 
 def _resume(model, batch_size, journal_path, done: list, use_journal: bool = True,
-            draft=None):
+            draft=None, prefill_budget=None):
     """The job again with the answers ``done`` as placeholders (a resume), replaying the
     journal at ``journal_path`` unless not ``use_journal``."""
     prompts, sampling = _job()
-    engine, policy = _auto_engine(model, batch_size, draft)
+    engine, policy = _auto_engine(model, batch_size, draft, prefill_budget)
     finished = {c.request.request_id: c for c in done}
     reqs = _requests(prompts, sampling)
     for r in reqs:
@@ -114,16 +116,26 @@ def _resume(model, batch_size, journal_path, done: list, use_journal: bool = Tru
     return engine, policy, out
 
 
-@pytest.mark.parametrize("batch_size,cut", [(4, 5), (3, 2), (5, 9)])
-def test_a_resumed_auto_job_decides_as_the_uninterrupted_one(tmp_path, batch_size, cut):
+@pytest.mark.parametrize("batch_size,cut,budget", [(4, 5, None), (3, 2, None), (5, 9, None),
+                                                   (5, 3, 24), (4, 6, 30)])
+def test_a_resumed_auto_job_decides_as_the_uninterrupted_one(tmp_path, batch_size, cut,
+                                                             budget):
     """Kill after ``cut`` answers are written, resume with them as placeholders and the
     journal: every other answer has the stats (steps, draft tokens, k histogram), schedule
-    and steps per source of the uninterrupted run, not only its tokens."""
+    and steps per source of the uninterrupted run, not only its tokens. ``budget``: prompt
+    tokens per prefill forward, so small that the prompts admitted together take several
+    prefill steps: a placeholder needs no prefill, and until it was charged its prompt's
+    budget the real prompts beside it prefilled steps earlier than in the run they resume
+    (the extraction recipe at batch 16: 22 auto and 5 suffix records' counters differed)."""
     model = tiny_llama(VOCAB, seed=5)
     first, policy1, full = _run(model, batch_size, tmp_path / "j.jsonl", cut,
-                                tmp_path / "kept.jsonl")
+                                tmp_path / "kept.jsonl", prefill_budget=budget)
     assert len({c.schedule["finish"] for c in full}) > 3  # answers finish at different steps
-    second, policy2, resumed = _resume(model, batch_size, tmp_path / "kept.jsonl", full[:cut])
+    if budget is not None:  # some prefill took more than one step
+        assert any(c.schedule["verify"] is not None
+                   and c.schedule["verify"] > c.schedule["admit"] + 1 for c in full)
+    second, policy2, resumed = _resume(model, batch_size, tmp_path / "kept.jsonl", full[:cut],
+                                       prefill_budget=budget)
     assert second.replay_mismatches == 0 and policy2.forced_mismatches == 0
     rest = {c.request.request_id: c for c in full[cut:]}
     assert sorted(c.request.request_id for c in resumed) == sorted(rest)
