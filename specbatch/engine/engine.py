@@ -372,6 +372,4 @@ def _finite(x: float) -> float | None:
 def _rows_with_nan(logits: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
     """``[B]`` bool on the logits' device: whether row b's fed logits (``[T, V]``, row order)
     hold a NaN (``amax`` keeps one), without a host sync."""
-    nan = torch.zeros(meta.num_rows * meta.query_len, dtype=torch.bool, device=logits.device)
-    nan[meta.token_index] = torch.isnan(logits.amax(dim=-1))
-    return nan.view(meta.num_rows, meta.query_len).any(dim=1)
+    return meta.grid(torch.isnan(logits.amax(dim=-1)), False).any(dim=1)

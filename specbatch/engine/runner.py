@@ -127,11 +127,10 @@ class ModelRunner:
         chunks, ids, done, last = [], [], [], []
         charged = 0  # the step's prompt tokens as if none were cached (``prefill_charged``)
         for seq in seqs:
-            pos = seq.prefill_charged
-            prompt = seq.token_ids[:seq.num_prompt_tokens]
+            pos, prompt, n = seq.prefill_charged, seq.token_ids, seq.num_prompt_tokens
             ghost = seq.replay is not None  # a resumed job's placeholder: charged, not run
-            while pos < len(prompt):
-                end = min(len(prompt), (pos // self.prefill_chunk + 1) * self.prefill_chunk)
+            while pos < n:
+                end = min(n, (pos // self.prefill_chunk + 1) * self.prefill_chunk)
                 if charged and charged + end - pos > budget:
                     break
                 charged += end - pos
@@ -149,7 +148,7 @@ class ModelRunner:
             self.cache.ensure_capacity(pos)
             seq.num_prefilled = pos
             self.cache.seq_lens[seq.row] = pos
-            if pos == len(prompt):
+            if pos == n:
                 done.append(seq)
                 last.append(len(ids) - 1)
         if not chunks:  # only cached tokens or placeholders charged (a prompt's last token is

@@ -177,6 +177,14 @@ class StepMetadata:
     def num_tokens(self) -> int:
         return sum(self.num_fed)
 
+    def grid(self, values: torch.Tensor, fill) -> torch.Tensor:
+        """``[B, Q]``: per-position ``values`` ``[T]`` (row order) at their fed slots
+        (``token_index``), ``fill`` in the padded ones."""
+        out = torch.full((self.num_rows * self.query_len,), fill, dtype=values.dtype,
+                         device=values.device)
+        out[self.token_index] = values
+        return out.view(self.num_rows, self.query_len)
+
     @property
     def cu_num_fed_host(self) -> list[int]:
         """``cu_num_fed`` on the host: ``[0, num_fed[0], num_fed[0] + num_fed[1], ...]``."""

@@ -58,18 +58,9 @@ def sample_and_accept(logits: torch.Tensor, meta, process=None, want_scaled: boo
     ids, scaled = sampler.sample(flat, sm.temperature, sm.top_k, sm.top_p, sm.seeds,
                                  sm.output_positions, banned,
                                  sm.min_p if sm.any_min_p else None, want_scaled)
-    target = _target_grid(ids, meta)
+    target = meta.grid(ids, -1)  # -1 in the padded slots
     return (target, sampler.count_accepted(target, meta.draft_ids, meta.num_draft),
             scaled if want_scaled else None)
-
-
-def _target_grid(ids: torch.Tensor, meta) -> torch.Tensor:
-    """``[B, Q]`` int64: the chosen ids ``[T]`` at their fed slots (``meta.token_index``), -1
-    in the padded ones."""
-    bsz, qlen = meta.num_rows, meta.query_len
-    target = torch.full((bsz * qlen,), -1, dtype=torch.int64, device=ids.device)
-    target[meta.token_index] = ids
-    return target.view(bsz, qlen)
 
 
 def greedy_accept(logits: torch.Tensor, meta, bitmask: torch.Tensor | None = None,
