@@ -429,6 +429,7 @@ class LLM:
         from specbatch.engine.engine import Engine
         from specbatch.engine.sequence import StopRules
         from specbatch.models.llama import LlamaForward
+        from specbatch.pipeline import kv_capacity
         from specbatch.spec_decode import make_proposer
 
         records = self._up_to_the_context(list(records))
@@ -440,7 +441,9 @@ class LLM:
                             engine_config.max_model_len or self.loaded.max_model_len)
         runner = self.new_runner(rows, max_model_len, prefill_chunk=engine_config.prefill_chunk,
                                  max_prefill_tokens=engine_config.max_prefill_tokens,
-                                 prefix_caching=engine_config.prefix_caching)
+                                 prefix_caching=engine_config.prefix_caching,
+                                 initial_capacity=kv_capacity(records, self.renderer,
+                                                              max_model_len, spec.draft_cap))
         stop_rules = StopRules(frozenset(self.loaded.eos_token_ids), max_model_len,
                                self.renderer.detokenize)
         use_draft = (self.draft is not None and methods.uses_draft_model(spec.method)

@@ -20,7 +20,8 @@ class ModelRunner:
     """Owns the model forward and its KV cache (``num_rows`` rows); runs prefill and verify
     steps on the forward's backend (``forward.backend``, a ``StepBackend``).
 
-    The cache starts small and doubles as longer sequences arrive, up to
+    The cache starts at ``initial_capacity`` positions (``LLM.prepare``: the job's longest row,
+    ``pipeline.kv_capacity``) and doubles if a longer sequence arrives, up to
     ``max_model_len + max_query`` positions (padding slots of a verify step may reach past a
     row's last real position).
     """
