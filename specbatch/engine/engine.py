@@ -203,7 +203,7 @@ class Engine:
             if not charged and not due:
                 return done
             if charged:
-                ready, logits = self.runner.prefill_step(charged)  # [len(ready), V]
+                ready, logits = self.runner.prefill_step(charged, others=running)  # [n, V]
                 if ready:
                     no_drafts = [[] for _ in ready]
                     meta = StepMetadata.build(ready, no_drafts, self.stop_rules, logits.device)

@@ -84,9 +84,7 @@ class ModelRunner:
                 if n > best:
                     best, src = n, r
             if src != row:
-                for store in (self.cache.k, self.cache.v):
-                    for t in store:
-                        t[row, :, :best] = t[src, :, :best]
+                self._copy_positions(src, row, 0, best)
         self.held[row] = []
         self.cache.seq_lens[row] = best
         seq.num_prefilled = best
@@ -112,8 +110,8 @@ class ModelRunner:
             pending = [s for s in pending if s.num_prefilled < len(s.token_ids)]
         return torch.stack([logits[s.seq_id] for s in seqs])
 
-    def prefill_step(self, seqs: list[Sequence],
-                     max_tokens: int | None = None) -> tuple[list[Sequence], torch.Tensor]:
+    def prefill_step(self, seqs: list[Sequence], max_tokens: int | None = None,
+                     others: list[Sequence] = ()) -> tuple[list[Sequence], torch.Tensor]:
         """One packed prefill forward: the next prompt chunks of ``seqs``, in order, while they
         fit in ``max_tokens`` (default ``max_prefill_tokens``; the first chunk always runs).
 
@@ -123,13 +121,30 @@ class ModelRunner:
         (``StepBackend.prefill``). Advances ``num_prefilled`` and the rows' cache
         lengths. Returns the sequences whose prompt is now complete and their logits ``[n,
         vocab]`` at the prompt's last token.
+
+        With prefix caching, a chunk is not computed where another row has (or computes in
+        this forward) the same tokens from position 0: the n samples of a record, or records
+        with the same prompt, admitted together, prefill it once. Positions another row's
+        cache holds already (a row of ``others``, the running sequences, or of ``seqs``; never
+        a resumed job's placeholder) are copied before the forward, as ``start`` copies at
+        admission (a sibling's prefill had not run then), up to all but the prompt's last
+        token; a prompt's last chunk equal to another's computed in this forward (same
+        positions, same tokens up to its end, where that prompt ends too) is copied after it,
+        with that prompt's last-token logits (the same bits: ``StepBackend.prefill_per_token``). The
+        budget charges every chunk whether computed or copied (``prefill_charged``), so the
+        steps prompts prefill at never depend on what the caches hold.
         """
         budget = self.max_prefill_tokens if max_tokens is None else max_tokens
         chunks, ids, done, last = [], [], [], []
         charged = 0  # the step's prompt tokens as if none were cached (``prefill_charged``)
+        sources = [s for s in (*others, *seqs) if s.replay is None] if self.prefix_caching else []
+        before: dict[int, int] = {}  # row -> positions valid before this forward
+        computed: list[tuple[Sequence, int, int, int]] = []  # (seq, start, end, last id index)
+        twins: list[tuple[int, int, int, int]] = []  # (row, source row, start, end): copied
         for seq in seqs:
             pos, prompt, n = seq.prefill_charged, seq.token_ids, seq.num_prompt_tokens
             ghost = seq.replay is not None  # a resumed job's placeholder: charged, not run
+            finished_at = None  # index of the prompt's last token in ``ids`` (its logits)
             while pos < n:
                 end = min(n, (pos // self.prefill_chunk + 1) * self.prefill_chunk)
                 if charged and charged + end - pos > budget:
@@ -137,8 +152,25 @@ class ModelRunner:
                 charged += end - pos
                 start = max(pos, seq.num_prefilled)  # the cached tokens are not computed
                 if start < end and not ghost:
-                    chunks.append((seq.row, start, end - start))
-                    ids.extend(prompt[start:end])
+                    if sources:
+                        start = self._copy_held(seq, start, end, sources, before)
+                        before.setdefault(seq.row, start)
+                    # a twin: the prompt's last chunk, computed in this forward for another
+                    # prompt that ends there too (an earlier chunk copied after the forward
+                    # would be read by this row's next chunk in it)
+                    twin = next((c for c in computed if end == n == c[0].num_prompt_tokens
+                                 and c[1] == start and c[2] == end
+                                 and c[0].token_ids[:end] == prompt[:end]), None) \
+                        if sources else None
+                    if twin is not None:
+                        twins.append((seq.row, twin[0].row, start, end))
+                        finished_at = twin[3]
+                    elif start < end:
+                        chunks.append((seq.row, start, end - start))
+                        ids.extend(prompt[start:end])
+                        finished_at = len(ids) - 1
+                        if sources:
+                            computed.append((seq, start, end, finished_at))
                 pos = end
             if pos == seq.prefill_charged:
                 break  # over budget: later prompts wait for the next step
@@ -151,13 +183,44 @@ class ModelRunner:
             self.cache.seq_lens[seq.row] = pos
             if pos == n:
                 done.append(seq)
-                last.append(len(ids) - 1)
+                last.append(finished_at)
         if not chunks:  # only cached tokens or placeholders charged (a prompt's last token is
-            # never cached, so nothing finished)
+            # never cached, and a twin has a computed source, so nothing finished)
             return done, torch.empty(0, self.vocab_size, device=self.device)
         logits = self.backend.prefill(torch.tensor(ids, device=self.device), self.cache, chunks,
                                       last)
+        for row, src, start, end in twins:
+            self._copy_positions(src, row, start, end)
+            self.num_prefix_reused += end - start
         return done, logits
+
+    def _copy_held(self, seq: Sequence, start: int, end: int, sources: list[Sequence],
+                   before: dict[int, int]) -> int:
+        """``prefill_step``: copy into ``seq``'s row the longest run of its prompt's positions
+        ``start ..`` (below ``end``, and below its last token) that another source row holds
+        now (valid before this forward: ``before``); returns where computing starts."""
+        cap = min(end, seq.num_prompt_tokens - 1)
+        best, src = start, None
+        for s in sources:
+            if s.row == seq.row or s is seq:
+                continue
+            valid = before.get(s.row, self.cache.seq_lens[s.row])
+            if valid <= best:
+                continue
+            n = _common_prefix(seq.token_ids, s.token_ids, min(valid, cap))
+            if n > best:
+                best, src = n, s.row
+        if src is not None:
+            self._copy_positions(src, seq.row, start, best)
+            self.num_prefix_reused += best - start
+        return best
+
+    def _copy_positions(self, src: int, row: int, start: int, end: int) -> None:
+        """Keys and values of positions ``start .. end - 1`` from cache row ``src`` to ``row``
+        (one slice per layer)."""
+        for store in (self.cache.k, self.cache.v):
+            for t in store:
+                t[row, :, start:end] = t[src, :, start:end]
 
     def query_len(self, drafts: list[list[int]]) -> int:
         """Q, the padded queries per row of a verify step feeding ``drafts``.

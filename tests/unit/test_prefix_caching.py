@@ -138,3 +138,29 @@ def test_llm_names_enable_prefix_caching_in_its_error(bad):
 
     with pytest.raises(ConfigError, match=r"^enable_prefix_caching=.*expected True or False"):
         LLM(method="none", enable_prefix_caching=bad)
+
+
+@pytest.mark.parametrize("chunk,budget,reused", [
+    (1024, 2048, 3 * 40),  # one forward: each copy's one chunk copied after it, logits too
+    (16, 2048, 3 * 8),  # chunks 0-16, 16-32 computed by all (read in the forward), 32-40 copied
+    (1024, 40, 3 * 39),  # a prompt a step: the rows before hold it, all but the last token
+])
+def test_the_same_prompt_admitted_together_is_prefilled_once(model, chunk, budget, reused):
+    """Four requests of one 40-token prompt (the n samples of a record) and one other, admitted
+    together: at admission no row holds the prompt yet (``start`` finds nothing); the prefill
+    then copies what a sibling computed, before or after the forward
+    (``ModelRunner.prefill_step``). Sampled tokens and logprobs are those of a run without
+    prefix caching, bit for bit."""
+    gen = torch.Generator().manual_seed(4)
+    same = torch.randint(1, VOCAB, (40,), generator=gen).tolist()
+    other = torch.randint(1, VOCAB, (23,), generator=gen).tolist()
+    other[0] = (same[0] + 1) % VOCAB or 1
+    prompts = [same, other, same, same, same]
+    sps = [SamplingParams(max_tokens=6, logprobs=2, temperature=0.9)] * len(prompts)
+    kw = dict(prefill_chunk=chunk, max_prefill_tokens=budget)
+    on = make_engine(model, 2, 5, **kw)
+    off = make_engine(model, 2, 5, prefix_caching=False, **kw)
+    got = _generate(on, prompts, sps)
+    _same(got, _generate(off, prompts, sps))
+    assert len({tuple(c.output_ids) for c in got}) > 2  # the seeds differ: so do the samples
+    assert on.runner.num_prefix_reused == reused
