@@ -185,9 +185,9 @@ def test_long_prompt_admitted_mid_run(case):
     decoding_beside = []  # rows decoding while each prefill forward ran
     prefill_step = engine.runner.prefill_step
 
-    def spy(seqs, max_tokens=None):
+    def spy(seqs, max_tokens=None, others=()):
         decoding_beside.append(sum(s.is_prefilled for s in engine.scheduler.running.values()))
-        return prefill_step(seqs, max_tokens)
+        return prefill_step(seqs, max_tokens, others)
 
     engine.runner.prefill_step = spy
     requests = [Request(j, p, sp, seed=j) for j, (p, sp) in enumerate(reqs)]
