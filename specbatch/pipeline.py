@@ -223,8 +223,9 @@ def fit_batch_size(batch_size: int, tokens_per_row: int, forwards,
     with a draft model, the draft's). A cache allocates all its rows at one capacity: the
     draft's starts at ``initial_capacity`` positions and doubles until the longest row fits
     (``KVCache.ensure_capacity``), the target's is allocated at the job's longest row
-    (``kv_capacity``, at most that); both are counted at the doubled size. free_bytes: memory the KV rows may take (default: the
-    machine's total memory, or the device's on CUDA, less the loaded weights); ``reserve`` of
+    (``kv_capacity``, at most that); both are counted at the doubled size. free_bytes:
+    memory the KV rows may take (default: the machine's total memory, or the device's on CUDA,
+    less the loaded weights); ``reserve`` of
     it is left for activations. The default is a property of the machine and the job, never of
     what else runs: the batch size decides which rows share a step, and a batch size that
     followed the memory free at the moment made the output of a run follow the machine's load
