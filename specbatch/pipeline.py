@@ -225,8 +225,7 @@ def fit_batch_size(batch_size: int, tokens_per_row: int, forwards,
     (``KVCache.ensure_capacity``), the target's is allocated at the job's longest row
     (``kv_capacity``, at most that); both are counted at the doubled size. free_bytes:
     memory the KV rows may take (default: the machine's total memory, or the device's on CUDA,
-    less the loaded weights); ``reserve`` of
-    it is left for activations. The default is a property of the machine and the job, never of
+    less the loaded weights); ``reserve`` of it is left for activations. The default is a property of the machine and the job, never of
     what else runs: the batch size decides which rows share a step, and a batch size that
     followed the memory free at the moment made the output of a run follow the machine's load
     on a CPU whose kernels are not batch-invariant (issue 16). available_bytes: memory
