@@ -247,6 +247,10 @@ def _differs(config_path: Path, saved: dict, config: dict, keys: list[str]) -> s
         return why + f"rerun with the same options ({said}: --dtype {was})"
     if "input_sha256" in keys and config.get("input") == "-":
         return why + "pipe the same input again (and the same options)"
+    if keys == ["max_batch_size"] and isinstance(saved.get("max_batch_size"), int):
+        return why + (f"the run asked for {saved['max_batch_size']} rows (outputs do not depend "
+                      "on it, suffix's and auto's spec stats do): resume with "
+                      f"--max-batch-size {saved['max_batch_size']}")
     return why + "rerun with the same options"
 
 

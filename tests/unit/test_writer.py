@@ -475,3 +475,22 @@ def test_a_second_run_on_the_same_output_is_refused_while_the_first_writes(tmp_p
     with pytest.raises(ValueError, match="exists from a finished run"):
         OutputWriter(out, CONFIG, resume=False, force=False, num_records=N)
     assert not (tmp_path / "out.jsonl.lock").exists()
+
+
+def test_resume_at_another_batch_size_says_which_to_give(tmp_path):
+    """The saved ``max_batch_size`` differing alone: the refusal names the flag and the value
+    that continue the job (a user resuming on a smaller machine)."""
+    out = tmp_path / "out.jsonl"
+    saved = {**CONFIG, "max_batch_size": 16}
+    w = OutputWriter(out, saved, resume=False, force=False, num_records=N)
+    w.write(3, _out(3))
+    w.close()
+    with pytest.raises(ValueError) as refused:
+        check_resume(out, {**saved, "max_batch_size": 8})
+    assert str(refused.value).endswith(
+        "differs in: max_batch_size; the run asked for 16 rows (outputs do not depend on it, "
+        "suffix's and auto's spec stats do): resume with --max-batch-size 16, or --force to "
+        "start over"), str(refused.value)
+    with pytest.raises(ValueError, match="k, max_batch_size; rerun with the same options"):
+        check_resume(out, {**saved, "max_batch_size": 8, "k": 2})
+    check_resume(out, saved)
