@@ -201,14 +201,11 @@ def kv_capacity(records, renderer: PromptRenderer, max_model_len: int, draft_cap
     ``initial_capacity``): its longest row (``longest_row``) plus a verify step's queries past
     a row's last token (``1 + draft_cap``), rounded up to the cache's block
     (``kv_cache.round_capacity``). A cache allocated short doubles as rows grow, copying every
-    layer: 0.3-0.5 s of a 5-17 s job of 16 rows (SmolLM2-135M, 512 -> 1024 positions, Zen 4),
-    where allocating the 768 positions the job needs at the start takes ~0.2 s. The
+    layer: the extraction recipe at 16 rows (SmolLM2-135M, Zen 4) allocated 512 positions
+    (0.19 s) and grew to 1024 (0.52 s), where allocating the 768 it needs takes 0.40 s. The
     multi-turn part of ``longest_row`` is an estimate: a longer row still grows the cache."""
     from specbatch.engine.kv_cache import round_capacity
 
-    records = list(records)
-    if not records:
-        return round_capacity(1)
     return round_capacity(longest_row(records, renderer, max_model_len) + 1 + draft_cap)
 
 
@@ -225,12 +222,12 @@ def fit_batch_size(batch_size: int, tokens_per_row: int, forwards,
     (``KVCache.ensure_capacity``), the target's is allocated at the job's longest row
     (``kv_capacity``, at most that); both are counted at the doubled size. free_bytes:
     memory the KV rows may take (default: the machine's total memory, or the device's on CUDA,
-    less the loaded weights); ``reserve`` of it is left for activations. The default is a property of the machine and the job, never of
-    what else runs: the batch size decides which rows share a step, and a batch size that
-    followed the memory free at the moment made the output of a run follow the machine's load
-    on a CPU whose kernels are not batch-invariant (issue 16). available_bytes: memory
-    available now (default: ``psutil``'s, or the device's free memory); when the rows need
-    more, the note warns and the batch size stays. Returns (batch size, a one-line note when it
+    less the loaded weights); ``reserve`` of it is left for activations. The default is a
+    property of the machine and the job, never of what else runs: the batch size decides which
+    rows share a step, and a batch size that followed the memory free at the moment made the
+    output of a run follow the machine's load on a CPU whose kernels are not batch-invariant
+    (issue 16). available_bytes: memory available now (default: ``psutil``'s, or the device's
+    free memory); when the rows need more, the note warns and the batch size stays. Returns (batch size, a one-line note when it
     was lowered or memory is short now, else None); never below 1.
     """
     forwards = list(forwards)
