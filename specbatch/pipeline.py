@@ -227,8 +227,9 @@ def fit_batch_size(batch_size: int, tokens_per_row: int, forwards,
     rows share a step, and a batch size that followed the memory free at the moment made the
     output of a run follow the machine's load on a CPU whose kernels are not batch-invariant
     (issue 16). available_bytes: memory available now (default: ``psutil``'s, or the device's
-    free memory); when the rows need more, the note warns and the batch size stays. Returns (batch size, a one-line note when it
-    was lowered or memory is short now, else None); never below 1.
+    free memory); when the rows need more, the note warns and the batch size stays. Returns
+    (batch size, a one-line note when it was lowered or memory is short now, else None); never
+    below 1.
     """
     forwards = list(forwards)
     device = forwards[0].device
