@@ -6,7 +6,10 @@
 
 Load-independent measures first: per arm the verify steps, output tokens, draft tokens and
 accepted tokens summed over the records (tokens per step; draft tokens not accepted are the
-wasted ones), whether every arm's token ids equal ``none``'s, and for auto the per-step step
+wasted ones), the verify forwards and their seconds as the machine's cached step-cost fit
+prices them (``fit s``: what auto optimises, the same whatever the load; beside it the
+forwards' and the prefill steps' measured seconds), whether every arm's token ids equal
+``none``'s, and for auto the per-step step
 cap K and drafted tokens (the first steps in full), and the time spent in the policy
 (``select`` / ``observe``) and in the proposers as a share of the run's wall time.
 auto prices steps with the job's calibration, fixed for the job (``--fixed-cost``, for the
@@ -19,6 +22,7 @@ Wall times are printed with the load average: on a busy machine they are noise.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -68,6 +72,7 @@ def main() -> None:
     records = [replace(r, sampling=replace(r.sampling, max_tokens=args.max_tokens))
                for r in records]
     results = {}
+    fit = llm.calibrate(echo=lambda _l: None)[0]
     for arm in args.arms.split(","):
         spec = (SpecConfig(method="none") if arm == "none"
                 else SpecConfig(method=arm, num_speculative_tokens=args.k))
@@ -84,7 +89,8 @@ def main() -> None:
                 policy.cost = policy.cost.model if hasattr(policy.cost, "model") else policy.cost
             _instrument(policy, timers, log)
         t0 = time.perf_counter()
-        outs = {rec.index: fields for rec, fields in prepared.run(seed=0)}
+        with _priced(fit) as priced:
+            outs = {rec.index: fields for rec, fields in prepared.run(seed=0)}
         wall = time.perf_counter() - t0
         tot = {"steps": 0, "tokens": 0, "draft": 0, "accepted": 0}
         for f in outs.values():
@@ -97,19 +103,23 @@ def main() -> None:
         results[arm] = {"ids": ids, "tot": tot, "wall": wall, "timers": timers, "log": log,
                         "proposer_steps": {i: f["spec"].get("proposer_steps") for i, f in
                                            outs.items()},
-                        "load": os.getloadavg()[0],
+                        "load": os.getloadavg()[0], "priced": priced,
                         "calib_ms": _calib_ms(policy, log)}
     base = results.get("none")
     print(f"batch {args.batch}, dtype {llm.engine_config.dtype if hasattr(llm, 'engine_config') else args.dtype}, "
           f"{len(records)} records, max_tokens {args.max_tokens}")
     print(f"{'arm':<8}{'steps':>7}{'tokens':>8}{'tok/step':>9}{'draft':>7}{'accepted':>9}"
-          f"{'wasted':>7}{'wall s':>8}{'tok/s':>7}{'load':>6}  same ids as none")
+          f"{'wasted':>7}{'fwds':>6}{'fit s':>7}{'fwd s':>7}{'pre s':>7}{'wall s':>8}{'tok/s':>7}"
+          f"{'load':>6}  same ids as none")
     for arm, r in results.items():
-        t = r["tot"]
+        t, p = r["tot"], r["priced"]
         same = "-" if base is None else (r["ids"] == base["ids"])
         print(f"{arm:<8}{t['steps']:>7}{t['tokens']:>8}{t['tokens'] / t['steps']:>9.2f}"
               f"{t['draft']:>7}{t['accepted']:>9}{t['draft'] - t['accepted']:>7}"
+              f"{p['steps']:>6}{p['fit']:>7.2f}{p['measured']:>7.2f}{p['prefill']:>7.2f}"
               f"{r['wall']:>8.2f}{t['tokens'] / r['wall']:>7.1f}{r['load']:>6.1f}  {same}")
+    print("fwds: verify forwards; fit s: their seconds as the job's calibrated step-cost fit "
+          "prices them (load-independent); fwd s: as measured; pre s: prefill steps, measured")
     for arm, r in results.items():
         if not r["log"]["K"]:
             continue
@@ -144,6 +154,38 @@ def _calib_ms(policy, log) -> float:
     base = getattr(policy, "_base_cost", None) or cost
     rows = round(sum(log["rows"]) / len(log["rows"]))
     return base.step_time(rows, 1 if rows > 1 else 2, 300) * 1e3
+
+
+@contextlib.contextmanager
+def _priced(fit):
+    """Verify forwards of the run, priced by ``fit`` (``CostModel.step_time`` of each forward's
+    rows, longest fed row, mean context and real tokens) and as measured (wall seconds)."""
+    from specbatch.engine.runner import ModelRunner
+
+    verify0, prefill0 = ModelRunner.verify, ModelRunner.prefill_step
+    out = {"steps": 0, "fit": 0.0, "measured": 0.0, "prefill": 0.0}
+
+    def prefill_step(self, *a, **kw):
+        t0 = time.perf_counter()
+        res = prefill0(self, *a, **kw)
+        out["prefill"] += time.perf_counter() - t0
+        return res
+
+    def verify(self, seqs, drafts, meta=None):
+        fed = [1 + len(d) for d in drafts]
+        ctx = sum(len(s.token_ids) - 1 for s in seqs) / len(seqs)
+        t0 = time.perf_counter()
+        logits = verify0(self, seqs, drafts, meta)
+        out["measured"] += time.perf_counter() - t0
+        out["fit"] += fit.step_time(len(seqs), max(fed), ctx, num_tokens=sum(fed))
+        out["steps"] += 1
+        return logits
+
+    ModelRunner.verify, ModelRunner.prefill_step = verify, prefill_step
+    try:
+        yield out
+    finally:
+        ModelRunner.verify, ModelRunner.prefill_step = verify0, prefill0
 
 
 def _quarters(xs):
