@@ -62,12 +62,6 @@ def grammar_for(record, compiler):
     return None if schema is None else compiler.compile(schema)
 
 
-def _later_tokens(record, turn: int) -> int:
-    """The most tokens ``record``'s turns after ``turn`` may emit (``Request.later_tokens``)."""
-    later = 0 if record.turns is None else len(record.turns) - 1 - turn
-    return later * record.sampling.max_tokens
-
-
 def generate_records(engine: Engine, renderer: PromptRenderer, records: Iterable,
                      run_seed: int = 0,
                      on_tokens: Callable[[int, SpecStats], None] | None = None,
@@ -109,8 +103,7 @@ def generate_records(engine: Engine, renderer: PromptRenderer, records: Iterable
             pending[rec.index].messages[sample] = messages
             seed = sample_seed(rec, run_seed, sample)
             requests.append(Request((rec.index, 0, sample), ids, rec.sampling,
-                                    seed=derive_seed(seed, 0), tag=rec.index, grammar=grammar,
-                                    later_tokens=_later_tokens(rec, 0)))
+                                    seed=derive_seed(seed, 0), tag=rec.index, grammar=grammar))
     if plan is not None:
         requests.sort(key=lambda r: plan.order_key(r.tag, len(r.prompt_ids)))
     else:
@@ -127,8 +120,7 @@ def generate_records(engine: Engine, renderer: PromptRenderer, records: Iterable
         p.messages[sample] = chat
         seed = derive_seed(sample_seed(rec, run_seed, sample), turn + 1)
         return Request((rec.index, turn + 1, sample), renderer.encode_chat(chat), rec.sampling,
-                       seed=seed, tag=rec.index, grammar=c.request.grammar,
-                       later_tokens=_later_tokens(rec, turn + 1))
+                       seed=seed, tag=rec.index, grammar=c.request.grammar)
 
     for c in engine.generate(requests, follow_up=follow_up, on_step=on_step):
         p = pending[c.request.tag]

@@ -230,12 +230,6 @@ class CostModel:
             slope += self.coef[4 + len(self.knots)] / TILE_TOKENS
         return slope + self.token_key_cost * context_len
 
-    def row_cost(self, num_tokens: int = 0, context_len: int = 0) -> float:
-        """Seconds one more row decoding one token adds to a step of ``num_tokens`` tokens:
-        its packed token (``token_cost``, its keys scored where attention is packed) and its
-        ``context_len`` keys read (``c2``), >= 0."""
-        return self.token_cost(num_tokens, context_len) + max(self.coef[2], 0.0) * context_len
-
     @property
     def token_key_cost(self) -> float:
         """Seconds a packed token adds per key of its row: scoring them where attention is

@@ -38,11 +38,6 @@ where the step's predicted rate beats plain decoding's (no row drafting) by ``dr
 where drafting's predicted gain was within it, ran 0.965x plain decoding without it, 0.986x
 with it).
 
-While the job drains (no request waits for a row: the engine's ``num_waiting``), a row that
-finishes before the job's end anyway gets less for its tokens (``_worth``): only its own share
-of the later steps it leaves, where a row that sets the end keeps a step's share; its drafts'
-positions then need a higher chance of acceptance to pay.
-
 Dormancy: weighing the drafts costs host time every step (candidates drafted and scored, every
 row's cuts, every row learning from the commit: ~1.6 ms a step of 16 rows and ~0.3 ms at one
 row, CPU time, SmolLM2-135M int8 on an AMX Xeon, against a ~20 ms / ~7.5 ms verify step). Where
@@ -96,9 +91,6 @@ IDLE_ROWS = 64
 SLEEP_FIRST = 2  # steps slept the first time; doubled while the step it then weighs is idle
 SLEEP_MAX = 16  # the longest sleep (steps): a row that starts copying waits at most this long
 IDLE = "idle"  # the journal's source of a row in a step slept through
-# decode steps of one token each a row's pace starts from (``_worth``): a row's first accepted
-# drafts move its estimate of the job's end by a fraction
-PACE_PRIOR = 4
 
 
 def _request_id(seq) -> tuple:
@@ -221,7 +213,6 @@ class AdaptivePolicy:
         self._forced_state: dict | None = None
         self.forced_mismatches = 0  # rows whose journaled choices did not fit (a divergence)
         self._memo: dict[tuple, float] = {}  # this step's step times (``_seconds``)
-        self._w: list[float] | None = None  # this step's ``_worth`` per row (None: 1 each)
         # dormancy (module docstring): rows of the weighed steps in a row without a draft,
         # the next sleep's length, steps of the current sleep left, the last step's seq ids
         self.idle_rows = 0
@@ -262,53 +253,13 @@ class AdaptivePolicy:
         return self._rate_of(len(seqs), cuts, sums, _context(seqs) if ctx is None else ctx)
 
     def _rate_of(self, rows: int, cuts: list[int], sums: list[list[float]],
-                 ctx: float, worth: list[float] | None = None) -> float:
+                 ctx: float) -> float:
         """``_rate`` of a step of ``rows`` rows given the cuts and prefix sums of the rows that
         may draft (any subset holding every row with a cut, in row order: a row cut to 0 adds
-        nothing). worth: those rows' ``_worth`` while the job drains (None: 1 each)."""
-        if worth is None:
-            tokens = rows + sum(c_i[c] for c_i, c in zip(sums, cuts) if c)
-        else:
-            tokens = rows + sum(w * c_i[c] for c_i, c, w in zip(sums, cuts, worth) if c)
+        nothing)."""
+        tokens = rows + sum(c_i[c] for c_i, c in zip(sums, cuts) if c)
         q = 1 + max(cuts, default=0)
         return tokens / self._seconds(rows, q, ctx, rows + sum(cuts))
-
-    def _worth(self, seqs, ctx: float) -> list[float] | None:
-        """Per row, what a token it emits now is worth while the job drains (no request waits
-        for a row), in plain decoding's tokens: 1 for a row that sets the job's end, less for
-        one that finishes before it anyway. None: every row sets it (or one row).
-
-        A row that finishes early frees a row nobody takes; the job runs until its last row
-        finishes. Each row has ``left`` tokens to its ``max_tokens`` (the longest it may run;
-        its record's later turns, ``Request.later_tokens``, included) and has gone ``pace``
-        tokens a verify step (1 plus its accepted draft tokens per decode step, counted after
-        ``PACE_PRIOR`` steps of one token), so the job ends about ``end = max(left / pace)``
-        steps from now. A row with ``left < end`` finishes before that at one token a step: a
-        token it emits saves only its own share of a later step (``CostModel.row_cost``: the
-        dense layers' token and reading its keys), worth ``row_cost * rows / plain step``
-        tokens, not a whole step's share of ``plain step / rows``. Its ``left`` and ``end``
-        both fall by one a step while it decodes plainly, so once ahead of the end it stays
-        ahead; the rows that set the end (``left >= end``: every row while none has drafted)
-        keep the full worth. The one-wave 16 peer records at batch 16, int8 (SmolLM2-135M,
-        Zen 4): without it 409 draft tokens (287 accepted) for one verify step fewer than
-        plain decoding, the verify steps priced by the job's fit 1.67 s against plain
-        decoding's 1.65 s; with it 191 (148), 1.62 s (docs/auto.md, "While the job
-        drains")."""
-        n = len(seqs)
-        if n < 2:
-            return None
-        left = [s.sampling.max_tokens - s.num_output_tokens
-                + getattr(s.request, "later_tokens", 0) for s in seqs]
-        pace = [1 + s.stats.num_accepted_tokens / (PACE_PRIOR + max(s.stats.num_steps - 1, 0))
-                for s in seqs]
-        end = max(x / p for x, p in zip(left, pace))
-        if all(x >= end for x in left):
-            return None
-        plain = self._seconds(n, 1, ctx, n)
-        scale = n / plain if plain > 0 else 0.0
-        return [1.0 if x >= end else
-                min(1.0, scale * self.cost.row_cost(n, len(s.token_ids)))
-                for x, s in zip(left, seqs)]
 
     def _seconds(self, rows: int, q: int, ctx: float, tokens: int) -> float:
         """``cost.step_time(rows, q, ctx, num_tokens=tokens)``, remembered until the next
@@ -320,15 +271,13 @@ class AdaptivePolicy:
         return seconds
 
     def _cuts(self, rows: int, lengths: list[int], k: int, reach: list[list[float]],
-              keys: list[int], ctx: float, sums: list[list[float]],
-              worth: list[float]) -> list[int]:
+              keys: list[int], ctx: float, sums: list[list[float]]) -> list[int]:
         """Draft lengths under a step cap ``k`` of the rows that may draft (``lengths``, their
         proposals' lengths; ``keys``, their lengths in tokens; ``reach``, ``sums``: their
-        reach and its ``_prefix_sums``; ``worth``: their ``_worth``, 1 each while requests
-        wait) in a step of ``rows`` rows: a row keeps draft position j only if the chance that
-        positions 0..j are all accepted (the expected extra tokens it brings, times what its
-        tokens are worth) is worth the packed token it costs at the step's rate
-        (Dinkelbach-style fixed point, 3 rounds from "keep everything")."""
+        reach and its ``_prefix_sums``) in a step of ``rows`` rows: a row keeps draft position
+        j only if the chance that positions 0..j are all accepted (the expected extra tokens
+        it brings) is worth the packed token it costs at the step's rate (Dinkelbach-style
+        fixed point, 3 rounds from "keep everything")."""
         tops = [min(k, n) for n in lengths]
         if not any(tops):
             return tops
@@ -336,11 +285,11 @@ class AdaptivePolicy:
         for _ in range(3):
             # a packed token's price: the dense slope at the step's token count (plus scoring
             # the row's keys where attention is packed)
-            rate = self._rate_of(rows, cuts, sums, ctx, worth)
+            rate = self._rate_of(rows, cuts, sums, ctx)
             slope = self._token_cost(rows + sum(cuts))
             new = []
-            for key_len, r, top, w in zip(keys, reach, tops, worth):
-                threshold, j = rate * (slope + per_key * key_len) / w, 0
+            for key_len, r, top in zip(keys, reach, tops):
+                threshold, j = rate * (slope + per_key * key_len), 0
                 while j < top and r[j] >= threshold:  # ``_run`` of r[:top]
                     j += 1
                 new.append(j)
@@ -357,17 +306,14 @@ class AdaptivePolicy:
             seconds = self._memo[key] = self.cost.token_cost(tokens)
         return seconds
 
-    def select(self, seqs: list[Sequence], caps: list[int], num_rows: int | None = None,
-               num_waiting: int | None = None) -> list[list[int]]:
+    def select(self, seqs: list[Sequence], caps: list[int],
+               num_rows: int | None = None) -> list[list[int]]:
         """The drafts to verify this step, one per row (possibly empty). caps: the most tokens
         each row may draft (its k, ``max_tokens`` and the context; the engine's
         ``_draft_caps``). num_rows: the rows of the verify step, a resumed job's placeholders
-        included (default ``len(seqs)``; candidates with ``counts_rows`` are told).
-        num_waiting: the requests queued for a row (0: the job drains and tokens count by
-        ``_worth``; None: not known, every token counts alike)."""
+        included (default ``len(seqs)``; candidates with ``counts_rows`` are told)."""
         ctx = _context(seqs)
         self._memo.clear()
-        self._w = self._worth(seqs, ctx) if num_waiting == 0 else None
         rows_now = {s.seq_id for s in seqs}
         joined, self._last_rows = not rows_now <= self._last_rows, rows_now
         if self._forced is not None:
@@ -515,11 +461,9 @@ class AdaptivePolicy:
             options, rates = self._one_row(sums[0], top, ctx)
         else:
             keys = [len(seqs[i].token_ids) for i in act]
-            worth = [1.0] * len(act) if self._w is None else [self._w[i] for i in act]
-            options = {k: self._cuts(rows, lens, k, mine, keys, ctx, sums, worth)
+            options = {k: self._cuts(rows, lens, k, mine, keys, ctx, sums)
                        for k in range(0, top + 1)}
-            rates = {k: self._rate_of(rows, cuts, sums, ctx, worth)
-                     for k, cuts in options.items()}
+            rates = {k: self._rate_of(rows, cuts, sums, ctx) for k, cuts in options.items()}
         best = max(rates, key=lambda k: (rates[k], -k))
         keep = min(self.current_k, longest)
         if rates[best] > rates[keep] * (1 + self.switch_margin):
@@ -560,8 +504,7 @@ class AdaptivePolicy:
         avail = _prepare(cand, seqs, step.caps, step.num_rows)
         free = [src in (self.lookup.name, "none") for src in step.source]
         value = base_rate * self.cost.token_cost(n + sum(fed), ctx)
-        worth = self._w or [1.0] * n
-        net = [w * sum(r) - len(r) * value for r, w in zip(current, worth)]
+        net = [sum(r) - len(r) * value for r in current]
         reach = cand.reach(seqs, avail)
         if hasattr(cand, "proposal"):
             reach = [_shared(r, b, cand.proposal(s), self.lookup.proposal(s))
@@ -570,14 +513,14 @@ class AdaptivePolicy:
         best = None  # (rate, lengths per row, 0 = keep the current draft)
         for cap in cand.cap_options(self.k_max):
             lengths = []
-            for r, net_i, e, ok, w in zip(reach, net, entry, free, worth):
-                d = _run(r[:cap], value / w) if ok else 0
-                gain = w * sum(r[:d]) - d * value - e * base_rate
+            for r, net_i, e, ok in zip(reach, net, entry, free):
+                d = _run(r[:cap], value) if ok else 0
+                gain = sum(r[:d]) - d * value - e * base_rate
                 lengths.append(d if d and gain > net_i else 0)
             if not any(lengths):
                 continue
-            tokens = n + sum(w * (sum(r[:d]) if d else sum(c))
-                             for r, c, d, w in zip(reach, current, lengths, worth))
+            tokens = n + sum(sum(r[:d]) if d else sum(c)
+                             for r, c, d in zip(reach, current, lengths))
             feeds = [d if d else f for d, f in zip(lengths, fed)]
             seconds = self._seconds(n, 1 + max(feeds), ctx, n + sum(feeds))
             seconds += sum(e for e, d in zip(entry, lengths) if d)

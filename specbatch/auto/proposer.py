@@ -57,16 +57,15 @@ class AutoProposer(Proposer):
             c.start(seq)
 
     counts_rows = True  # suffix drafts depend on the rows of the step (a resume's placeholders)
-    counts_waiting = True  # a draining job values tokens by the time they save (``policy``)
 
-    def propose(self, seqs: list[Sequence], ks: list[int], num_rows: int | None = None,
-                num_waiting: int | None = None) -> list[list[int]]:
+    def propose(self, seqs: list[Sequence], ks: list[int],
+                num_rows: int | None = None) -> list[list[int]]:
         """The drafts to verify, at most ``ks[i]`` tokens for ``seqs[i]`` (the engine's cap).
         num_rows: the rows of the verify step, a resumed job's placeholders included (default
-        ``len(seqs)``); num_waiting: the requests queued for a row (None: not known)."""
+        ``len(seqs)``)."""
         self._candidates()
         self._in_step = {s.seq_id for s in seqs}
-        return self.policy.select(seqs, ks, num_rows, num_waiting=num_waiting)
+        return self.policy.select(seqs, ks, num_rows)
 
     def on_verify(self, seqs: list[Sequence], drafts: list[list[int]], seconds: float) -> None:
         """The end of a verify step: the journal (``auto.journal``, when one is kept) appends

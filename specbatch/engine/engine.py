@@ -218,15 +218,12 @@ class Engine:
         """The drafts to verify, at most each row's cap (``_draft_caps``), cut before the
         first token a row's grammar refuses (``logits.valid_draft_prefix``). num_rows: the
         rows of the verify step, placeholders of a resumed job included (a proposer whose
-        drafts depend on it, ``counts_rows``, is told; default ``len(seqs)``); a proposer with
-        ``counts_waiting`` is told the requests queued for a row."""
+        drafts depend on it, ``counts_rows``, is told; default ``len(seqs)``)."""
         ks = self._draft_caps(seqs)
-        kwargs = {}
         if num_rows is not None and num_rows != len(seqs) and self.proposer.counts_rows:
-            kwargs["num_rows"] = num_rows
-        if getattr(self.proposer, "counts_waiting", False):
-            kwargs["num_waiting"] = len(self.scheduler.waiting)
-        proposed = self.proposer.propose(seqs, ks, **kwargs)
+            proposed = self.proposer.propose(seqs, ks, num_rows=num_rows)
+        else:
+            proposed = self.proposer.propose(seqs, ks)
         drafts = [d[:k] for d, k in zip(proposed, ks)]
         for i, seq in enumerate(seqs):  # a draft token the grammar refuses cannot be accepted
             if seq.matcher is not None and drafts[i]:

@@ -33,9 +33,6 @@ class Request:
     replay: set for a placeholder of an answer an interrupted run already finished (a
     ``Replay``): it holds a row from its recorded admission to its recorded finish without
     model work, so a resumed job's schedule is the interrupted one's (``Engine``).
-    later_tokens: the most tokens the record's later turns may still emit after this answer
-    (their ``max_tokens`` summed; 0 for a last turn): work the row's record still brings once
-    it finishes (``auto.policy``'s ``_worth``).
     """
 
     request_id: Any
@@ -46,7 +43,6 @@ class Request:
     tag: Any = None
     grammar: Any = None
     replay: Replay | None = None
-    later_tokens: int = 0
 
 
 @dataclass

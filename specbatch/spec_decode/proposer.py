@@ -15,9 +15,7 @@ rows) keyed by ``Sequence.seq_id``, and hears about every sequence's lifecycle f
 
 A proposer subclasses ``Proposer`` and so inherits the defaults: ``on_verify`` does nothing and
 ``counts_rows`` is False (True: ``propose`` takes ``num_rows=``, the rows of the verify step,
-a resumed job's placeholders included; ``suffix``), and so is ``counts_waiting`` (True:
-``propose`` takes ``num_waiting=``, the requests queued for a row, placeholders included;
-``auto``, whose drafts are worth less once the job drains). The engine calls these directly.
+a resumed job's placeholders included; ``suffix``). The engine calls these directly.
 
 Drafts must be a deterministic function of the committed tokens (and, for a draft model, of
 the record seed and positions; for suffix, of the answers finished before and of the rows in
@@ -34,12 +32,11 @@ if TYPE_CHECKING:
 
 
 class Proposer(Protocol):
-    """What the engine calls (the module docstring). Subclass it: ``on_verify``,
-    ``counts_rows`` and ``counts_waiting`` have defaults here."""
+    """What the engine calls (the module docstring). Subclass it: ``on_verify`` and
+    ``counts_rows`` have defaults here."""
 
     name: str
     counts_rows: bool = False
-    counts_waiting: bool = False
 
     def start(self, seq: Sequence) -> None: ...
 

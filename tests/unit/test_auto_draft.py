@@ -140,8 +140,8 @@ def test_wrong_draft_is_dropped(setup):
     policy, model = engine.proposer.policy, _model(engine)
     select = policy.select
 
-    def recording_select(seqs, caps, num_rows=None, num_waiting=None):
-        out = select(seqs, caps, num_rows, num_waiting=num_waiting)
+    def recording_select(seqs, caps, num_rows=None):
+        out = select(seqs, caps, num_rows)
         if seqs[0].request.tag == 0:
             first.append("draft" if seqs[0].seq_id in model.drafted else "other")
         return out

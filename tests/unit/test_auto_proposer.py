@@ -29,7 +29,7 @@ class _Policy:
         self.candidates = candidates
         self.selected, self.observed = [], []
 
-    def select(self, seqs, caps, num_rows=None, num_waiting=None):
+    def select(self, seqs, caps, num_rows=None):
         self.selected.append(([s.seq_id for s in seqs], caps, num_rows))
         return [[1, 2][:c] for c in caps]
 
