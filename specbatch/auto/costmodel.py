@@ -50,12 +50,7 @@ import torch
 
 from specbatch import cpu_threads, settings
 
-# rows of the timed grid. 10: the plain steps of a draining batch-16 job (9-15 rows, 9-15
-# tokens) and of a 10-record wave sit between the 4- and 16-row shapes, where a fit without
-# them priced them low beside drafting steps (SmolLM2-135M int8, Zen 4, fresh fits, 5
-# interleaved sweeps: 10-16 rows plain at 1.02-1.06x the fit, drafting at 20-36 tokens
-# 0.94-0.99x; with 10 rows 1.01-1.06x and 0.96-1.04x), so drafting looked dearer than it was
-ROWS = (1, 4, 10, 16)
+ROWS = (1, 4, 16)
 QUERY_LENS = (1, 2, 4, 6, 9)
 CONTEXTS = (256, 1024)
 # packed verify steps timed besides the uniform grid, (rows, q, real tokens), where the forward
@@ -65,10 +60,9 @@ PACKED_SHAPES = ((4, 2, 5), (4, 6, 11), (16, 2, 17), (16, 2, 24), (16, 6, 21), (
 # the matmul kernels multiply the tokens 8 rows at a time (kernels/csrc/linear_q8.c MRQ, the
 # AVX-512 row groups of linear_f32.c): a tile started costs its weight pass whatever it holds
 TILE_TOKENS = 8
-CALIBRATION_VERSION = 6  # 1: plain least squares, no outlier check; 2: one token slope;
+CALIBRATION_VERSION = 5  # 1: plain least squares, no outlier check; 2: one token slope;
 # 3: no packed shapes (uniform rows only; no tile or padded-logits terms); 4: the 1-row shape
-# timed at 2 tokens where plain decoding feeds 1, a fresh cache's first step timed cold;
-# 5: no 10-row shapes (``ROWS``)
+# timed at 2 tokens where plain decoding feeds 1, a fresh cache's first step timed cold
 # token counts where the dense term's slope may change (segments [0, 4], [4, 8] ... [64, inf));
 # a fit keeps the knots its samples pass (``knots_for``)
 TOKEN_KNOTS = (4, 8, 16, 32, 64)

@@ -89,7 +89,7 @@ def test_a_noisy_fit_is_cached_with_one_consistent_message(tmp_path, monkeypatch
     reuses it, and prices its steps with it), and what is said never contradicts itself: the
     line before says where it is cached, the line after how long it took and that it is
     noisy (issue 36: "once (cached in ...)" was followed by "not cached (too noisy)")."""
-    shapes = [(r, q, c) for c in (256, 1024) for r in costmodel.ROWS for q in (1, 2, 4, 6, 9)]
+    shapes = [(r, q, c) for c in (256, 1024) for r in (1, 4, 16) for q in (1, 2, 4, 6, 9)]
     slow = {s: (1.5 + (i % 4) * 0.5,) * 10 for i, s in enumerate(shapes) if i % 2}
     monkeypatch.setattr(costmodel, "load_average", lambda: 0.0)
     lines = []
@@ -103,7 +103,7 @@ def test_a_noisy_fit_is_cached_with_one_consistent_message(tmp_path, monkeypatch
                         f"it; at most ~{costmodel.BUDGET_SECONDS:.0f} s, cached in {path} for "
                         "later runs ..."), lines
     assert len(lines) == 2 and lines[1].startswith("calibrated in "), lines
-    assert "; note: 20 of 38 timings slowed by other processes" in lines[1], lines
+    assert "; note: 14 of 28 timings slowed by other processes" in lines[1], lines
     assert "recalibrate" in lines[1], lines
     assert not any("not cached" in line or "warning" in line for line in lines), lines
     timer = _timer()
@@ -251,8 +251,7 @@ def test_each_group_of_shapes_is_timed_after_warm_up_steps(monkeypatch):
         first = i == 0 or groups[i - 1] != group
         assert warmup == (costmodel.SHAPE_WARMUP_STEPS if first else 0), (i, shape, warmup)
         assert first or cache is calls[i - 1][2]  # the group's cache, warm
-    groups = 2 * len(costmodel.ROWS)  # (rows, ctx) groups of 5 query lengths each
-    assert len(calls) == 3 * 5 * groups and sum(1 for _, w, _ in calls if w) == 3 * groups
+    assert len(calls) == 3 * 30 and sum(1 for _, w, _ in calls if w) == 3 * 6
 
 
 def test_an_llm_measures_a_fit_once_even_when_it_cannot_cache_it(monkeypatch, tmp_path):
