@@ -7,7 +7,8 @@
 Load-independent measures first: per arm the verify steps, output tokens, draft tokens and
 accepted tokens summed over the records (tokens per step; draft tokens not accepted are the
 wasted ones), the verify forwards and their seconds as the machine's cached step-cost fit
-prices them (``fit s``: what auto optimises, the same whatever the load; beside it the
+(measured and cached first where there is none, ~20 s) prices them (``fit s``: what auto
+optimises, the same whatever the load; beside it the
 forwards' and the prefill steps' measured seconds), whether every arm's token ids equal
 ``none``'s, and for auto the per-step step
 cap K and drafted tokens (the first steps in full), and the time spent in the policy
