@@ -59,8 +59,18 @@ def main() -> None:
     from specbatch.io.records import read_records
     from specbatch.auto import costmodel
 
-    engine = EngineConfig(max_batch_size=args.batch, dtype=args.dtype, device="cpu")
-    llm = LLM.from_config(None, SpecConfig(method="none"), engine, echo=lambda _l: None)
+    from specbatch.config import ConfigError
+    from specbatch.io.records import error_lines
+
+    # every arm and record checked before the model loads: one line each, no traceback
+    arms = args.arms.split(",")
+    if len(set(arms)) != len(arms):
+        raise SystemExit(f"error: --arms {args.arms}: each arm at most once")
+    try:
+        specs = {arm: SpecConfig(method="none") if arm == "none"
+                 else SpecConfig(method=arm, num_speculative_tokens=args.k) for arm in arms}
+    except ConfigError as e:
+        raise SystemExit(f"error: --arms {args.arms}: {e}") from None
     defaults = SamplingParams(max_tokens=args.max_tokens)
     if args.json_schema:
         with open(args.json_schema) as f:
@@ -68,15 +78,17 @@ def main() -> None:
                 "type": "json_schema", "json_schema": {"schema": json.load(f)}})
     kwargs = {"template": args.template} if args.template else {}
     records, errors = read_records(args.records, defaults=defaults, **kwargs)
-    assert not errors, errors
+    if errors:
+        raise SystemExit("\n".join(error_lines(errors, "fail", can_skip=False,
+                                                none_valid=not records)))
     records = records[:args.limit] if args.limit else records
     records = [replace(r, sampling=replace(r.sampling, max_tokens=args.max_tokens))
                for r in records]
+    engine = EngineConfig(max_batch_size=args.batch, dtype=args.dtype, device="cpu")
+    llm = LLM.from_config(None, SpecConfig(method="none"), engine, echo=lambda _l: None)
     results = {}
     fit = llm.calibrate(echo=lambda _l: None)[0]
-    for arm in args.arms.split(","):
-        spec = (SpecConfig(method="none") if arm == "none"
-                else SpecConfig(method=arm, num_speculative_tokens=args.k))
+    for arm, spec in specs.items():
         prepared = llm.prepare(records, spec, echo=lambda _l: None)
         log = {"K": [], "drafted": [], "rows": [], "fit_ms": []}
         timers = {"select": 0.0, "observe": 0.0, "propose": 0.0, "commit": 0.0}
