@@ -8,10 +8,9 @@ Load-independent measures first: per arm the verify steps, output tokens, draft 
 accepted tokens summed over the records (tokens per step; draft tokens not accepted are the
 wasted ones), the verify forwards and their seconds as the machine's cached step-cost fit
 (measured and cached first where there is none, ~20 s) prices them (``fit s``: what auto
-optimises, the same whatever the load; beside it the
-forwards' and the prefill steps' measured seconds), whether every arm's token ids equal
-``none``'s, and for auto the per-step step
-cap K and drafted tokens (the first steps in full), and the time spent in the policy
+optimises, the same whatever the load; beside it the forwards' and the prefill steps'
+measured seconds), whether every arm's token ids equal ``none``'s, and for auto the per-step
+step cap K and drafted tokens (the first steps in full), and the time spent in the policy
 (``select`` / ``observe``) and in the proposers as a share of the run's wall time.
 auto prices steps with the job's calibration, fixed for the job (``--fixed-cost``, for the
 command lines of trees that refitted it online, is what it does anyway);
@@ -56,11 +55,9 @@ def main() -> None:
     torch.set_num_threads(2)
     from specbatch import LLM
     from specbatch.config import EngineConfig, SamplingParams, SpecConfig
-    from specbatch.io.records import read_records
     from specbatch.auto import costmodel
-
     from specbatch.config import ConfigError
-    from specbatch.io.records import error_lines
+    from specbatch.io.records import error_lines, read_records
 
     # every arm and record checked before the model loads: one line each, no traceback
     arms = args.arms.split(",")
@@ -171,8 +168,10 @@ def _calib_ms(policy, log) -> float:
 
 @contextlib.contextmanager
 def _priced(fit):
-    """Verify forwards of the run, priced by ``fit`` (``CostModel.step_time`` of each forward's
-    rows, longest fed row, mean context and real tokens) and as measured (wall seconds)."""
+    """Verify forwards of the run, priced by ``fit`` as auto prices a step (``CostModel.
+    step_time`` of its rows, longest fed row, real tokens, at ``policy._context``) and as
+    measured (wall seconds); prefill steps measured."""
+    from specbatch.auto.policy import _context
     from specbatch.engine.runner import ModelRunner
 
     verify0, prefill0 = ModelRunner.verify, ModelRunner.prefill_step
@@ -185,8 +184,7 @@ def _priced(fit):
         return res
 
     def verify(self, seqs, drafts, meta=None):
-        fed = [1 + len(d) for d in drafts]
-        ctx = sum(len(s.token_ids) - 1 for s in seqs) / len(seqs)
+        fed, ctx = [1 + len(d) for d in drafts], _context(seqs)
         t0 = time.perf_counter()
         logits = verify0(self, seqs, drafts, meta)
         out["measured"] += time.perf_counter() - t0
