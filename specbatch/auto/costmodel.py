@@ -27,7 +27,8 @@ within +-1% with these terms. The slopes are non-negative, so a step never gets 
 more tokens. Timings far above the fit (another process took the CPU) are taken again, then
 left out, while the time budget (``BUDGET_SECONDS``) lasts. The fit is cached as JSON per
 (model, dtype, device, CPU kernel path, host) under the cache directory (``cache_path``), a
-noisy one too (``CostModel.noise``, with a note); ``run --method auto`` calibrates on first use
+noisy one too (``CostModel.noise``, with a note; a later run on a quiet machine times it
+again, ``load_or_calibrate``); ``run --method auto`` calibrates on first use
 (~8 s for SmolLM2-135M float32 on a quiet 2-core CPU, at most ~20 s plus one sweep of the
 grid). A job prices every step with the fit it started with (kept beside its output,
 ``save_job_fits``): no time measured while it runs enters a decision, so two runs of a job, or
@@ -71,6 +72,9 @@ OUTLIER_ROUNDS = 2  # times an outlier is timed again before it is left out
 MIN_SAMPLES = 12  # never leave out samples below this many (4 coefficients to fit)
 NOISY_RESIDUAL = 0.08  # median |measured / fit - 1| above this: a noisy fit (a note)
 NOISY_REJECTED_SHARE = 0.2  # more timings than this share left out: a noisy fit
+# calibrations a noisy cached fit may merge (``load_or_calibrate``): a later run on a quiet
+# machine times the grid again and keeps each shape's fastest timing, at most this many times
+HEAL_CALIBRATIONS = 3
 # untimed steps of each (rows, ctx) group's first shape, in every sweep: after a step of
 # another group (16 rows x 1024 keys streams ~380 MB of int8's float16 KV cache for
 # SmolLM2-135M) the next 2-3 steps ran slow while the weights came back into the CPU's cache
@@ -156,6 +160,9 @@ class CostModel:
     # query tokens a one-row step feeds at least (``StepBackend.min_query_len``): plain
     # batch-1 decoding costs ``step_time(1, min_query_len, ctx)`` (analyze's what-if)
     min_query_len: int = 2
+    # calibrations whose timings the fit merges (each shape's fastest of them): 1, or more
+    # where a noisy fit was measured again on a quiet machine (``load_or_calibrate``)
+    calibrations: int = 1
 
     def __post_init__(self) -> None:
         n = 4 + len(self.knots) + 2 * self.tiled
@@ -295,7 +302,8 @@ def _from_dict(d, path) -> CostModel:
                          knots=tuple(int(k) for k in d.get("knots", ())),
                          packed=bool(d.get("packed", False)),
                          tiled=bool(d.get("tiled", False)),
-                         min_query_len=int(d.get("min_query_len", 2)))
+                         min_query_len=int(d.get("min_query_len", 2)),
+                         calibrations=int(d.get("calibrations", 1)))
     except KeyError as e:
         raise ValueError(f"{path}: not a specbatch calibration file (no {e.args[0]!r} field; "
                          "write one with `specbatch calibrate -o FILE`)") from None
@@ -493,7 +501,7 @@ def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
               rows_grid=ROWS, query_grid=QUERY_LENS, context_grid=CONTEXTS,
               progress: bool = False, time_fn=None,
               budget_seconds: float | None = BUDGET_SECONDS,
-              packed_grid=PACKED_SHAPES) -> CostModel:
+              packed_grid=PACKED_SHAPES, prior: CostModel | None = None) -> CostModel:
     """Measure the grid and fit, rejecting timings that other processes inflated.
 
     ``forward``: a ``LlamaForward``. Every shape is timed once (the first of each (rows, ctx)
@@ -518,6 +526,9 @@ def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
     group); None: no limit.
     SmolLM2-135M float32 on a 2-core CPU: ~8 s quiet (the packed shapes add ~1/3); beside busy
     neighbours the first sweep is most of the budget (issue 36).
+    prior: an earlier calibration of this forward (a noisy one, ``load_or_calibrate``): its
+    timings of the grid's shapes, kept and rejected, count as one more sweep (each shape's
+    fastest wins), and the result's ``calibrations`` is one more than the prior's.
     """
     # a 1-row step feeds at least ``min_query_len`` tokens (runner.query_len): the 1-row,
     # 1-token shape is timed and fitted as what runs, 2 tokens where one-row matmuls are not
@@ -562,7 +573,10 @@ def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
         bar = tqdm(total=len(shapes) * repeats, unit="step", file=sys.stderr, leave=False,
                    desc=f"calibrating {model_id or 'the model'} ({dtype or 'model dtype'})",
                    dynamic_ncols=True)
-    best: dict[tuple[int, int, int], float] = {}
+    best: dict[tuple[int, int, int, int], float] = {}
+    if prior is not None:
+        earlier = {_shape(x): x[3] for x in (*prior.samples, *prior.rejected)}
+        best = {s: earlier[s] for s in shapes if s in earlier}
     for sweep in range(max(repeats, 1)):
         if sweep and not time_left():
             break
@@ -597,7 +611,8 @@ def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
                      median_residual=residuals[len(residuals) // 2] if residuals else 0.0,
                      load_average=max(loads) if loads else None,
                      engine=engine_fingerprint(), knots=knots, packed=packed, tiled=tiled,
-                     min_query_len=lone)
+                     min_query_len=lone,
+                     calibrations=1 + (prior.calibrations if prior is not None else 0))
 
 
 def _predict(model: CostModel, shape: tuple[int, int, int, int]) -> float:
@@ -691,15 +706,22 @@ def load_or_calibrate(forward, model_id: str, dtype: str, cache_root: Path,
     """The cached cost model for this (model, dtype, device, kernel path, host), measured if
     absent, unusable (``CostModel.problem``: an older format, a negative coefficient), of
     another engine build, torch or thread count (``other_engine``), or ``recalibrate``. The
-    load average is no reason to measure again (``specbatch calibrate --recalibrate`` on a
-    quieter machine replaces a fit measured on a busy one). A new fit is always cached; a noisy one
-    (``CostModel.noise``) with a ``note:`` line saying so.
+    load average is no reason to measure again; a noisy cached fit (``CostModel.noise``) is
+    measured again when the load average is at most the CPU count, its timings merged
+    (``calibrate``'s prior), until it is not noisy or merges ``HEAL_CALIBRATIONS``
+    calibrations: one slow moment does not price every later job (a fit timed beside a test
+    suite priced a batch-16 step of 144 tokens at 1.8 s where it takes 0.1, and auto ran the
+    extraction job 0.87x of suffix on it). ``specbatch calibrate --recalibrate`` measures
+    afresh. A new fit is always cached; a noisy one with a ``note:`` line saying so.
     echo: a callable for the lines a person should see (``None``: silent): the line that says
     it is calibrating, for what (``purpose``), how long at most and where the fit is cached;
     progress: a tqdm bar while measuring; time_fn, budget_seconds: as ``calibrate``.
     Returns (model, path, was_measured_now)."""
     say = echo or (lambda _line: None)
     path = cache_path(cache_root, model_id, dtype, str(forward.device))
+    load_now = load_average()
+    cpus = os.cpu_count() or 1
+    prior = None
     if path.exists() and not recalibrate:
         try:
             cached = load(path)
@@ -707,11 +729,16 @@ def load_or_calibrate(forward, model_id: str, dtype: str, cache_root: Path,
             say(f"warning: {e}; calibrating again")
         else:
             why = cached.problem() or other_engine(cached)
-            if why is None:
+            noisy = cached.noise() if why is None else None
+            if why is None and (noisy is None or cached.calibrations >= HEAL_CALIBRATIONS
+                                or (load_now is not None and load_now > cpus)):
                 return cached, path, False
-            say(f"the cached calibration {path} is not used ({why}); calibrating again")
-    load_now = load_average()
-    cpus = os.cpu_count() or 1
+            if why is None:
+                prior = cached
+                say(f"the cached calibration {path} is noisy ({noisy}); the machine is "
+                    "quieter now: timing it again, each shape's fastest timing kept")
+            else:
+                say(f"the cached calibration {path} is not used ({why}); calibrating again")
     limit = f"at most ~{budget_seconds:.0f} s, " if budget_seconds is not None else ""
     say(f"calibrating this machine's step cost for {model_id or 'the model'} ({dtype})"
         + (f": {purpose}" if purpose else "") + f"; {limit}cached in {path} for later runs"
@@ -719,14 +746,16 @@ def load_or_calibrate(forward, model_id: str, dtype: str, cache_root: Path,
            if load_now is not None and load_now > cpus else "") + " ...")
     t0 = time.perf_counter()
     model = calibrate(forward, model_id=model_id, dtype=dtype, progress=progress,
-                      time_fn=time_fn, budget_seconds=budget_seconds)
+                      time_fn=time_fn, budget_seconds=budget_seconds, prior=prior)
     seconds = time.perf_counter() - t0
     if model.problem() is None:
         model.save(path)
     noisy = model.noise()
     say(f"calibrated in {seconds:.1f} s" + (
         f"; note: {noisy}, with other work on the CPUs: it is used as measured (auto's "
-        "decisions follow it, not the time of the moment), and `specbatch calibrate "
-        "--recalibrate` on a quieter machine replaces it"
+        "decisions follow it, not the time of the moment); a later run on a quieter machine "
+        "times it again (or `specbatch calibrate --recalibrate`)"
+        if noisy and model.calibrations < HEAL_CALIBRATIONS else
+        f"; note: {noisy} in {model.calibrations} calibrations: it is used as measured"
         if noisy else ""))
     return model, path, True
