@@ -151,8 +151,9 @@ def _model_options(f, batch: bool = True):
                                  "start (OMP_WAIT_POLICY set by you wins); the `cpu:` line "
                                  "says what was chosen."))
     opts.append(click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
-                             help="Where converted weights are cached (default: "
-                             "$SPECBATCH_CACHE or ~/.cache/specbatch)."))
+                             help="Where converted weights and auto's step-cost "
+                             "calibrations are cached (default: $SPECBATCH_CACHE or "
+                             "~/.cache/specbatch)."))
     for opt in reversed(opts):
         f = opt(f)
     return f

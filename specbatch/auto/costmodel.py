@@ -180,7 +180,9 @@ class CostModel:
     def problem(self) -> str | None:
         """Why this calibration cannot be used, or None if it is sound: a negative or
         non-finite coefficient, or an older format (fitted without the outlier checks)."""
-        if not all(math.isfinite(c) for c in self.coef) or any(c < 0 for c in self.coef):
+        if not all(math.isfinite(c) for c in self.coef):
+            return f"a coefficient that is not a finite number in the fit {self.coef}"
+        if any(c < 0 for c in self.coef):
             return f"a negative coefficient in the fit {tuple(round(c, 9) for c in self.coef)}"
         if self.version < CALIBRATION_VERSION:
             return "written by an older specbatch, with another fit"
@@ -288,22 +290,56 @@ def load(path: str | os.PathLike) -> CostModel:
     return _from_dict(d, path)
 
 
+def _numbers(values, what: str) -> tuple[float, ...]:
+    """``values`` as a tuple of numbers (JSON ints / floats, not booleans); raises
+    ``ValueError`` naming ``what`` otherwise."""
+    if not isinstance(values, list) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"{what} is not a list of numbers")
+    return tuple(values)
+
+
+def _timings(values, what: str) -> tuple[tuple, ...]:
+    """``samples`` / ``rejected``: each ``[rows, q, ctx, seconds(, tokens)]``, whole positive
+    shape numbers and positive finite seconds; raises ``ValueError`` naming ``what``."""
+    if not isinstance(values, list):
+        raise ValueError(f"{what} is not a list")
+    out = []
+    for i, s in enumerate(values):
+        nums = _numbers(s, f"{what}[{i}]")
+        shape = nums[:3] + nums[4:]
+        if len(nums) not in (4, 5) or not all(v == int(v) and v > 0 for v in shape) \
+                or not (math.isfinite(nums[3]) and nums[3] > 0):
+            raise ValueError(f"{what}[{i}] is not [rows, q, ctx, seconds] or [rows, q, ctx, "
+                             f"seconds, tokens]: {s}")
+        out.append(tuple(int(v) for v in nums[:3]) + (float(nums[3]),)
+                   + tuple(int(v) for v in nums[4:]))
+    return tuple(out)
+
+
 def _from_dict(d, path) -> CostModel:
-    """The ``CostModel`` of ``asdict``'s JSON ``d`` read from ``path``; raises ``ValueError``."""
+    """The ``CostModel`` of ``asdict``'s JSON ``d`` read from ``path``; raises ``ValueError``
+    (one line naming the file and what is wrong)."""
     try:
-        return CostModel(coef=tuple(d["coef"]), model_id=d.get("model_id", ""),
+        if not isinstance(d, dict):
+            raise ValueError(f"a JSON {type(d).__name__}, not an object")
+        calibrations = d.get("calibrations", 1)
+        if not isinstance(calibrations, int) or isinstance(calibrations, bool) \
+                or calibrations < 1:
+            raise ValueError(f"calibrations is {calibrations!r}, not a whole number >= 1")
+        return CostModel(coef=_numbers(d["coef"], "coef"), model_id=d.get("model_id", ""),
                          dtype=d.get("dtype", ""), device=d.get("device", ""),
                          host=d.get("host", ""),
-                         samples=tuple(tuple(s) for s in d.get("samples", ())),
+                         samples=_timings(d.get("samples", []), "samples"),
                          version=int(d.get("version", 1)),
-                         rejected=tuple(tuple(s) for s in d.get("rejected", ())),
+                         rejected=_timings(d.get("rejected", []), "rejected"),
                          median_residual=float(d.get("median_residual", 0.0)),
                          load_average=d.get("load_average"), engine=d.get("engine", ""),
                          knots=tuple(int(k) for k in d.get("knots", ())),
                          packed=bool(d.get("packed", False)),
                          tiled=bool(d.get("tiled", False)),
                          min_query_len=int(d.get("min_query_len", 2)),
-                         calibrations=int(d.get("calibrations", 1)))
+                         calibrations=calibrations)
     except KeyError as e:
         raise ValueError(f"{path}: not a specbatch calibration file (no {e.args[0]!r} field; "
                          "write one with `specbatch calibrate -o FILE`)") from None
@@ -730,8 +766,17 @@ def load_or_calibrate(forward, model_id: str, dtype: str, cache_root: Path,
         else:
             why = cached.problem() or other_engine(cached)
             noisy = cached.noise() if why is None else None
+            busy = load_now is not None and load_now > cpus
             if why is None and (noisy is None or cached.calibrations >= HEAL_CALIBRATIONS
-                                or (load_now is not None and load_now > cpus)):
+                                or busy):
+                if noisy is not None and cached.calibrations >= HEAL_CALIBRATIONS:
+                    say(f"note: the cached calibration {path} is noisy ({noisy}) in "
+                        f"{cached.calibrations} calibrations; used as it is (`specbatch "
+                        "calibrate --recalibrate` on a quiet machine measures afresh)")
+                elif noisy is not None:
+                    say(f"note: the cached calibration {path} is noisy ({noisy}); used as it "
+                        f"is, and timed again by a run on a quieter machine (load average "
+                        f"{load_now:.1f} on {cpus} CPUs now)")
                 return cached, path, False
             if why is None:
                 prior = cached
@@ -739,7 +784,8 @@ def load_or_calibrate(forward, model_id: str, dtype: str, cache_root: Path,
                     "quieter now: timing it again, each shape's fastest timing kept")
             else:
                 say(f"the cached calibration {path} is not used ({why}); calibrating again")
-    limit = f"at most ~{budget_seconds:.0f} s, " if budget_seconds is not None else ""
+    limit = (f"at most ~{budget_seconds:.0f} s after one sweep of its shapes, "
+             if budget_seconds is not None else "")
     say(f"calibrating this machine's step cost for {model_id or 'the model'} ({dtype})"
         + (f": {purpose}" if purpose else "") + f"; {limit}cached in {path} for later runs"
         + (f" (load average {load_now:.1f} on {cpus} CPUs: other processes slow it)"

@@ -47,8 +47,12 @@ def run_calibrate(model: str | None, dtype: str, cache_dir: str | None, output: 
         r, q, c, sec, t = *s[:4], _tokens(s)
         click.echo(f"{r:>5}{q:>4}{c:>6}{t:>7}{sec * 1e3:>13.1f}"
                    f"{cost.step_time(r, q, c, num_tokens=t) * 1e3:>9.1f}{note}")
+    noisy = cost.noise()
     click.echo(f"fit: {cost.describe()}; median deviation {cost.median_residual:.1%}"
                + (f"; load average {cost.load_average:.1f}" if cost.load_average is not None
+                  else "")
+               + (f"; noisy: {noisy}" if noisy else "")
+               + (f"; {cost.calibrations} calibrations merged" if cost.calibrations > 1
                   else ""))
     if output is not None:
         try:
