@@ -9,7 +9,9 @@ accepted tokens summed over the records (tokens per step; draft tokens not accep
 wasted ones), the verify forwards and their seconds as the machine's cached step-cost fit
 (measured and cached first where there is none, ~20 s) prices them (``fit s``: what auto
 optimises, the same whatever the load; beside it the forwards' and the prefill steps'
-measured seconds), whether every arm's token ids equal ``none``'s, and for auto the per-step
+measured seconds; per range of fed tokens, the median of a verify step's measured seconds
+over the fit's: where drafting steps sit further above the fit than plain ones, auto drafts
+too much), whether every arm's token ids equal ``none``'s, and for auto the per-step
 step cap K and drafted tokens (the first steps in full), and the time spent in the policy
 (``select`` / ``observe``) and in the proposers as a share of the run's wall time.
 auto prices steps with the job's calibration, fixed for the job (``--fixed-cost``, for the
@@ -131,6 +133,9 @@ def main() -> None:
     print("fwds: verify forwards; fit s: their seconds as the job's calibrated step-cost fit "
           "prices them (load-independent); fwd s: as measured; pre s: prefill steps, measured")
     for arm, r in results.items():
+        print(f"{arm}: measured / fit per verify step, median, by the longest row's fed tokens "
+              f"(steps): {_by_q(r['priced']['by_q'])}")
+    for arm, r in results.items():
         if not r["log"]["K"]:
             continue
         tm, n_steps = r["timers"], len(r["log"]["K"])
@@ -175,7 +180,7 @@ def _priced(fit):
     from specbatch.engine.runner import ModelRunner
 
     verify0, prefill0 = ModelRunner.verify, ModelRunner.prefill_step
-    out = {"steps": 0, "fit": 0.0, "measured": 0.0, "prefill": 0.0}
+    out = {"steps": 0, "fit": 0.0, "measured": 0.0, "prefill": 0.0, "by_q": {}}
 
     def prefill_step(self, *a, **kw):
         t0 = time.perf_counter()
@@ -187,9 +192,12 @@ def _priced(fit):
         fed, ctx = [1 + len(d) for d in drafts], _context(seqs)
         t0 = time.perf_counter()
         logits = verify0(self, seqs, drafts, meta)
-        out["measured"] += time.perf_counter() - t0
-        out["fit"] += fit.step_time(len(seqs), max(fed), ctx, num_tokens=sum(fed))
+        seconds = time.perf_counter() - t0
+        priced = fit.step_time(len(seqs), max(fed), ctx, num_tokens=sum(fed))
+        out["measured"] += seconds
+        out["fit"] += priced
         out["steps"] += 1
+        out["by_q"].setdefault(_q_bin(max(fed)), []).append(seconds / priced)
         return logits
 
     ModelRunner.verify, ModelRunner.prefill_step = verify, prefill_step
@@ -197,6 +205,24 @@ def _priced(fit):
         yield out
     finally:
         ModelRunner.verify, ModelRunner.prefill_step = verify0, prefill0
+
+
+Q_BINS = ((1, 1), (2, 3), (4, 6), (7, 10), (11, 1 << 30))
+
+
+def _q_bin(q: int) -> str:
+    """The label of the ``Q_BINS`` range holding q (a step's longest fed row, tokens)."""
+    lo, hi = next(b for b in Q_BINS if b[0] <= q <= b[1])
+    return str(lo) if lo == hi else (f"{lo}-{hi}" if hi < 1 << 30 else f"{lo}+")
+
+
+def _by_q(by_q: dict) -> str:
+    """Median measured / fit of the verify steps per ``Q_BINS`` range (steps in brackets)."""
+    import statistics
+
+    order = [_q_bin(lo) for lo, _ in Q_BINS]
+    return ", ".join(f"q {k}: {statistics.median(by_q[k]):.2f} ({len(by_q[k])})"
+                     for k in order if k in by_q)
 
 
 def _quarters(xs):
