@@ -207,22 +207,21 @@ def _priced(fit):
         ModelRunner.verify, ModelRunner.prefill_step = verify0, prefill0
 
 
-Q_BINS = ((1, 1), (2, 3), (4, 6), (7, 10), (11, 1 << 30))
+# (label, fewest, most fed tokens of a step's longest row)
+Q_BINS = (("1", 1, 1), ("2-3", 2, 3), ("4-6", 4, 6), ("7-10", 7, 10), ("11+", 11, 1 << 30))
 
 
 def _q_bin(q: int) -> str:
     """The label of the ``Q_BINS`` range holding q (a step's longest fed row, tokens)."""
-    lo, hi = next(b for b in Q_BINS if b[0] <= q <= b[1])
-    return str(lo) if lo == hi else (f"{lo}-{hi}" if hi < 1 << 30 else f"{lo}+")
+    return next(label for label, lo, hi in Q_BINS if lo <= q <= hi)
 
 
 def _by_q(by_q: dict) -> str:
     """Median measured / fit of the verify steps per ``Q_BINS`` range (steps in brackets)."""
     import statistics
 
-    order = [_q_bin(lo) for lo, _ in Q_BINS]
-    return ", ".join(f"q {k}: {statistics.median(by_q[k]):.2f} ({len(by_q[k])})"
-                     for k in order if k in by_q)
+    return ", ".join(f"q {label}: {statistics.median(by_q[label]):.2f} ({len(by_q[label])})"
+                     for label, _, _ in Q_BINS if label in by_q)
 
 
 def _quarters(xs):
