@@ -34,42 +34,23 @@ from dataclasses import replace
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def job_args(ap: argparse.ArgumentParser) -> None:
+    """The job's arguments (records, batch, dtype, ...), shared with ``lockstep.py``."""
     ap.add_argument("records")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--arms", default="none,ngram,suffix,auto")
-    ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, default=None)
-    ap.add_argument("--fixed-cost", action="store_true")
-    ap.add_argument("--cost", default=None,
-                    help="a CostModel JSON (CostModel.save) that auto prices steps with, fixed")
     ap.add_argument("--template", default=None, help="as specbatch run --template")
     ap.add_argument("--json-schema", default=None, help="as specbatch run --json-schema")
-    ap.add_argument("--show-steps", type=int, default=12)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
 
-    import torch
 
-    torch.set_num_threads(2)
-    from specbatch import LLM
-    from specbatch.config import EngineConfig, SamplingParams, SpecConfig
-    from specbatch.auto import costmodel
-    from specbatch.config import ConfigError
+def load_records(args):
+    """The job's records (``--limit``, ``--max-tokens`` applied); bad input: one line each, no
+    traceback."""
+    from specbatch.config import SamplingParams
     from specbatch.io.records import error_lines, read_records
 
-    # every arm and record checked before the model loads: one line each, no traceback
-    arms = args.arms.split(",")
-    if len(set(arms)) != len(arms):
-        raise SystemExit(f"error: --arms {args.arms}: each arm at most once")
-    try:
-        specs = {arm: SpecConfig(method="none") if arm == "none"
-                 else SpecConfig(method=arm, num_speculative_tokens=args.k) for arm in arms}
-    except ConfigError as e:
-        raise SystemExit(f"error: --arms {args.arms}: {e}") from None
     defaults = SamplingParams(max_tokens=args.max_tokens)
     if args.json_schema:
         with open(args.json_schema) as f:
@@ -83,6 +64,38 @@ def main() -> None:
     records = records[:args.limit] if args.limit else records
     records = [replace(r, sampling=replace(r.sampling, max_tokens=args.max_tokens))
                for r in records]
+    return records
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    job_args(ap)
+    ap.add_argument("--arms", default="none,ngram,suffix,auto")
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--fixed-cost", action="store_true")
+    ap.add_argument("--cost", default=None,
+                    help="a CostModel JSON (CostModel.save) that auto prices steps with, fixed")
+    ap.add_argument("--show-steps", type=int, default=12)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    import torch
+
+    torch.set_num_threads(2)
+    from specbatch import LLM
+    from specbatch.config import ConfigError, EngineConfig, SpecConfig
+    from specbatch.auto import costmodel
+
+    # every arm and record checked before the model loads: one line each, no traceback
+    arms = args.arms.split(",")
+    if len(set(arms)) != len(arms):
+        raise SystemExit(f"error: --arms {args.arms}: each arm at most once")
+    try:
+        specs = {arm: SpecConfig(method="none") if arm == "none"
+                 else SpecConfig(method=arm, num_speculative_tokens=args.k) for arm in arms}
+    except ConfigError as e:
+        raise SystemExit(f"error: --arms {args.arms}: {e}") from None
+    records = load_records(args)
     engine = EngineConfig(max_batch_size=args.batch, dtype=args.dtype, device="cpu")
     llm = LLM.from_config(None, SpecConfig(method="none"), engine, echo=lambda _l: None)
     results = {}

@@ -1,0 +1,175 @@
+"""Arms in lockstep: their engine steps interleaved by output progress, in one process, timed.
+
+    python benchmarks/lockstep.py benchmarks/peers/records16.jsonl --batch 16 --dtype int8 \
+        --arms none,ngram,suffix,auto [--rounds 3] [--max-tokens 128] [--limit N]
+        [--template T --json-schema SCHEMA.json]
+
+``specbatch bench`` interleaves whole runs of each arm; on a shared VM whose speed drifts by
+10-40% over seconds to minutes (2-core EPYC, docs/benchmarks.md "noise floor"), two arms a
+few percent apart then trade places from run to run. Here every arm's job runs at once, as a
+greenlet (one OS thread: one OpenMP team, no thread waits while another arm runs), and they
+take turns by ``Engine.step`` (admission and prefill, the proposer, the verify forward, the
+commit): the next step is always the arm's that has committed the fewest output tokens so far
+(ties: the round's order). Every arm gives the same tokens, so the arms move through the same
+job side by side, and each stretch of the job meets the same machine in every arm whatever
+its steps per token. An arm's time is the sum of its own steps (wall seconds,
+``time.perf_counter``); outside the steps (building each job, writing output fields) nothing is
+timed. The arms' order rotates from round to round, backwards every other round, as in
+``bench``; an untimed job of two records runs first (the first forward of a process packs the
+weights for the C kernels).
+
+Printed: per arm its output tokens, engine steps, seconds building its job and between its
+steps (untimed), step seconds and tok/s per round and pooled (tokens / step seconds over all
+rounds), and the ratio to the first arm pooled and per round; whether every arm's token ids
+equal the first arm's. An A/A check (``--arms none,none:k=1``, plain decoding twice) gives the
+floor of this measurement.
+
+What differs from a run alone: the arms share the CPU caches step by step (each arm's step
+starts where another arm's step left the caches; the weights are shared), and every arm's
+KV cache is allocated at once. Needs ``greenlet`` (``pip install greenlet``; not a
+dependency of specbatch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import replace
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from auto_decisions import job_args, load_records  # noqa: E402
+
+
+def round_order(arms: list[str], rnd: int) -> list[str]:
+    """The arms of round ``rnd`` (from 0): rotated by ``rnd``, backwards in odd rounds."""
+    order = arms[rnd % len(arms):] + arms[:rnd % len(arms)]
+    return order[::-1] if rnd % 2 else order
+
+
+def lockstep(llm, records, specs: dict, order: list[str]) -> dict:
+    """One round: every arm's job, stepped in turns (the arm with the fewest output tokens
+    committed next; ties in ``order``) until all finish.
+    Returns arm -> {"seconds": its steps' wall seconds, "steps": engine steps, "prepare":
+    seconds building its job (``LLM.prepare``, before the steps), "between": seconds of its
+    job between its steps (output fields), "tokens": output tokens, "ids": record index ->
+    output token ids}."""
+    from greenlet import greenlet, getcurrent
+
+    from specbatch.engine.engine import Engine
+
+    clock: dict = {}
+    committed: dict = {}  # greenlet -> its engine's output tokens so far
+    step0 = Engine.step
+
+    def step(self):
+        t0 = time.perf_counter()
+        done = step0(self)
+        me = getcurrent()
+        seconds, steps = clock.get(me, (0.0, 0))
+        clock[me] = (seconds + time.perf_counter() - t0, steps + 1)
+        committed[me] = self.num_output_tokens
+        me.parent.switch()  # the next arm's turn
+        return done
+
+    results: dict = {}
+
+    def job(arm, prepared):
+        results[arm] = {rec.index: f for rec, f in prepared.run(seed=0)}
+
+    lets, prep = {}, {}
+    for arm in order:
+        t0 = time.perf_counter()
+        prepared = llm.prepare(records, specs[arm], echo=lambda _l: None)
+        prep[arm] = time.perf_counter() - t0
+        lets[arm] = greenlet(lambda a=arm, p=prepared: job(a, p))
+    active = dict.fromkeys(order, 0.0)
+    Engine.step = step
+    try:
+        while live := [a for a in order if not lets[a].dead]:
+            arm = min(live, key=lambda a: committed.get(lets[a], 0))  # first of equals
+            t0 = time.perf_counter()
+            lets[arm].switch()
+            active[arm] += time.perf_counter() - t0
+    finally:
+        Engine.step = step0
+    out = {}
+    for arm, g in lets.items():
+        seconds, steps = clock.get(g, (0.0, 0))
+        fields = results[arm]
+        out[arm] = {"seconds": seconds, "steps": steps, "prepare": prep[arm],
+                    "between": active[arm] - seconds,
+                    "tokens": sum(f["usage"]["completion_tokens"] for f in fields.values()),
+                    "ids": {i: f["output_token_ids"] for i, f in fields.items()}}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    job_args(ap)
+    ap.add_argument("--arms", default="none,ngram:k=5,suffix,auto",
+                    help="as specbatch bench --configs (the first is the ratios' base)")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    try:
+        import greenlet  # noqa: F401
+    except ImportError:
+        raise SystemExit("error: lockstep.py needs greenlet: pip install greenlet") from None
+    import torch
+
+    torch.set_num_threads(2)
+    from specbatch import LLM
+    from specbatch.commands.bench import parse_configs
+    from specbatch.config import ConfigError, EngineConfig, SpecConfig
+
+    try:
+        specs = dict(parse_configs(args.arms))
+    except (ValueError, ConfigError) as e:
+        raise SystemExit(f"error: --arms {args.arms}: {e}") from None
+    records = load_records(args)
+    arms = list(specs)
+    engine = EngineConfig(max_batch_size=args.batch, dtype=args.dtype, device="cpu")
+    llm = LLM.from_config(None, SpecConfig(method="none"), engine, echo=lambda _l: None)
+    llm.calibrate(echo=lambda _l: None)
+    # untimed: the first forward packs the weights for the C kernels and touches them; the
+    # arm that ran it would carry that in round 1
+    warm = [replace(r, sampling=replace(r.sampling, max_tokens=4)) for r in records[:2]]
+    lockstep(llm, warm, specs, arms)
+    rounds = []
+    for rnd in range(args.rounds):
+        rounds.append(lockstep(llm, records, specs, round_order(arms, rnd)))
+        print(f"round {rnd + 1}: " + ", ".join(
+            f"{a} {r['tokens'] / r['seconds']:.1f} tok/s" for a, r in rounds[-1].items()),
+            f"(load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
+    first = arms[0]
+
+    def rate(arm, rs):
+        return sum(r[arm]["tokens"] for r in rs) / sum(r[arm]["seconds"] for r in rs)
+
+    print(f"{len(records)} records, batch {args.batch}, dtype {args.dtype}, max_tokens "
+          f"{args.max_tokens}, {args.rounds} rounds in lockstep; ratios to {first}")
+    print(f"{'arm':<12}{'tokens':>7}{'steps':>7}{'prep s':>7}{'betw s':>7}{'step s':>8}"
+          f"{'tok/s':>8}{'ratio':>7}  per round (ratio)  same ids")
+    for arm in arms:
+        per = [rate(arm, [r]) for r in rounds]
+        ratios = [p / rate(first, [r]) for p, r in zip(per, rounds)]
+        same = all(r[arm]["ids"] == r[first]["ids"] for r in rounds)
+        mean = {k: sum(r[arm][k] for r in rounds) / len(rounds)
+                for k in ("prepare", "between", "seconds")}
+        print(f"{arm:<12}{rounds[0][arm]['tokens']:>7}{rounds[0][arm]['steps']:>7}"
+              f"{mean['prepare']:>7.2f}{mean['between']:>7.2f}{mean['seconds']:>8.2f}"
+              f"{rate(arm, rounds):>8.1f}{rate(arm, rounds) / rate(first, rounds):>7.3f}  "
+              + " ".join(f"{p:.1f} ({x:.3f})" for p, x in zip(per, ratios)) + f"  {same}")
+    statics = [a for a in arms if a.split(":")[0] != "auto"]
+    for arm in (a for a in arms if a.split(":")[0] == "auto" and statics):
+        best = max(statics, key=lambda a: rate(a, rounds))
+        print(f"{arm} / best static arm ({best}): {rate(arm, rounds) / rate(best, rounds):.3f}"
+              " pooled; per round " + " ".join(
+                  f"{rate(arm, [r]) / rate(best, [r]):.3f}" for r in rounds))
+
+
+if __name__ == "__main__":
+    main()
