@@ -114,6 +114,8 @@ def main() -> None:
                     help="as specbatch bench --configs (the first is the ratios' base)")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
+    if args.rounds < 1:
+        raise SystemExit(f"error: --rounds {args.rounds}: at least 1")
     try:
         import greenlet  # noqa: F401
     except ImportError:
