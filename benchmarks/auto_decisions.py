@@ -45,17 +45,33 @@ def job_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json-schema", default=None, help="as specbatch run --json-schema")
 
 
-def load_records(args):
-    """The job's records (``--limit``, ``--max-tokens`` applied); bad input: one line each, no
+def load_job(args):
+    """``(records, engine)``: the job's records (``--limit``, ``--max-tokens`` applied) and its
+    ``EngineConfig``, all checked before the model loads: bad input is one line, no
     traceback."""
-    from specbatch.config import SamplingParams
+    from specbatch.config import ConfigError, EngineConfig, SamplingParams
     from specbatch.io.records import error_lines, read_records
 
-    defaults = SamplingParams(max_tokens=args.max_tokens)
+    if args.limit is not None and args.limit < 1:
+        raise SystemExit(f"error: --limit {args.limit}: at least 1")
+    try:
+        engine = EngineConfig(max_batch_size=args.batch, dtype=args.dtype, device="cpu")
+        defaults = SamplingParams(max_tokens=args.max_tokens)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
     if args.json_schema:
-        with open(args.json_schema) as f:
-            defaults = replace(defaults, response_format={
-                "type": "json_schema", "json_schema": {"schema": json.load(f)}})
+        try:
+            import xgrammar  # noqa: F401
+        except ImportError:
+            raise SystemExit("error: --json-schema needs xgrammar: pip install -c "
+                             "constraints.txt -e '.[json]'") from None
+        try:
+            with open(args.json_schema) as f:
+                schema = json.load(f)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"error: --json-schema {args.json_schema}: {e}") from None
+        defaults = replace(defaults, response_format={
+            "type": "json_schema", "json_schema": {"schema": schema}})
     kwargs = {"template": args.template} if args.template else {}
     records, errors = read_records(args.records, defaults=defaults, **kwargs)
     if errors:
@@ -64,7 +80,7 @@ def load_records(args):
     records = records[:args.limit] if args.limit else records
     records = [replace(r, sampling=replace(r.sampling, max_tokens=args.max_tokens))
                for r in records]
-    return records
+    return records, engine
 
 
 def main() -> None:
@@ -83,11 +99,13 @@ def main() -> None:
 
     torch.set_num_threads(2)
     from specbatch import LLM
-    from specbatch.config import ConfigError, EngineConfig, SpecConfig
+    from specbatch.config import ConfigError, SpecConfig
     from specbatch.auto import costmodel
 
     # every arm and record checked before the model loads: one line each, no traceback
-    arms = args.arms.split(",")
+    arms = [a for a in args.arms.split(",") if a]
+    if not arms:
+        raise SystemExit(f"error: --arms {args.arms!r}: no arms given")
     if len(set(arms)) != len(arms):
         raise SystemExit(f"error: --arms {args.arms}: each arm at most once")
     try:
@@ -95,8 +113,13 @@ def main() -> None:
                  else SpecConfig(method=arm, num_speculative_tokens=args.k) for arm in arms}
     except ConfigError as e:
         raise SystemExit(f"error: --arms {args.arms}: {e}") from None
-    records = load_records(args)
-    engine = EngineConfig(max_batch_size=args.batch, dtype=args.dtype, device="cpu")
+    records, engine = load_job(args)
+    fixed_cost = None
+    if args.cost:
+        try:
+            fixed_cost = costmodel.load(args.cost)
+        except ValueError as e:
+            raise SystemExit(f"error: --cost {e}") from None
     llm = LLM.from_config(None, SpecConfig(method="none"), engine, echo=lambda _l: None)
     results = {}
     fit = llm.calibrate(echo=lambda _l: None)[0]
@@ -108,8 +131,8 @@ def main() -> None:
         if policy is not None:
             policy._base_cost = (policy.cost.model if hasattr(policy.cost, "model")
                                  else policy.cost)
-            if args.cost:
-                policy.cost = costmodel.load(args.cost)
+            if fixed_cost is not None:
+                policy.cost = fixed_cost
             elif args.fixed_cost:
                 policy.cost = policy.cost.model if hasattr(policy.cost, "model") else policy.cost
             _instrument(policy, timers, log)

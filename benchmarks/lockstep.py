@@ -41,7 +41,7 @@ from dataclasses import replace
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from auto_decisions import job_args, load_records  # noqa: E402
+from auto_decisions import job_args, load_job  # noqa: E402
 
 
 def round_order(arms: list[str], rnd: int) -> list[str]:
@@ -125,15 +125,16 @@ def main() -> None:
     torch.set_num_threads(2)
     from specbatch import LLM
     from specbatch.commands.bench import parse_configs
-    from specbatch.config import ConfigError, EngineConfig, SpecConfig
+    from specbatch.config import ConfigError, SpecConfig
 
     try:
         specs = dict(parse_configs(args.arms))
     except (ValueError, ConfigError) as e:
+        if "--draft-model" in str(e):  # bench's advice; lockstep loads no draft model
+            e = "lockstep.py runs no draft model (draft arms: specbatch bench --draft-model)"
         raise SystemExit(f"error: --arms {args.arms}: {e}") from None
-    records = load_records(args)
+    records, engine = load_job(args)
     arms = list(specs)
-    engine = EngineConfig(max_batch_size=args.batch, dtype=args.dtype, device="cpu")
     llm = LLM.from_config(None, SpecConfig(method="none"), engine, echo=lambda _l: None)
     llm.calibrate(echo=lambda _l: None)
     # untimed: the first forward packs the weights for the C kernels and touches them; the
