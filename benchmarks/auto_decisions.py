@@ -84,6 +84,15 @@ def load_job(args):
     return records, engine
 
 
+def warm_up(llm, records) -> None:
+    """An untimed job of two records, 4 tokens each, plain decoding: the first forward of a
+    process packs the weights for the C kernels, and the arm that ran it carried that."""
+    from specbatch.config import SpecConfig
+
+    warm = [replace(r, sampling=replace(r.sampling, max_tokens=4)) for r in records[:2]]
+    list(llm.prepare(warm, SpecConfig(method="none"), echo=lambda _l: None).run(seed=0))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     job_args(ap)
@@ -124,10 +133,7 @@ def main() -> None:
     llm = LLM.from_config(None, SpecConfig(method="none"), engine, echo=lambda _l: None)
     results = {}
     fit = llm.calibrate(echo=lambda _l: None)[0]
-    # untimed: the first forward packs the weights for the C kernels (the first arm's
-    # measured seconds carried it)
-    warm = [replace(r, sampling=replace(r.sampling, max_tokens=4)) for r in records[:2]]
-    list(llm.prepare(warm, SpecConfig(method="none"), echo=lambda _l: None).run(seed=0))
+    warm_up(llm, records)
     for arm, spec in specs.items():
         prepared = llm.prepare(records, spec, echo=lambda _l: None)
         log = {"K": [], "drafted": [], "rows": [], "fit_ms": []}

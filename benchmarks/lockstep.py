@@ -36,18 +36,12 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from auto_decisions import job_args, load_job  # noqa: E402
-
-
-def round_order(arms: list[str], rnd: int) -> list[str]:
-    """The arms of round ``rnd`` (from 0): rotated by ``rnd``, backwards in odd rounds."""
-    order = arms[rnd % len(arms):] + arms[:rnd % len(arms)]
-    return order[::-1] if rnd % 2 else order
+from auto_decisions import job_args, load_job, warm_up  # noqa: E402
+from peers.run import round_order  # noqa: E402
 
 
 def lockstep(llm, records, specs: dict, order: list[str]) -> dict:
@@ -137,10 +131,7 @@ def main() -> None:
     arms = list(specs)
     llm = LLM.from_config(None, SpecConfig(method="none"), engine, echo=lambda _l: None)
     llm.calibrate(echo=lambda _l: None)
-    # untimed: the first forward packs the weights for the C kernels and touches them; the
-    # arm that ran it would carry that in round 1
-    warm = [replace(r, sampling=replace(r.sampling, max_tokens=4)) for r in records[:2]]
-    lockstep(llm, warm, specs, arms)
+    warm_up(llm, records)
     rounds = []
     for rnd in range(args.rounds):
         rounds.append(lockstep(llm, records, specs, round_order(arms, rnd)))
