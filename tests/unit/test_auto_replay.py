@@ -17,7 +17,9 @@ every candidate is still chosen in every scenario), with which the lookup candid
 at most k + 1 tokens was shown to change nothing; and when a later candidate's draft that starts
 with the lookup's scored the shared tokens with the higher estimate (``policy._shared``); and
 when the suffix lookup stopped being charged to suffix drafts alone (it runs for every row every
-step, whatever the step verifies: ``SuffixCandidate``).
+step, whatever the step verifies: ``SuffixCandidate``); and when the base got its own
+dormancy (``policy.BASE_IDLE_STEPS``: not weighed while the draft model or suffix takes the rows;
+the two draft-model scenarios moved, by 3 and 4 of 55 steps).
 
 A step here is what the engine does: admit rows up to the batch (``start``, then the first
 token is committed), ask the proposer for drafts under each row's cap, commit what a target

@@ -5,6 +5,8 @@ through as slept."""
 
 from __future__ import annotations
 
+import pytest
+
 from specbatch.auto import policy as policy_mod
 from specbatch.auto.costmodel import CostModel
 from specbatch.auto.policy import IDLE, IDLE_ROWS, SLEEP_FIRST, SLEEP_MAX
@@ -76,18 +78,33 @@ def test_a_row_that_starts_copying_is_drafted_for_after_the_sleep():
     assert lens[-1] == 5, lens
 
 
-def test_a_resume_replays_the_steps_slept_through(tmp_path, monkeypatch):
+@pytest.mark.parametrize("base_idle", [policy_mod.BASE_IDLE_STEPS, 10 ** 6])
+def test_a_resume_replays_the_steps_slept_through(tmp_path, monkeypatch, base_idle):
     """A job where a draft token costs half a step: the policy sleeps between drafting
-    stretches; killed after 5 answers and resumed from the journal (``idle`` steps in it),
-    every other answer and the policy's state are the uninterrupted run's."""
+    stretches (where the base never sleeps: with it, suffix takes the rows the base would
+    have and the policy does not sleep), and the base sleeps while suffix drafts; killed after
+    5 answers and resumed from the journal, every other answer and the policy's state are the
+    uninterrupted run's."""
     true = CostModel((0.020, 0.010, 0.0, 0.0))
     monkeypatch.setattr(policy_mod, "IDLE_ROWS", 16)  # 4 idle steps of this job's 4 rows
+    monkeypatch.setattr(policy_mod, "BASE_IDLE_STEPS", base_idle)
+    slept, select = [], policy_mod.AdaptivePolicy.select
+
+    def spy(self, *a, **kw):
+        out = select(self, *a, **kw)
+        slept.append(self.base_asleep)
+        return out
+
+    monkeypatch.setattr(policy_mod.AdaptivePolicy, "select", spy)
     monkeypatch.setattr(resume, "COST", CostModel(true.coef, samples=tuple(
         (r, q, 300, true.step_time(r, q, 300)) for r in (1, 4) for q in (1, 3, 5))))
     model = resume.tiny_llama(resume.VOCAB, seed=5)
     _, policy1, full = resume._run(model, 4, tmp_path / "j.jsonl", 5, tmp_path / "kept.jsonl")
     kept = (tmp_path / "kept.jsonl").read_text()
-    assert f'"{IDLE}"' in kept and '"suffix"' in kept, kept[:400]
+    if base_idle == 10 ** 6:
+        assert f'"{IDLE}"' in kept and '"suffix"' in kept, kept[:400]
+    else:  # the base slept
+        assert max(slept) > 0
     _, policy2, resumed = resume._resume(model, 4, tmp_path / "kept.jsonl", full[:5])
     assert policy2.forced_mismatches == 0
     want = {c.request.request_id: c for c in full}
@@ -97,7 +114,89 @@ def test_a_resume_replays_the_steps_slept_through(tmp_path, monkeypatch):
         assert policy2.steps_by_proposer[c.request.tag] == \
             policy1.steps_by_proposer[c.request.tag]
     assert policy2.state() == policy1.state()
+    if base_idle != 10 ** 6:
+        return
     # replaying the slept steps as weighed ones decays the suffix pool once more per step
     monkeypatch.setattr(policy_mod, "IDLE", "not idle")
     _, policy3, _ = resume._resume(model, 4, tmp_path / "kept.jsonl", full[:5])
     assert policy3.state() != policy1.state()
+
+
+class _Sure:
+    """Another candidate whose 3-token draft is always accepted (reach 1.0)."""
+
+    name = "sure"
+    hysteresis = False
+
+    def prepare(self, seqs, caps):
+        return [3] * len(seqs)
+
+    def reach(self, seqs, lengths):
+        return [[1.0] * n for n in lengths]
+
+    def cap_options(self, k_max):
+        return (None,)
+
+    def entry_seconds(self, seqs, reach):
+        return [0.0] * len(seqs)
+
+    def step_seconds(self, lengths, ctx):
+        return []
+
+    def drafts(self, seqs, lengths, ctx):
+        return [[5] * n for n in lengths]
+
+    def observe(self, seq, emitted):
+        pass
+
+
+def _base_weighed(policy, seqs_per_step, lookup_draft):
+    """Steps (indices) whose base proposals the policy weighed (``LookupCandidate.reach``)."""
+    weighed, inner, step = [], policy.lookup.reach, [0]
+
+    def spy(*a):
+        weighed.append(step[0])
+        return inner(*a)
+
+    policy.lookup.reach = spy
+    for i, seqs in enumerate(seqs_per_step):
+        step[0] = i
+        chosen = _select(policy, seqs, [lookup_draft] * len(seqs))
+        for s, d in zip(seqs, chosen):
+            policy.observe(s, d + [9])
+    return weighed
+
+
+def test_the_base_sleeps_while_another_candidate_takes_the_rows():
+    """Lookup drafts that are never accepted beside another candidate's sure ones: after
+    ``BASE_IDLE_STEPS`` weighed steps the base is weighed every 2, 4, 8, then 16 steps (the
+    other candidate drafts every step), its first position is still scored every step, and
+    a row that joins wakes it."""
+    from specbatch.auto.policy import AdaptivePolicy, BASE_IDLE_STEPS
+    from tests.unit.test_planner import _Given
+    from specbatch.auto.candidate import LookupCandidate
+
+    def build():
+        lookup = LookupCandidate(_Given(), 5, lambda s: [(1.0, 9.0)] * 5)
+        return AdaptivePolicy(CostModel((0.02, 0.002, 0.0, 0.0)), 5, lookup, [_Sure()])
+
+    policy = build()
+    rows = [_seq(i) for i in range(4)]
+    weighed = _base_weighed(policy, [rows] * 40, [7, 7, 7])
+    assert BASE_IDLE_STEPS == 4
+    assert weighed == [0, 1, 2, 3, 6, 11, 20, 37], weighed
+    assert policy.steps_by_proposer[1] == {"sure": 40}
+    assert policy.lookup.rows[1].trials[0] > 5  # scored in every step, 40 decayed by 0.9
+    state = policy.state()
+    assert state["base_sleep"] == [BASE_IDLE_STEPS + 4, SLEEP_MAX, SLEEP_MAX - 2]
+    again = build()
+    again.set_state(state)
+    assert again.state() == state
+    # a row that joins mid-sleep wakes the base for that step
+    policy = build()
+    weighed = _base_weighed(policy, [rows] * 12 + [rows + [_seq(99)]] * 2, [7, 7, 7])
+    assert weighed == [0, 1, 2, 3, 6, 11, 12], weighed
+    # a base whose drafts are verified is weighed every step
+    policy = build()
+    policy.others = []
+    assert _base_weighed(policy, [rows] * 10, [9, 9, 9]) == list(range(10))
