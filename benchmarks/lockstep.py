@@ -19,10 +19,13 @@ timed. The arms' order rotates from round to round, backwards every other round,
 weights for the C kernels).
 
 Printed: per arm its output tokens, engine steps, seconds building its job and between its
-steps (untimed), step seconds and tok/s per round and pooled (tokens / step seconds over all
-rounds), and the ratio to the first arm pooled and per round; whether every arm's token ids
-equal the first arm's. An A/A check (``--arms none,none:k=1``, plain decoding twice) gives the
-floor of this measurement.
+steps (untimed), step seconds, the part of them in the proposer's hooks (``prop s``: drafting,
+and auto's weighing and learning; host time), tok/s per round and pooled (tokens / step
+seconds over all rounds), and the ratio to the first arm pooled and per round; whether every
+arm's token ids equal the first arm's; for an auto arm, its ratio to the best static arm, and
+that ratio with both arms' proposer seconds taken out (what its decisions alone would give:
+above the ratio by what auto's host time costs). An A/A check (``--arms none,none:k=1``, plain
+decoding twice) gives the floor of this measurement.
 
 What differs from a run alone: the arms share the CPU caches step by step (each arm's step
 starts where another arm's step left the caches; the weights are shared), and every arm's
@@ -44,22 +47,40 @@ from auto_decisions import job_args, load_job, warm_up  # noqa: E402
 from peers.run import round_order  # noqa: E402
 
 
+# the engine's calls into its proposer (``spec_decode.proposer.Proposer``)
+PROPOSER_HOOKS = ("start", "propose", "on_verify", "on_commit", "finish")
+
+
 def lockstep(llm, records, specs: dict, order: list[str]) -> dict:
     """One round: every arm's job, stepped in turns (the arm with the fewest output tokens
     committed next; ties in ``order``) until all finish.
-    Returns arm -> {"seconds": its steps' wall seconds, "steps": engine steps, "prepare":
-    seconds building its job (``LLM.prepare``, before the steps), "between": seconds of its
-    job between its steps (output fields), "tokens": output tokens, "ids": record index ->
-    output token ids}."""
+    Returns arm -> {"seconds": its steps' wall seconds, "steps": engine steps, "proposer":
+    seconds of them in the proposer's hooks (``PROPOSER_HOOKS``), "prepare": seconds building
+    its job (``LLM.prepare``, before the steps), "between": seconds of its job between its
+    steps (output fields), "tokens": output tokens, "ids": record index -> output token ids}."""
     from greenlet import greenlet, getcurrent
 
     from specbatch.engine.engine import Engine
 
     clock: dict = {}
     committed: dict = {}  # greenlet -> its engine's output tokens so far
+    hooks: dict = {}  # greenlet -> seconds in its proposer's hooks
     step0 = Engine.step
 
+    def timed(hook):
+        def call(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return hook(*a, **kw)
+            finally:
+                me = getcurrent()
+                hooks[me] = hooks.get(me, 0.0) + time.perf_counter() - t0
+        return call
+
     def step(self):
+        if getcurrent() not in clock:  # the arm's first step: time its proposer's hooks
+            for name in PROPOSER_HOOKS:
+                setattr(self.proposer, name, timed(getattr(self.proposer, name)))
         t0 = time.perf_counter()
         done = step0(self)
         me = getcurrent()
@@ -94,7 +115,8 @@ def lockstep(llm, records, specs: dict, order: list[str]) -> dict:
     for arm, g in lets.items():
         seconds, steps = clock.get(g, (0.0, 0))
         fields = results[arm]
-        out[arm] = {"seconds": seconds, "steps": steps, "prepare": prep[arm],
+        out[arm] = {"seconds": seconds, "steps": steps, "proposer": hooks.get(g, 0.0),
+                    "prepare": prep[arm],
                     "between": active[arm] - seconds,
                     "tokens": sum(f["usage"]["completion_tokens"] for f in fields.values()),
                     "ids": {i: f["output_token_ids"] for i, f in fields.items()}}
@@ -140,22 +162,24 @@ def main() -> None:
             f"(load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
     first = arms[0]
 
-    def rate(arm, rs):
-        return sum(r[arm]["tokens"] for r in rs) / sum(r[arm]["seconds"] for r in rs)
+    def rate(arm, rs, less_proposer=False):
+        return sum(r[arm]["tokens"] for r in rs) / sum(
+            r[arm]["seconds"] - less_proposer * r[arm]["proposer"] for r in rs)
 
     print(f"{len(records)} records, batch {args.batch}, dtype {args.dtype}, max_tokens "
           f"{args.max_tokens}, {args.rounds} rounds in lockstep; ratios to {first}")
     print(f"{'arm':<12}{'tokens':>7}{'steps':>7}{'prep s':>7}{'betw s':>7}{'step s':>8}"
-          f"{'tok/s':>8}{'ratio':>7}  per round (ratio)  same ids")
+          f"{'prop s':>7}{'tok/s':>8}{'ratio':>7}  per round (ratio)  same ids")
     for arm in arms:
         per = [rate(arm, [r]) for r in rounds]
         ratios = [p / rate(first, [r]) for p, r in zip(per, rounds)]
         same = all(r[arm]["ids"] == r[first]["ids"] for r in rounds)
         mean = {k: sum(r[arm][k] for r in rounds) / len(rounds)
-                for k in ("prepare", "between", "seconds")}
+                for k in ("prepare", "between", "seconds", "proposer")}
         print(f"{arm:<12}{rounds[0][arm]['tokens']:>7}{rounds[0][arm]['steps']:>7}"
               f"{mean['prepare']:>7.2f}{mean['between']:>7.2f}{mean['seconds']:>8.2f}"
-              f"{rate(arm, rounds):>8.1f}{rate(arm, rounds) / rate(first, rounds):>7.3f}  "
+              f"{mean['proposer']:>7.2f}{rate(arm, rounds):>8.1f}"
+              f"{rate(arm, rounds) / rate(first, rounds):>7.3f}  "
               + " ".join(f"{p:.1f} ({x:.3f})" for p, x in zip(per, ratios)) + f"  {same}")
     statics = [a for a in arms if a.split(":")[0] != "auto"]
     for arm in (a for a in arms if a.split(":")[0] == "auto" and statics):
@@ -163,6 +187,8 @@ def main() -> None:
         print(f"{arm} / best static arm ({best}): {rate(arm, rounds) / rate(best, rounds):.3f}"
               " pooled; per round " + " ".join(
                   f"{rate(arm, [r]) / rate(best, [r]):.3f}" for r in rounds))
+        print(f"{arm} / {best} less both arms' proposer seconds (decisions alone): "
+              f"{rate(arm, rounds, True) / rate(best, rounds, True):.3f} pooled")
 
 
 if __name__ == "__main__":
