@@ -241,9 +241,24 @@ class ForwardingCandidate:
     """Base for a ``Candidate`` built around a ``Proposer`` (``self.proposer``): the lifecycle
     calls (``start``, ``on_commit``, ``finish``) go to it, and ``finish`` also drops the row's
     own state (``_drop``; nothing by default). A registered method's candidate subclasses it
-    and writes only the pricing and drafting half of the protocol."""
+    and writes only the pricing and drafting half of the protocol. Defaults for a candidate
+    whose drafts cost nothing beyond the verify step (its lookup runs in ``prepare``, for every
+    row whatever the step verifies, so it is no part of the choice): one cap (``None``: the
+    policy cuts each row), no entry or step seconds, nothing learnt from the commits."""
 
     proposer: Proposer
+
+    def cap_options(self, k_max: int) -> Seq[int | None]:
+        return (None,)
+
+    def entry_seconds(self, seqs, reach) -> list[float]:
+        return [0.0] * len(seqs)
+
+    def step_seconds(self, lengths: list[int], ctx: float) -> list[float]:
+        return []
+
+    def observe(self, seq, emitted: list[int]) -> None:
+        pass
 
     def start(self, seq) -> None:
         self.proposer.start(seq)
@@ -382,12 +397,6 @@ class LookupCandidate(ForwardingCandidate):
     def proposal(self, seq) -> list[int]:
         """The row's n-gram draft this step, before any cut (at most k + 1 tokens)."""
         return self._proposed.get(seq.seq_id, [])
-
-    def entry_seconds(self, seqs, reach) -> list[float]:
-        return [0.0] * len(seqs)
-
-    def step_seconds(self, lengths: list[int], ctx: float) -> list[float]:
-        return []  # a dict lookup per row
 
     def drafts(self, seqs, lengths: list[int], ctx: float) -> list[list[int]]:
         for s, n in zip(seqs, lengths):
@@ -649,19 +658,10 @@ class SuffixCandidate(ForwardingCandidate):
             out.append(r)
         return out
 
-    def cap_options(self, k_max: int) -> tuple[None]:
-        return (None,)
-
     def proposal(self, seq) -> list[int]:
         """The row's suffix draft this step, before any cut ([] if none)."""
         d = self._drafts.get(seq.seq_id)
         return d.ids if d is not None else []
-
-    def entry_seconds(self, seqs, reach) -> list[float]:
-        return [0.0] * len(seqs)
-
-    def step_seconds(self, lengths: list[int], ctx: float) -> list[float]:
-        return []  # the lookup is spent in ``prepare`` whatever the step verifies
 
     def drafts(self, seqs, lengths: list[int], ctx: float) -> list[list[int]]:
         for s, n in zip(seqs, lengths):

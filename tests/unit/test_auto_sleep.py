@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from specbatch.auto import policy as policy_mod
+from specbatch.auto.candidate import ForwardingCandidate
 from specbatch.auto.costmodel import CostModel
 from specbatch.auto.policy import IDLE, IDLE_ROWS, SLEEP_FIRST, SLEEP_MAX
 from tests.unit import test_auto_resume as resume
@@ -122,8 +123,9 @@ def test_a_resume_replays_the_steps_slept_through(tmp_path, monkeypatch, base_id
     assert policy3.state() != policy1.state()
 
 
-class _Sure:
-    """Another candidate whose 3-token draft is always accepted (reach 1.0)."""
+class _Sure(ForwardingCandidate):
+    """Another candidate whose 3-token draft is always accepted (reach 1.0); drafting is free
+    (``ForwardingCandidate``'s defaults), and no proposer stands behind it."""
 
     name = "sure"
     hysteresis = False
@@ -134,20 +136,8 @@ class _Sure:
     def reach(self, seqs, lengths):
         return [[1.0] * n for n in lengths]
 
-    def cap_options(self, k_max):
-        return (None,)
-
-    def entry_seconds(self, seqs, reach):
-        return [0.0] * len(seqs)
-
-    def step_seconds(self, lengths, ctx):
-        return []
-
     def drafts(self, seqs, lengths, ctx):
         return [[5] * n for n in lengths]
-
-    def observe(self, seq, emitted):
-        pass
 
 
 def _base_weighed(policy, seqs_per_step, lookup_draft):

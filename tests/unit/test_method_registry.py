@@ -72,20 +72,8 @@ class RepeatCandidate(ForwardingCandidate):
     def reach(self, seqs, lengths):
         return [[0.9 ** (j + 1) for j in range(n)] for n in lengths]
 
-    def cap_options(self, k_max):
-        return (None,)
-
-    def entry_seconds(self, seqs, reach):
-        return [0.0] * len(seqs)
-
-    def step_seconds(self, lengths, ctx):
-        return []
-
     def drafts(self, seqs, lengths, ctx):
         return [self._drafts[s.seq_id][:n] for s, n in zip(seqs, lengths)]
-
-    def observe(self, seq, emitted) -> None:
-        pass
 
 
 RESUMED: list = []  # the ids of the records each resume hook call was given
