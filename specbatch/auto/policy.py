@@ -71,7 +71,8 @@ steps exactly, by the journal's choices). Measured (``benchmarks/auto_decisions.
 SmolLM2-135M int8, 2-core Zen 4; verify steps, fit-priced forward seconds, CPU ms of the policy
 and candidates per verify step): the extraction recipe at batch 1 (48 records) 1937 -> 1918,
 13.12 -> 13.06 s (suffix alone 1907, 13.07 s), 0.334 -> 0.275 ms; the 130-record Spec-Bench
-job at batch 16 1263 -> 1258, 22.14 -> 22.06 s, 1.28 -> 1.12 ms.
+job at batch 16 1263 -> 1258, 22.14 -> 22.06 s, 1.28 -> 1.12 ms; the extraction recipe at
+batch 16 245 -> 254, 6.99 -> 7.06 s, the same CPU time (there the lookup missed while it slept).
 
 ``steps_by_proposer`` counts which candidate (or none) drafted each row's steps, per record.
 After every step each candidate learns from the committed tokens (``Candidate.observe``). The
