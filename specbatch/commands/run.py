@@ -102,6 +102,7 @@ class _Job:
     done_before: set = field(default_factory=set)
     lock: object = None  # ``io.writer.OutLock``, taken before the model loads
     from_stdin: bool = False  # INPUT ``-``: a resume needs the same standard input again
+    force: bool = False  # ``--force``: the same command would start over, not resume
 
 
 def load_records(opts) -> tuple[list, list]:
@@ -135,7 +136,7 @@ def run_job(opts: RunOptions) -> int:
     which the CLI turns into SIGINT's ``KeyboardInterrupt``) stops it cleanly at any point."""
     from specbatch.io.records import STDIN
 
-    job = _Job(from_stdin=str(opts.input_path) == STDIN)
+    job = _Job(from_stdin=str(opts.input_path) == STDIN, force=opts.force)
     _STOP_REQUESTED.clear()
     try:
         return _run_job(opts, job)
@@ -161,8 +162,8 @@ def _interrupted(job: _Job) -> int:
     num_done = len(job.writer.done_indices())
     _err(f"\ninterrupted: {num_done} of {job.num_records} records are saved in "
          f"{job.writer.work_path} ({num_done - len(job.done_before)} new in this run).\n"
-         + ("Rerun the same command with the same standard input to resume."
-            if job.from_stdin else "Rerun the same command to resume."))
+         + ("Rerun the same command" + (" without --force" if job.force else "")
+            + (" with the same standard input" if job.from_stdin else "") + " to resume."))
     return EXIT_INTERRUPTED
 
 

@@ -316,7 +316,8 @@ def test_max_model_len_above_the_context_says_so_and_a_full_prompt_says_why(tmp_
 
 def test_an_interrupted_stdin_run_says_the_same_input_must_be_piped_again(tmp_path, capsys):
     """Ctrl-C during a ``run -`` job: the resume hint asks for the same standard input (a pipe
-    cannot be read again; the saved sha256 refuses other input)."""
+    cannot be read again; the saved sha256 refuses other input); during a ``--force`` job, to
+    drop ``--force`` (the same command would start over)."""
     import signal
     from types import SimpleNamespace
 
@@ -325,9 +326,11 @@ def test_an_interrupted_stdin_run_says_the_same_input_must_be_piped_again(tmp_pa
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     writer = SimpleNamespace(absorb_shards=lambda: None, close=lambda: None,
                              done_indices=lambda: {0}, work_path=tmp_path / "o.jsonl.work.jsonl")
-    for from_stdin, hint in ((True, "Rerun the same command with the same standard input to "
-                              "resume."), (False, "Rerun the same command to resume.")):
-        job = run._Job(num_records=2, writer=writer, from_stdin=from_stdin)
+    for from_stdin, force, hint in (
+            (True, False, "Rerun the same command with the same standard input to resume."),
+            (False, False, "Rerun the same command to resume."),
+            (False, True, "Rerun the same command without --force to resume.")):
+        job = run._Job(num_records=2, writer=writer, from_stdin=from_stdin, force=force)
         try:
             assert run._interrupted(job) == run.EXIT_INTERRUPTED
         finally:  # it ignores SIGINT / SIGTERM from then on (a second Ctrl-C): not in pytest
