@@ -112,6 +112,45 @@ IDLE = "idle"  # the journal's source of a row in a step slept through
 BASE_IDLE_STEPS = 4
 
 
+@dataclass
+class Sleep:
+    """A dormancy's counters (module docstring): ``idle``, the idle amount weighed in a row
+    (rows for the policy, steps for the base); ``length``, the next sleep (steps); ``left``,
+    steps of the current sleep still to go."""
+
+    idle: int = 0
+    length: int = SLEEP_FIRST
+    left: int = 0
+
+    def skips(self, joined: bool) -> bool:
+        """Whether this step is slept through (one step of the sleep spent); a row that
+        joined ends the sleep."""
+        if self.left and not joined:
+            self.left -= 1
+            return True
+        self.left = 0
+        return False
+
+    def weighed(self, idle: int, limit: int) -> None:
+        """A weighed step, ``idle`` of it idle (0: active, which resets the counters): once
+        the idle amount reaches ``limit``, sleep, and double the next sleep up to
+        ``SLEEP_MAX``."""
+        if not idle:
+            self.idle, self.length = 0, SLEEP_FIRST
+            return
+        self.idle += idle
+        if self.idle >= limit:
+            self.left = self.length
+            self.length = min(2 * self.length, SLEEP_MAX)
+
+    def state(self) -> list[int]:
+        return [self.idle, self.length, self.left]
+
+    @classmethod
+    def from_state(cls, values) -> Sleep:
+        return cls(*(int(x) for x in values))
+
+
 def _request_id(seq) -> tuple:
     """A row's request id as a tuple (the journal's key: ``(record index, turn, sample)`` for
     ``pipeline``'s requests)."""
@@ -232,17 +271,12 @@ class AdaptivePolicy:
         self._forced_state: dict | None = None
         self.forced_mismatches = 0  # rows whose journaled choices did not fit (a divergence)
         self._memo: dict[tuple, float] = {}  # this step's step times (``_seconds``)
-        # dormancy (module docstring): rows of the weighed steps in a row without a draft,
-        # the next sleep's length, steps of the current sleep left, the last step's seq ids
-        self.idle_rows = 0
-        self.sleep_steps = SLEEP_FIRST
-        self.asleep = 0
+        # dormancy (module docstring): the policy's (idle: rows of the weighed steps in a row
+        # without a draft), the base's (idle: weighed steps in a row that another candidate
+        # drafted and the base did not), the last step's seq ids
+        self.sleep = Sleep()
+        self.base_sleep = Sleep()
         self._last_rows: set[int] = set()
-        # the base's dormancy (module docstring): weighed steps in a row that another
-        # candidate drafted and the base did not, its next sleep, steps of it left
-        self.base_idle = 0
-        self.base_sleep = SLEEP_FIRST
-        self.base_asleep = 0
 
     @property
     def candidates(self) -> list[Candidate]:
@@ -345,16 +379,11 @@ class AdaptivePolicy:
             if any(queues):
                 return self._replay(seqs, caps, num_rows, ctx, queues)
             self._end_forcing()
-        if self.asleep and not joined:
-            self.asleep -= 1
+        if self.sleep.skips(joined):
             return self._doze(seqs, caps)
-        self.asleep = 0
         lengths = self.lookup.prepare(seqs, caps)
-        base_weighed = not self.base_asleep or joined
-        if base_weighed:
-            self.base_asleep = 0
-        else:  # the base sleeps: its proposals are scored at the commit, not weighed
-            self.base_asleep -= 1
+        base_weighed = not self.base_sleep.skips(joined)
+        if not base_weighed:  # the base sleeps: its proposals are scored at the commit only
             lengths = [0] * len(seqs)
         fed, rate, plain, reach = self._select_base(seqs, lengths, ctx)
         step = _Step(seqs, caps, ctx, num_rows, rate, plain, fed,
@@ -367,21 +396,10 @@ class AdaptivePolicy:
                                                  [fed[i] for i in rows], ctx)):
             step.chosen[i] = d
         self._count(seqs, step.chosen, step.source)
-        if base_weighed and any(step.chosen):
-            if self.lookup.name in step.source:
-                self.base_idle, self.base_sleep = 0, SLEEP_FIRST
-            else:
-                self.base_idle += 1
-                if self.base_idle >= BASE_IDLE_STEPS:
-                    self.base_asleep = self.base_sleep
-                    self.base_sleep = min(2 * self.base_sleep, SLEEP_MAX)
-        if any(step.chosen):
-            self.idle_rows, self.sleep_steps = 0, SLEEP_FIRST
-        else:
-            self.idle_rows += len(seqs)
-            if self.idle_rows >= IDLE_ROWS:
-                self.asleep = self.sleep_steps
-                self.sleep_steps = min(2 * self.sleep_steps, SLEEP_MAX)
+        drafted = any(step.chosen)
+        if base_weighed and drafted:
+            self.base_sleep.weighed(int(self.lookup.name not in step.source), BASE_IDLE_STEPS)
+        self.sleep.weighed(0 if drafted else len(seqs), IDLE_ROWS)
         return step.chosen
 
     def _doze(self, seqs, caps: list[int]) -> list[list[int]]:
@@ -464,8 +482,7 @@ class AdaptivePolicy:
         left) and the base's (idle steps, next sleep, steps of sleep left), each candidate's
         ``global_state`` (those that have one)."""
         return {"current_k": self.current_k, "using": dict(sorted(self.using.items())),
-                "sleep": [self.idle_rows, self.sleep_steps, self.asleep],
-                "base_sleep": [self.base_idle, self.base_sleep, self.base_asleep],
+                "sleep": self.sleep.state(), "base_sleep": self.base_sleep.state(),
                 "candidates": {c.name: c.global_state() for c in self.candidates
                                if hasattr(c, "global_state")}}
 
@@ -473,10 +490,8 @@ class AdaptivePolicy:
         """Set ``state()``'s values; raises ``KeyError`` / ``TypeError`` / ``ValueError`` on
         another shape."""
         self.current_k = int(state["current_k"])
-        self.idle_rows, self.sleep_steps, self.asleep = (
-            int(x) for x in state.get("sleep", (0, SLEEP_FIRST, 0)))
-        self.base_idle, self.base_sleep, self.base_asleep = (
-            int(x) for x in state.get("base_sleep", (0, SLEEP_FIRST, 0)))
+        self.sleep = Sleep.from_state(state.get("sleep", Sleep().state()))
+        self.base_sleep = Sleep.from_state(state.get("base_sleep", Sleep().state()))
         self.using.update({str(k): bool(v) for k, v in state["using"].items()})
         for c in self.candidates:
             got = state["candidates"].get(c.name)

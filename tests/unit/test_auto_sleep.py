@@ -59,7 +59,7 @@ def test_a_row_that_joins_wakes_the_policy():
     weighed = _weighed_steps(policy, steps, COPY, [7] * 6)
     assert weighed == [0, 1, 2, 3, 6, 11, 12], weighed  # step 12: row 99 joined mid-sleep
     # it weighed idle again: the next sleep in the doubling (16 steps) began, 2 slept since
-    assert policy.asleep == SLEEP_MAX - 2
+    assert policy.sleep.left == SLEEP_MAX - 2
 
 
 def test_a_row_that_starts_copying_is_drafted_for_after_the_sleep():
@@ -93,7 +93,7 @@ def test_a_resume_replays_the_steps_slept_through(tmp_path, monkeypatch, base_id
 
     def spy(self, *a, **kw):
         out = select(self, *a, **kw)
-        slept.append(self.base_asleep)
+        slept.append(self.base_sleep.left)
         return out
 
     monkeypatch.setattr(policy_mod.AdaptivePolicy, "select", spy)
