@@ -78,12 +78,12 @@ def lockstep(llm, records, specs: dict, order: list[str]) -> dict:
         return call
 
     def step(self):
-        if getcurrent() not in clock:  # the arm's first step: time its proposer's hooks
+        me = getcurrent()
+        if me not in clock:  # the arm's first step: time its proposer's hooks
             for name in PROPOSER_HOOKS:
                 setattr(self.proposer, name, timed(getattr(self.proposer, name)))
         t0 = time.perf_counter()
         done = step0(self)
-        me = getcurrent()
         seconds, steps = clock.get(me, (0.0, 0))
         clock[me] = (seconds + time.perf_counter() - t0, steps + 1)
         committed[me] = self.num_output_tokens
