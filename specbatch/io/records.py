@@ -112,7 +112,8 @@ class RecordError:
 
     Shown as ``path:N: id=ID: reason`` (a line), ``path: element N: ...`` / ``path: row N:
     ...``, and, for the Python API's prompts (no path, unit ``prompt``), ``prompt N: reason``,
-    with ``id=ID:`` only where the prompt's id is its own (not its position N)."""
+    with ``id=ID:`` only where the id is not the position N itself (a record without an id
+    field is named by its position, which the message already gives)."""
 
     path: str
     line: int
@@ -129,7 +130,7 @@ class RecordError:
             where = f"{self.unit} {self.line}"
         else:
             where = f"{self.path}: {self.unit} {self.line}"
-        own_id = self.id is not None and not (self.unit == PROMPT_UNIT and self.id == self.line)
+        own_id = self.id is not None and not (isinstance(self.id, int) and self.id == self.line)
         who = f" id={self.id!r}:" if own_id else ""
         return f"{where}:{who} {self.reason}"
 

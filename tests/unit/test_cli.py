@@ -120,7 +120,7 @@ def test_skipped_records_are_warnings_failing_ones_errors(tmp_path, tiny_gguf):
     inp.write_text('{"id": 1, "prompt": "abc abc"}\n{"id": 2}\n{"id": 3, "prompt": "x"}\n')
     common = ["run", str(inp), "--model", str(model), "--cache-dir", str(tmp_path / "c"),
               "--method", "none", "--max-tokens", "2", "--no-progress"]
-    bad = f"{inp}:2: id=2: no prompt"
+    bad = f"{inp}:2: no prompt"
     skip = CliRunner().invoke(main, [*common, "-o", str(tmp_path / "s.jsonl"),
                                      "--on-error", "skip"])
     assert skip.exit_code == 0, skip.output
@@ -276,7 +276,7 @@ def test_result_goes_to_stdout_progress_and_warnings_to_stderr(tmp_path, tiny_gg
     assert stdout[1].split()[:3] == ["category", "records", "out"], result.stdout
     assert stdout[2].split()[:2] == ["qa", "1"] and stdout[3].startswith("memory: ")
     assert len(stdout) == 4, result.stdout
-    assert f"warning: {src}:2: id=2: no prompt" in result.stderr
+    assert f"warning: {src}:2: no prompt" in result.stderr
     assert "warning" not in result.stdout and "wrote" not in result.stderr
     assert "1/1" in result.stderr  # the progress bar
 
@@ -718,5 +718,5 @@ def test_skipped_lines_without_id_are_named_by_their_line_alike(tmp_path, tiny_g
     listed = [json.loads(line) for line in (tmp_path / "o.jsonl.errors.jsonl").read_text()
               .splitlines()]
     assert [(e["line"], e["id"]) for e in listed] == [(2, 2), (3, 3)]
-    assert f"warning: {inp}:2: id=2: expected one JSON object per line, got an array" in r.output
-    assert f"warning: {inp}:3: id=3: no prompt" in r.output
+    assert f"warning: {inp}:2: expected one JSON object per line, got an array" in r.output
+    assert f"warning: {inp}:3: no prompt" in r.output

@@ -222,7 +222,7 @@ def test_template_errors_through_the_cli(tmp_path):
     result = CliRunner().invoke(main, ["run", str(path), "-o", str(tmp_path / "o.jsonl"),
                                        "--recipe", str(RECIPES / "code_edit.toml")])
     assert result.exit_code == 2
-    assert f"error: {path}:2: id=2: template field 'code' is missing" in result.output
+    assert f"error: {path}:2: template field 'code' is missing" in result.output
     assert not (tmp_path / "o.jsonl.work.jsonl").exists()
 
 

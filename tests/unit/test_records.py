@@ -135,12 +135,12 @@ def test_integers_beyond_64_bits_are_reported_as_written(tmp_path):
         at = f"{path}:" if name == "in.jsonl" else f"{path}: element "
         assert [(r.id, r.sampling.seed) for r in records] == [(1, 2**64 - 1)]
         assert [str(e) for e in errors] == [
-            f"{at}2: id=2: invalid sampling field: seed={big}: expected an integer that "
+            f"{at}2: invalid sampling field: seed={big}: expected an integer that "
             "fits in 64 bits",
-            f"{at}3: id=3: invalid sampling field: max_tokens=-{big}: expected an integer "
+            f"{at}3: invalid sampling field: max_tokens=-{big}: expected an integer "
             "that fits in 64 bits",
             f"{at}4: id {big} does not fit in 64 bits; write it as a string",
-            f"{at}5: id=5: invalid sampling field: seed=1e+30: expected an integer that "
+            f"{at}5: invalid sampling field: seed=1e+30: expected an integer that "
             "fits in 64 bits"]
 
 
@@ -592,14 +592,14 @@ def test_a_jsonl_line_holding_an_array_is_refused_on_its_line(tmp_path):
     records, errors = read_records(path)
     assert records == []
     assert [str(e) for e in errors] == [
-        f"{path}:1: id=1: expected one JSON object per line, got an array (a .json file may "
+        f"{path}:1: expected one JSON object per line, got an array (a .json file may "
         "hold an array of records)"]
     path.write_text('{"id": 1, "prompt": "a"}\n\n[1, 2]\n"x"\n')
     records, errors = read_records(path)
     assert [r.id for r in records] == [1]
     assert [str(e) for e in errors] == [
-        f"{path}:3: id=3: expected one JSON object per line, got an array",
-        f"{path}:4: id=4: expected one JSON object per line, got a string"]
+        f"{path}:3: expected one JSON object per line, got an array",
+        f"{path}:4: expected one JSON object per line, got a string"]
 
 
 def test_a_line_that_is_no_record_is_named_by_its_line_as_a_record_without_id(tmp_path):
@@ -617,8 +617,8 @@ def test_a_line_that_is_no_record_is_named_by_its_line_as_a_record_without_id(tm
     assert [r.id for r in records] == [1]
     assert [(e.line, e.id) for e in errors] == [(2, 2), (3, 3), (4, 4), (5, None), (6, 9),
                                                 (7, None), (8, 8)]
-    assert str(errors[0]) == f"{path}:2: id=2: expected one JSON object per line, got an array"
-    assert str(errors[1]) == f"{path}:3: id=3: prompt is empty"
+    assert str(errors[0]) == f"{path}:2: expected one JSON object per line, got an array"
+    assert str(errors[1]) == f"{path}:3: prompt is empty"
     _, errors = read_records(path, id_field="id")
     assert [(e.line, e.id) for e in errors] == [(2, None), (3, None), (4, None), (5, None),
                                                 (6, 9), (7, None), (8, None)]
@@ -644,9 +644,9 @@ def test_json_array_problems_name_the_element_not_a_line(tmp_path):
     records, errors = read_records(path)
     assert [(r.id, r.line, r.unit) for r in records] == [(1, 1, "element")]
     assert [str(e) for e in errors] == [
-        f"{path}: element 2: id=2: expected a JSON object, got a number",
+        f"{path}: element 2: expected a JSON object, got a number",
         f"{path}: element 3: id=1: duplicate id 1: first seen on element 1",
-        f"{path}: element 4: id=4: prompt is empty"]
+        f"{path}: element 4: prompt is empty"]
     path.write_text('\n\n{"id": 1,\n "prompt": ""}\n')  # one object: the line it starts on
     _, errors = read_records(path)
     assert [str(e) for e in errors] == [f"{path}:3: id=1: prompt is empty"]
@@ -692,9 +692,9 @@ def test_unsupported_sampling_fields_are_bad_records(tmp_path):
     ])
     records, errors = read_records(path)
     assert [str(e) for e in errors[:2]] == [
-        f"{path}:1: id=1: unsupported sampling parameters 'best_of', 'use_beam_search': "
+        f"{path}:1: unsupported sampling parameters 'best_of', 'use_beam_search': "
         "specbatch does not apply them (rename a field that is only metadata)",
-        f"{path}:2: id=2: unsupported sampling parameter 'max_completion_tokens': use "
+        f"{path}:2: unsupported sampling parameter 'max_completion_tokens': use "
         "max_tokens"]
     unsupported = [k for k in ("n", "min_p", "repetition_penalty") if k not in SAMPLING_FIELDS]
     if unsupported:
@@ -750,7 +750,7 @@ def test_near_miss_of_a_field_name_is_a_bad_record(tmp_path, field, meant):
             "question_id": "--id-field", "id": "--id-field"}.get(meant)
     also = f"pass {flag} {field}, or " if flag else ""  # it may be the prompt or the id
     assert [str(e) for e in errors] == [
-        f"{path}:1: id=1: unknown field {field!r}: did you mean {meant!r}? ({also}rename a "
+        f"{path}:1: unknown field {field!r}: did you mean {meant!r}? ({also}rename a "
         "field that is only metadata)"]
 
 
@@ -773,8 +773,8 @@ def test_prompt_and_messages_together_are_a_bad_record(tmp_path):
         {"id": 4, "q": "a", "prompt": "metadata"}])
     records, errors = read_records(path)
     assert [str(e) for e in errors] == [
-        f"{path}:1: id=1: both prompt and messages are given; keep one",
-        f"{path}:2: id=2: both prompt and turns are given; keep one"]
+        f"{path}:1: both prompt and messages are given; keep one",
+        f"{path}:2: both prompt and turns are given; keep one"]
     assert [r.id for r in records] == [3, 4]
     records, errors = read_records(path, prompt_field="q")  # the chosen field wins, no clash
     assert [(r.id, r.prompt) for r in records] == [(4, "a")] and len(errors) == 3
@@ -812,7 +812,7 @@ def test_wide_stop_token_ids_are_reported_as_written(tmp_path):
         at = f"{path}:" if name == "in.jsonl" else f"{path}: element "
         assert records == []
         assert [str(e) for e in errors] == [
-            f"{at}1: id=1: invalid sampling field: stop_token_ids=[7, {big}]: expected token "
+            f"{at}1: invalid sampling field: stop_token_ids=[7, {big}]: expected token "
             "ids that fit in 64 bits"]
 
 

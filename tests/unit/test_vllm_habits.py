@@ -170,7 +170,7 @@ def test_run_reads_jsonl_from_standard_input(tmp_path, tiny_gguf):
     # a bad line is named by its line of standard input
     r = CliRunner().invoke(main, ["run", "-", "-o", str(tmp_path / "bad.jsonl"), *common],
                            input=text + '{"id": 3}\n')
-    assert r.exit_code == 2 and "error: <stdin>:3: id=3: no prompt" in r.output, r.output
+    assert r.exit_code == 2 and "error: <stdin>:3: no prompt" in r.output, r.output
     # resume: as if killed after record 1 (the work file holds it)
     first = json.loads(from_stdin.read_text().splitlines()[0])
     from_stdin.unlink()
@@ -487,16 +487,16 @@ def test_a_json_array_or_a_too_long_prompt_on_stdin_is_one_line(tmp_path, tiny_g
             "through jq -c '.[]'")
     cases = [
         ('[{"prompt": "a"}, {"prompt": "b"}]\n',
-         [f"error: <stdin>:1: id=1: expected one JSON object per line, got an array ({hint})"]),
+         [f"error: <stdin>:1: expected one JSON object per line, got an array ({hint})"]),
         ('[\n {"prompt": "a"},\n {"prompt": "b"}\n]\n',
          ["error: <stdin>: expected one JSON object per line, got a JSON array over several "
           f"lines (from line 1); {hint}"]),
         (json.dumps({"prompt": "x " * 60}) + "\n",
-         [f"error: <stdin>:1: id=1: prompt is {n} tokens; the context limit is 40 "
+         [f"error: <stdin>:1: prompt is {n} tokens; the context limit is 40 "
           "(--max-model-len)"]),
         ('hello\n{"prompt": ""}\n',
          ["error: <stdin>:1: invalid JSON at column 1: unexpected character, expected a JSON "
-          "value", "error: <stdin>:2: id=2: prompt is empty",
+          "value", "error: <stdin>:2: prompt is empty",
           "error: no valid records; nothing to run."]),
     ]
     for i, (text, lines) in enumerate(cases):
