@@ -25,6 +25,40 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _interpreter_dot_per_row() -> None:
+    """Make the Triton interpreter's ``tl.dot`` compute each output row on its own.
+
+    The interpreter computes a tile's ``tl.dot`` as one ``numpy.matmul``, and numpy's OpenBLAS
+    rounds a row by where it sits in its micro-tile on some CPUs: with the Haswell kernel (AMD
+    Zen 2, AVX2) rows 6-11 of a 16-row tile came out in other bits than the same row at
+    position 0 (float32, K 32-576), so the matmul kernel's row-invariance tests failed there
+    while they passed on AVX-512 hosts. A GPU's MMA gives an element the same bits wherever its
+    row sits, which is what those tests model; here every row is its own ``[1, K] @ [K, N]``
+    product (one batched ``numpy.matmul``), whose bits depend on that row alone."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    dot = interpreter.InterpreterBuilder.create_dot
+    if getattr(dot, "_per_row", False):
+        return
+    handle = interpreter.TensorHandle
+
+    def create_dot(self, a, b, d, *args):
+        # a [..., M, K] -> [..., M, 1, K]; b [..., K, N] -> [..., 1, K, N]; d likewise
+        out = dot(self, handle(a.data[..., None, :], a.dtype),
+                  handle(b.data[..., None, :, :], b.dtype),
+                  handle(d.data[..., None, :], d.dtype), *args)
+        return handle(out.data[..., 0, :], out.dtype)
+
+    create_dot._per_row = True
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_dot_per_row()
+
 _CACHE_ENV = "SPECBATCH_CACHE"  # read by specbatch/settings.py
 _WEIGHTS_DIR = "gguf-v1"  # loader._GGUF_CACHE_DIR
 _MARKER = "specbatch-cache.json"  # loader._MARKER: the entry is complete
