@@ -304,7 +304,7 @@ def _given_flags(ctx: click.Context) -> frozenset[str]:
                                                            ParameterSource.ENVIRONMENT))
 
 
-@main.command()
+@main.command(short_help="Generate an output for every record of INPUT.")
 @click.argument("input_path", metavar="INPUT", type=click.Path())
 @click.option("-o", "--output", default=None, type=click.Path(dir_okay=False),
               help="Output .jsonl or .parquet (default: INPUT stem + .out.jsonl in the "
@@ -330,7 +330,8 @@ def _given_flags(ctx: click.Context) -> frozenset[str]:
               help="Continue from OUT.work.jsonl even when its saved config is missing (a "
                    "rerun of the same command resumes without this flag).")
 @click.option("--force", is_flag=True, help="Start over even if earlier work or output exists.")
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--no-progress", is_flag=True,
+              help="No progress bar (nor the progress lines written where stderr is no terminal).")
 @click.option("--progress-interval", type=click.FloatRange(0, min_open=True), default=10.0,
               show_default=True, metavar="SECONDS",
               help="When stderr is not a terminal (a log file): seconds between plain "
@@ -358,7 +359,7 @@ def run(ctx, **options):
     sys.exit(command.command(_given_flags(ctx), **options))
 
 
-@main.command()
+@main.command(short_help="Time configurations side by side on the same records.")
 @click.argument("input_path", metavar="INPUT", type=click.Path(exists=True))
 @click.option("--configs", default="none,ngram:k=5", show_default=True,
               help="Comma-separated configurations: none, ngram:k=N[:min=A:max=B], draft:k=N, "
@@ -392,7 +393,7 @@ def bench(**options):
     sys.exit(command.command(**options))
 
 
-@main.command()
+@main.command(short_help="Acceptance tables of output files (--by, --what-if).")
 @click.argument("paths", metavar="OUT.jsonl [OUT2.jsonl ...]", nargs=-1, required=True,
                 type=click.Path())
 @click.option("--by", default=None, metavar="FIELD",
@@ -419,7 +420,7 @@ def analyze(**options):
     sys.exit(command.command(**options))
 
 
-@main.command()
+@main.command(short_help="Measure this machine's step cost for a model and dtype.")
 @_calibration_model_options
 @click.option("--output", "-o", default=None, type=click.Path(dir_okay=False),
               help="Also write the cost model here (JSON).")
@@ -432,7 +433,7 @@ def calibrate(**options):
     sys.exit(command.command(**options))
 
 
-@main.command("predict-eval")
+@main.command("predict-eval", short_help="How well predicted acceptance ranks records.")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--k", type=click.IntRange(1, 32), default=5, show_default=True,
               help="k of the predicted acceptance length.")

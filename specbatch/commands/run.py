@@ -170,7 +170,11 @@ def _interrupted(job: _Job) -> int:
 def _run_job(opts: RunOptions, job: _Job) -> int:
     from specbatch.io.writer import OutputWriter, check_output_path
 
-    try:  # first: a wrong output path is one line, before any record's errors or a model load
+    if (getattr(opts, "input_data", None) is None and opts.input_path != "-"
+            and not Path(opts.input_path).exists()):  # before OUT: a finished OUT hid it
+        _err(f"error: {opts.input_path}: no such file or folder")
+        return EXIT_BAD_INPUT
+    try:  # then: a wrong output path is one line, before any record's errors or a model load
         check_output_path(opts.output_path, opts.input_path,
                           force=None if opts.plan_only else opts.force)
     except ValueError as e:

@@ -131,8 +131,12 @@ def test_runs_that_need_the_model(tmp_path):
 def test_missing_input_and_bad_output_paths(tmp_path):
     good = CORPUS / "crlf.jsonl"
     (tmp_path / "a_file").write_text("")
+    (tmp_path / "done.jsonl").write_text('{"prompt": "hi", "output": "x"}\n')  # a finished OUT
     cases = [
         (["run", str(tmp_path / "nope.jsonl"), "-o", str(tmp_path / "o.jsonl")],
+         f"error: {tmp_path / 'nope.jsonl'}: no such file or folder"),
+        # the missing input is named, not the finished OUT (fresh-user finding)
+        (["run", str(tmp_path / "nope.jsonl"), "-o", str(tmp_path / "done.jsonl")],
          f"error: {tmp_path / 'nope.jsonl'}: no such file or folder"),
         (["run", str(good), "-o", str(tmp_path / "a_file" / "sub" / "o.jsonl")],
          "error: cannot create the output folder"),
