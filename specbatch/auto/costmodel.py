@@ -18,12 +18,16 @@ matmul kernels fill their tiles as tokens grow, so a token costs more at 16 -> 3
 at 64 -> 144 (SmolLM2-135M int8, 16 rows at 256 keys: q 1 -> 2 cost 1.4 ms a token, q 6 -> 9
 0.9 ms; one slope over-priced long drafts and under-priced the first, and ``auto`` drafted
 where it did not pay at batch 16, docs/benchmarks.md session 10). Where the forward packs
-(``CostModel.tiled``), two more terms: ``ct * ceil(t / TILE_TOKENS)`` (the matmuls multiply 8
-tokens a tile; the uniform grid's 16-row shapes are whole tiles) and ``cp * rows * q`` on a
+(``CostModel.tiled``), two more terms: ``ct * ceil(t / tile_tokens)`` (the matmuls multiply
+``tile_tokens`` tokens a weight pass: 8 on the AVX-512 kernels, 4 on AVX2; the uniform grid's
+16-row shapes are whole tiles) and ``cp * rows * q`` on a
 packed step (its logits laid out padded), fitted from ``PACKED_SHAPES`` timed beside the grid:
 SmolLM2-135M int8 at batch 16 (1 thread, CPU time), auto's drafting steps ran 2-3.6% further
 above the uniform fit than its plain steps (16 -> 17 tokens cost 2.25 ms, the fit said 1.19),
-within +-1% with these terms. The slopes are non-negative, so a step never gets cheaper with
+within +-1% with these terms. On AVX2 (4-row passes) 8-token tiles missed the jump: 16 -> 17
+tokens cost 4.9-5.3 ms of a 43.5 ms step (float32, 256 keys, 2-core Zen 2), the fit said 2.2,
+4.1 with 4-token tiles (the fit's median deviation 4.0% -> 3.0%); int8 there costs by the
+token (17 -> 24: 2.5 ms each) and its fit keeps no tile term. The slopes are non-negative, so a step never gets cheaper with
 more tokens. Timings far above the fit (another process took the CPU) are taken again, then
 left out, while the time budget (``BUDGET_SECONDS``) lasts. The fit is cached as JSON per
 (model, dtype, device, CPU kernel path, host) under the cache directory (``cache_path``), a
@@ -58,12 +62,14 @@ CONTEXTS = (256, 1024)
 # packs them (``StepBackend.packed_attention``): a few rows drafting, the rest feeding one token,
 # at token counts that fill a matmul tile in part (TILE_TOKENS), as ``auto`` runs at batch 16
 PACKED_SHAPES = ((4, 2, 5), (4, 6, 11), (16, 2, 17), (16, 2, 24), (16, 6, 21), (16, 6, 28))
-# the matmul kernels multiply the tokens 8 rows at a time (kernels/csrc/linear_q8.c MRQ, the
-# AVX-512 row groups of linear_f32.c): a tile started costs its weight pass whatever it holds
+# the matmul kernels multiply the tokens 8 rows at a time on AVX-512 (kernels/csrc/linear_q8.c
+# MRQ, linear_f32.c MR512), 4 on AVX2 (MRA, MR_MAX): a tile started costs its weight pass
+# whatever it holds. The step backend says which (``row_tile``); this where it does not
 TILE_TOKENS = 8
-CALIBRATION_VERSION = 5  # 1: plain least squares, no outlier check; 2: one token slope;
+CALIBRATION_VERSION = 6  # 1: plain least squares, no outlier check; 2: one token slope;
 # 3: no packed shapes (uniform rows only; no tile or padded-logits terms); 4: the 1-row shape
-# timed at 2 tokens where plain decoding feeds 1, a fresh cache's first step timed cold
+# timed at 2 tokens where plain decoding feeds 1, a fresh cache's first step timed cold;
+# 5: the tile 8 tokens everywhere (6: the kernels' own, 4 on AVX2)
 # token counts where the dense term's slope may change (segments [0, 4], [4, 8] ... [64, inf));
 # a fit keeps the knots its samples pass (``knots_for``)
 TOKEN_KNOTS = (4, 8, 16, 32, 64)
@@ -128,7 +134,7 @@ class CostModel:
     every token when ``knots`` is empty: the linear model ``c0 + s0 t + ...``), c2 seconds per
     row x key, c3 per token x key, s_i seconds per token between ``knots[i - 1]`` and
     ``knots[i]`` tokens (the last slope from the last knot on); where ``tiled``, then ``ct``
-    seconds per matmul tile started (``ceil(t / TILE_TOKENS)``) and ``cp`` per query slot of
+    seconds per matmul tile started (``ceil(t / tile_tokens)``) and ``cp`` per query slot of
     a packed step (``rows * q`` when ``t < rows * q``, else 0): what the padded ``[rows, q]``
     layout still costs there (the ids grid; on the torch reference backend, attention). Its
     logits are never padded (``runner.verify``): until engine r14 they were laid out
@@ -157,6 +163,7 @@ class CostModel:
     # the tile and padded-slot terms (``ct``, ``cp``), fitted from packed shapes too
     # (``PACKED_SHAPES``); False: the uniform grid alone, which cannot tell them apart
     tiled: bool = False
+    tile_tokens: int = TILE_TOKENS  # tokens a matmul tile holds (the kernels' row pass)
     # query tokens a one-row step feeds at least (``StepBackend.min_query_len``): plain
     # batch-1 decoding costs ``step_time(1, min_query_len, ctx)`` (analyze's what-if)
     min_query_len: int = 2
@@ -219,7 +226,7 @@ class CostModel:
         for coef, lo, width in self._later:
             acc += coef * min(max(t - lo, 0.0), width)
         if self.tiled:
-            acc += c[-2] * float(math.ceil(t / TILE_TOKENS))
+            acc += c[-2] * float(math.ceil(t / self.tile_tokens))
             acc += c[-1] * (float(slots) if t < slots else 0.0)
         return max(acc, 1e-6)
 
@@ -230,7 +237,7 @@ class CostModel:
         segment = sum(1 for k in self.knots if num_tokens >= k)
         slope = max(self.coef[1] if segment == 0 else self.coef[3 + segment], 0.0)
         if self.tiled:  # a tile's cost shared by the tokens that fill it
-            slope += self.coef[4 + len(self.knots)] / TILE_TOKENS
+            slope += self.coef[4 + len(self.knots)] / self.tile_tokens
         return slope + self.token_key_cost * context_len
 
     @property
@@ -249,7 +256,7 @@ class CostModel:
         tiles = ""
         if self.tiled:
             ct, cp = self.coef[4 + len(self.knots):]
-            tiles = (f" + {ct * 1e3:.3f} ms per {TILE_TOKENS}-token tile + {cp * 1e6:.1f} us "
+            tiles = (f" + {ct * 1e3:.3f} ms per {self.tile_tokens}-token tile + {cp * 1e6:.1f} us "
                      "per query slot of a packed step")
         return (f"{c0 * 1e3:.2f} ms + ms per token {dense} + {c2 * 1e6:.3f} us per row x "
                 f"context + {c3 * 1e9:.3f} ns per " + ("real" if self.packed else "padded")
@@ -338,6 +345,7 @@ def _from_dict(d, path) -> CostModel:
                          knots=tuple(int(k) for k in d.get("knots", ())),
                          packed=bool(d.get("packed", False)),
                          tiled=bool(d.get("tiled", False)),
+                         tile_tokens=int(d.get("tile_tokens", TILE_TOKENS)),
                          min_query_len=int(d.get("min_query_len", 2)),
                          calibrations=calibrations)
     except KeyError as e:
@@ -373,11 +381,11 @@ def load_job_fits(path: str | os.PathLike) -> tuple[CostModel, CostModel | None]
 
 def _features(rows: int, q: int, ctx: int, tokens: int | None = None,
               knots: tuple[int, ...] = (), packed: bool = False,
-              tiled: bool = False) -> list[float]:
+              tiled: bool = False, tile: int = TILE_TOKENS) -> list[float]:
     """The regressors of ``CostModel.coef``: 1, the tokens in the first dense segment, rows x
     keys, query tokens x keys (the real tokens where attention is ``packed``, else rows x q),
     then the tokens in each later segment; where ``tiled``, the matmul tiles started
-    (``ceil(t / TILE_TOKENS)``) and the query slots of a packed step (``rows * q`` when the
+    (``ceil(t / tile)``) and the query slots of a packed step (``rows * q`` when the
     rows feed fewer tokens than that, else 0)."""
     slots = rows * q
     t = float(slots if tokens is None else tokens)
@@ -386,7 +394,7 @@ def _features(rows: int, q: int, ctx: int, tokens: int | None = None,
     scored = t if packed else float(slots)
     x = [1.0, ramps[0], float(rows * ctx), scored * ctx, *ramps[1:]]
     if tiled:
-        x += [float(math.ceil(t / TILE_TOKENS)), float(slots) if t < slots else 0.0]
+        x += [float(math.ceil(t / tile)), float(slots) if t < slots else 0.0]
     return x
 
 
@@ -450,23 +458,23 @@ def solve_nonnegative(a, b) -> tuple[float, ...]:
 
 def fit(samples: list[tuple[int, int, int, float]],
         knots: tuple[int, ...] = (), packed: bool = False,
-        tiled: bool = False) -> tuple[float, ...]:
+        tiled: bool = False, tile: int = TILE_TOKENS) -> tuple[float, ...]:
     """Non-negative least-squares fit of ``CostModel.coef`` (4 + len(knots) coefficients, 2
     more where ``tiled``), relative error weighted (each sample's row divided by its time) so
     small steps count as much as large ones. A step cannot get cheaper with more tokens or
     context, so no coefficient is negative (an unconstrained fit of noisy timings can make one
     so, and then mispredicts every shape far from the samples). samples: ``[rows, q, ctx,
     seconds]``, a packed one ``[rows, q, ctx, seconds, tokens]``."""
-    x = _relative_rows(samples, knots, packed, tiled)
+    x = _relative_rows(samples, knots, packed, tiled, tile)
     return solve_nonnegative(x.T @ x, x.sum(0))
 
 
 def _relative_rows(samples, knots: tuple[int, ...], packed: bool = False,
-                   tiled: bool = False) -> np.ndarray:
+                   tiled: bool = False, tile: int = TILE_TOKENS) -> np.ndarray:
     """The least-squares rows of ``[rows, q, ctx, seconds(, tokens)]`` samples: each sample's
     features over its seconds, ``[len(samples), len(coef)]`` float64, so the target is 1 and
     the error relative."""
-    feats = np.array([_features(r, q, c, t, knots, packed, tiled)
+    feats = np.array([_features(r, q, c, t, knots, packed, tiled, tile)
                       for r, q, c, t in map(_shape, samples)])
     return feats / np.array([s[3] for s in samples], dtype=np.float64)[:, None]
 
@@ -574,6 +582,7 @@ def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
     # where 1 -> 4 tokens cost 0.25 ms each and 4 -> 9 0.65 ms; auto fed 2-token drafts that
     # did not pay and ran 0.97x prompt lookup k5 on the 16 peer records)
     tiled = bool(forward.backend.packed_attention) and bool(packed_grid)
+    tile = int(getattr(forward.backend, "row_tile", TILE_TOKENS))
     lone = _min_query_len(forward)
     shapes = []
     for c in context_grid:
@@ -623,21 +632,21 @@ def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
                 bar.update(1)
     packed = bool(forward.backend.packed_attention)
     knots = knots_for(shapes)
-    kept, rejected = _reject_outliers(best, knots, packed, tiled)
+    kept, rejected = _reject_outliers(best, knots, packed, tiled, tile)
     for _ in range(OUTLIER_ROUNDS):
         if not rejected or not time_left():
             break
         for s in rejected:  # time it again: load comes and goes
             rejected[s] = min(rejected[s], one(*s))
-        kept, rejected = _reject_outliers({**kept, **rejected}, knots, packed, tiled)
+        kept, rejected = _reject_outliers({**kept, **rejected}, knots, packed, tiled, tile)
     knots = knots_for(kept, knots)
     # a shape timed again comes back last from the merge: back to its place in the grid
     kept = {s: kept[s] for s in shapes if s in kept}
     rejected = {s: rejected[s] for s in shapes if s in rejected}
-    coef = fit([_sample(s, t) for s, t in kept.items()], knots, packed, tiled)
+    coef = fit([_sample(s, t) for s, t in kept.items()], knots, packed, tiled, tile)
     if bar is not None:
         bar.close()
-    model = CostModel(coef, knots=knots, packed=packed, tiled=tiled)
+    model = CostModel(coef, knots=knots, packed=packed, tiled=tiled, tile_tokens=tile)
     residuals = sorted(abs(t / _predict(model, s) - 1) for s, t in kept.items())
     loads = [x for x in (load_before, load_average()) if x is not None]
     return CostModel(coef, model_id=model_id, dtype=dtype, device=str(forward.device),
@@ -647,7 +656,7 @@ def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
                      median_residual=residuals[len(residuals) // 2] if residuals else 0.0,
                      load_average=max(loads) if loads else None,
                      engine=engine_fingerprint(), knots=knots, packed=packed, tiled=tiled,
-                     min_query_len=lone,
+                     tile_tokens=tile, min_query_len=lone,
                      calibrations=1 + (prior.calibrations if prior is not None else 0))
 
 
@@ -658,7 +667,7 @@ def _predict(model: CostModel, shape: tuple[int, int, int, int]) -> float:
 
 def _reject_outliers(timings: dict[tuple[int, int, int, int], float],
                      knots: tuple[int, ...] = (), packed: bool = False, tiled: bool = False,
-                     ) -> tuple[dict[tuple[int, int, int, int], float],
+                     tile: int = TILE_TOKENS) -> tuple[dict[tuple[int, int, int, int], float],
                                 dict[tuple[int, int, int, int], float]]:
     """Split ``{(rows, q, ctx, tokens): seconds}`` into (kept, outliers): fit, drop the timing
     furthest above its fit if it is more than ``OUTLIER_RESIDUAL`` above, refit, repeat (one at
@@ -666,8 +675,8 @@ def _reject_outliers(timings: dict[tuple[int, int, int, int], float],
     ``MIN_SAMPLES`` are kept. Only slow timings are outliers: load never makes a step faster."""
     kept, out = dict(timings), {}
     while len(kept) > MIN_SAMPLES:
-        model = CostModel(fit([_sample(s, t) for s, t in kept.items()], knots, packed, tiled),
-                          knots=knots, packed=packed, tiled=tiled)
+        model = CostModel(fit([_sample(s, t) for s, t in kept.items()], knots, packed, tiled,
+                              tile), knots=knots, packed=packed, tiled=tiled, tile_tokens=tile)
         worst = max(kept, key=lambda s: kept[s] / _predict(model, s))
         if kept[worst] <= _predict(model, worst) * (1 + OUTLIER_RESIDUAL):
             break

@@ -58,6 +58,9 @@ class CpuBackend(TorchBackend):
         # rows a dense matmul is padded to: 1 on the C kernel (row-invariant from one row),
         # else 2 (oneDNN rounds a one-row matmul differently; models/dense.py)
         self.min_dense_rows = 1 if _is_c_linear(forward.linear) else 2
+        # tokens the dense matmuls multiply per pass over a weight, the tile of the step-cost
+        # fit (``auto.costmodel.CostModel.tile_tokens``): ``_row_tile``
+        self.row_tile = _row_tile(forward)
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, cache: KVCache,
@@ -141,6 +144,20 @@ class CpuBackend(TorchBackend):
         if h.shape[0] * h.shape[1] < 2 and self.min_dense_rows > 1:
             return f.linear(h.expand(2, -1, -1), f.lm_head)[:1]
         return f.linear(h, f.lm_head)
+
+
+def _row_tile(forward) -> int:
+    """Tokens the C matmul multiplies per pass over a weight: 8 on its AVX-512 kernels
+    (kernels/csrc/linear_q8.c ``MRQ`` with VNNI, linear_f32.c ``MR512``), 4 on AVX2 (``MRA``,
+    ``MR_MAX``); a step of 17 tokens then pays a fifth pass on AVX2 where a third on AVX-512.
+    8 for another matmul (oneDNN's blocking is its own)."""
+    if not _is_c_linear(forward.linear):
+        return 8
+    from specbatch.kernels import linear_cpu
+
+    if forward.activations == "int8":
+        return 8 if linear_cpu.int8_kernel() == "vnni" else 4
+    return 8 if linear_cpu.avx512() else 4
 
 
 def _is_c_linear(linear) -> bool:
