@@ -28,9 +28,10 @@ within +-1% with these terms. On AVX2 (4-row passes) 8-token tiles missed the ju
 tokens cost 4.9-5.3 ms of a 43.5 ms step (float32, 256 keys, 2-core Zen 2), the fit said 2.2,
 4.1 with 4-token tiles (the fit's median deviation 4.0% -> 3.0%); int8 there costs by the
 token (17 -> 24: 2.5 ms each) and its fit keeps no tile term. The slopes are non-negative,
-so a step never gets cheaper with more tokens. Timings far above the fit (another process took the CPU) are taken again, then
-left out, while the time budget (``BUDGET_SECONDS``) lasts. The fit is cached as JSON per
-(model, dtype, device, CPU kernel path, host) under the cache directory (``cache_path``), a
+so a step never gets cheaper with more tokens. Timings far above the fit (another process
+took the CPU) are taken again, then left out, while the time budget (``BUDGET_SECONDS``)
+lasts. The fit is cached as JSON per (model, dtype, device, CPU kernel path, host) under the
+cache directory (``cache_path``), a
 noisy one too (``CostModel.noise``, with a note; a later run on a quiet machine times it
 again, ``load_or_calibrate``); ``run --method auto`` calibrates on first use
 (~8 s for SmolLM2-135M float32 on a quiet 2-core CPU, at most ~20 s plus one sweep of the
