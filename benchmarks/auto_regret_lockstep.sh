@@ -6,6 +6,8 @@
 # the CPU (~35 min on 2 cores):
 #     W=/tmp/lockstep bash benchmarks/auto_regret_lockstep.sh
 # writes W/<regime>.log; each ends with "auto / best static arm (ARM): RATIO pooled; per round".
+# R130=N: rounds of the 130-record job (default 3; ~20 min a round on a 2-core Zen 2, where
+# the other six regimes take ~50 min together).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1
@@ -39,7 +41,7 @@ for line in open("../shared/data/spec_bench/question.jsonl"):
         out.append(line)
 open(sys.argv[1], "w").writelines(out)
 PY
-python $L "$W/spec_bench130.jsonl" --batch 16 --dtype int8 \
+python $L "$W/spec_bench130.jsonl" --batch 16 --dtype int8 --rounds "${R130:-3}" \
     --arms none,ngram:k=3,ngram:k=5,suffix,auto > "$W/spec_bench130_b16.log" 2>&1
 date -u +%FT%T > "$W/end"
 grep -H "best static" "$W"/*.log
