@@ -240,7 +240,8 @@ def _priced(fit):
         t0 = time.perf_counter()
         logits = verify0(self, seqs, drafts, meta)
         seconds = time.perf_counter() - t0
-        priced = fit.step_time(len(seqs), max(fed), ctx, num_tokens=sum(fed))
+        priced = fit.step_time(len(seqs), max(fed), ctx, num_tokens=sum(fed),
+                               drafting_rows=sum(1 for f in fed if f > 1))
         out["measured"] += seconds
         out["fit"] += priced
         out["steps"] += 1

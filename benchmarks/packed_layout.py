@@ -8,10 +8,10 @@ Times one forward (``LlamaForward.forward``, what calibration's ``measure`` time
 rows at ``--context`` keys for each layout below, the median of ``--repeats`` timings after 2
 untimed ones, ``--rounds`` rounds of all layouts in turn, and prints per layout its real tokens,
 its drafting rows (rows that feed more than one token), its median over rounds (ms) and the
-cached fit's price of it (``CostModel.step_time`` at its rows, longest row, real tokens: what
-auto's policy asks; the fit is calibrated first where there is none, ~20 s). The fit knows the
-tokens and the longest row, not how many rows draft; calibration's packed shapes put the drafts
-on as few rows as they fit in (``costmodel.packed_fed``).
+cached fit's price of it (``CostModel.step_time`` at its rows, longest row, real tokens and
+drafting rows: what auto's policy asks; the fit is calibrated first where there is none,
+~20 s). Fits before calibration version 7 knew the tokens and the longest row, not how many
+rows draft, and priced 8 rows drafting a token each 3-5% low (2-core Zen 2).
 """
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ def main() -> None:
     print(f"{'layout':<11}{'tokens':>7}{'drafting rows':>14}{'ms':>8}{'fit ms':>8}{'/ fit':>7}")
     for name, fed in shapes.items():
         ms = statistics.median(got[name])
-        priced = fit.step_time(args.rows, max(fed), args.context, num_tokens=sum(fed)) * 1e3
+        priced = fit.step_time(args.rows, max(fed), args.context, num_tokens=sum(fed),
+                               drafting_rows=sum(f > 1 for f in fed)) * 1e3
         print(f"{name:<11}{sum(fed):>7}{sum(f > 1 for f in fed):>14}{ms:>8.1f}{priced:>8.1f}"
               f"{ms / priced:>7.2f}")
 

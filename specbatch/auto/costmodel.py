@@ -67,10 +67,10 @@ PACKED_SHAPES = ((4, 2, 5), (4, 6, 11), (16, 2, 17), (16, 2, 24), (16, 6, 21), (
 # MRQ, linear_f32.c MR512), 4 on AVX2 (MRA, MR_MAX): a tile started costs its weight pass
 # whatever it holds. The step backend says which (``row_tile``); this where it does not
 TILE_TOKENS = 8
-CALIBRATION_VERSION = 6  # 1: plain least squares, no outlier check; 2: one token slope;
+CALIBRATION_VERSION = 7  # 1: plain least squares, no outlier check; 2: one token slope;
 # 3: no packed shapes (uniform rows only; no tile or padded-logits terms); 4: the 1-row shape
 # timed at 2 tokens where plain decoding feeds 1, a fresh cache's first step timed cold;
-# 5: the tile 8 tokens everywhere (6: the kernels' own, 4 on AVX2)
+# 5: the tile 8 tokens everywhere (6: the kernels' own, 4 on AVX2); 6: no drafting-row term
 # token counts where the dense term's slope may change (segments [0, 4], [4, 8] ... [64, inf));
 # a fit keeps the knots its samples pass (``knots_for``)
 TOKEN_KNOTS = (4, 8, 16, 32, 64)
@@ -165,6 +165,10 @@ class CostModel:
     # (``PACKED_SHAPES``); False: the uniform grid alone, which cannot tell them apart
     tiled: bool = False
     tile_tokens: int = TILE_TOKENS  # tokens a matmul tile holds (the kernels' row pass)
+    # a term per drafting row (a row that feeds more than one token; ``cd``, the last
+    # coefficient), fitted from the packed shapes too: the same draft tokens cost more spread
+    # over rows than on one (``_drafting_rows``)
+    drafting: bool = False
     # query tokens a one-row step feeds at least (``StepBackend.min_query_len``): plain
     # batch-1 decoding costs ``step_time(1, min_query_len, ctx)`` (analyze's what-if)
     min_query_len: int = 2
@@ -173,10 +177,11 @@ class CostModel:
     calibrations: int = 1
 
     def __post_init__(self) -> None:
-        n = 4 + len(self.knots) + 2 * self.tiled
+        n = 4 + len(self.knots) + 2 * self.tiled + self.drafting
         if len(self.coef) != n:
             raise ValueError(f"a cost model with {len(self.knots)} knots"
                              + (" and tile terms" if self.tiled else "")
+                             + (" and a drafting-row term" if self.drafting else "")
                              + f" has {n} coefficients, not {len(self.coef)}")
         # ``step_time``'s dense segments past the first: (coefficient, start, width) each, as
         # ``_features`` ramps them (its ``edges``); not a field (no part of eq or the file)
@@ -209,11 +214,13 @@ class CostModel:
         return None
 
     def step_time(self, num_rows: int, query_len: int, context_len: int,
-                  num_tokens: int | None = None) -> float:
+                  num_tokens: int | None = None, drafting_rows: int | None = None) -> float:
         """Predicted seconds for one forward over ``num_rows`` rows padded to ``query_len``
         new tokens, attending to ``context_len`` keys (tokens). num_tokens: the real tokens
         when rows feed different lengths and the dense layers run packed (``runner.verify``);
-        default ``num_rows * query_len``. Attention always costs the padded shape."""
+        default ``num_rows * query_len``. drafting_rows: the rows that feed more than one
+        token, where the fit has that term (``drafting``); default: the fewest rows the real
+        tokens fit in (``_drafting_rows``). Attention always costs the padded shape."""
         # the dot of ``coef`` with ``_features``: the same float operations in the same order
         # (its bits), without building the list: ~2 us a call, not ~7 (auto prices tens of
         # shapes a step at batch 16)
@@ -227,8 +234,12 @@ class CostModel:
         for coef, lo, width in self._later:
             acc += coef * min(max(t - lo, 0.0), width)
         if self.tiled:
-            acc += c[-2] * float(math.ceil(t / self.tile_tokens))
-            acc += c[-1] * (float(slots) if t < slots else 0.0)
+            base = 4 + len(self.knots)
+            acc += c[base] * float(math.ceil(t / self.tile_tokens))
+            acc += c[base + 1] * (float(slots) if t < slots else 0.0)
+        if self.drafting:
+            acc += c[-1] * float(drafting_rows if drafting_rows is not None
+                                 else _drafting_rows(num_rows, query_len, t))
         return max(acc, 1e-6)
 
     def token_cost(self, num_tokens: int = 0, context_len: int = 0) -> float:
@@ -256,9 +267,11 @@ class CostModel:
                           for s, lo, hi in zip(slopes, edges, (*self.knots, "")))
         tiles = ""
         if self.tiled:
-            ct, cp = self.coef[4 + len(self.knots):]
+            ct, cp = self.coef[4 + len(self.knots):6 + len(self.knots)]
             tiles = (f" + {ct * 1e3:.3f} ms per {self.tile_tokens}-token tile + {cp * 1e6:.1f} us "
                      "per query slot of a packed step")
+        if self.drafting:
+            tiles += f" + {self.coef[-1] * 1e3:.3f} ms per drafting row"
         return (f"{c0 * 1e3:.2f} ms + ms per token {dense} + {c2 * 1e6:.3f} us per row x "
                 f"context + {c3 * 1e9:.3f} ns per " + ("real" if self.packed else "padded")
                 + " token x context" + tiles)
@@ -347,6 +360,7 @@ def _from_dict(d, path) -> CostModel:
                          packed=bool(d.get("packed", False)),
                          tiled=bool(d.get("tiled", False)),
                          tile_tokens=int(d.get("tile_tokens", TILE_TOKENS)),
+                         drafting=bool(d.get("drafting", False)),
                          min_query_len=int(d.get("min_query_len", 2)),
                          calibrations=calibrations)
     except KeyError as e:
@@ -382,12 +396,14 @@ def load_job_fits(path: str | os.PathLike) -> tuple[CostModel, CostModel | None]
 
 def _features(rows: int, q: int, ctx: int, tokens: int | None = None,
               knots: tuple[int, ...] = (), packed: bool = False,
-              tiled: bool = False, tile: int = TILE_TOKENS) -> list[float]:
+              tiled: bool = False, tile: int = TILE_TOKENS,
+              drafting: bool = False) -> list[float]:
     """The regressors of ``CostModel.coef``: 1, the tokens in the first dense segment, rows x
     keys, query tokens x keys (the real tokens where attention is ``packed``, else rows x q),
     then the tokens in each later segment; where ``tiled``, the matmul tiles started
     (``ceil(t / tile)``) and the query slots of a packed step (``rows * q`` when the
-    rows feed fewer tokens than that, else 0)."""
+    rows feed fewer tokens than that, else 0); where ``drafting``, the drafting rows
+    (``_drafting_rows``)."""
     slots = rows * q
     t = float(slots if tokens is None else tokens)
     edges = (0, *knots, math.inf)
@@ -396,7 +412,21 @@ def _features(rows: int, q: int, ctx: int, tokens: int | None = None,
     x = [1.0, ramps[0], float(rows * ctx), scored * ctx, *ramps[1:]]
     if tiled:
         x += [float(math.ceil(t / tile)), float(slots) if t < slots else 0.0]
+    if drafting:
+        x.append(float(_drafting_rows(rows, q, t)))
     return x
+
+
+def _drafting_rows(rows: int, q: int, tokens: float) -> int:
+    """Rows that feed more than one token in a step of ``rows`` rows, ``q`` query tokens at
+    most and ``tokens`` real ones laid out as ``packed_fed`` lays out calibration's packed
+    shapes (the drafts on as few rows as they fit in); every row where ``tokens`` is
+    ``rows * q`` and q > 1. A drafting row costs more than its tokens: 24 tokens in 16 rows
+    took 61.5 ms as one row of 9, 65.0 ms as 8 rows of 2 (float32, 300 keys, 2-core Zen 2,
+    ``benchmarks/packed_layout.py``); without the term auto's batch-16 suffix drafts (1-2
+    tokens on several rows) ran 3-5% above the fit."""
+    extra = int(tokens) - rows
+    return 0 if q <= 1 or extra <= 0 else min(rows, -(-extra // (q - 1)))
 
 
 def _shape(s) -> tuple[int, int, int, int]:
@@ -459,23 +489,25 @@ def solve_nonnegative(a, b) -> tuple[float, ...]:
 
 def fit(samples: list[tuple[int, int, int, float]],
         knots: tuple[int, ...] = (), packed: bool = False,
-        tiled: bool = False, tile: int = TILE_TOKENS) -> tuple[float, ...]:
+        tiled: bool = False, tile: int = TILE_TOKENS,
+        drafting: bool = False) -> tuple[float, ...]:
     """Non-negative least-squares fit of ``CostModel.coef`` (4 + len(knots) coefficients, 2
     more where ``tiled``), relative error weighted (each sample's row divided by its time) so
     small steps count as much as large ones. A step cannot get cheaper with more tokens or
     context, so no coefficient is negative (an unconstrained fit of noisy timings can make one
     so, and then mispredicts every shape far from the samples). samples: ``[rows, q, ctx,
     seconds]``, a packed one ``[rows, q, ctx, seconds, tokens]``."""
-    x = _relative_rows(samples, knots, packed, tiled, tile)
+    x = _relative_rows(samples, knots, packed, tiled, tile, drafting)
     return solve_nonnegative(x.T @ x, x.sum(0))
 
 
 def _relative_rows(samples, knots: tuple[int, ...], packed: bool = False,
-                   tiled: bool = False, tile: int = TILE_TOKENS) -> np.ndarray:
+                   tiled: bool = False, tile: int = TILE_TOKENS,
+                   drafting: bool = False) -> np.ndarray:
     """The least-squares rows of ``[rows, q, ctx, seconds(, tokens)]`` samples: each sample's
     features over its seconds, ``[len(samples), len(coef)]`` float64, so the target is 1 and
     the error relative."""
-    feats = np.array([_features(r, q, c, t, knots, packed, tiled, tile)
+    feats = np.array([_features(r, q, c, t, knots, packed, tiled, tile, drafting)
                       for r, q, c, t in map(_shape, samples)])
     return feats / np.array([s[3] for s in samples], dtype=np.float64)[:, None]
 
@@ -633,21 +665,23 @@ def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
                 bar.update(1)
     packed = bool(forward.backend.packed_attention)
     knots = knots_for(shapes)
-    kept, rejected = _reject_outliers(best, knots, packed, tiled, tile)
+    kept, rejected = _reject_outliers(best, knots, packed, tiled, tile, tiled)
     for _ in range(OUTLIER_ROUNDS):
         if not rejected or not time_left():
             break
         for s in rejected:  # time it again: load comes and goes
             rejected[s] = min(rejected[s], one(*s))
-        kept, rejected = _reject_outliers({**kept, **rejected}, knots, packed, tiled, tile)
+        kept, rejected = _reject_outliers({**kept, **rejected}, knots, packed, tiled, tile,
+                                          tiled)
     knots = knots_for(kept, knots)
     # a shape timed again comes back last from the merge: back to its place in the grid
     kept = {s: kept[s] for s in shapes if s in kept}
     rejected = {s: rejected[s] for s in shapes if s in rejected}
-    coef = fit([_sample(s, t) for s, t in kept.items()], knots, packed, tiled, tile)
+    coef = fit([_sample(s, t) for s, t in kept.items()], knots, packed, tiled, tile, tiled)
     if bar is not None:
         bar.close()
-    model = CostModel(coef, knots=knots, packed=packed, tiled=tiled, tile_tokens=tile)
+    model = CostModel(coef, knots=knots, packed=packed, tiled=tiled, tile_tokens=tile,
+                      drafting=tiled)
     residuals = sorted(abs(t / _predict(model, s) - 1) for s, t in kept.items())
     loads = [x for x in (load_before, load_average()) if x is not None]
     return CostModel(coef, model_id=model_id, dtype=dtype, device=str(forward.device),
@@ -657,7 +691,7 @@ def calibrate(forward, model_id: str = "", dtype: str = "", repeats: int = 3,
                      median_residual=residuals[len(residuals) // 2] if residuals else 0.0,
                      load_average=max(loads) if loads else None,
                      engine=engine_fingerprint(), knots=knots, packed=packed, tiled=tiled,
-                     tile_tokens=tile, min_query_len=lone,
+                     tile_tokens=tile, drafting=tiled, min_query_len=lone,
                      calibrations=1 + (prior.calibrations if prior is not None else 0))
 
 
@@ -668,7 +702,8 @@ def _predict(model: CostModel, shape: tuple[int, int, int, int]) -> float:
 
 def _reject_outliers(timings: dict[tuple[int, int, int, int], float],
                      knots: tuple[int, ...] = (), packed: bool = False, tiled: bool = False,
-                     tile: int = TILE_TOKENS) -> tuple[dict[tuple[int, int, int, int], float],
+                     tile: int = TILE_TOKENS, drafting: bool = False,
+                     ) -> tuple[dict[tuple[int, int, int, int], float],
                                 dict[tuple[int, int, int, int], float]]:
     """Split ``{(rows, q, ctx, tokens): seconds}`` into (kept, outliers): fit, drop the timing
     furthest above its fit if it is more than ``OUTLIER_RESIDUAL`` above, refit, repeat (one at
@@ -677,7 +712,8 @@ def _reject_outliers(timings: dict[tuple[int, int, int, int], float],
     kept, out = dict(timings), {}
     while len(kept) > MIN_SAMPLES:
         model = CostModel(fit([_sample(s, t) for s, t in kept.items()], knots, packed, tiled,
-                              tile), knots=knots, packed=packed, tiled=tiled, tile_tokens=tile)
+                              tile, drafting), knots=knots, packed=packed, tiled=tiled,
+                          tile_tokens=tile, drafting=drafting)
         worst = max(kept, key=lambda s: kept[s] / _predict(model, s))
         if kept[worst] <= _predict(model, worst) * (1 + OUTLIER_RESIDUAL):
             break

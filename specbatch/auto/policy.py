@@ -317,15 +317,19 @@ class AdaptivePolicy:
         nothing)."""
         tokens = rows + sum(c_i[c] for c_i, c in zip(sums, cuts) if c)
         q = 1 + max(cuts, default=0)
-        return tokens / self._seconds(rows, q, ctx, rows + sum(cuts))
+        return tokens / self._seconds(rows, q, ctx, rows + sum(cuts),
+                                      sum(1 for c in cuts if c))
 
-    def _seconds(self, rows: int, q: int, ctx: float, tokens: int) -> float:
-        """``cost.step_time(rows, q, ctx, num_tokens=tokens)``, remembered until the next
-        ``select`` (a step weighs the same few shapes many times)."""
-        key = (rows, q, ctx, tokens)
+    def _seconds(self, rows: int, q: int, ctx: float, tokens: int,
+                 drafting: int | None = None) -> float:
+        """``cost.step_time(rows, q, ctx, num_tokens=tokens, drafting_rows=drafting)``
+        (``drafting``: the rows with a draft; ``CostModel.drafting``), remembered until the
+        next ``select`` (a step weighs the same few shapes many times)."""
+        key = (rows, q, ctx, tokens, drafting)
         seconds = self._memo.get(key)
         if seconds is None:
-            seconds = self._memo[key] = self.cost.step_time(rows, q, ctx, num_tokens=tokens)
+            seconds = self._memo[key] = self.cost.step_time(rows, q, ctx, num_tokens=tokens,
+                                                            drafting_rows=drafting)
         return seconds
 
     def _cuts(self, rows: int, lengths: list[int], k: int, reach: list[list[float]],
@@ -546,7 +550,7 @@ class AdaptivePolicy:
         rates: dict[int, float] = {}
         best_c, best_r = 0, -1.0
         for c in range(top + 1):
-            r = (1 + sums[c]) / self._seconds(1, 1 + c, ctx, 1 + c)
+            r = (1 + sums[c]) / self._seconds(1, 1 + c, ctx, 1 + c, int(c > 0))
             if r > best_r:
                 best_c, best_r = c, r
             options[c], rates[c] = [best_c], best_r
@@ -579,7 +583,8 @@ class AdaptivePolicy:
             tokens = n + sum(sum(r[:d]) if d else sum(c)
                              for r, c, d in zip(reach, current, lengths))
             feeds = [d if d else f for d, f in zip(lengths, fed)]
-            seconds = self._seconds(n, 1 + max(feeds), ctx, n + sum(feeds))
+            seconds = self._seconds(n, 1 + max(feeds), ctx, n + sum(feeds),
+                                    sum(1 for f in feeds if f))
             seconds += sum(e for e, d in zip(entry, lengths) if d)
             for extra in cand.step_seconds(lengths, ctx):
                 seconds += extra
