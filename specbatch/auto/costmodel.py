@@ -70,7 +70,8 @@ TILE_TOKENS = 8
 CALIBRATION_VERSION = 7  # 1: plain least squares, no outlier check; 2: one token slope;
 # 3: no packed shapes (uniform rows only; no tile or padded-logits terms); 4: the 1-row shape
 # timed at 2 tokens where plain decoding feeds 1, a fresh cache's first step timed cold;
-# 5: the tile 8 tokens everywhere (6: the kernels' own, 4 on AVX2); 6: no drafting-row term
+# 5: 8-token tiles everywhere; 6: the kernels' own tile (4 tokens on AVX2), no drafting-row
+# term
 # token counts where the dense term's slope may change (segments [0, 4], [4, 8] ... [64, inf));
 # a fit keeps the knots its samples pass (``knots_for``)
 TOKEN_KNOTS = (4, 8, 16, 32, 64)
@@ -492,9 +493,10 @@ def fit(samples: list[tuple[int, int, int, float]],
         tiled: bool = False, tile: int = TILE_TOKENS,
         drafting: bool = False) -> tuple[float, ...]:
     """Non-negative least-squares fit of ``CostModel.coef`` (4 + len(knots) coefficients, 2
-    more where ``tiled``), relative error weighted (each sample's row divided by its time) so
-    small steps count as much as large ones. A step cannot get cheaper with more tokens or
-    context, so no coefficient is negative (an unconstrained fit of noisy timings can make one
+    more where ``tiled``, 1 more where ``drafting``; ``tile``: tokens per matmul tile),
+    relative error weighted (each sample's row divided by its time) so small steps count as
+    much as large ones. A step cannot get cheaper with more tokens or context, so no
+    coefficient is negative (an unconstrained fit of noisy timings can make one
     so, and then mispredicts every shape far from the samples). samples: ``[rows, q, ctx,
     seconds]``, a packed one ``[rows, q, ctx, seconds, tokens]``."""
     x = _relative_rows(samples, knots, packed, tiled, tile, drafting)
