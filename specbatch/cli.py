@@ -35,6 +35,22 @@ class _MethodChoice(click.Choice):
         pass
 
 
+class _Seed(click.ParamType):
+    """``--seed``: an integer from -2**63 to 2**64 - 1 (any 64-bit seed, signed or not). Not
+    ``click.IntRange``, whose help would print both 20-digit ends."""
+
+    name = "integer"
+
+    def convert(self, value, param, ctx):
+        try:
+            seed = int(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not an integer", param, ctx)
+        if not MIN_INT <= seed <= MAX_INT:
+            self.fail(f"{seed} is not a 64-bit seed (-2**63 to 2**64 - 1)", param, ctx)
+        return seed
+
+
 class _UsageError(click.UsageError):
     """A usage error shown as one ``error:`` line and a hint, instead of click's usage block."""
 
@@ -192,9 +208,9 @@ def _sampling_options(f):
         click.option("--top-k", type=click.IntRange(-1), default=0, show_default=True,
                      help="Sample from the K most likely tokens only; 0 = off (-1 too, as "
                      "in vLLM)."),
-        click.option("--seed", type=click.IntRange(MIN_INT, MAX_INT), default=0,
-                     show_default=True,
-                     help="Run seed; a record's seed is derived from it and the record id."),
+        click.option("--seed", type=_Seed(), default=0, show_default=True,
+                     help="Run seed, a 64-bit integer; a record's seed is derived from it and "
+                          "the record id."),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
         click.option("--stop-token-id", "stop_token_ids", type=int, multiple=True,
                      help="Stop token id (repeatable)."),

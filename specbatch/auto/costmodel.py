@@ -259,23 +259,34 @@ class CostModel:
         ``packed``, else 0 (a row shorter than the longest is padded anyway)."""
         return self.coef[3] if self.packed else 0.0
 
-    def describe(self) -> str:
-        """The fit in words: per-step, per-token (per segment), attention terms."""
+    def terms(self) -> list[tuple[str, float]]:
+        """The fit term by term, as ``(what it is paid for, milliseconds)``: every step, the
+        dense slope per segment, the two attention terms (per 1,000 keys), then the tile,
+        packed-slot and drafting-row terms where fitted. A step's predicted time is the sum of
+        each term times its count (``step_time``; ``specbatch calibrate`` prints them)."""
         c0, s0, c2, c3 = self.coef[:4]
         slopes = (s0, *self.coef[4:4 + len(self.knots)])
         edges = (0, *self.knots)
-        dense = ", ".join(f"{s * 1e3:.3f}" + (f" ({lo}-{hi})" if self.knots else "")
-                          for s, lo, hi in zip(slopes, edges, (*self.knots, "")))
-        tiles = ""
+        out = [("every step", c0 * 1e3)]
+        for s, lo, hi in zip(slopes, edges, (*self.knots, None)):
+            span = "" if not self.knots else (f", tokens {lo}-{hi} of the step" if hi
+                                              else f", tokens past {lo} of the step")
+            out.append((f"per fed token{span}", s * 1e3))
+        out.append(("per row, per 1,000 keys", c2 * 1e6))
+        out.append((("per fed token" if self.packed else "per query slot (rows x q)")
+                    + ", per 1,000 keys of its row", c3 * 1e6))
         if self.tiled:
             ct, cp = self.coef[4 + len(self.knots):6 + len(self.knots)]
-            tiles = (f" + {ct * 1e3:.3f} ms per {self.tile_tokens}-token tile + {cp * 1e6:.1f} us "
-                     "per query slot of a packed step")
+            out.append((f"per {self.tile_tokens}-token matmul tile started", ct * 1e3))
+            out.append(("per query slot of a packed step (rows x q)", cp * 1e3))
         if self.drafting:
-            tiles += f" + {self.coef[-1] * 1e3:.3f} ms per drafting row"
-        return (f"{c0 * 1e3:.2f} ms + ms per token {dense} + {c2 * 1e6:.3f} us per row x "
-                f"context + {c3 * 1e9:.3f} ns per " + ("real" if self.packed else "padded")
-                + " token x context" + tiles)
+            out.append(("per drafting row (a row feeding more than one token)",
+                        self.coef[-1] * 1e3))
+        return out
+
+    def describe(self) -> str:
+        """The fit in one line, its ``terms`` joined (benchmarks' logs)."""
+        return " + ".join(f"{ms:.3f} ms {what}" for what, ms in self.terms())
 
     def speedup(self, num_rows: int, k: int, context_len: int, tokens_per_step: float) -> float:
         """Throughput with k drafts per row relative to plain decoding (k = 0)."""

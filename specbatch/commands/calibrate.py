@@ -37,6 +37,9 @@ def run_calibrate(model: str | None, dtype: str, cache_dir: str | None, output: 
         click.echo(f"{'measured' if measured else 'cached'}: {path}")
     else:
         click.echo(f"cached: {path}, measured {file_age(path)} (--recalibrate measures again)")
+    click.echo("rows: rows of the step; q: tokens its longest row feeds; ctx: keys per row; "
+               "tokens: tokens fed in all (fewer than rows x q: a packed step, drafts on a few "
+               "rows)")
     click.echo(f"{'rows':>5}{'q':>4}{'ctx':>6}{'tokens':>7}{'measured ms':>13}{'fit ms':>9}")
     # one row per timed shape, by context, rows, q, tokens (files written before calibrate kept
     # the grid's order list a shape timed again last), outliers labelled in their place; a
@@ -48,12 +51,22 @@ def run_calibrate(model: str | None, dtype: str, cache_dir: str | None, output: 
         click.echo(f"{r:>5}{q:>4}{c:>6}{t:>7}{sec * 1e3:>13.1f}"
                    f"{cost.step_time(r, q, c, num_tokens=t) * 1e3:>9.1f}{note}")
     noisy = cost.noise()
-    click.echo(f"fit: {cost.describe()}; median deviation {cost.median_residual:.1%}"
-               + (f"; load average {cost.load_average:.1f}" if cost.load_average is not None
-                  else "")
-               + (f"; noisy: {noisy}" if noisy else "")
+    click.echo("fit (a step's ms: the sum of each term times its count; median deviation "
+               f"{cost.median_residual:.1%} from the timings above"
+               + (f"; load average {cost.load_average:.1f} while measuring"
+                  if cost.load_average is not None else "")
                + (f"; {cost.calibrations} calibrations merged" if cost.calibrations > 1
-                  else ""))
+                  else "") + "):")
+    terms = cost.terms()
+    width = max(len(what) for what, _ in terms)
+    for what, ms in terms:
+        if ms > 0:
+            click.echo(f"  {what:<{width}}  {ms:8.3f} ms")
+    zero = [what for what, ms in terms if ms <= 0]
+    if zero:
+        click.echo("  fitted at 0 (no cost of their own on this machine): " + "; ".join(zero))
+    if noisy:
+        click.echo(f"noisy: {noisy} (--recalibrate on a quiet machine measures again)")
     if output is not None:
         try:
             cost.save(output)

@@ -464,7 +464,49 @@ def test_the_calibrate_table_lists_shapes_by_context(monkeypatch, capsys):
     assert [int(row[3]) for row in table] == [r * q for r, q, _ in GRID]
     assert [row[6:] for row in table if row[6:]] == [["outlier,", "left", "out"]]
     assert table[GRID.index((4, 6, 1024))][6:] == ["outlier,", "left", "out"]
-    assert out[header + 1 + len(GRID)].startswith("fit: ")
+    fit_line = out[header + 1 + len(GRID)]
+    assert fit_line.startswith("fit (a step's ms: the sum of each term") and "0.0%" in fit_line
+    # TRUE's four terms, each on its line with its value (ms; the attention terms per 1,000 keys)
+    terms = [line.rsplit(None, 2) for line in out[header + 2 + len(GRID):]]
+    assert [(what.strip(), ms, unit) for what, ms, unit in terms] == [
+        ("every step", "35.000", "ms"), ("per fed token", "1.200", "ms"),
+        ("per row, per 1,000 keys", "0.200", "ms"),
+        ("per query slot (rows x q), per 1,000 keys of its row", "0.010", "ms")]
+
+
+def test_the_fit_terms_add_up_to_the_step_time(monkeypatch, capsys):
+    """``CostModel.terms``: each term's ms times its count (the context terms per 1,000 keys)
+    sums to ``step_time`` for every shape, a fit with knots, tiles and a drafting-row term too;
+    ``specbatch calibrate`` lists the terms the fit put at 0 on one line."""
+    knots = costmodel.TOKEN_KNOTS
+    cost = CostModel((0.004, 0.002, 7e-7, 9e-7, 0.0028, 0.0, 0.0021, 0.0021, 0.002, 0.0044,
+                      0.0, 0.0005), knots=knots, packed=True, tiled=True, tile_tokens=4,
+                     drafting=True)
+    names = [what for what, _ in cost.terms()]
+    assert names[:2] == ["every step", "per fed token, tokens 0-4 of the step"]
+    assert names[6] == "per fed token, tokens past 64 of the step"
+    assert names[-3:] == ["per 4-token matmul tile started",
+                          "per query slot of a packed step (rows x q)",
+                          "per drafting row (a row feeding more than one token)"]
+    for rows, q, ctx, tokens in ((1, 1, 256, 1), (16, 2, 300, 24), (16, 9, 1024, 144),
+                                 (4, 6, 700, 11)):
+        x = costmodel._features(rows, q, ctx, tokens, knots, packed=True, tiled=True, tile=4,
+                                drafting=True)
+        # _features' order: 1, the first slope, the two context terms, the later slopes, ...
+        counts = [x[0], x[1], *x[4:4 + len(knots)], x[2] / 1e3, x[3] / 1e3, *x[4 + len(knots):]]
+        ms = [m for _, m in cost.terms()]
+        assert sum(m * n for m, n in zip(ms, counts)) / 1e3 == pytest.approx(
+            cost.step_time(rows, q, ctx, num_tokens=tokens), rel=1e-12)
+    from specbatch import llm as llm_module
+    from specbatch.commands.calibrate import run_calibrate
+
+    fake = SimpleNamespace(calibrate=lambda recalibrate, echo: (cost, "cal.json", False))
+    monkeypatch.setattr(llm_module.LLM, "from_config", staticmethod(lambda *a, **k: fake))
+    assert run_calibrate("m", "float32", None, None, False) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == ("  fitted at 0 (no cost of their own on this machine): per fed token, "
+                       "tokens 8-16 of the step; per query slot of a packed step (rows x q)")
+    assert sum(line.startswith("  ") and line.endswith(" ms") for line in out) == len(names) - 2
 
 
 def test_calibrate_says_how_old_the_cached_fit_is(tmp_path, monkeypatch, capsys):

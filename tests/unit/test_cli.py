@@ -19,7 +19,8 @@ from specbatch.cli import main
     (["run", "in.jsonl", "--template", "{x}", "--prompt-field", "p"],
      "error: --template and --prompt-field exclude each other", "main run"),
     (["run", "in.jsonl", "--seed", "123456789012345678901234567890"],
-     ("'--seed'", "123456789012345678901234567890", "18446744073709551615"), "main run"),
+     ("'--seed'", "123456789012345678901234567890", "2**64 - 1"), "main run"),
+    (["run", "in.jsonl", "--seed", "x1"], ("'--seed'", "'x1' is not an integer"), "main run"),
     (["run", "in.jsonl", "--prompt-lookup-min", "5", "--prompt-lookup-max", "2"],
      "error: --prompt-lookup-max=2: expected an integer >= --prompt-lookup-min", "main run"),
     (["bench", __file__, "--configs", "auto:draft"],  # checked before INPUT is read
@@ -42,6 +43,17 @@ def test_usage_errors_are_one_line_and_a_hint(args, message, command):
         assert lines[0] == message
     else:
         assert lines[0].startswith("error: ") and all(m in lines[0] for m in message), lines[0]
+
+
+def test_seed_help_names_its_range_in_words():
+    """``--seed``'s help says "64-bit", not IntRange's two 20-digit ends, which wrapped the
+    line; the extremes are seeds."""
+    out = CliRunner().invoke(main, ["run", "--help"], terminal_width=80).output
+    block = out[out.index("--seed"):out.index("--stop")]
+    assert "64-bit integer" in block and "9223372036854775808" not in block
+    for seed in ("-9223372036854775808", "18446744073709551615"):
+        result = CliRunner().invoke(main, ["run", "nosuch.jsonl", "--seed", seed])
+        assert "--seed" not in result.output and "nosuch.jsonl" in result.output, result.output
 
 
 def test_no_command_still_prints_the_help():
