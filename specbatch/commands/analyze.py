@@ -214,8 +214,9 @@ def format_text(doc: dict) -> str:
     if not doc.get("pooled", True):
         out.append(f"note: the files differ in {', '.join(doc['differing_settings'])}: each "
                    "file has its own rows and (all) total; no row pools them")
+    ks = [f["k"] for f in doc["files"] if isinstance(f.get("k"), int)]
     for grouping, rows in doc["tables"].items():
-        out += ["", *_group_table_text(grouping, rows)]
+        out += ["", *_group_table_text(grouping, rows, min(ks, default=None))]
     if doc["what_if"] is not None:
         out += ["", *_what_if_text(doc["what_if"])]
     if doc["compare"] is not None:
@@ -235,7 +236,9 @@ def _f(x, fmt: str = ".2f", none: str = "-") -> str:
     return none if x is None else format(x, fmt)
 
 
-def _group_table_text(grouping: str, rows: list[dict]) -> list[str]:
+def _group_table_text(grouping: str, rows: list[dict], k: int | None = None) -> list[str]:
+    """One grouping's table, per-position block and finish reasons. k: the runs' smallest k
+    (None: unknown), which the per-position block names where drafts ran past it."""
     rows = distinct_rows(rows)  # one group: its row equals (all)
     w = max(12, *(len(r["group"]) + 1 for r in rows))
     lines = ["== all records ==" if grouping == NO_GROUPS else f"== by {grouping} ==",
@@ -246,7 +249,7 @@ def _group_table_text(grouping: str, rows: list[dict]) -> list[str]:
                      f"{r['num_output_tokens']:>9}{r['num_steps']:>8}{r['num_prefill_steps']:>8}"
                      f"{_f(r['tokens_per_step']):>9}{_f(r['mean_acceptance_length']):>8}"
                      f"{_f(r['acceptance_rate']):>9}{_f(r['no_draft_share'], '.1%'):>9}")
-    lines += _per_position_text(rows, w)
+    lines += _per_position_text(rows, w, k)
     reasons = sorted({k for r in rows for k in r["finish_reasons"]})
     lines += ["finish reasons (answers):",
               f"{'group':<{w}}" + "".join(f"{k:>8}" for k in reasons)]
@@ -265,18 +268,25 @@ def _uses_prompt_lookup(method: str | None) -> bool:
     return entry is not None and entry.prompt_lookup
 
 
-def _per_position_text(rows: list[dict], w: int) -> list[str]:
+def _per_position_text(rows: list[dict], w: int, k: int | None = None) -> list[str]:
     """The per-position block of a table: the acceptance rate at each draft position
     (accepted / drafting steps whose draft reached it), or, for records written before
     ``num_draft_tokens_per_pos``, the unconditional / conditional acceptance, said so. Rows
-    that never drafted (a ``none`` run) are left out, and the block when no row drafted."""
+    that never drafted (a ``none`` run) are left out, and the block when no row drafted.
+    Where drafts ran past ``k``, the header says why (suffix drafts may run to
+    ``SUFFIX_CAP_FACTOR * k`` tokens)."""
+    from specbatch.methods import SUFFIX_CAP_FACTOR
+
     rows = [r for r in rows if r["num_drafts"]]
     num_pos = max((len(r["acceptance_per_pos"]) for r in rows), default=0)
     if not num_pos:
         return []
+    past_k = (f"; positions past k = {k} are suffix drafts, which may run to "
+              f"{SUFFIX_CAP_FACTOR}k tokens where a match is long"
+              if k is not None and num_pos > k else "")
     if all(r["acceptance_rate_per_pos"] is not None for r in rows):
         lines = ["per-position acceptance rate: accepted / drafts that reached the position "
-                 "(draft position 1 to the longest draft; *: fewer than "
+                 f"(draft position 1 to the longest draft{past_k}; *: fewer than "
                  f"{MIN_CONDITIONAL_SUPPORT} drafts reached it, a rate to read with care):",
                  f"{'group':<{w}}" + "".join(f"{i + 1:>7}" for i in range(num_pos))]
         for r in rows:
@@ -285,7 +295,7 @@ def _per_position_text(rows: list[dict], w: int) -> list[str]:
             lines.append(f"{r['group']:<{w}}" + "".join(f"{c:>7}" for c in cells))
         return lines
     lines = ["per-position acceptance, unconditional/conditional (draft position 1 to the "
-             "longest draft; a file written before spec.num_draft_tokens_per_pos does not say "
+             f"longest draft{past_k}; a file written before spec.num_draft_tokens_per_pos does not say "
              "how many drafts reached each position, so conditional = accepted at i / accepted "
              "at i - 1 counts a draft that ended before i as rejected there):",
              f"{'group':<{w}}" + "".join(f"{i + 1:>11}" for i in range(num_pos))]

@@ -98,6 +98,9 @@ def test_analyze_labels_k_and_prints_only_drafted_positions(suffix_run):
     assert "n-gram" not in text.splitlines()[0]
     assert f"suffix:k={K}" in text and f"suffix:k={CAP}" not in text
     assert _per_pos_columns(text, "proposer") == longest < CAP
+    # the drafts ran past k, and the block's header says why there are more columns than k
+    head = next(line for line in text.splitlines() if line.startswith("per-position"))
+    assert K < longest and f"positions past k = {K} are suffix drafts, which may run to 3k" in head
 
 
 def test_suffix_records_count_the_drafts_that_reach_each_position(suffix_run):
