@@ -80,8 +80,25 @@ def _one_line_usage_errors() -> Iterator[None]:
         yield
     except keep:
         raise
+    except click.exceptions.NoSuchOption as e:
+        raise _UsageError(_no_such_option(e.option_name, e.possibilities or ()),
+                          e.ctx) from None
     except click.UsageError as e:
         raise _UsageError(e.format_message(), e.ctx) from None
+
+
+def _no_such_option(name: str, possibilities) -> str:
+    """An unknown flag's message with the closest flags only: click lists every one over its
+    cutoff (``--methd``: --method, --seed, --threads), these the ones within 0.1 of the best
+    ``difflib`` ratio (--method)."""
+    import difflib
+
+    scored = sorted(((difflib.SequenceMatcher(None, name, p).ratio(), p) for p in possibilities
+                     if difflib.SequenceMatcher(None, name, p).ratio() >= 0.6), reverse=True)
+    close = [p for r, p in scored if r >= scored[0][0] - 0.1] if scored else []
+    hint = (f" Did you mean {close[0]}?" if len(close) == 1 else
+            f" Did you mean one of {', '.join(close)}?" if close else "")
+    return f"no such option: {name}.{hint}"
 
 
 class _Group(click.Group):

@@ -13,7 +13,10 @@ from specbatch.cli import main
 # message: our own text, exact; or a tuple of what we put into click's sentence (the flag, the
 # value, our range), since click's wording ("Invalid value for ...") may change between releases.
 @pytest.mark.parametrize("args, message, command", [
-    (["run", "in.jsonl", "--bogus"], ("--bogus",), "main run"),
+    (["run", "in.jsonl", "--bogus"], "error: no such option: --bogus.", "main run"),
+    # the closest flag only (click's own list added --seed and --threads)
+    (["run", "in.jsonl", "--methd", "auto"],
+     "error: no such option: --methd. Did you mean --method?", "main run"),
     (["run", "in.jsonl", "--k", "99"], ("'--k'", "99", "32"), "main run"),
     (["run"], ("INPUT",), "main run"),
     (["run", "in.jsonl", "--template", "{x}", "--prompt-field", "p"],
