@@ -173,11 +173,14 @@ def release_float32(weight: torch.Tensor, views: tuple[torch.Tensor, ...] = ()) 
 
 def form_bytes(weight: torch.Tensor) -> int:
     """Bytes of the copies the dense matmuls hold of ``weight``: the C kernels' form
-    (``linear_cpu.form_bytes``) and oneDNN's reordered one; 0 where none was made."""
+    (``linear_cpu.form_bytes``) and oneDNN's reordered one (an opaque MKL-DNN tensor, which
+    has no storage to ask: its elements' bytes); 0 where none was made."""
     total = 0 if linear_cpu is None else linear_cpu.form_bytes(weight)
     entry = _PACKED.get(weight)
     if entry is not None and entry[1] is not weight:
-        total += entry[1].untyped_storage().nbytes()
+        packed = entry[1]
+        total += (packed.numel() * packed.element_size() if packed.is_mkldnn
+                  else packed.untyped_storage().nbytes())
     return total
 
 

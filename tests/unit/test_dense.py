@@ -100,6 +100,21 @@ def test_float32_weights_are_packed_once_and_repacked_when_changed():
     assert dense._PACKED[w][1] is not packed
 
 
+def test_the_memory_line_counts_onednn_packed_weights(monkeypatch):
+    """``form_bytes`` of a weight oneDNN packed (the float32 path without the C kernels): the
+    packed copy is an opaque MKL-DNN tensor with no storage to ask; its bytes are its
+    elements'. It raised ``NotImplementedError`` there, after a run had written its output."""
+    from specbatch.models import dense
+
+    monkeypatch.setattr(dense, "linear_cpu", None)  # the C kernels hold no form of it
+    w = torch.randn(96, 64)
+    assert dense.form_bytes(w) == 0  # not packed yet
+    dense._onednn_linear(torch.randn(3, 64), w, None)
+    packed = dense._PACKED[w][1]
+    assert packed is not w and packed.is_mkldnn
+    assert dense.form_bytes(w) == 96 * 64 * 4
+
+
 def test_fused_qkv_and_gate_up_are_views_and_follow_weight_changes():
     """q/k/v and gate/up run as one matmul each on a fused weight that the model's own
     parameters become views of (no second copy); the transformers model still gives the same
