@@ -103,7 +103,8 @@ def generate_records(engine: Engine, renderer: PromptRenderer, records: Iterable
             pending[rec.index].messages[sample] = messages
             seed = sample_seed(rec, run_seed, sample)
             requests.append(Request((rec.index, 0, sample), ids, rec.sampling,
-                                    seed=derive_seed(seed, 0), tag=rec.index, grammar=grammar))
+                                    seed=derive_seed(seed, 0), tag=rec.index, grammar=grammar,
+                                    follow_ups=_follow_ups(rec, 0)))
     if plan is not None:
         requests.sort(key=lambda r: plan.order_key(r.tag, len(r.prompt_ids)))
     else:
@@ -120,7 +121,8 @@ def generate_records(engine: Engine, renderer: PromptRenderer, records: Iterable
         p.messages[sample] = chat
         seed = derive_seed(sample_seed(rec, run_seed, sample), turn + 1)
         return Request((rec.index, turn + 1, sample), renderer.encode_chat(chat), rec.sampling,
-                       seed=seed, tag=rec.index, grammar=c.request.grammar)
+                       seed=seed, tag=rec.index, grammar=c.request.grammar,
+                       follow_ups=_follow_ups(rec, turn + 1))
 
     for c in engine.generate(requests, follow_up=follow_up, on_step=on_step):
         p = pending[c.request.tag]
@@ -140,6 +142,11 @@ def generate_records(engine: Engine, renderer: PromptRenderer, records: Iterable
             yield rec, out
 
 
+def _follow_ups(rec, turn: int) -> int:
+    """The turns of ``rec`` after ``turn`` (``Request.follow_ups``)."""
+    return max(len(rec.turns) - 1 - turn, 0) if rec.turns else 0
+
+
 def replay_requests(rec, prompt_ids: list[int], entries: list[dict]) -> list[Request]:
     """The placeholder requests of a finished record (``Request.replay``), one per sample,
     each with its later turns chained (``Replay.next``), from its ``schedules`` entries.
@@ -156,7 +163,8 @@ def replay_requests(rec, prompt_ids: list[int], entries: list[dict]) -> list[Req
                            int(e["finish"]), int(e["row"]), str(e["phase"]),
                            [int(t) for t in e["output_ids"]], str(e["finish_reason"]), nxt)
                 nxt = Request((rec.index, turn, sample), prompt_ids if turn == 0 else [],
-                              rec.sampling, tag=rec.index, replay=r)
+                              rec.sampling, tag=rec.index, replay=r,
+                              follow_ups=_follow_ups(rec, turn))
             if nxt is None or turns[0] != 0:
                 raise ValueError(f"no schedule entry for sample {sample}'s first turn")
             firsts.append(nxt)

@@ -32,6 +32,30 @@ One loop, two stages:
    for a candidate with ``hysteresis``, which once used is kept unless the base is that much
    better). Only then does the candidate draft (``Candidate.drafts``).
 
+The drain: while requests wait for rows (or a row's record has a later turn), a row that
+accepts a draft token frees its row a step sooner for the next request, so an accepted token
+saves what a token of the step costs on average, and the rate above is the job's. Once nothing
+waits (``Engine.draining``) the job ends with its last rows. A step of R rows costs
+``t(R) = S + R * D`` at one token a row, D = ``(t(R) - t(1)) / (R - 1)`` the cost of one row
+more (t: a plain step at the rows' mean context; its mean over the rows the batch shrinks
+through, where the matmul tiles make one row's step uneven) and S the rest (``_drain_sink``).
+An accepted token saves its row's share D; the per-step part S shrinks only as fast as the
+slowest row progresses. So in the drain the seconds a step's drafts save are
+``D * sum_i a_i + S * min_i a_i`` (a_i: row i's expected accepted tokens) where the queue's rate
+counts ``D * sum_i a_i + S * mean_i a_i``; the policy keeps its rate machinery and prices a
+step as ``(R + sum_i a_i + (S / D) * min_i a_i) / (step_time - S)`` (``_bonus`` = S / D). A
+row's draft positions are cut at a token's worth of 1, and, where every row proposes, also at
+``1 + (S / D) / R`` (every row drafting raises the least a_i), the better rate of the two per
+step cap (``_cuts``, ``_offer``). At one row the drain prices as the queue: that row's steps
+are the job's. Priced as the queue's rate, the 16 peer records at batch 16 (one wave: all
+drain) drafted 489 tokens in auto's weighed steps (302 accepted) and their verify steps cost
+2.0% more than plain decoding's by the fit auto optimises (float32, 2-core Zen 2,
+``benchmarks/auto_decisions.py``: 5.70 against 5.59 s); priced as the drain, 193 tokens (129
+accepted), 0.7% less (5.55 s). Without the ``min`` term (each accepted token worth D alone) a
+cheap exact draft model at batch 4 went unused in the drain, where every row drafting ends the
+job sooner (``tests/unit/test_auto_draft.py``), as any drafting would on a GPU, where a step's
+cost hardly grows with its rows.
+
 Drafting must pay by a margin: the base's drafts, and any other candidate's, are verified only
 where the step's predicted rate beats plain decoding's (no row drafting) by ``draft_margin``
 (3%: what the fit's error hides; the one-wave batch-16 float32 job of the 16 peer records,
@@ -271,6 +295,8 @@ class AdaptivePolicy:
         self._forced_state: dict | None = None
         self.forced_mismatches = 0  # rows whose journaled choices did not fit (a divergence)
         self._memo: dict[tuple, float] = {}  # this step's step times (``_seconds``)
+        self._sink = 0.0  # the drain's S: seconds of a step one row's progress does not save
+        self._bonus = 0.0  # the drain's S / D (module docstring; ``select``)
         # dormancy (module docstring): the policy's (idle: rows of the weighed steps in a row
         # without a draft), the base's (idle: weighed steps in a row that another candidate
         # drafted and the base did not), the last step's seq ids
@@ -316,6 +342,8 @@ class AdaptivePolicy:
         may draft (any subset holding every row with a cut, in row order: a row cut to 0 adds
         nothing)."""
         tokens = rows + sum(c_i[c] for c_i, c in zip(sums, cuts) if c)
+        if self._bonus and len(cuts) == rows:
+            tokens += self._bonus * min(c_i[c] for c_i, c in zip(sums, cuts))
         q = 1 + max(cuts, default=0)
         return tokens / self._seconds(rows, q, ctx, rows + sum(cuts),
                                       sum(1 for c in cuts if c))
@@ -328,18 +356,32 @@ class AdaptivePolicy:
         key = (rows, q, ctx, tokens, drafting)
         seconds = self._memo.get(key)
         if seconds is None:
-            seconds = self._memo[key] = self.cost.step_time(rows, q, ctx, num_tokens=tokens,
-                                                            drafting_rows=drafting)
+            seconds = self._memo[key] = self.cost.step_time(
+                rows, q, ctx, num_tokens=tokens, drafting_rows=drafting) - self._sink
         return seconds
 
+    def _drain_sink(self, rows: int, ctx: float) -> float:
+        """S, the seconds of a step of ``rows`` rows at mean context ``ctx`` that one row's
+        progress does not save while the job drains (module docstring): ``t(R) - R * (t(R) -
+        t(1)) / (R - 1)``, t(r) a plain step of r rows; 0.0 at one row, or where t does not grow
+        with the rows."""
+        if rows <= 1:
+            return 0.0
+        t_rows, t_one = self.cost.step_time(rows, 1, ctx), self.cost.step_time(1, 1, ctx)
+        if t_rows <= t_one:
+            return 0.0
+        return max(t_rows - rows * (t_rows - t_one) / (rows - 1), 0.0)
+
     def _cuts(self, rows: int, lengths: list[int], k: int, reach: list[list[float]],
-              keys: list[int], ctx: float, sums: list[list[float]]) -> list[int]:
+              keys: list[int], ctx: float, sums: list[list[float]],
+              worth: float = 1.0) -> list[int]:
         """Draft lengths under a step cap ``k`` of the rows that may draft (``lengths``, their
         proposals' lengths; ``keys``, their lengths in tokens; ``reach``, ``sums``: their
         reach and its ``_prefix_sums``) in a step of ``rows`` rows: a row keeps draft position
         j only if the chance that positions 0..j are all accepted (the expected extra tokens
-        it brings) is worth the packed token it costs at the step's rate (Dinkelbach-style
-        fixed point, 3 rounds from "keep everything")."""
+        it brings), times ``worth`` (a token's worth in the step's tokens: 1, or in the drain
+        with every row drafting more, module docstring), is worth the packed token it costs at
+        the step's rate (Dinkelbach-style fixed point, 3 rounds from "keep everything")."""
         tops = [min(k, n) for n in lengths]
         if not any(tops):
             return tops
@@ -351,7 +393,7 @@ class AdaptivePolicy:
             slope = self._token_cost(rows + sum(cuts))
             new = []
             for key_len, r, top in zip(keys, reach, tops):
-                threshold, j = rate * (slope + per_key * key_len), 0
+                threshold, j = rate * (slope + per_key * key_len) / worth, 0
                 while j < top and r[j] >= threshold:  # ``_run`` of r[:top]
                     j += 1
                 new.append(j)
@@ -368,14 +410,22 @@ class AdaptivePolicy:
             seconds = self._memo[key] = self.cost.token_cost(tokens)
         return seconds
 
-    def select(self, seqs: list[Sequence], caps: list[int],
-               num_rows: int | None = None) -> list[list[int]]:
+    def select(self, seqs: list[Sequence], caps: list[int], num_rows: int | None = None,
+               draining: bool = False) -> list[list[int]]:
         """The drafts to verify this step, one per row (possibly empty). caps: the most tokens
         each row may draft (its k, ``max_tokens`` and the context; the engine's
         ``_draft_caps``). num_rows: the rows of the verify step, a resumed job's placeholders
-        included (default ``len(seqs)``; candidates with ``counts_rows`` are told)."""
+        included (default ``len(seqs)``; candidates with ``counts_rows`` are told). draining:
+        no request waits for a row (``Engine.draining``): steps are priced as the drain's
+        (module docstring)."""
         ctx = _context(seqs)
         self._memo.clear()
+        self._sink = self._drain_sink(len(seqs), ctx) if draining else 0.0
+        # S / D: the per-step part in rows' shares, saved at the slowest row's progress
+        self._bonus = 0.0
+        if self._sink:
+            t_rows = self.cost.step_time(len(seqs), 1, ctx)
+            self._bonus = self._sink / ((t_rows - self._sink) / len(seqs))
         rows_now = {s.seq_id for s in seqs}
         joined, self._last_rows = not rows_now <= self._last_rows, rows_now
         if self._forced is not None:
@@ -525,6 +575,13 @@ class AdaptivePolicy:
             options = {k: self._cuts(rows, lens, k, mine, keys, ctx, sums)
                        for k in range(0, top + 1)}
             rates = {k: self._rate_of(rows, cuts, sums, ctx) for k, cuts in options.items()}
+            if self._bonus and len(act) == rows:  # the drain: every row drafting (docstring)
+                worth = 1.0 + self._bonus / rows
+                for k in range(1, top + 1):
+                    dense = self._cuts(rows, lens, k, mine, keys, ctx, sums, worth)
+                    r = self._rate_of(rows, dense, sums, ctx)
+                    if r > rates[k]:
+                        options[k], rates[k] = dense, r
         best = max(rates, key=lambda k: (rates[k], -k))
         keep = min(self.current_k, longest)
         if rates[best] > rates[keep] * (1 + self.switch_margin):
@@ -565,23 +622,25 @@ class AdaptivePolicy:
         avail = _prepare(cand, seqs, step.caps, step.num_rows)
         free = [src in (self.lookup.name, "none") for src in step.source]
         value = base_rate * self.cost.token_cost(n + sum(fed), ctx)
-        net = [sum(r) - len(r) * value for r in current]
         reach = cand.reach(seqs, avail)
         if hasattr(cand, "proposal"):
             reach = [_shared(r, b, cand.proposal(s), self.lookup.proposal(s))
                      for s, r, b in zip(seqs, reach, step.base)]
         entry = cand.entry_seconds(seqs, reach)
         best = None  # (rate, lengths per row, 0 = keep the current draft)
-        for cap in cand.cap_options(self.k_max):
+        # a token's worth in the step's tokens; in the drain also every row drafting (docstring)
+        worths = (1.0, 1.0 + self._bonus / n) if self._bonus else (1.0,)
+        for cap, worth in ((c, w) for c in cand.cap_options(self.k_max) for w in worths):
+            v = value / worth
             lengths = []
-            for r, net_i, e, ok in zip(reach, net, entry, free):
-                d = _run(r[:cap], value) if ok else 0
-                gain = sum(r[:d]) - d * value - e * base_rate
-                lengths.append(d if d and gain > net_i else 0)
+            for r, cur, e, ok in zip(reach, current, entry, free):
+                d = _run(r[:cap], v) if ok else 0
+                gain = sum(r[:d]) - d * v - e * base_rate
+                lengths.append(d if d and gain > sum(cur) - len(cur) * v else 0)
             if not any(lengths):
                 continue
-            tokens = n + sum(sum(r[:d]) if d else sum(c)
-                             for r, c, d in zip(reach, current, lengths))
+            gains = [sum(r[:d]) if d else sum(c) for r, c, d in zip(reach, current, lengths)]
+            tokens = n + sum(gains) + self._bonus * min(gains, default=0.0)
             feeds = [d if d else f for d, f in zip(lengths, fed)]
             seconds = self._seconds(n, 1 + max(feeds), ctx, n + sum(feeds),
                                     sum(1 for f in feeds if f))

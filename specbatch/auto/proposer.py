@@ -57,15 +57,16 @@ class AutoProposer(Proposer):
             c.start(seq)
 
     counts_rows = True  # suffix drafts depend on the rows of the step (a resume's placeholders)
+    sees_drain = True  # a draft token is worth less while the job drains (``auto.policy``)
 
-    def propose(self, seqs: list[Sequence], ks: list[int],
-                num_rows: int | None = None) -> list[list[int]]:
+    def propose(self, seqs: list[Sequence], ks: list[int], num_rows: int | None = None,
+                draining: bool = False) -> list[list[int]]:
         """The drafts to verify, at most ``ks[i]`` tokens for ``seqs[i]`` (the engine's cap).
         num_rows: the rows of the verify step, a resumed job's placeholders included (default
-        ``len(seqs)``)."""
+        ``len(seqs)``); draining: no request waits for a row (``Engine.draining``)."""
         self._candidates()
         self._in_step = {s.seq_id for s in seqs}
-        return self.policy.select(seqs, ks, num_rows)
+        return self.policy.select(seqs, ks, num_rows, draining=draining)
 
     def on_verify(self, seqs: list[Sequence], drafts: list[list[int]], seconds: float) -> None:
         """The end of a verify step: the journal (``auto.journal``, when one is kept) appends

@@ -214,16 +214,27 @@ class Engine:
                            and not g.is_finished for g in ghosts)):
                 return done  # rows are decoding: the rest of the prefill waits a step
 
+    @property
+    def draining(self) -> bool:
+        """Whether the job drains: no request waits for a row and no row's answer has a later
+        turn, so a row that finishes frees its row for nothing and the rows left decode on
+        (``auto.policy`` values an accepted draft token by it)."""
+        return not self.scheduler.waiting and not any(
+            s.request.follow_ups for s in self.scheduler.running.values())
+
     def _propose(self, seqs: list[Sequence], num_rows: int | None = None) -> list[list[int]]:
         """The drafts to verify, at most each row's cap (``_draft_caps``), cut before the
         first token a row's grammar refuses (``logits.valid_draft_prefix``). num_rows: the
         rows of the verify step, placeholders of a resumed job included (a proposer whose
-        drafts depend on it, ``counts_rows``, is told; default ``len(seqs)``)."""
+        drafts depend on it, ``counts_rows``, is told; default ``len(seqs)``). A proposer that
+        ``sees_drain`` is told ``draining``."""
         ks = self._draft_caps(seqs)
+        kw: dict = {}
         if num_rows is not None and num_rows != len(seqs) and self.proposer.counts_rows:
-            proposed = self.proposer.propose(seqs, ks, num_rows=num_rows)
-        else:
-            proposed = self.proposer.propose(seqs, ks)
+            kw["num_rows"] = num_rows
+        if getattr(self.proposer, "sees_drain", False):
+            kw["draining"] = self.draining
+        proposed = self.proposer.propose(seqs, ks, **kw)
         drafts = [d[:k] for d, k in zip(proposed, ks)]
         for i, seq in enumerate(seqs):  # a draft token the grammar refuses cannot be accepted
             if seq.matcher is not None and drafts[i]:

@@ -33,6 +33,8 @@ class Request:
     replay: set for a placeholder of an answer an interrupted run already finished (a
     ``Replay``): it holds a row from its recorded admission to its recorded finish without
     model work, so a resumed job's schedule is the interrupted one's (``Engine``).
+    follow_ups: the turns of its record after this one (the engine queues the next when this
+    answer finishes): while a row has one, its job is not draining (``Engine.draining``).
     """
 
     request_id: Any
@@ -43,6 +45,7 @@ class Request:
     tag: Any = None
     grammar: Any = None
     replay: Replay | None = None
+    follow_ups: int = 0
 
 
 @dataclass

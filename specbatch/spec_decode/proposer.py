@@ -13,9 +13,11 @@ rows) keyed by ``Sequence.seq_id``, and hears about every sequence's lifecycle f
                           seconds: its wall time, the forward plus sampling, grammar masks and
                           commit (``auto`` ends its step there: its decision journal)
 
-A proposer subclasses ``Proposer`` and so inherits the defaults: ``on_verify`` does nothing and
+A proposer subclasses ``Proposer`` and so inherits the defaults: ``on_verify`` does nothing,
 ``counts_rows`` is False (True: ``propose`` takes ``num_rows=``, the rows of the verify step,
-a resumed job's placeholders included; ``suffix``). The engine calls these directly.
+a resumed job's placeholders included; ``suffix``) and ``sees_drain`` is False (True:
+``propose`` takes ``draining=``, ``Engine.draining``: no request waits for a row; ``auto``).
+The engine calls these directly.
 
 Drafts must be a deterministic function of the committed tokens (and, for a draft model, of
 the record seed and positions; for suffix, of the answers finished before and of the rows in
@@ -32,11 +34,12 @@ if TYPE_CHECKING:
 
 
 class Proposer(Protocol):
-    """What the engine calls (the module docstring). Subclass it: ``on_verify`` and
-    ``counts_rows`` have defaults here."""
+    """What the engine calls (the module docstring). Subclass it: ``on_verify``,
+    ``counts_rows`` and ``sees_drain`` have defaults here."""
 
     name: str
     counts_rows: bool = False
+    sees_drain: bool = False
 
     def start(self, seq: Sequence) -> None: ...
 

@@ -140,8 +140,8 @@ def test_wrong_draft_is_dropped(setup):
     policy, model = engine.proposer.policy, _model(engine)
     select = policy.select
 
-    def recording_select(seqs, caps, num_rows=None):
-        out = select(seqs, caps, num_rows)
+    def recording_select(seqs, caps, num_rows=None, draining=False):
+        out = select(seqs, caps, num_rows, draining=draining)
         if seqs[0].request.tag == 0:
             first.append("draft" if seqs[0].seq_id in model.drafted else "other")
         return out

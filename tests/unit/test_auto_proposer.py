@@ -29,8 +29,8 @@ class _Policy:
         self.candidates = candidates
         self.selected, self.observed = [], []
 
-    def select(self, seqs, caps, num_rows=None):
-        self.selected.append(([s.seq_id for s in seqs], caps, num_rows))
+    def select(self, seqs, caps, num_rows=None, draining=False):
+        self.selected.append(([s.seq_id for s in seqs], caps, num_rows) + (draining,) * draining)
         return [[1, 2][:c] for c in caps]
 
     def observe(self, seq, emitted):
@@ -75,3 +75,6 @@ def test_auto_proposer_feeds_the_policy_and_the_candidates():
     assert proposer.name == "auto" and proposer.counts_rows is True
     proposer.propose([a], [2], num_rows=3)  # two placeholders beside it (a resume)
     assert policy.selected[-1] == ([0], [2], 3)
+    assert proposer.sees_drain is True  # the engine tells it whether the job drains
+    proposer.propose([a], [2], draining=True)
+    assert policy.selected[-1] == ([0], [2], None, True)
