@@ -38,7 +38,7 @@ saves what a token of the step costs on average, and the rate above is the job's
 waits (``Engine.draining``) the job ends with its last rows. A step of R rows costs
 ``t(R) = S + R * D`` at one token a row, D = ``(t(R) - t(1)) / (R - 1)`` the cost of one row
 more (t: a plain step at the rows' mean context; its mean over the rows the batch shrinks
-through, where the matmul tiles make one row's step uneven) and S the rest (``_drain_sink``).
+through, where the matmul tiles make one row's step uneven) and S the rest (``_drain``).
 An accepted token saves its row's share D; the per-step part S shrinks only as fast as the
 slowest row progresses. So in the drain the seconds a step's drafts save are
 ``D * sum_i a_i + S * min_i a_i`` (a_i: row i's expected accepted tokens) where the queue's rate
@@ -360,17 +360,19 @@ class AdaptivePolicy:
                 rows, q, ctx, num_tokens=tokens, drafting_rows=drafting) - self._sink
         return seconds
 
-    def _drain_sink(self, rows: int, ctx: float) -> float:
-        """S, the seconds of a step of ``rows`` rows at mean context ``ctx`` that one row's
-        progress does not save while the job drains (module docstring): ``t(R) - R * (t(R) -
-        t(1)) / (R - 1)``, t(r) a plain step of r rows; 0.0 at one row, or where t does not grow
-        with the rows."""
+    def _drain(self, rows: int, ctx: float) -> tuple[float, float]:
+        """``(S, S / D)`` of a step of ``rows`` rows at mean context ``ctx`` while the job
+        drains (module docstring): S = ``t(R) - R * D`` the seconds one row's progress does not
+        save, D = ``(t(R) - t(1)) / (R - 1)`` a row's share, t(r) a plain step of r rows;
+        ``(0.0, 0.0)`` at one row, or where t does not grow with the rows."""
         if rows <= 1:
-            return 0.0
+            return 0.0, 0.0
         t_rows, t_one = self.cost.step_time(rows, 1, ctx), self.cost.step_time(1, 1, ctx)
         if t_rows <= t_one:
-            return 0.0
-        return max(t_rows - rows * (t_rows - t_one) / (rows - 1), 0.0)
+            return 0.0, 0.0
+        share = (t_rows - t_one) / (rows - 1)
+        sink = max(t_rows - rows * share, 0.0)
+        return sink, sink / share
 
     def _cuts(self, rows: int, lengths: list[int], k: int, reach: list[list[float]],
               keys: list[int], ctx: float, sums: list[list[float]],
@@ -420,12 +422,9 @@ class AdaptivePolicy:
         (module docstring)."""
         ctx = _context(seqs)
         self._memo.clear()
-        self._sink = self._drain_sink(len(seqs), ctx) if draining else 0.0
-        # S / D: the per-step part in rows' shares, saved at the slowest row's progress
-        self._bonus = 0.0
-        if self._sink:
-            t_rows = self.cost.step_time(len(seqs), 1, ctx)
-            self._bonus = self._sink / ((t_rows - self._sink) / len(seqs))
+        # the drain's S, and S / D: the per-step part in rows' shares, which the slowest
+        # row's progress saves
+        self._sink, self._bonus = self._drain(len(seqs), ctx) if draining else (0.0, 0.0)
         rows_now = {s.seq_id for s in seqs}
         joined, self._last_rows = not rows_now <= self._last_rows, rows_now
         if self._forced is not None:
@@ -630,13 +629,15 @@ class AdaptivePolicy:
         best = None  # (rate, lengths per row, 0 = keep the current draft)
         # a token's worth in the step's tokens; in the drain also every row drafting (docstring)
         worths = (1.0, 1.0 + self._bonus / n) if self._bonus else (1.0,)
+        # per worth: a token's value, and each row's net gain from its current draft
+        nets = {w: (value / w, [sum(c) - len(c) * value / w for c in current]) for w in worths}
         for cap, worth in ((c, w) for c in cand.cap_options(self.k_max) for w in worths):
-            v = value / worth
+            v, net = nets[worth]
             lengths = []
-            for r, cur, e, ok in zip(reach, current, entry, free):
+            for r, net_i, e, ok in zip(reach, net, entry, free):
                 d = _run(r[:cap], v) if ok else 0
                 gain = sum(r[:d]) - d * v - e * base_rate
-                lengths.append(d if d and gain > sum(cur) - len(cur) * v else 0)
+                lengths.append(d if d and gain > net_i else 0)
             if not any(lengths):
                 continue
             gains = [sum(r[:d]) if d else sum(c) for r, c, d in zip(reach, current, lengths)]

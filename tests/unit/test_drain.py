@@ -50,18 +50,19 @@ def test_a_draft_token_is_worth_a_row_share_while_the_job_drains():
 
 
 def test_the_drain_leaves_each_row_the_mean_cost_of_a_row():
-    """``_drain_sink``: the step price less it, shared by R rows, is ``(t(R) - t(1)) /
+    """``_drain``: the step price less S, shared by R rows, is ``(t(R) - t(1)) /
     (R - 1)``; a tiled fit's uneven steps (a tile every 4 tokens) averaged so."""
     tiled = CostModel((0.004, 0.001, 2e-7, 0.0, 0.0044, 0.0), tiled=True, tile_tokens=4)
     for cost in (LINEAR, tiled):
         policy, _ = _policy(cost, 5, lambda s: [(8.0, 2.0)] * 5)
         for rows in (2, 5, 16):
             t = [cost.step_time(r, 1, 300.0) for r in (1, rows)]
-            sink = policy._drain_sink(rows, 300.0)
+            sink, bonus = policy._drain(rows, 300.0)
             assert 0 < sink < t[1]
             assert (t[1] - sink) / rows == pytest.approx((t[1] - t[0]) / (rows - 1))
-        assert policy._drain_sink(1, 300.0) == 0.0
-    assert _policy(LINEAR, 5, lambda s: [])[0]._drain_sink(16, 0.0) == pytest.approx(0.02)
+            assert bonus == pytest.approx(sink / ((t[1] - t[0]) / (rows - 1)))
+        assert policy._drain(1, 300.0) == (0.0, 0.0)
+    assert _policy(LINEAR, 5, lambda s: [])[0]._drain(16, 0.0) == pytest.approx((0.02, 10.0))
 
 
 class _Spy(Proposer):
