@@ -224,15 +224,18 @@ class SuffixAutomaton:
         return v, n
 
     def continuation(self, state: int, max_len: int, min_prob: float = MIN_TOKEN_PROB,
-                     open_end: bool = False) -> tuple[list[int], list[float]]:
-        """Greedy most-frequent continuation from ``state``: up to ``max_len`` ids and each
-        one's path probability (product of ``occ(child) / occ(parent)``), stopping below
-        ``min_prob``. Ties go to the lowest token id. open_end: ``state`` ends at the end of a
-        document still being written (a row's own text), an occurrence whose continuation is
-        what is being predicted, so it is left out of the first step's denominator."""
+                     open_end: bool = False) -> tuple[list[int], list[float], list[int]]:
+        """Greedy most-frequent continuation from ``state``: up to ``max_len`` ids, each one's
+        path probability (product of ``occ(child) / occ(parent)``) and each one's support (the
+        ``occ(parent)`` of its step: the occurrences of its context that the frequency counts),
+        stopping below ``min_prob``. Ties go to the lowest token id. open_end: ``state`` ends
+        at the end of a document still being written (a row's own text), an occurrence whose
+        continuation is what is being predicted, so it is left out of the first step's
+        denominator."""
         nxt, occ, best = self.nxt, self.occ, self.best
         ids: list[int] = []
         probs: list[float] = []
+        support: list[int] = []
         prob, v = 1.0, state
         while len(ids) < max_len and nxt[v] and occ[v]:
             tw = best.get(v)
@@ -241,13 +244,15 @@ class SuffixAutomaton:
                 for t, c in nxt[v].items():
                     self.watch.setdefault(c, {})[v] = t
             tok, w = tw
-            prob *= occ[w] / (occ[v] - 1 if open_end and not ids else occ[v])
+            seen = occ[v] - 1 if open_end and not ids else occ[v]
+            prob *= occ[w] / seen
             if prob < min_prob:
                 break
             ids.append(tok)
             probs.append(prob)
+            support.append(seen)
             v = w
-        return ids, probs
+        return ids, probs, support
 
     def nbytes(self) -> int:
         """Approximate Python heap bytes held (dicts, list slots, int objects, the caches)."""
@@ -294,15 +299,18 @@ class SuffixIndex:
 @dataclass
 class Draft:
     """One row's proposal: ids, each position's path probability, the matched suffix length
-    (tokens) and its source (``"self"``: the row's own text, ``"job"``: the job-wide index)."""
+    (tokens), its source (``"self"``: the row's own text, ``"job"``: the job-wide index) and
+    each position's support (the occurrences of its context behind its conditional frequency,
+    ``SuffixAutomaton.continuation``: 1 where the text was seen once before)."""
 
     ids: list[int]
     probs: list[float]
     match_len: int
     source: str
+    support: list[int]
 
 
-_EMPTY = Draft([], [], 0, "")
+_EMPTY = Draft([], [], 0, "", [])
 
 
 def draft_from(sam: SuffixAutomaton, state: int, match_len: int, cap: int, source: str,
@@ -312,8 +320,8 @@ def draft_from(sam: SuffixAutomaton, state: int, match_len: int, cap: int, sourc
     if match_len == 0 or cap <= 0:
         return _EMPTY
     max_len = min(cap, max(1, int(factor * match_len)))
-    ids, probs = sam.continuation(state, max_len, min_prob, open_end=source == "self")
-    return Draft(ids, probs, match_len, source)
+    ids, probs, support = sam.continuation(state, max_len, min_prob, open_end=source == "self")
+    return Draft(ids, probs, match_len, source, support)
 
 
 class _Row:

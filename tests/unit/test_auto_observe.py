@@ -12,10 +12,15 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from specbatch.auto.candidate import LookupCandidate, SuffixCandidate, _calibration_cell
 from specbatch.spec_decode.suffix import Draft
 
 PROPOSAL = [7, 8, 9, 10, 11, 12]
+# a suffix draft's context seen this often: its smoothed frequency is its raw one to 1e-6
+# (``candidate._frequencies``)
+SEEN = 10**6
 
 
 class FixedLookup:
@@ -35,7 +40,7 @@ class FixedLookup:
 class FixedSuffix:
     def draft(self, seq, cap, rows):
         n = min(cap, len(PROPOSAL))
-        return Draft(PROPOSAL[:n], [0.9 ** (j + 1) for j in range(n)], 4, "self")
+        return Draft(PROPOSAL[:n], [0.9 ** (j + 1) for j in range(n)], 4, "self", [9] * n)
 
 
 def _seq():
@@ -111,7 +116,8 @@ def test_a_suffix_draft_that_extends_the_lookup_draft_scores_their_shared_tokens
 
     class Suffix:
         def draft(self, seq, cap, rows):
-            return Draft(text[:cap], [0.6 ** (j + 1) for j in range(cap)], 4, "self")
+            return Draft(text[:cap], [0.6 ** (j + 1) for j in range(cap)], 4, "self",
+                         [SEEN] * cap)
 
     lookup = LookupCandidate(FixedLookup(text), 5, lambda s: [(9.0, 1.0)] * 5, match_len=True)
     policy = AdaptivePolicy(CostModel((0.010, 0.0002, 0.0, 0.0)), 5, lookup,
@@ -134,7 +140,7 @@ def _one_token_suffix_policy(freq: float, rows: int = 16):
 
     class Suffix:
         def draft(self, seq, cap, rows):
-            return Draft([7], [freq], 4, "self")
+            return Draft([7], [freq], 4, "self", [SEEN])
 
     lookup = LookupCandidate(NoLookup(), 4, lambda s: [(1.0, 1.0)] * 4)
     policy = AdaptivePolicy(CostModel((0.010, 0.0002, 0.0, 0.0)), 4, lookup,
@@ -164,3 +170,34 @@ def test_suffix_drafts_are_priced_by_the_verify_step_alone():
         drafts = policy.select(seqs, [4] * 16)
         assert [src for _, src, _ in policy.decisions] == ["suffix" if taken else "none"] * 16
         assert drafts == ([[7]] * 16 if taken else [[]] * 16)
+
+
+def test_a_suffix_draft_from_a_single_occurrence_is_never_certain():
+    """A 12-token own-text draft after an 8-token match, every position from a context seen
+    once before (raw frequency 1.0 each), its first position accepted in each of 8 steps. The
+    raw frequency made the pool's prior 1.0 and the cell's estimate stayed 1.0 at 8 of 8 hits:
+    the whole 12 tokens read certain (on the 16 peer records such drafts gave 4 of 38). Smoothed
+    (``_frequencies``: 1 / (1 + 1)), the cell's estimate is its hits against a prior of 0.5,
+    and the draft's reach falls along it; a context seen 100 times, every time continuing the
+    same way, starts near certain in a cell of its own."""
+    ids = list(range(100, 112))
+
+    def candidate(seen: int) -> SuffixCandidate:
+        class Suffix:
+            def draft(self, seq, cap, rows):
+                return Draft(ids[:cap], [1.0] * min(cap, 12), 8, "self", [seen] * min(cap, 12))
+        return SuffixCandidate(Suffix())
+
+    once, seq = candidate(1), _seq()
+    for _ in range(8):  # not verified: scored on the first position, accepted
+        once.prepare([seq], [12])
+        once.observe(seq, [ids[0], 99])
+    once.prepare([seq], [12])
+    reach = once.reach([seq], [12])[0]
+    trials, hits = once.pool[(8, 2)]  # 8+ matched, the 0.4-0.6 bucket
+    p = (hits + 2.0 * 0.5) / (trials + 2.0)
+    assert trials == hits == pytest.approx(sum(0.995 ** i for i in range(1, 9)))
+    assert reach == pytest.approx([p ** (j + 1) for j in range(12)]) and reach[-1] < 0.35
+    often = candidate(100)
+    often.prepare([seq], [12])
+    assert often.reach([seq], [12])[0][-1] == pytest.approx((100 / 101) ** 12)

@@ -19,7 +19,9 @@ with the lookup's scored the shared tokens with the higher estimate (``policy._s
 when the suffix lookup stopped being charged to suffix drafts alone (it runs for every row every
 step, whatever the step verifies: ``SuffixCandidate``); and when the base got its own
 dormancy (``policy.BASE_IDLE_STEPS``: not weighed while the draft model or suffix takes the rows;
-the two draft-model scenarios moved, by 3 and 4 of 55 steps).
+the two draft-model scenarios moved, by 3 and 4 of 55 steps); and when a suffix draft position's
+frequency got one pseudo-occurrence for an unseen continuation (``candidate._frequencies``; the
+suffix stand-in's drafts carry a support per position, drawn from the generator).
 
 A step here is what the engine does: admit rows up to the batch (``start``, then the first
 token is committed), ask the proposer for drafts under each row's cap, commit what a target
@@ -157,7 +159,7 @@ class Suffix:
         self.calls += 1
         rng = _h("suffix-len", seq.seq_id, self.calls)
         if rng.random() < 0.35 or cap <= 0:
-            return Draft([], [], 0, "")
+            return Draft([], [], 0, "", [])
         n = 1 + rng.randrange(cap)
         probs, p = [], 1.0
         for _ in range(n):
@@ -165,7 +167,7 @@ class Suffix:
             probs.append(p)
         skill = 0.4 + 0.5 * rng.random()
         return Draft(_guess("suffix", seq, self.calls, n, skill), probs, 1 + rng.randrange(10),
-                     rng.choice(("self", "job")))
+                     rng.choice(("self", "job")), [rng.choice((1, 2, 5, 50)) for _ in range(n)])
 
     def on_commit(self, seq, n: int) -> None:
         pass

@@ -79,14 +79,14 @@ def test_a_row_that_starts_copying_is_drafted_for_after_the_sleep():
     assert lens[-1] == 5, lens
 
 
-@pytest.mark.parametrize("base_idle", [policy_mod.BASE_IDLE_STEPS, 10 ** 6])
-def test_a_resume_replays_the_steps_slept_through(tmp_path, monkeypatch, base_idle):
-    """A job where a draft token costs half a step: the policy sleeps between drafting
-    stretches (where the base never sleeps: with it, suffix takes the rows the base would
-    have and the policy does not sleep), and the base sleeps while suffix drafts; killed after
-    5 answers and resumed from the journal, every other answer and the policy's state are the
-    uninterrupted run's."""
-    true = CostModel((0.020, 0.010, 0.0, 0.0))
+@pytest.mark.parametrize(("base_idle", "token_cost"),
+                         [(policy_mod.BASE_IDLE_STEPS, 0.005), (10 ** 6, 0.010)])
+def test_a_resume_replays_the_steps_slept_through(tmp_path, monkeypatch, base_idle, token_cost):
+    """Two jobs: where a draft token costs half a step and the base never sleeps, the policy
+    sleeps between drafting stretches; where a draft token costs a quarter of a step, suffix
+    drafts long enough stretches for the base to sleep. Killed after 5 answers and resumed
+    from the journal, every other answer and the policy's state are the uninterrupted run's."""
+    true = CostModel((0.020, token_cost, 0.0, 0.0))
     monkeypatch.setattr(policy_mod, "IDLE_ROWS", 16)  # 4 idle steps of this job's 4 rows
     monkeypatch.setattr(policy_mod, "BASE_IDLE_STEPS", base_idle)
     slept, select = [], policy_mod.AdaptivePolicy.select

@@ -77,7 +77,7 @@ def test_cached_continuations_equal_a_scan_as_documents_arrive(seed):
             assert cached == min(sam.nxt[v].items(), key=lambda kv: (-sam.occ[kv[1]], kv[0]))
         for _ in range(15):
             state, n = sam.match([rng.randrange(alphabet) for _ in range(rng.randrange(1, 6))])
-            got, _ = sam.continuation(state, 12, min_prob=0.0)
+            got, _, _ = sam.continuation(state, 12, min_prob=0.0)
             assert got == _scanned_continuation(sam, state, 12)
     assert len(sam.best) > 20  # the cache was used, across documents
 
@@ -133,9 +133,10 @@ def test_continuation_follows_frequency_hand_built():
         sam.add_document(d)
     state, n = sam.match([9, 1, 2])
     assert n == 2
-    ids, probs = sam.continuation(state, 10)
+    ids, probs, support = sam.continuation(state, 10)
     assert ids == [3, 5, 7]
     assert probs == pytest.approx([3 / 4, 1 / 2, 1 / 4])
+    assert support == [4, 3, 2]  # occurrences of "1 2", "1 2 3", "1 2 3 5"
     # the path stops once its probability falls below min_token_prob
     assert sam.continuation(state, 10, min_prob=0.3)[0] == [3, 5]
     assert sam.continuation(state, 1)[0] == [3]
@@ -143,7 +144,8 @@ def test_continuation_follows_frequency_hand_built():
     tie = SuffixAutomaton()
     for d in ([8, 6], [8, 2], [8, 9]):
         tie.add_document(d)
-    assert tie.continuation(tie.match([8])[0], 5, min_prob=0.0) == ([2], [pytest.approx(1 / 3)])
+    assert tie.continuation(tie.match([8])[0], 5, min_prob=0.0) == ([2], [pytest.approx(1 / 3)],
+                                                                    [3])
 
 
 def _seq(tokens: list[int], num_prompt: int, k: int = 15) -> Sequence:
@@ -163,7 +165,7 @@ def test_proposer_drafts_from_the_job_index_when_own_text_has_no_match():
     prop.start(seq)
     assert prop.propose([seq], [15]) == [[43, 44, 45]]  # match "40 41 42": 3 tokens -> 3
     d = prop.last_draft(seq)
-    assert (d.source, d.match_len, d.probs) == ("job", 3, [1.0, 1.0, 1.0])
+    assert (d.source, d.match_len, d.probs, d.support) == ("job", 3, [1.0] * 3, [3] * 3)
     seq.token_ids.extend([43, 44, 45, 46])
     prop.on_commit(seq, 4)
     assert prop.propose([seq], [2]) == [[47]]  # the documents end after 47
@@ -171,8 +173,10 @@ def test_proposer_drafts_from_the_job_index_when_own_text_has_no_match():
     own = _seq([5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], 8)
     prop.start(own)
     assert prop.propose([own], [3]) == [[8, 5, 6]]
-    # the occurrence at the row's end has no continuation yet and does not count against it
-    assert (prop.last_draft(own).source, prop.last_draft(own).probs) == ("self", [1.0] * 3)
+    # the occurrence at the row's end has no continuation yet and does not count against it:
+    # the 7-token match "5 6 7 8 5 6 7" was seen once before, and so was each longer context
+    d = prop.last_draft(own)
+    assert (d.source, d.match_len, d.probs, d.support) == ("self", 7, [1.0] * 3, [1] * 3)
     prop.finish(own)
     assert len(job.docs) == 4 and job.docs[-1] == (5, 6, 7)  # the finished answer joined
 
