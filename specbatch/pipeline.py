@@ -75,8 +75,8 @@ def generate_records(engine: Engine, renderer: PromptRenderer, records: Iterable
     output_fields: see ``outputs.output_fields``. on_tokens(num_new_completion_tokens, stats) is
     called per finished answer; on_step(num_output_tokens) after every engine step with the
     output tokens generated so far, unfinished rows included (``Engine.generate``).
-    plan: a ``auto.planner.Plan`` (``--method auto``): orders records by bucket then length, and
-    adds its per-record fields to ``spec``; without one, records run longest prompt first.
+    plan: a ``auto.planner.Plan`` (``--method auto``): adds its per-record fields to ``spec``.
+    Records run longest prompt first, whatever the method.
     replay: resume, ``record.index`` -> the ``schedules`` entries of a record an interrupted
     run finished (``replay_requests``): the record is not generated again, its answers hold
     rows as placeholders where they ran, so the other records run where, and beside what, they
@@ -105,10 +105,13 @@ def generate_records(engine: Engine, renderer: PromptRenderer, records: Iterable
             requests.append(Request((rec.index, 0, sample), ids, rec.sampling,
                                     seed=derive_seed(seed, 0), tag=rec.index, grammar=grammar,
                                     follow_ups=_follow_ups(rec, 0)))
-    if plan is not None:
-        requests.sort(key=lambda r: plan.order_key(r.tag, len(r.prompt_ids)))
-    else:
-        requests.sort(key=lambda r: -len(r.prompt_ids))
+    # longest prompt first, whatever the method: auto's records in bucket order, as they were,
+    # shared prefill forwards differently, and prompts that share a prefix (a chat template, a
+    # recipe's instruction) in one forward each compute it (a prompt copies only what rows
+    # held before the forward, ``ModelRunner.prefill_step``): 16 peer records at batch 16
+    # (int8, Zen 2) computed 3691 prompt tokens under auto against none's 3609, and auto ran
+    # at 0.982x of none with the same drafts as none (none); in none's order 0.992x
+    requests.sort(key=lambda r: -len(r.prompt_ids))
 
     def follow_up(c: Completion) -> Request | None:
         p = pending[c.request.tag]

@@ -18,7 +18,7 @@ With a cost model ``step_time(num_rows, query_len, context_len, num_tokens)`` an
 B rows, each group's records are run as a job of their own through a model of the engine's
 schedule (``simulate``), once with plain decoding and once per setting, from the replayed steps:
 
-    order:   longest first prompt first (``pipeline``'s order without a plan); a turn's follow-up
+    order:   longest prompt first (``pipeline``'s order, every method); a turn's follow-up
              goes to the front of the queue when its answer finishes (``Engine``)
     a step:  the running rows (at most B; a freed row is refilled at the next step, whose
              prefill commits the answer's first token; a prompt longer than the prefill budget,

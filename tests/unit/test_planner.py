@@ -255,9 +255,6 @@ def test_predictor_features_and_buckets():
                      k_max=5, batch_size=4, cost=MEMORY_BOUND, prompt_lookup_min=2,
                      expected_output_tokens=64)
     assert plan.bucket_of[1] == "copy-heavy" and plan.bucket_of[0] != "copy-heavy"
-    # admitted bucket by bucket (copy-heavy first), then longest prompt first
-    key = {i: plan.order_key(i, n) for i, n in ((0, 800), (1, 12), (2, 8))}
-    assert sorted(key, key=key.get)[0] == 1
     assert "copy-heavy" in plan.table()
 
 
@@ -312,14 +309,27 @@ def test_auto_stats_fields_through_generate_records():
                                messages=None, turns=None, sampling=sp, ids=p)
                for i, p in enumerate(prompts)]
     renderer = SimpleNamespace(first_prompt=lambda rec: (list(rec.ids), None))
+    plain_at, auto_at = {}, {}
     plain = {rec.index: out for rec, out in generate_records(
-        make_engine(model, 0, 4), renderer, records)}
+        make_engine(model, 0, 4), renderer, records, schedules=plain_at)}
     plan = make_plan(records, {r.index: r.ids for r in records}, k_max=5, batch_size=4,
                      cost=MEMORY_BOUND, prompt_lookup_min=2, expected_output_tokens=24)
     engine = make_engine(model, 5, 4)
     engine.proposer = AutoProposer([("ngram", engine.proposer)])
     plan.make_policy(MEMORY_BOUND, engine.proposer, Probe(PROBE_TOKENS, 2, 4))
-    outs = {rec.index: out for rec, out in generate_records(engine, renderer, records, plan=plan)}
+    outs = {rec.index: out for rec, out in generate_records(engine, renderer, records, plan=plan,
+                                                             schedules=auto_at)}
+    # admitted as none admits them (longest prompt first), not bucket by bucket: a shorter
+    # prompt of a bucket ordered first would have taken a longer one's row
+    rank = {b: i for i, b in enumerate(("copy-heavy", "mixed", "novel"))}
+    assert any(len(prompts[i]) > len(prompts[j])
+               and rank[plan.bucket_of[i]] > rank[plan.bucket_of[j]]
+               for i in range(len(prompts)) for j in range(len(prompts)))
+    def admitted(at):  # records in the order they took a row (rows free at other steps)
+        return sorted(at, key=lambda i: (at[i][0]["admit"], at[i][0]["row"]))
+
+    assert admitted(auto_at) == admitted(plain_at) == sorted(
+        range(len(prompts)), key=lambda i: -len(prompts[i]))
     for i, out in outs.items():
         assert out["output_token_ids"] == plain[i]["output_token_ids"]
         spec = out["spec"]
