@@ -1,7 +1,7 @@
 """Builds and loads the engine's C kernels for x86-64 CPUs (``kernels/csrc/*.c``, AVX2 + FMA).
 
 Every ``.c`` file in ``csrc/`` is compiled into one shared library, once per machine, with the
-system C compiler (``$CC``, else ``cc``; ~2 s) into ``$SPECBATCH_CACHE`` (default
+system C compiler (``$CC``, else ``cc``; 2-15 s, logged) into ``$SPECBATCH_CACHE`` (default
 ``$XDG_CACHE_HOME/specbatch``, i.e. ``~/.cache/specbatch``)``/kernels`` (the temp folder's
 ``specbatch-kernels`` where that is not writable), named by a hash of the sources, compiler and
 flags, and loaded with ctypes. It links OpenMP dynamically: loaded after
@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from specbatch import settings
@@ -76,6 +77,9 @@ def build() -> Path:
     # worker) never loads half a library
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
     os.close(fd)
+    # a first run on a machine waits for this: say so (a fresh user saw ~12 s of silence)
+    _log.info("building the C kernels (once on this machine) into %s", lib.parent)
+    start = time.monotonic()
     try:
         proc = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True,
                               text=True, timeout=300)
@@ -83,6 +87,7 @@ def build() -> Path:
             why = proc.stderr.strip()[-500:] or f"exit status {proc.returncode}, no message"
             raise RuntimeError(f"{cc} failed: {why}")
         os.replace(tmp, lib)
+        _log.info("built the C kernels in %.1f s", time.monotonic() - start)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -103,7 +103,7 @@ class SamplingParams:
             object.__setattr__(self, "top_k", 0)
         _check(isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
                and 0.0 <= self.temperature < float("inf"),
-               "temperature", self.temperature, "a number >= 0")
+               "temperature", self.temperature, "a finite number >= 0")
         _check(isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool)
                and 0.0 < self.top_p <= 1.0, "top_p", self.top_p, "a number in (0, 1]")
         _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", self.top_k,
@@ -119,7 +119,7 @@ class SamplingParams:
                "stop", self.stop, "a non-empty string or a list of non-empty strings")
         _check(isinstance(self.stop_token_ids, tuple)
                and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-               "stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
+               "stop_token_ids", self.stop_token_ids, "token ids (integers >= 0)")
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "true or false")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                "logprobs", self.logprobs, "an integer in [0, 20]")
@@ -128,7 +128,7 @@ class SamplingParams:
             v = getattr(self, name)
             _check(_is_num(v) and -2.0 <= v <= 2.0, name, v, "a number in [-2, 2]")
         _check(_is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty < float("inf"),
-               "repetition_penalty", self.repetition_penalty, "a number > 0 (1 = off)")
+               "repetition_penalty", self.repetition_penalty, "a finite number > 0 (1 = off)")
         _check(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", self.min_p,
                "a number in [0, 1]")
         _check(isinstance(self.logit_bias, tuple) and all(

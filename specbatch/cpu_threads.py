@@ -101,6 +101,14 @@ def _cpu_jiffies(cpus: set[int], stat: str = "/proc/stat") -> tuple[int, int] | 
     return (busy, total) if total else None
 
 
+def holds(load: float, cpus: int) -> str:
+    """``other_load``'s figure in words: a share of the usable CPUs, or all of them and the
+    threads runnable (a figure above the CPU count is the runnable threads: 3 on 2 CPUs)."""
+    if load > cpus:
+        return f"other work holds all {cpus} usable CPU(s) ({load:.0f} threads runnable)"
+    return f"other work holds {load:.1f} of the {cpus} usable CPU(s)"
+
+
 def other_load(samples: int = 13, interval: float = 0.025,
                loadavg: str = "/proc/loadavg", stat: str = "/proc/stat") -> float | None:
     """How many of the usable CPUs other work holds now: the larger of two reads over the same
@@ -199,12 +207,11 @@ def choose_threads(threads: int | None = None, load: float | None = None,
             env["OMP_NUM_THREADS"] = str(start)
             env[settings.START_THREADS] = str(start)
             return ThreadChoice(start, "active", (
-                f"other work holds {load:.1f} of the {cpus} usable CPU(s); all {threads} "
-                "once it is gone"))
+                f"{holds(load, cpus)}; all {threads} once it is gone"))
         if load is not None and load >= BUSY_SHARE * cpus:
             wait = "passive"
-            why = (f"other work holds {load:.1f} of the {cpus} usable CPU(s); spin-waiting "
-                   "threads of several jobs slow each other ~7x")
+            why = (f"{holds(load, cpus)}; spin-waiting threads of several jobs slow each "
+                   "other ~7x")
             if environ is None and "torch" in sys.modules:
                 wait, why = "active", why + "; torch was loaded already, so they spin"
             else:
@@ -329,8 +336,8 @@ class ThreadGovernor:
             self._set_threads = torch.set_num_threads
         self._set_threads(threads)
         self.changes += 1
-        why = why or (f"other work holds {self.other:.1f} of the {self.cpus} usable CPU(s)"
-                      if threads < self.threads else "the other work is gone")
+        why = why or (holds(self.other, self.cpus) if threads < self.threads
+                      else "the other work is gone")
         logging.getLogger("specbatch").info(
             "cpu: %d thread%s now (was %d): %s", threads, "" if threads == 1 else "s",
             self.threads, why)

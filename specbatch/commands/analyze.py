@@ -200,6 +200,16 @@ def _file_info(f: RunFile) -> dict:
 
 
 # ---- text ---------------------------------------------------------------------------------
+# the tables' columns in a few words (docs/analyze.md has them in full)
+COLUMNS = (
+    "columns: answers: one per record, one per turn of a turns record; steps: forwards that "
+    "emitted tokens;",
+    "  prefill: one per answer (its first token); tok/step: out tok / steps; acc len: 1 + "
+    "accepted / drafting steps;",
+    "  acc rate: accepted / draft tokens; no-draft: decode steps without a draft "
+    "(docs/analyze.md)")
+
+
 def format_text(doc: dict) -> str:
     out = []
     for f in doc["files"]:
@@ -217,6 +227,8 @@ def format_text(doc: dict) -> str:
     ks = [f["k"] for f in doc["files"] if isinstance(f.get("k"), int)]
     for grouping, rows in doc["tables"].items():
         out += ["", *_group_table_text(grouping, rows, min(ks, default=None))]
+    if doc["tables"]:
+        out += ["", *COLUMNS]
     if doc["what_if"] is not None:
         out += ["", *_what_if_text(doc["what_if"])]
     if doc["compare"] is not None:

@@ -65,7 +65,7 @@ def busy_machine_warning() -> str | None:
     load, cpus = cpu_threads.other_load(), cpu_threads.usable_cpus()
     if load is None or load < cpu_threads.BUSY_SHARE * cpus:
         return None
-    return (f"the machine is busy (other work holds {load:.1f} of the {cpus} usable CPU(s)): "
+    return (f"the machine is busy ({cpu_threads.holds(load, cpus)}): "
             "OpenMP threads spin-wait, so several jobs on the same cores slow each other a "
             "lot; run one job at a time, or set OMP_WAIT_POLICY=PASSIVE")
 
@@ -194,10 +194,11 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     if errors:  # --on-error skip: said now, not after the model load (seconds to minutes)
         _report_errors(errors, "skip", level="warning")
 
-    from specbatch.io.records import RecordError, order_warning
+    from specbatch.io.records import RecordError, greedy_samples_warning, order_warning
 
-    if (warning := order_warning(records)) is not None:
-        _err(f"warning: {warning}")
+    for warning in (order_warning(records), greedy_samples_warning(records)):
+        if warning is not None:
+            _err(f"warning: {warning}")
 
     if opts.ray:  # before the model loads: without Ray, say how to install it
         from specbatch.ray import RayUnavailable, import_ray

@@ -317,6 +317,18 @@ def order_warning(records: Iterable[Record]) -> str | None:
             "their place in the file changes; give each an id or a seed")
 
 
+def greedy_samples_warning(records: Iterable[Record]) -> str | None:
+    """A one-line warning when records ask for several samples (n > 1) at temperature 0:
+    greedy decoding gives each the same tokens. None when no record is affected."""
+    affected = [r for r in records if r.sampling.n > 1 and r.sampling.is_greedy]
+    if not affected:
+        return None
+    unit = affected[0].unit
+    where = ", ".join(str(r.line) for r in affected[:3]) + (", ..." if len(affected) > 3 else "")
+    return (f"{len(affected)} record(s) ask for n > 1 samples at temperature 0 ({unit} {where}): "
+            "greedy samples are identical; set a temperature > 0 for different ones")
+
+
 def check_lengths(records: Iterable[Record], count_tokens: Callable[[Record], int],
                   max_model_len: int, path: str | os.PathLike, *, tokenizer=None,
                   limit_setting: str | None = None) -> list[RecordError]:

@@ -275,6 +275,20 @@ def test_a_run_without_buckets_groups_by_category(runs):
     assert [r["group"] for r in doc["tables"]["bucket"]] == ["ngram:k=4", "(all)"]
 
 
+def test_the_text_says_what_its_columns_are_once(runs):
+    """A fresh user read ``no-draft``, ``prefill`` and ``answers`` without a key: the text
+    output ends its tables with one legend of the columns, however many tables it has."""
+    from specbatch.commands.analyze import COLUMNS
+
+    _, doc = _doc([runs["ngram"]], by="category")  # and by proposer
+    lines = format_text(doc).splitlines()
+    assert len(doc["tables"]) == 2 and lines.count(COLUMNS[0]) == 1
+    at = lines.index(COLUMNS[0])
+    assert lines[at:at + 3] == list(COLUMNS) and lines[at - 1] == ""
+    for column in ("answers", "prefill", "tok/step", "acc len", "acc rate", "no-draft"):
+        assert f"{column}: " in " ".join(COLUMNS), column
+
+
 def test_one_group_run_shows_one_row_and_one_panel(runs, tmp_path):
     """Records with neither a bucket nor a category: one group, every record; its table is the
     ``(all)`` row alone (the text says "all records"), the what-if has one group, and the

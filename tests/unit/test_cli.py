@@ -410,7 +410,8 @@ def test_auto_device_skips_importing_torch_only_where_torch_sees_no_gpu():
 
 
 def test_sampled_records_without_id_or_seed_are_warned_about_once(tmp_path, monkeypatch, tiny_gguf):
-    """Their seed derives from the line number: reordering the file changes their output."""
+    """Their seed derives from the line number: reordering the file changes their output. And
+    records asking for n > 1 greedy samples are told that those are identical."""
     from specbatch import cpu_threads
 
     monkeypatch.setattr(cpu_threads, "other_load", lambda: 0.0)  # no busy-machine warning
@@ -431,6 +432,12 @@ def test_sampled_records_without_id_or_seed_are_warned_about_once(tmp_path, monk
         "the file changes; give each an id or a seed"], result.output
     greedy = CliRunner().invoke(main, [*common, "-o", str(tmp_path / "g.jsonl")])
     assert greedy.exit_code == 0 and "warning:" not in greedy.output, greedy.output
+    # several greedy samples are one sample n times: said once (a fresh user read 3 equal ones)
+    same = CliRunner().invoke(main, [*common, "-o", str(tmp_path / "n.jsonl"), "--n", "2"])
+    assert same.exit_code == 0, same.output
+    assert [line for line in same.output.splitlines() if line.startswith("warning:")] == [
+        "warning: 5 record(s) ask for n > 1 samples at temperature 0 (line 1, 2, 3, ...): "
+        "greedy samples are identical; set a temperature > 0 for different ones"], same.output
 
 
 def test_limit_never_hides_a_bad_record_it_did_not_cut(tmp_path):
@@ -507,7 +514,7 @@ def test_run_and_bench_warn_once_on_a_busy_machine(tmp_path, monkeypatch, tiny_g
         assert result.exit_code == 0, result.output
         lines = result.output.splitlines()
         busy = [i for i, line in enumerate(lines)
-                if line.startswith("warning: the machine is busy (other work holds 64.0 of")]
+                if line.startswith("warning: the machine is busy (other work holds all")]
         loading = [i for i, line in enumerate(lines) if line.startswith("loading model")]
         assert len(busy) == 1 and busy[0] < loading[0], result.output
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from specbatch.cpu_threads import choose_threads, usable_cpus
+from specbatch.cpu_threads import choose_threads, holds, usable_cpus
 
 
 def test_busy_machine_makes_threads_wait_passively():
@@ -96,8 +96,8 @@ def test_other_load_counts_the_cpu_time_others_used_in_the_window(tmp_path, monk
 
 
 @pytest.mark.parametrize("load, threads, line", [
-    (8.0, "1", "cpu: 1 thread, OpenMP threads spin-wait (other work holds 8.0 of the 2 usable "
-               "CPU(s); all 2 once it is gone)"),
+    (8.0, "1", "cpu: 1 thread, OpenMP threads spin-wait (other work holds all 2 usable CPU(s) "
+               "(8 threads runnable); all 2 once it is gone)"),
     (0.0, None, "cpu: 2 threads, OpenMP threads spin-wait (the machine is quiet)")])
 def test_python_api_chooses_threads_like_the_cli(load, threads, line):
     """``LLM(...)`` chooses its threads before torch loads, as the CLI does (an API user was
@@ -360,3 +360,11 @@ def test_more_threads_than_cpus_are_said():
     assert choice.line().endswith(f"(--threads; the machine is quiet; more threads than the "
                                   f"{cpus} usable CPU(s))"), choice.line()
     assert "more threads" not in choose_threads(cpus, load=0.0, environ={}).line()
+
+
+def test_a_load_above_the_cpu_count_reads_as_all_of_them():
+    """``other_load`` may exceed the usable CPUs (its runnable-thread read: 3 threads on 2
+    CPUs); a message then says all of them are held, not "3.0 of the 2"."""
+    assert holds(3.0, 2) == "other work holds all 2 usable CPU(s) (3 threads runnable)"
+    assert holds(1.5, 2) == "other work holds 1.5 of the 2 usable CPU(s)"
+    assert holds(2.0, 2) == "other work holds 2.0 of the 2 usable CPU(s)"

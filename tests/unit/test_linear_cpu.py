@@ -76,11 +76,16 @@ def test_packed_once_and_repacked_when_the_weight_changes():
     assert linear_cpu._PACKED[w][1] is not packed
 
 
-def test_build_failure_falls_back(monkeypatch, tmp_path):
+def test_build_failure_falls_back(monkeypatch, tmp_path, caplog):
     """A compiler that fails leaves the C kernels unavailable (the engine then uses oneDNN and
     torch attention), with the compiler's message in the warning; nothing half-built is left in
-    the cache. SPECBATCH_CPU_KERNELS=0 and SPECBATCH_CPU_LINEAR=onednn turn them off."""
+    the cache. A build says it starts and how long it took (a first run waits for it).
+    SPECBATCH_CPU_KERNELS=0 and SPECBATCH_CPU_LINEAR=onednn turn them off."""
+    import logging
+
     from specbatch.kernels import cpu_build
+
+    caplog.set_level(logging.INFO, logger=cpu_build._log.name)
 
     monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")
@@ -90,8 +95,12 @@ def test_build_failure_falls_back(monkeypatch, tmp_path):
         cpu_build.build()
     assert list((tmp_path / "kernels").iterdir()) == []
     monkeypatch.setenv("CC", "")
+    caplog.clear()
     assert cpu_build.library() is not None  # the same sources build into the empty cache
     assert len(list((tmp_path / "kernels").iterdir())) == 1
+    said = [r.getMessage() for r in caplog.records]
+    assert said[0] == f"building the C kernels (once on this machine) into {tmp_path / 'kernels'}"
+    assert said[1].startswith("built the C kernels in ") and said[1].endswith(" s"), said
     monkeypatch.setenv("SPECBATCH_CPU_KERNELS", "0")
     assert cpu_build.library() is None
     monkeypatch.setenv("SPECBATCH_CPU_KERNELS", "")

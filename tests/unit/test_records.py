@@ -181,9 +181,9 @@ def test_bad_values_are_named_as_written(tmp_path):
         f'invalid sampling field: logit_bias={{"x": 1}}: {bias}',
         f'invalid sampling field: stop=["a", ""]: {stop}',
         f"invalid sampling field: stop=5: {stop}",
-        "invalid sampling field: stop_token_ids=[1, -2]: expected a list of token ids >= 0",
+        "invalid sampling field: stop_token_ids=[1, -2]: expected token ids (integers >= 0)",
         "invalid sampling field: max_tokens=true: expected an integer >= 1",
-        'invalid sampling field: temperature="hot": expected a number >= 0',
+        'invalid sampling field: temperature="hot": expected a finite number >= 0',
         'invalid sampling field: response_format={"type": "json_schema", "json_schema": 5}: '
         'expected json_schema to be an object with a "schema" object']
     path = tmp_path / "in.jsonl"
@@ -973,7 +973,7 @@ def test_sampling_params_name_bad_values_as_written():
              ({"logit_bias": {5: 1000}}, 'logit_bias={"5": 1000}: expected'),
              ({"stop": 5}, "stop=5: expected a non-empty string or a list of non-empty strings"),
              ({"stop": ["a", 5]}, 'stop=["a", 5]: expected a non-empty string or a list'),
-             ({"stop_token_ids": [-1]}, "stop_token_ids=[-1]: expected a list of token ids")]
+             ({"stop_token_ids": [-1]}, "stop_token_ids=[-1]: expected token ids (integers >= 0)")]
     for kwargs, message in cases:
         with pytest.raises(ValueError) as e:
             SamplingParams(**kwargs)

@@ -228,7 +228,14 @@ def test_a_negative_stop_token_id_is_named_as_typed():
     (``--stop-token-id=(-1,)``)."""
     r = CliRunner().invoke(main, ["run", "x.jsonl", "--stop-token-id", "-1"])
     assert r.exit_code == 2, r.output
-    assert "error: --stop-token-id -1: expected a list of token ids >= 0" in r.output, r.output
+    assert "error: --stop-token-id -1: expected token ids (integers >= 0)" in r.output, r.output
+
+
+def test_an_infinite_temperature_is_refused_as_not_finite():
+    """``--temperature inf`` is a number >= 0 that is refused: the message says finite."""
+    r = CliRunner().invoke(main, ["run", "x.jsonl", "--temperature", "inf"])
+    assert r.exit_code == 2, r.output
+    assert "error: --temperature=inf: expected a finite number >= 0" in r.output, r.output
 
 
 @pytest.mark.parametrize("command", ["run", "bench"])
@@ -469,7 +476,7 @@ def test_api_errors_name_the_prompt_by_its_place(tmp_path, tiny_gguf):
         "prompt 2: prompt is empty; "
         "prompt 3: expected a string or a dict, got a number; "
         "prompt 4: id='a': prompt is empty; "
-        "prompt 6: invalid sampling field: temperature=-1: expected a number >= 0; "
+        "prompt 6: invalid sampling field: temperature=-1: expected a finite number >= 0; "
         f"prompt 5: prompt is {n} tokens; the context limit is 40 (max_model_len)"), str(e.value)
 
 
