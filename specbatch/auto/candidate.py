@@ -649,12 +649,14 @@ class SuffixCandidate(ForwardingCandidate):
         self.proposer = proposer
         self.pool: dict[tuple[int, int], list[float]] = {}
         self._drafts: dict = {}  # seq id -> this step's suffix Draft (rows with one)
+        self._freqs: dict = {}  # seq id -> its draft's ``_frequencies``
         self._verified: dict[int, int] = {}  # seq id -> suffix tokens verified this step
 
     def prepare(self, seqs, caps: list[int], num_rows: int | None = None) -> list[int]:
         rows = len(seqs) if num_rows is None else num_rows
         drafts = [self.proposer.draft(s, k, rows) for s, k in zip(seqs, caps)]
         self._drafts = {s.seq_id: d for s, d in zip(seqs, drafts) if d.ids}
+        self._freqs = {sid: _frequencies(d) for sid, d in self._drafts.items()}
         for cell in self.pool.values():  # once per step (SUFFIX_POOL_DECAY)
             cell[0] *= SUFFIX_POOL_DECAY
             cell[1] *= SUFFIX_POOL_DECAY
@@ -667,7 +669,7 @@ class SuffixCandidate(ForwardingCandidate):
         for s, n in zip(seqs, lengths):
             draft = self._drafts.get(s.seq_id)
             run, r = 1.0, []
-            for j, freq in enumerate(_frequencies(draft)[:n] if draft is not None else ()):
+            for j, freq in enumerate(self._freqs[s.seq_id][:n] if draft is not None else ()):
                 trials, hits = self.pool.get(_suffix_cell(draft.match_len + j, freq), (0, 0))
                 run *= (hits + SUFFIX_PRIOR_STRENGTH * freq) / (trials + SUFFIX_PRIOR_STRENGTH)
                 r.append(run)
@@ -686,10 +688,10 @@ class SuffixCandidate(ForwardingCandidate):
 
     def observe(self, seq, emitted: list[int]) -> None:
         draft = self._drafts.pop(seq.seq_id, None)
+        freqs = self._freqs.pop(seq.seq_id, None)
         verified = self._verified.pop(seq.seq_id, 0)
         if draft is None:
             return
-        freqs = _frequencies(draft)
         # as ``LookupCandidate.observe``: position 0, and 1..n where n suffix tokens were
         # verified (another draft's accepted tokens show more of this one where text copies)
         for j in range(min(len(draft.ids), len(emitted), verified + 1)):
@@ -707,4 +709,5 @@ class SuffixCandidate(ForwardingCandidate):
 
     def _drop(self, seq) -> None:
         self._drafts.pop(seq.seq_id, None)
+        self._freqs.pop(seq.seq_id, None)
         self._verified.pop(seq.seq_id, None)

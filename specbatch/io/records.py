@@ -302,6 +302,13 @@ def is_output(row: dict) -> bool:
     return all(k in row for k in OUTPUT_FIELDS)
 
 
+def _where(affected: list[Record]) -> tuple[str, str]:
+    """What warned records' places count (``Record.unit``) and the first three places:
+    ("line", "3, 7, 9, ...")."""
+    lines = ", ".join(str(r.line) for r in affected[:3])
+    return affected[0].unit, lines + (", ..." if len(affected) > 3 else "")
+
+
 def order_warning(records: Iterable[Record]) -> str | None:
     """A one-line warning when records sample (temperature > 0) with neither an id nor a
     seed: the id falls back to the line number and the seed derives from the id, so their
@@ -310,8 +317,7 @@ def order_warning(records: Iterable[Record]) -> str | None:
                 if r.id_from_line and r.sampling.seed is None and not r.sampling.is_greedy]
     if not affected:
         return None
-    unit = affected[0].unit
-    where = ", ".join(str(r.line) for r in affected[:3]) + (", ..." if len(affected) > 3 else "")
+    unit, where = _where(affected)
     return (f"{len(affected)} record(s) sample at temperature > 0 with no id and no seed ({unit} "
             f"{where}): their seed derives from the {unit} number, so their output changes if "
             "their place in the file changes; give each an id or a seed")
@@ -323,8 +329,7 @@ def greedy_samples_warning(records: Iterable[Record]) -> str | None:
     affected = [r for r in records if r.sampling.n > 1 and r.sampling.is_greedy]
     if not affected:
         return None
-    unit = affected[0].unit
-    where = ", ".join(str(r.line) for r in affected[:3]) + (", ..." if len(affected) > 3 else "")
+    unit, where = _where(affected)
     return (f"{len(affected)} record(s) ask for n > 1 samples at temperature 0 ({unit} {where}): "
             "greedy samples are identical; set a temperature > 0 for different ones")
 
