@@ -2,10 +2,11 @@
 
 Each arm (engine, method, batch size) is a worker process in its engine's own venv (see
 README.md), started once and warmed up (two prompts, 16 tokens); then every round runs each
-arm on all prompts, one arm at a time (the other workers stopped with SIGSTOP meanwhile), the
-arm order rotating from round to round so drift of a shared machine spreads over all arms, and
-backwards every other round, so that no arm always runs right after the same one (rotation
-alone ran auto right after ngram of its batch size in every round).
+arm on all prompts, one arm at a time (the other workers stopped with SIGSTOP meanwhile), in
+``specbatch bench``'s order (``round_order``): the first arm rotating from round to round so
+drift of a shared machine spreads over all arms, and no arm running right after the same one
+in two rounds running (rotation alone ran auto right after ngram of its batch size in every
+round).
 Output tok/s = output tokens (a final EOS counted, as every engine emits it) / wall seconds of
 the batch job, summed over rounds; "per round" gives each round's. The 1-minute load average is
 read before and after every run; the table's "load" column is its range over the arm's runs.
@@ -20,7 +21,8 @@ Methods: ``none``, ``ngram`` (prompt lookup), ``draft`` (the draft model: specba
 proposer; llama.cpp through the binding's ``draft_model`` hook, see ``worker_llamacpp.py``) and
 ``auto`` (specbatch; given the draft model when there is one).
 
-Standard library only; the workers import the engines.
+Standard library and ``specbatch.commands.bench`` (the order) only; the workers import the
+engines.
 """
 
 from __future__ import annotations
@@ -157,9 +159,11 @@ class Worker:
 
 
 def round_order(arms: list, rnd: int) -> list:
-    """The arms of round ``rnd`` (from 0): rotated by ``rnd``, backwards in odd rounds."""
-    order = arms[rnd % len(arms):] + arms[:rnd % len(arms)]
-    return order[::-1] if rnd % 2 else order
+    """The arms of round ``rnd`` (from 0), in ``specbatch bench``'s order (``run_order``: the
+    first arm rotates, no arm right after the same one in two rounds running)."""
+    from specbatch.commands.bench import run_order
+
+    return [arms[j] for j in run_order(len(arms), 0, rnd)]
 
 
 def parse_arms(text: str) -> list[tuple[str, str, int, str]]:

@@ -1,11 +1,11 @@
 """``specbatch bench``: several configurations on the same records, interleaved, side by side.
 
 Records are grouped by category (a single group when the input has none). For each group every
-configuration runs the group's records with a fresh engine, in an order that rotates from group
-to group (and round to round), so slow drift of the machine spreads over all configurations,
-and runs backwards every other round (A B, then B A), so that no configuration always runs
-right after the same one (rotation alone keeps neighbours: with one group, auto ran after
-suffix in every round).
+configuration runs the group's records with a fresh engine, in a Williams design (``run_order``):
+the first configuration rotates from group to group and round to round, so slow drift of the
+machine spreads over all configurations, and no configuration runs right after the same one in
+two rounds running (rotation alone keeps neighbours: with one group, auto ran after suffix in
+every round).
 Output tok/s = completion tokens / wall seconds of the run (prefill included). Ratios are to
 ``none`` wherever it is one of the configurations, whatever its place; without it, to the first
 configuration, and the table says so. The outputs of every configuration are compared with that
@@ -228,10 +228,20 @@ def spread(rates: list[float]) -> float | None:
 
 def run_order(n: int, group: int, rnd: int) -> list[int]:
     """The order of ``n`` configurations (indices) in group ``group`` of round ``rnd`` (both
-    from 0): rotated by ``group + rnd``, backwards in odd rounds. In two rounds running, no
-    configuration runs right after the same one (for n >= 3)."""
-    order = [(group + rnd + j) % n for j in range(n)]
-    return order[::-1] if rnd % 2 else order
+    from 0), a row of a Williams design (E. J. Williams, "Experimental designs balanced for
+    the estimation of residual effects of treatments", Aust. J. Sci. Res. A 2, 1949): steps
+    0, +1, -1, +2, -2, ... from a first configuration ``(group + rnd) % n``; for odd ``n``,
+    odd rounds take a row backwards (still led by ``(group + rnd) % n``). Over ``n`` rounds
+    (``2n`` for odd n) every configuration runs in every place equally often and right after
+    every other one equally often; in two rounds running, no configuration runs right after
+    the same one (n >= 3), and two configurations alternate (A B, B A).
+    An earlier order (rotated by ``group + rnd``, backwards in odd rounds) ran two
+    configurations A B in every round and let two of four lead in none."""
+    lead = (group + rnd) % n
+    steps = [0] + [(j + 1) // 2 if j % 2 else n - j // 2 for j in range(1, n)]
+    if n % 2 and rnd % 2:
+        return [(lead - steps[-1] + s) % n for s in reversed(steps)]
+    return [(lead + s) % n for s in steps]
 
 
 def spread_lines(labels, repeats: int, round_tokens, round_seconds) -> list[str]:

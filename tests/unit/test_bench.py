@@ -219,17 +219,28 @@ def test_bench_prints_each_rounds_overall_rate_and_their_spread(tmp_path, tiny_g
         assert line.endswith("% ((max-min)/mean)"), line
 
 
-def test_run_order_rotates_and_runs_backwards_every_other_round():
+def test_run_order_is_a_williams_design():
     """Rotation alone kept neighbours: with one group, each configuration ran right after the
     same one in every round (auto after suffix on the extraction recipe), so whatever the
-    previous run leaves behind (a slower machine, a warm cache) fell on the same arm."""
+    previous run leaves behind (a slower machine, a warm cache) fell on the same arm; rotation
+    and running backwards every other round ran two configurations A B in every round."""
+    from collections import Counter
+
     from specbatch.commands.bench import run_order
 
-    assert [run_order(4, 0, r) for r in range(3)] == [[0, 1, 2, 3], [0, 3, 2, 1], [2, 3, 0, 1]]
-    for n in (3, 4, 5):
+    assert [run_order(2, 0, r) for r in range(3)] == [[0, 1], [1, 0], [0, 1]]
+    assert [run_order(4, 0, r) for r in range(2)] == [[0, 1, 3, 2], [1, 2, 0, 3]]
+    for n in range(1, 8):
+        cycle = 2 * n if n % 2 else n
         for group in range(3):
-            for r in range(4):
-                order, after = run_order(n, group, r), run_order(n, group, r + 1)
+            rounds = [run_order(n, group, r) for r in range(2 * cycle)]
+            for r, (order, after) in enumerate(zip(rounds, rounds[1:])):
                 assert sorted(order) == list(range(n))
-                pairs = set(zip(order, order[1:]))
-                assert not pairs & set(zip(after, after[1:])), (n, group, r)
+                assert order[0] == (group + r) % n  # the first rotates
+                if n >= 3:
+                    assert not set(zip(order, order[1:])) & set(zip(after, after[1:])), (n, r)
+            # over a cycle: every place and every neighbour equally often
+            places = Counter((i, c) for order in rounds[:cycle] for i, c in enumerate(order))
+            assert set(places.values()) == {cycle // n} and len(places) == n * n
+            pairs = Counter(p for order in rounds[:cycle] for p in zip(order, order[1:]))
+            assert len(pairs) == n * (n - 1) and len(set(pairs.values())) <= 1, (n, pairs)
