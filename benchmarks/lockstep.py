@@ -10,18 +10,20 @@ few percent apart then trade places from run to run. Here every arm's job runs a
 greenlet (one OS thread: one OpenMP team, no thread waits while another arm runs), and they
 take turns by ``Engine.step`` (admission and prefill, the proposer, the verify forward, the
 commit): the next step is always the arm's that has committed the fewest output tokens so far
-(ties: the round's order). Every arm gives the same tokens, so the arms move through the same
-job side by side, and each stretch of the job meets the same machine in every arm whatever
-its steps per token. An arm's time is the sum of its own steps (wall seconds,
-``time.perf_counter``); outside the steps (building each job, writing output fields) nothing is
-timed. The arms' order rotates from round to round, backwards every other round, as in
-``bench``; an untimed job of two records runs first (the first forward of a process packs the
-weights for the C kernels).
+(ties: the tied arm that has gone first of equals the fewest times this round, then the round's
+order, so arms tied step for step, as none and an auto that drafts nothing, take the first
+place in turn). Every arm gives the same tokens, so the arms move through the same job side by
+side, and each stretch of the job meets the same machine in every arm whatever its steps per
+token. An arm's time is the sum of its own steps (wall seconds, ``time.perf_counter``);
+outside the steps (building each job, writing output fields) nothing is timed. The arms' order
+changes from round to round as in ``bench`` (``run_order``); an untimed job of two records runs
+first (the first forward of a process packs the weights for the C kernels).
 
 Printed: per arm its output tokens, engine steps, seconds building its job and between its
 steps (untimed), step seconds, the part of them in the proposer's hooks (``prop s``: drafting,
 and auto's weighing and learning; host time), tok/s per round and pooled (tokens / step
-seconds over all rounds), and the ratio to the first arm pooled and per round; whether every
+seconds over all rounds), their spread ((max - min) / mean of the rounds' tok/s, as ``bench``
+prints it), and the ratio to the first arm pooled and per round; whether every
 arm's token ids equal the first arm's; for an auto arm, its ratio to the best static arm, and
 that ratio with both arms' proposer seconds taken out (what its decisions alone would give:
 above the ratio by what auto's host time costs). An A/A check (``--arms none,none:k=1``, plain
@@ -53,7 +55,12 @@ PROPOSER_HOOKS = ("start", "propose", "on_verify", "on_commit", "finish")
 
 def lockstep(llm, records, specs: dict, order: list[str]) -> dict:
     """One round: every arm's job, stepped in turns (the arm with the fewest output tokens
-    committed next; ties in ``order``) until all finish.
+    committed next; of tied arms, the one first of equals the fewest times so far, then
+    ``order``) until all finish. Of two arms tied step for step beside a third, the first of
+    each tie always stepped right after the third arm and the second right after its twin
+    when ties went by ``order`` alone; an A/A check with that rule (none, none:k=1, ngram:k=5;
+    16 peer records, batch 16, int8, 4 rounds, Zen 2) read none:k=1 at 1.001-1.004x of none
+    (pooled 1.002x), and 1.000-1.002x (1.001x) with this one.
     Returns arm -> {"seconds": its steps' wall seconds, "steps": engine steps, "proposer":
     seconds of them in the proposer's hooks (``PROPOSER_HOOKS``), "prepare": seconds building
     its job (``LLM.prepare``, before the steps), "between": seconds of its job between its
@@ -102,10 +109,15 @@ def lockstep(llm, records, specs: dict, order: list[str]) -> dict:
         prep[arm] = time.perf_counter() - t0
         lets[arm] = greenlet(lambda a=arm, p=prepared: job(a, p))
     active = dict.fromkeys(order, 0.0)
+    firsts = dict.fromkeys(order, 0)  # times each arm went first of tied arms
     Engine.step = step
     try:
         while live := [a for a in order if not lets[a].dead]:
-            arm = min(live, key=lambda a: committed.get(lets[a], 0))  # first of equals
+            least = min(committed.get(lets[a], 0) for a in live)
+            tied = [a for a in live if committed.get(lets[a], 0) == least]
+            arm = min(tied, key=lambda a: firsts[a])  # then the round's order
+            if len(tied) > 1:
+                firsts[arm] += 1
             t0 = time.perf_counter()
             lets[arm].switch()
             active[arm] += time.perf_counter() - t0
@@ -140,7 +152,7 @@ def main() -> None:
 
     torch.set_num_threads(2)
     from specbatch import LLM
-    from specbatch.commands.bench import parse_configs
+    from specbatch.commands.bench import parse_configs, spread
     from specbatch.config import ConfigError, SpecConfig
 
     try:
@@ -169,17 +181,21 @@ def main() -> None:
     print(f"{len(records)} records, batch {args.batch}, dtype {args.dtype}, max_tokens "
           f"{args.max_tokens}, {args.rounds} rounds in lockstep; ratios to {first}")
     print(f"{'arm':<12}{'tokens':>7}{'steps':>7}{'prep s':>7}{'betw s':>7}{'step s':>8}"
-          f"{'prop s':>7}{'tok/s':>8}{'ratio':>7}  per round (ratio)  same ids")
+          f"{'prop s':>7}{'tok/s':>8}{'ratio':>7}{'spread':>7}  per round (ratio)  same ids")
     for arm in arms:
         per = [rate(arm, [r]) for r in rounds]
+        var = spread(per)
         ratios = [p / rate(first, [r]) for p, r in zip(per, rounds)]
         same = all(r[arm]["ids"] == r[first]["ids"] for r in rounds)
         mean = {k: sum(r[arm][k] for r in rounds) / len(rounds)
                 for k in ("prepare", "between", "seconds", "proposer")}
+        if len({r[arm]["steps"] for r in rounds}) > 1:  # auto decides alike in every round
+            print(f"{arm}: steps per round " + " ".join(str(r[arm]["steps"]) for r in rounds))
         print(f"{arm:<12}{rounds[0][arm]['tokens']:>7}{rounds[0][arm]['steps']:>7}"
               f"{mean['prepare']:>7.2f}{mean['between']:>7.2f}{mean['seconds']:>8.2f}"
               f"{mean['proposer']:>7.2f}{rate(arm, rounds):>8.1f}"
-              f"{rate(arm, rounds) / rate(first, rounds):>7.3f}  "
+              f"{rate(arm, rounds) / rate(first, rounds):>7.3f}"
+              + (f"{var:>7.1%}" if var is not None else f"{'-':>7}") + "  "
               + " ".join(f"{p:.1f} ({x:.3f})" for p, x in zip(per, ratios)) + f"  {same}")
     statics = [a for a in arms if a.split(":")[0] != "auto"]
     for arm in (a for a in arms if a.split(":")[0] == "auto" and statics):
