@@ -231,8 +231,9 @@ def _response_format(v: dict) -> None:
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
 # Generation parameters of vLLM's SamplingParams, the OpenAI chat/completions API (and a few of
-# transformers' generate(), often found in datasets) that specbatch does NOT apply: a record
-# carrying one is a bad record (``io.records``), since the user would believe it was applied.
+# transformers' generate() and llama.cpp's, often found in datasets) that specbatch does NOT
+# apply: a record carrying one is a bad record (``io.records``), since the user would believe it
+# was applied.
 # Name -> what to use instead ("" if nothing). The ONE list: when a parameter becomes supported
 # (a SamplingParams field, or a record field the reader knows), remove it here; the reader skips
 # supported names anyway. Transport and metadata names (model, user, metadata, stream, store,
@@ -250,6 +251,12 @@ UNSUPPORTED_SAMPLING_FIELDS: dict[str, str] = {
     "stop_sequences": "stop", "max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
     "do_sample": "temperature (0 is greedy)", "num_beams": "", "num_return_sequences": "n",
     "typical_p": "", "no_repeat_ngram_size": "",
+    # llama.cpp (llama-server's /completion, llama-cpp-python's create_completion)
+    "n_predict": "max_tokens", "repeat_penalty": "repetition_penalty", "repeat_last_n": "",
+    "penalize_nl": "", "n_probs": "logprobs: N", "typ_p": "", "tfs_z": "", "mirostat": "",
+    "mirostat_tau": "", "mirostat_eta": "", "dry_multiplier": "", "dry_base": "",
+    "dry_allowed_length": "", "dry_penalty_last_n": "", "xtc_probability": "",
+    "xtc_threshold": "", "n_keep": "",
 }
 
 

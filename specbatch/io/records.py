@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
 import numbers
 import os
 import re
@@ -551,12 +552,19 @@ def _rows(path: Path, split: str | None, id_fields: tuple[str, ...] = ID_FIELDS,
     import datasets  # slow import; only the columnar formats need it
 
     load = datasets.Dataset.from_parquet if suffix == ".parquet" else datasets.Dataset.from_csv
+    quiet = logging.getLogger("datasets")  # it logs the reader's error before raising it
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
     try:
         options = _csv_id_options(path, id_fields) if suffix == ".csv" else {}
         with tempfile.TemporaryDirectory() as cache_dir:  # keep the user's HF cache clean
             ds = load(str(path), cache_dir=cache_dir, keep_in_memory=True, **options)
     except Exception as e:  # any reader failure is bad input, reported, not a crash
+        while e.__cause__ is not None or e.__context__ is not None:  # the reader's own error
+            e = e.__cause__ or e.__context__  # (datasets wraps it: "An error occurred ...")
         raise _FileError(f"cannot read {suffix} file: {type(e).__name__}: {e}") from e
+    finally:
+        quiet.setLevel(level)
     text = options.get("converters", {})
     yield from _dataset_rows(ds, {name: _id_column(ds[name]) if name in id_fields
                                   else _int_column(ds[name]) for name in text})

@@ -676,6 +676,20 @@ def test_unreadable_columnar_files(tmp_path):
     assert records == [] and "not a dataset folder" in errors[0].reason
 
 
+def test_a_malformed_csv_says_the_readers_error_once(tmp_path, capfd):
+    """An unterminated quote: datasets logged pandas' error twice on stderr, then raised its
+    own ("DatasetGenerationError: An error occurred while generating the dataset"), which does
+    not say where; the reason is pandas' own message, and nothing else is printed."""
+    pytest.importorskip("datasets")
+    path = tmp_path / "bad.csv"
+    path.write_text('id,prompt\n1,hello\n2,hi\n3,"unterminated\n')
+    records, errors = read_records(path)
+    assert records == [] and errors[0].line == 0
+    assert errors[0].reason.startswith("cannot read .csv file: ParserError: ")
+    assert "EOF inside string starting at row 3" in errors[0].reason, errors[0].reason
+    assert capfd.readouterr().err == ""
+
+
 # ----- issue 16: fields the reader does not know, ambiguous prompts, CR files, wide ids -----
 
 def test_unsupported_sampling_fields_are_bad_records(tmp_path):
@@ -705,6 +719,23 @@ def test_unsupported_sampling_fields_are_bad_records(tmp_path):
             + ", ".join(repr(k) for k in unsupported))
     else:
         assert [r.id for r in records] == [3, 4]
+
+
+def test_llama_cpp_sampling_names_are_bad_records(tmp_path):
+    """llama.cpp's names for parameters specbatch has (n_predict, repeat_penalty) ran as
+    metadata: 6 tokens (--max-tokens) where the record asked for 2, no penalty, no warning."""
+    path = _write_jsonl(tmp_path / "in.jsonl", [
+        {"id": 1, "prompt": "Count: 1, 2, 3,", "n_predict": 2},
+        {"id": 2, "prompt": "Hello", "repeat_penalty": 1.3},
+        {"id": 3, "prompt": "Hello", "mirostat": 2, "tfs_z": 0.9},
+    ])
+    records, errors = read_records(path)
+    assert records == []
+    assert [str(e) for e in errors] == [
+        f"{path}:1: unsupported sampling parameter 'n_predict': use max_tokens",
+        f"{path}:2: unsupported sampling parameter 'repeat_penalty': use repetition_penalty",
+        f"{path}:3: unsupported sampling parameters 'mirostat', 'tfs_z': specbatch does not "
+        "apply them (rename a field that is only metadata)"]
 
 
 def test_unsupported_list_names_sampling_parameters_only():
