@@ -31,6 +31,17 @@ GGML_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8:
               20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16",
               26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 30: "BF16", 34: "TQ1_0",
               35: "TQ2_0", 39: "MXFP4"}
+# GGML type names -> (elements per block, bytes per block), as gguf.GGML_QUANT_SIZES (ggml.c's
+# type traits): what a tensor's data takes in the file
+BLOCK_SIZES = {"F32": (1, 4), "F16": (1, 2), "Q4_0": (32, 18), "Q4_1": (32, 20),
+               "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34), "Q8_1": (32, 40),
+               "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176),
+               "Q6_K": (256, 210), "Q8_K": (256, 292), "IQ2_XXS": (256, 66),
+               "IQ2_XS": (256, 74), "IQ3_XXS": (256, 98), "IQ1_S": (256, 50),
+               "IQ4_NL": (32, 18), "IQ3_S": (256, 110), "IQ2_S": (256, 82),
+               "IQ4_XS": (256, 136), "I8": (1, 1), "I16": (1, 2), "I32": (1, 4), "I64": (1, 8),
+               "F64": (1, 8), "IQ1_M": (256, 56), "BF16": (1, 2), "TQ1_0": (256, 54),
+               "TQ2_0": (256, 66), "MXFP4": (32, 17)}
 # GGUF metadata value types -> their size in bytes (8: string, 9: array, read apart)
 _SCALAR_SIZE = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
@@ -129,6 +140,26 @@ def _parse(buf, where: str) -> list[tuple[str, str, tuple[int, ...], int]]:
                          + (f" ({e})" if str(e) else "")) from None
     start = -(-pos // max(alignment, 1)) * max(alignment, 1)
     return [(name, kind, dims, start + offset) for name, kind, dims, offset in infos]
+
+
+def check_whole(path: str | Path) -> None:
+    """Raise ``ValueError`` unless the GGUF file at ``path`` holds all of its tensors' data:
+    its header parses (``tensor_table``) and the file reaches the end of every tensor whose
+    type's block size is known (``BLOCK_SIZES``). A download cut short otherwise failed deep
+    in the conversion ("cannot reshape array of size 18214336 into shape (49152,612)", or a
+    ``struct.error`` traceback for a cut header). ``OSError`` where it cannot be read."""
+    size = os.path.getsize(path)
+    for name, kind, shape, offset in tensor_table(path):
+        if kind not in BLOCK_SIZES:
+            continue
+        per_block, block_bytes = BLOCK_SIZES[kind]
+        elements = 1
+        for d in shape:
+            elements *= d
+        end = offset + -(-elements // per_block) * block_bytes
+        if end > size:
+            raise ValueError(f"{path}: cut short: tensor {name} ({kind}) runs to byte {end} and "
+                             f"the file ends at byte {size}; download it again")
 
 
 def matmul_weights(tensors: list[tuple[str, str, tuple[int, ...]]]) -> list[tuple[str, str, int]]:

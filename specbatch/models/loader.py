@@ -319,6 +319,9 @@ def _convert_gguf(gguf_path: Path, entry_dir: Path, digest: str,
                   dtype: str | None = None) -> None:
     """Write the dequantised model and tokenizer of ``gguf_path`` to ``entry_dir``, atomically.
     dtype: as ``_model_folder``'s."""
+    from specbatch.models.gguf_header import check_whole
+
+    check_whole(gguf_path)  # a cut file fails here in one line, not deep in transformers
     logger.info("%s", conversion_message(gguf_path, entry_dir, dtype))
     start = time.perf_counter()
     model, tokenizer = _load_gguf(gguf_path)

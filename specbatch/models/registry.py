@@ -210,12 +210,14 @@ class SplitRegistryEntry:
 
 
 def _check_gguf_header(path: Path, name: str) -> None:
-    """Raise ValueError unless ``path`` parses as a GGUF file (v2 / v3) with tensors. Reads
-    the header's tensor table only (``gguf_header.tensor_table``; ``gguf.GGUFReader`` parsed
-    every metadata array: 36 s for the 1.5B Qwen's tokenizer on 2 busy cores)."""
-    from specbatch.models.gguf_header import tensor_table
+    """Raise ValueError unless ``path`` parses as a GGUF file (v2 / v3) with tensors, all of
+    their data in the file (``gguf_header.check_whole``). Reads the header's tensor table only
+    (``gguf_header.tensor_table``; ``gguf.GGUFReader`` parsed every metadata array: 36 s for
+    the 1.5B Qwen's tokenizer on 2 busy cores)."""
+    from specbatch.models.gguf_header import check_whole, tensor_table
 
     try:
+        check_whole(path)
         num_tensors = len(tensor_table(path))
     except (ValueError, OSError) as error:
         raise ValueError(f"model {name!r}: the assembled file is not a readable GGUF file: "

@@ -432,6 +432,50 @@ def test_gguf_killed_conversion_leaves_no_cache(tiny_gguf: Path, tmp_path: Path,
     assert list(gguf_root.iterdir()) == []  # no entry, no temp dir, stale temp removed
 
 
+def test_block_sizes_are_gguf_s() -> None:
+    """``gguf_header.BLOCK_SIZES`` (stdlib, no numpy) against the gguf package's table."""
+    import gguf
+
+    from specbatch.models import gguf_header
+
+    for kind in gguf_header.GGML_TYPES.values():
+        want = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+        assert gguf_header.BLOCK_SIZES[kind] == want, kind
+
+
+@pytest.mark.parametrize("keep", [40, -100])
+def test_a_cut_gguf_is_one_line_error(tiny_gguf: Path, tmp_path: Path, keep: int) -> None:
+    """A GGUF cut short (a download stopped: in its header, or in its last tensor's data)
+    failed deep in transformers: a ``struct.error`` traceback, or "cannot reshape array of
+    size 18214336 into shape (49152,612)" for the SmolLM2 file cut at 20 MB. Now one line from
+    ``specbatch run``, exit 2, naming the file and what to do; no cache entry."""
+    from click.testing import CliRunner
+
+    from specbatch.cli import main
+    from specbatch.models import gguf_header
+
+    data = tiny_gguf.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:keep])
+    gguf_header.check_whole(tiny_gguf)  # the whole file passes
+    with pytest.raises(ValueError, match="cut short") as err:
+        gguf_header.check_whole(cut)
+    if keep < 0:
+        assert str(err.value).endswith(f"the file ends at byte {len(data) + keep}; download "
+                                       "it again")
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": 1, "prompt": "Hello"}\n')
+    cache = tmp_path / "cache"
+    result = CliRunner().invoke(main, ["run", str(src), "-o", str(tmp_path / "out.jsonl"),
+                                       "--model", str(cut), "--cache-dir", str(cache),
+                                       "--method", "none", "--no-progress"])
+    assert result.exit_code == 2, result.output
+    errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and "cut short" in errors[0] and str(cut) in errors[0], result.stderr
+    assert "Traceback" not in result.output
+    assert not [p for p in cache.glob("gguf-v1/*") if p.is_dir()]  # no cache entry
+
+
 # ---------------------------------------------------------------- slow: real SmolLM2 GGUF
 
 
