@@ -131,7 +131,8 @@ def more_sampling(extra: dict) -> dict:
     """SamplingParams fields from the options added after the first ten
     (``cli._sampling_options``): n, the penalties, min_p and ``--json-schema FILE`` (read and
     compiled here, so a bad schema is a usage error before anything loads). Raises
-    ``click.UsageError``."""
+    ``click.UsageError`` naming the schema file, not the flag (a recipe's ``json_schema``
+    comes here too: "--json-schema" in its error named a flag the user never typed)."""
     out = {k: extra[k] for k in ("n", "repetition_penalty", "presence_penalty",
                                  "frequency_penalty", "min_p")}
     path = extra.get("json_schema")
@@ -141,13 +142,13 @@ def more_sampling(extra: dict) -> dict:
         try:
             schema = json.loads(Path(path).read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, ValueError) as e:
-            raise click.UsageError(f"--json-schema {path}: cannot read a JSON schema: {e}")
+            raise click.UsageError(f"JSON schema {path}: cannot read it: {e}")
         from specbatch.engine.grammar import check_schema
 
         try:
             check_schema(schema)
         except ValueError as e:
-            raise click.UsageError(f"--json-schema {path}: {e}") from None
+            raise click.UsageError(f"JSON schema {path}: {e}") from None
         out["response_format"] = {"type": "json_schema",
                                   "json_schema": {"name": Path(path).stem, "schema": schema}}
     return out

@@ -300,7 +300,7 @@ def _run_job(opts: RunOptions, job: _Job) -> int:
     if model_errors and opts.on_error == "fail":
         _report_errors(errors + model_errors, "fail")
         return EXIT_BAD_INPUT
-    errors += model_errors
+    errors = sorted(errors + model_errors, key=lambda e: e.line)  # OUT.errors.jsonl in file order
 
     config = {**config, "model": llm.model_id, "max_model_len": llm.max_model_len,
               **({"draft_model": llm.draft_model_id} if llm.draft is not None else {})}

@@ -229,6 +229,26 @@ def test_skip_with_every_record_refused_by_the_model_is_an_error(tmp_path, tiny_
     assert not out.exists()
 
 
+def test_skipped_records_are_listed_in_file_order(tmp_path, tiny_gguf):
+    """OUT.errors.jsonl lists the skipped records by line, those the model refused (checked
+    after the load) among those the input check refused (before it); it listed line 3 before
+    line 1 (fresh-user trial)."""
+    import json
+
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": "long", "prompt": "' + "x " * 60 + '"}\n{"id": "ok", "prompt": "Hi"}\n'
+                   '{"id": "bad", "promt": "hi"}\n')
+    out = tmp_path / "out.jsonl"
+    result = CliRunner().invoke(main, ["run", str(src), "-o", str(out), "--model", str(tiny_gguf),
+                                       "--cache-dir", str(tmp_path / "c"), "--method", "none",
+                                       "--max-model-len", "40", "--max-tokens", "2",
+                                       "--on-error", "skip", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    listed = [json.loads(line) for line in
+              (tmp_path / "out.jsonl.errors.jsonl").read_text().splitlines()]
+    assert [e["id"] for e in listed] == ["long", "bad"], listed
+
+
 def test_resume_with_changed_options_is_refused_before_the_model_loads(tmp_path, tiny_gguf):
     """A work file left by a killed run, rerun with another --k: refused in one line, exit 2,
     without loading the model first (it could take minutes)."""

@@ -245,3 +245,10 @@ def test_recipe_json_schema_is_read_from_the_recipes_folder(tmp_path, captured, 
     assert opts.sampling.response_format["json_schema"]["schema"] == schema
     with pytest.raises(ValueError, match=r"json_schema=3: expected a non-empty string"):
         parse_recipe({"name": "x", "version": 1, "sampling": {"json_schema": 3}})
+    # a schema file that is not JSON: the error names the file, not --json-schema, a flag
+    # the user never typed (fresh-user trial)
+    (folder / "s.json").write_text("{not json")
+    result = CliRunner().invoke(main, ["run", "--recipe", str(path), "in.jsonl"])
+    assert result.exit_code == 2, result.output
+    assert f"JSON schema {folder / 's.json'}: cannot read it: " in result.output, result.output
+    assert "--json-schema" not in result.output
