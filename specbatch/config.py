@@ -257,6 +257,8 @@ UNSUPPORTED_SAMPLING_FIELDS: dict[str, str] = {
     "mirostat_tau": "", "mirostat_eta": "", "dry_multiplier": "", "dry_base": "",
     "dry_allowed_length": "", "dry_penalty_last_n": "", "xtc_probability": "",
     "xtc_threshold": "", "n_keep": "",
+    # ollama's options; transformers' max_length (it counts the prompt's tokens too)
+    "num_predict": "max_tokens", "max_length": "max_tokens (output tokens only)",
 }
 
 

@@ -86,12 +86,27 @@ def load_run(path: str | Path) -> RunFile:
                          f"line {errors[0].line}) and the run's config {cpath.name} is not "
                          "beside it: the output of a --template, recipe or --prompt-field job "
                          "needs it to read its records; keep or copy it beside the file")
+    if not good and _batch_output(path):
+        raise ValueError(f"{path}: an OpenAI batch output (custom_id, response), as `specbatch "
+                         "run` answers an OpenAI batch input: not read here yet (only specbatch's "
+                         "own output format is); each line's stats are in response.body.specbatch")
     if not good:  # an input file (its records may not even read as prompts: no prompt field)
         lines = len(records) + len(errors)
         raise ValueError(f"{path}: none of its {lines} lines is an output record (no spec, usage, "
                          "finish_reason): analyze reads the OUT file `specbatch run` wrote, not "
                          "its input")
     return RunFile(path, config, good, problems)
+
+
+def _batch_output(path: Path) -> bool:
+    """Whether the first line of ``path`` is an OpenAI batch output line (``custom_id`` and
+    ``response``, docs/output.md "OpenAI batch files")."""
+    try:
+        with open(path, "rb") as f:
+            first = json.loads(f.readline())
+    except (OSError, ValueError):
+        return False
+    return isinstance(first, dict) and {"custom_id", "response"} <= first.keys()
 
 
 def _outputs_without_prompts(path: Path) -> bool:

@@ -636,11 +636,16 @@ def test_cli_json_and_usage_errors(runs, tmp_path):
     # makes the prompt at run time): found by a fresh user, it used to exit 0 with empty tables
     articles = tmp_path / "articles.jsonl"
     articles.write_text('{"id": 1, "article": "a"}\n{"id": 2, "article": "b"}\n')
+    # the output of an OpenAI batch input: it said "not its input" of the file run wrote
+    batch = tmp_path / "batch.out.jsonl"
+    batch.write_text(json.dumps({"id": "batch_req-1", "custom_id": "r1", "error": None,
+                                 "response": {"status_code": 200, "body": {}}}) + "\n")
     bad = [(["analyze", str(runs["ngram"]), "--compare"], "--compare needs exactly two"),
            (["analyze", str(tmp_path / "nope.jsonl")], "no such output file"),
            (["analyze", str(tmp_path)], "a directory, not an output file"),
            (["analyze", str(inp)], "none of its 2 lines is an output record"),
            (["analyze", str(articles)], "none of its 2 lines is an output record"),
+           (["analyze", str(batch)], "an OpenAI batch output (custom_id, response)"),
            (["analyze", str(runs["ngram"]), "--calibration", "x.json"], "add --what-if")]
     for args, msg in bad:
         result = _invoke(args)

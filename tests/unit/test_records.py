@@ -728,6 +728,8 @@ def test_llama_cpp_sampling_names_are_bad_records(tmp_path):
         {"id": 1, "prompt": "Count: 1, 2, 3,", "n_predict": 2},
         {"id": 2, "prompt": "Hello", "repeat_penalty": 1.3},
         {"id": 3, "prompt": "Hello", "mirostat": 2, "tfs_z": 0.9},
+        {"id": 4, "prompt": "Hello", "max_length": 3},  # transformers (and ollama's below)
+        {"id": 5, "prompt": "Hello", "num_predict": 3},
     ])
     records, errors = read_records(path)
     assert records == []
@@ -735,7 +737,10 @@ def test_llama_cpp_sampling_names_are_bad_records(tmp_path):
         f"{path}:1: unsupported sampling parameter 'n_predict': use max_tokens",
         f"{path}:2: unsupported sampling parameter 'repeat_penalty': use repetition_penalty",
         f"{path}:3: unsupported sampling parameters 'mirostat', 'tfs_z': specbatch does not "
-        "apply them (rename a field that is only metadata)"]
+        "apply them (rename a field that is only metadata)",
+        f"{path}:4: unsupported sampling parameter 'max_length': use max_tokens (output tokens "
+        "only)",
+        f"{path}:5: unsupported sampling parameter 'num_predict': use max_tokens"]
 
 
 def test_unsupported_list_names_sampling_parameters_only():
