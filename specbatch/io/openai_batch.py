@@ -120,10 +120,11 @@ def _messages(value) -> list[dict]:
                              "list of text parts")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text"
-                       and isinstance(p.get("text"), str) for p in content):
+            from specbatch.io.records import text_parts
+
+            content = text_parts(content)
+            if content is None:
                 raise ValueError(f"body.messages[{i}].content: only text parts are supported")
-            content = "".join(p["text"] for p in content)
         out.append({"role": role, "content": content})
     return out
 

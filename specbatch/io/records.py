@@ -1112,7 +1112,19 @@ def _render(template: str, row: dict) -> dict:
     return {"role": "user", "content": text}
 
 
+def text_parts(content: list) -> str | None:
+    """The text of a message's content given as OpenAI content parts (``[{"type": "text",
+    "text": "..."}, ...]``, joined), or None where a part is not text (an image, audio...)."""
+    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+               for p in content):
+        return None
+    return "".join(p["text"] for p in content)
+
+
 def _messages(name: str, value: list[dict]) -> list[dict]:
+    """The chat of ``value`` as {role, content} messages, each content a string (text parts
+    joined, ``text_parts``). Raises ``ValueError`` naming the message at fault."""
+    out = []
     for i, m in enumerate(value):
         role, content = m.get("role"), m.get("content")
         if "role" not in m:
@@ -1121,11 +1133,18 @@ def _messages(name: str, value: list[dict]) -> list[dict]:
             raise ValueError(f"{name}[{i}].role={role!r}: expected one of {', '.join(ROLES)}")
         if "content" not in m:
             raise ValueError(f"{name}[{i}].content is missing: expected a string")
+        if isinstance(content, list) and content:
+            content = text_parts(content)
+            if content is None:
+                raise ValueError(f"{name}[{i}].content: only text parts are supported "
+                                 '({"type": "text", "text": ...})')
         if not isinstance(content, str):
-            raise ValueError(f"{name}[{i}].content must be a string, got {_kind(content)}")
-    if not any(m["role"] == "user" for m in value):
+            raise ValueError(f"{name}[{i}].content must be a string or a list of text parts, "
+                             f"got {_kind(content)}")
+        out.append({"role": role, "content": content})
+    if not any(m["role"] == "user" for m in out):
         raise ValueError(f"{name} has no user message")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
+    return out
 
 
 def _sampling(row: dict, defaults: SamplingParams, wide: dict[str, int]) -> SamplingParams:

@@ -175,7 +175,7 @@ def test_bad_values_are_named_as_written(tmp_path):
     stop = "expected a non-empty string or a list of non-empty strings"
     assert [e.reason for e in errors] == [
         "messages[0].content is missing: expected a string",
-        "messages[0].content must be a string, got null",
+        "messages[0].content must be a string or a list of text parts, got null",
         "messages[0].role is missing: expected one of system, user, assistant",
         f'invalid sampling field: logit_bias={{"5": 200}}: {bias}',
         f'invalid sampling field: logit_bias={{"x": 1}}: {bias}',
@@ -188,6 +188,20 @@ def test_bad_values_are_named_as_written(tmp_path):
         'expected json_schema to be an object with a "schema" object']
     path = tmp_path / "in.jsonl"
     assert all("\n" not in str(e) and str(e).startswith(f"{path}:{e.line}: ") for e in errors)
+
+
+def test_message_content_as_text_parts(tmp_path):
+    """OpenAI's content parts: text parts are joined, as in a batch body (where they were
+    accepted while a plain record refused them: "content must be a string, got array"); any
+    other part is refused by name."""
+    rows = ['{"id": 1, "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"},'
+            ' {"type": "text", "text": " there"}]}]}',
+            '{"id": 2, "messages": [{"role": "user", "content": [{"type": "image_url", '
+            '"image_url": {"url": "x"}}]}]}']
+    records, errors = _read_lines(tmp_path, rows)
+    assert [r.messages for r in records] == [[{"role": "user", "content": "Hi there"}]]
+    assert [e.reason for e in errors] == [
+        'messages[0].content: only text parts are supported ({"type": "text", "text": ...})']
 
 
 def test_ids_are_compared_as_text(tmp_path):
