@@ -9,7 +9,8 @@ optional except ``name`` and ``version``::
     description = "..."
 
     [model]        name, dtype, device, max_batch_size, max_model_len
-    [speculation]  method, k, prompt_lookup_min, prompt_lookup_max, draft_model
+    [speculation]  method, k (or num_speculative_tokens, as --num-speculative-tokens),
+                   prompt_lookup_min, prompt_lookup_max, draft_model
     [sampling]     temperature, top_p, top_k, seed (the run seed, --seed), max_tokens,
                    min_tokens, stop, stop_token_ids, ignore_eos, logprobs, n,
                    repetition_penalty, presence_penalty, frequency_penalty, min_p,
@@ -18,11 +19,13 @@ optional except ``name`` and ``version``::
     [input]        prompt_field, id_field, template (exclusive with prompt_field)
 
 Keys are the option names with ``_`` for ``-`` (``[model] name`` is ``--model``). Values get
-the checks the flags get; an unknown table or key is an error, so a typo never passes silently.
+the checks the flags get; an unknown table or key is an error, so a typo never passes silently
+(with the nearest key, as a record's misspelled field gets).
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import sys
@@ -42,7 +45,8 @@ SECTIONS = MappingProxyType({
     "model": {"name": "model", "dtype": "dtype", "device": "device",
               "max_batch_size": "max_batch_size",
               "max_model_len": "max_model_len"},
-    "speculation": {"method": "method", "k": "k", "prompt_lookup_min": "prompt_lookup_min",
+    "speculation": {"method": "method", "k": "k", "num_speculative_tokens": "k",
+                    "prompt_lookup_min": "prompt_lookup_min",
                     "prompt_lookup_max": "prompt_lookup_max", "draft_model": "draft_model"},
     # every sampling field with a flag (logit_bias and response_format are per record; a
     # recipe's JSON schema is a file: json_schema = "schema.json")
@@ -52,6 +56,8 @@ SECTIONS = MappingProxyType({
     "input": {"prompt_field": "prompt_field", "id_field": "id_field", "template": "template"},
 })
 TOP_LEVEL = ("name", "version", "description")
+# other names a recipe key is written under (the CLI's long flag) -> the key
+ALIASES = {"num_speculative_tokens": "k"}
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
@@ -100,8 +106,11 @@ def parse_recipe(data: dict, path: str = "<recipe>") -> Recipe:
 
     unknown = [k for k in data if k not in TOP_LEVEL and k not in SECTIONS]
     if unknown:
-        raise fail(f"unknown key {unknown[0]!r}; expected {', '.join(TOP_LEVEL)} or the tables "
-                   f"[{'], ['.join(SECTIONS)}]")
+        raise fail(f"unknown key {unknown[0]!r}{_did_you_mean(unknown[0], (*TOP_LEVEL, *SECTIONS))}"
+                   f"; expected {', '.join(TOP_LEVEL)} or the tables [{'], ['.join(SECTIONS)}]")
+    for key in ("name", "version"):
+        if key not in data:
+            raise fail(f"{key} is missing (a recipe starts with name = \"...\" and version = 1)")
     name, version = data.get("name"), data.get("version")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise fail(f"name={name!r}: expected letters, digits, '.', '_' or '-'")
@@ -119,7 +128,11 @@ def parse_recipe(data: dict, path: str = "<recipe>") -> Recipe:
             raise fail(f"{table} must be a table ([{table}]), got {values!r}")
         for key, value in values.items():
             if key not in keys:
-                raise fail(f"unknown key [{table}] {key!r}; expected one of {', '.join(keys)}")
+                raise fail(f"unknown key [{table}] {key!r}{_did_you_mean(key, keys)}; expected "
+                           f"one of {', '.join(k for k in keys if k not in ALIASES)}")
+            if keys[key] in options:  # an alias and its key both given
+                same = [k for k in values if keys.get(k) == keys[key]]
+                raise fail(f"[{table}] {' and '.join(same)} set the same value; keep one")
             options[keys[key]] = value
     try:
         _check(options)
@@ -130,9 +143,15 @@ def parse_recipe(data: dict, path: str = "<recipe>") -> Recipe:
     return Recipe(name, version, description, path, options)
 
 
+def _did_you_mean(key: str, known) -> str:
+    """``"; did you mean 'temperature'?"``-style hint for a misspelled key, or ""."""
+    close = difflib.get_close_matches(key.lower(), list(known), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 # what the checks call a value -> the recipe key that sets it
 _KEYS = {**{param: f"[{table}] {key}" for table, keys in SECTIONS.items()
-            for key, param in keys.items()},
+            for key, param in keys.items() if key not in ALIASES},
          "num_speculative_tokens": "[speculation] k"}
 
 

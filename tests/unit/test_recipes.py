@@ -69,13 +69,18 @@ def test_shipped_recipes():
 
 
 @pytest.mark.parametrize("text, message", [
-    ('version = 1', "name=None"),
     ('name = "x y"\nversion = 1', "name='x y'"),
-    ('name = "x"', "version=None"),
+    ('name = "x"', "version is missing (a recipe starts with name"),
+    ('version = 1\n[model]\nname = "x"', "name is missing"),
     ('name = "x"\nversion = true', "version=True"),
     ('name = "x"\nversion = 1\nmodle = "a"', "unknown key 'modle'"),
     ('name = "x"\nversion = 1\n[sampling]\ntemprature = 1.0', "unknown key [sampling] "
-     "'temprature'"),
+     "'temprature' (did you mean 'temperature'?); expected one of temperature"),
+    ('name = "x"\nversion = 1\nsamplng = 3', "unknown key 'samplng' (did you mean 'sampling'?)"),
+    ('name = "x"\nversion = 1\n[speculation]\nk = 3\nnum_speculative_tokens = 4',
+     "[speculation] k and num_speculative_tokens set the same value; keep one"),
+    ('name = "x"\nversion = 1\n[speculation]\nnum_speculative_tokens = 99',
+     "[speculation] k=99: expected an integer in [0, 32]"),
     ('name = "x"\nversion = 1\nsampling = 3', "sampling must be a table"),
     ('name = "x"\nversion = 1\n[sampling]\ntemperature = -1.0', "[sampling] temperature=-1.0"),
     ('name = "x"\nversion = 1\n[sampling]\nmax_tokens = "12"', 'max_tokens="12"'),
@@ -142,6 +147,13 @@ def _run(args: list[str], captured: list):
     result = CliRunner().invoke(main, ["run", *args])
     assert result.exit_code == 0, result.output
     return captured.pop()
+
+
+def test_recipe_takes_num_speculative_tokens_for_k(tmp_path, captured):
+    """The CLI takes --num-speculative-tokens as --k; a recipe refused the same name."""
+    text = 'name = "x"\nversion = 1\n[speculation]\nmethod = "ngram"\nnum_speculative_tokens = 4\n'
+    opts = _run(["--recipe", str(_write(tmp_path, text)), "in.jsonl"], captured)
+    assert (opts.spec.method, opts.spec.k) == ("ngram", 4)
 
 
 def test_recipe_values_apply(tmp_path, captured):
