@@ -16,6 +16,7 @@ weights; ``tests/unit/test_dtype_auto.py`` checks each against ``pack_q8`` (and 
 from __future__ import annotations
 
 import functools
+import math
 import mmap
 import os
 import struct
@@ -142,24 +143,23 @@ def _parse(buf, where: str) -> list[tuple[str, str, tuple[int, ...], int]]:
     return [(name, kind, dims, start + offset) for name, kind, dims, offset in infos]
 
 
-def check_whole(path: str | Path) -> None:
-    """Raise ``ValueError`` unless the GGUF file at ``path`` holds all of its tensors' data:
+def check_whole(path: str | Path) -> list[tuple[str, str, tuple[int, ...], int]]:
+    """``tensor_table(path)``, after checking it. Raise ``ValueError`` unless the GGUF file at ``path`` holds all of its tensors' data:
     its header parses (``tensor_table``) and the file reaches the end of every tensor whose
     type's block size is known (``BLOCK_SIZES``). A download cut short otherwise failed deep
     in the conversion ("cannot reshape array of size 18214336 into shape (49152,612)", or a
     ``struct.error`` traceback for a cut header). ``OSError`` where it cannot be read."""
     size = os.path.getsize(path)
-    for name, kind, shape, offset in tensor_table(path):
+    table = tensor_table(path)
+    for name, kind, shape, offset in table:
         if kind not in BLOCK_SIZES:
             continue
         per_block, block_bytes = BLOCK_SIZES[kind]
-        elements = 1
-        for d in shape:
-            elements *= d
-        end = offset + -(-elements // per_block) * block_bytes
+        end = offset + -(-math.prod(shape) // per_block) * block_bytes
         if end > size:
             raise ValueError(f"{path}: cut short: tensor {name} ({kind}) runs to byte {end} and "
                              f"the file ends at byte {size}; download it again")
+    return table
 
 
 def matmul_weights(tensors: list[tuple[str, str, tuple[int, ...]]]) -> list[tuple[str, str, int]]:
@@ -171,10 +171,7 @@ def matmul_weights(tensors: list[tuple[str, str, tuple[int, ...]]]) -> list[tupl
     out = []
     for name, kind, shape in tensors:
         if len(shape) >= 2 and not (name == "token_embd.weight" and "output.weight" in names):
-            elements = 1
-            for d in shape:
-                elements *= d
-            out.append((name, kind, elements))
+            out.append((name, kind, math.prod(shape)))
     return out
 
 
